@@ -1,0 +1,493 @@
+//! Block hashing: the prefix-cache hash chain.
+//!
+//! A block hash is `H(parent or NONE_HASH, block token ids, extra keys)`. The two
+//! vLLM-compatible algorithms serialise that triple as canonical CBOR (exactly what
+//! `cbor2.dumps(obj, canonical=True)` writes) and digest it with SHA-256
+//! (`sha256_cbor`, 32 bytes) or XXH3-128 (`xxhash_cbor`, 16 bytes, big-endian digest
+//! as Python's `xxh3_128_digest`). `xxh3_native` is pagedkv's own opt-in fast hash:
+//! XXH3-128 over the parent digest, the tokens as little-endian `u32` and a typed,
+//! length-prefixed encoding of the extra keys — no CBOR, no per-token branching.
+
+use sha2::{Digest, Sha256};
+use xxhash_rust::xxh3::xxh3_128;
+
+/// The seed vLLM 0.33 derives `NONE_HASH` from when `PYTHONHASHSEED` is unset
+/// (cryptographic algorithms only).
+pub const DEFAULT_NONE_HASH_SEED: &str = "vllm-none-hash";
+
+/// A block hash digest (16 or 32 bytes), stored inline.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct BlockHash {
+    bytes: [u8; 32],
+    len: u8,
+}
+
+impl BlockHash {
+    /// Builds a hash from a 1..=32 byte digest. Longer input is rejected.
+    #[must_use]
+    pub fn from_slice(digest: &[u8]) -> Option<Self> {
+        if digest.is_empty() || digest.len() > 32 {
+            return None;
+        }
+        let mut bytes = [0u8; 32];
+        bytes[..digest.len()].copy_from_slice(digest);
+        Some(Self {
+            bytes,
+            len: u8::try_from(digest.len()).ok()?,
+        })
+    }
+
+    /// The digest bytes.
+    #[must_use]
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..usize::from(self.len)]
+    }
+
+    /// vLLM's integer form for KV events: the last 8 bytes, big-endian.
+    #[must_use]
+    pub fn to_event_int(&self) -> u64 {
+        let b = self.as_bytes();
+        let mut out = 0u64;
+        for &x in &b[b.len().saturating_sub(8)..] {
+            out = (out << 8) | u64::from(x);
+        }
+        out
+    }
+
+    /// A cheap 64-bit fingerprint for hash-map bucketing (digests are uniform).
+    #[must_use]
+    pub fn fingerprint(&self) -> u64 {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&self.bytes[..8]);
+        u64::from_le_bytes(w)
+    }
+}
+
+impl std::fmt::Debug for BlockHash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for b in self.as_bytes() {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Hash algorithm of the prefix cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HashAlgo {
+    /// `sha256(cbor2.dumps(obj, canonical=True))` — vLLM's `sha256_cbor`.
+    Sha256Cbor,
+    /// `xxh3_128_digest(cbor2.dumps(obj, canonical=True))` — vLLM's `xxhash_cbor`.
+    XxhashCbor,
+    /// pagedkv's native fast hash: XXH3-128 over a fixed binary layout.
+    Xxh3Native,
+}
+
+impl HashAlgo {
+    /// Parses an algorithm name.
+    #[must_use]
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "sha256_cbor" => Some(Self::Sha256Cbor),
+            "xxhash_cbor" => Some(Self::XxhashCbor),
+            "xxh3_native" => Some(Self::Xxh3Native),
+            _ => None,
+        }
+    }
+
+    /// The algorithm's name.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sha256Cbor => "sha256_cbor",
+            Self::XxhashCbor => "xxhash_cbor",
+            Self::Xxh3Native => "xxh3_native",
+        }
+    }
+
+    /// Whether the algorithm is collision resistant. vLLM keeps a random per-process
+    /// `NONE_HASH` for the others unless a seed is given.
+    #[must_use]
+    pub fn is_cryptographic(self) -> bool {
+        matches!(self, Self::Sha256Cbor)
+    }
+
+    fn digest(self, bytes: &[u8]) -> BlockHash {
+        match self {
+            Self::Sha256Cbor => {
+                let d = Sha256::digest(bytes);
+                let mut out = BlockHash {
+                    bytes: [0; 32],
+                    len: 32,
+                };
+                out.bytes.copy_from_slice(&d);
+                out
+            }
+            Self::XxhashCbor | Self::Xxh3Native => digest128(xxh3_128(bytes)),
+        }
+    }
+
+    /// `hash_fn(seed)`: the `NONE_HASH` derived from a seed string.
+    #[must_use]
+    pub fn none_hash(self, seed: &str) -> BlockHash {
+        let mut buf = Vec::with_capacity(seed.len() + 9);
+        match self {
+            Self::Sha256Cbor | Self::XxhashCbor => cbor_text(&mut buf, seed),
+            Self::Xxh3Native => {
+                buf.extend_from_slice(b"pagedkv-none:");
+                buf.extend_from_slice(seed.as_bytes());
+            }
+        }
+        self.digest(&buf)
+    }
+}
+
+fn digest128(v: u128) -> BlockHash {
+    let mut out = BlockHash {
+        bytes: [0; 32],
+        len: 16,
+    };
+    out.bytes[..16].copy_from_slice(&v.to_be_bytes());
+    out
+}
+
+/// One tagged extra key of a block, in the shape vLLM 0.33 hashes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExtraKey<'a> {
+    /// `("lora", lora_name, lora_path)`.
+    Lora { name: &'a str, path: Option<&'a str> },
+    /// `("mm", identifier, item offset - block start)`.
+    Mm { identifier: &'a str, offset: i64 },
+    /// `("cache_salt", salt)`, first block only.
+    CacheSalt(&'a str),
+    /// `("prompt_embeds", sha256 digest of the block's embedding bytes)`.
+    PromptEmbeds([u8; 32]),
+}
+
+/// A generic CBOR value, for hashing arbitrary extra-key shapes (function-level
+/// vectors and callers reproducing older vLLM key formats).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CborValue {
+    Null,
+    Bool(bool),
+    Int(i128),
+    Text(String),
+    Bytes(Vec<u8>),
+    Array(Vec<CborValue>),
+}
+
+fn cbor_head(buf: &mut Vec<u8>, major: u8, v: u64) {
+    let m = major << 5;
+    if v < 24 {
+        buf.push(m | v as u8);
+    } else if v <= u64::from(u8::MAX) {
+        buf.extend_from_slice(&[m | 24, v as u8]);
+    } else if v <= u64::from(u16::MAX) {
+        buf.push(m | 25);
+        buf.extend_from_slice(&(v as u16).to_be_bytes());
+    } else if v <= u64::from(u32::MAX) {
+        buf.push(m | 26);
+        buf.extend_from_slice(&(v as u32).to_be_bytes());
+    } else {
+        buf.push(m | 27);
+        buf.extend_from_slice(&v.to_be_bytes());
+    }
+}
+
+fn cbor_text(buf: &mut Vec<u8>, s: &str) {
+    cbor_head(buf, 3, s.len() as u64);
+    buf.extend_from_slice(s.as_bytes());
+}
+
+fn cbor_bytes(buf: &mut Vec<u8>, b: &[u8]) {
+    cbor_head(buf, 2, b.len() as u64);
+    buf.extend_from_slice(b);
+}
+
+fn cbor_int(buf: &mut Vec<u8>, v: i64) {
+    if v >= 0 {
+        cbor_head(buf, 0, v as u64);
+    } else {
+        cbor_head(buf, 1, (-1 - v) as u64);
+    }
+}
+
+const CBOR_NULL: u8 = 0xf6;
+
+impl CborValue {
+    /// Appends the canonical CBOR encoding. Integers outside the 64-bit CBOR range
+    /// are not representable without bignum tags and are rejected.
+    ///
+    /// # Errors
+    /// When an integer does not fit CBOR's major types 0/1.
+    pub fn encode(&self, buf: &mut Vec<u8>) -> Result<(), String> {
+        match self {
+            Self::Null => buf.push(CBOR_NULL),
+            Self::Bool(b) => buf.push(if *b { 0xf5 } else { 0xf4 }),
+            Self::Int(v) => {
+                if *v >= 0 {
+                    let u = u64::try_from(*v).map_err(|_| format!("integer {v} too large"))?;
+                    cbor_head(buf, 0, u);
+                } else {
+                    let u = u64::try_from(-1 - *v).map_err(|_| format!("integer {v} too small"))?;
+                    cbor_head(buf, 1, u);
+                }
+            }
+            Self::Text(s) => cbor_text(buf, s),
+            Self::Bytes(b) => cbor_bytes(buf, b),
+            Self::Array(items) => {
+                cbor_head(buf, 4, items.len() as u64);
+                for it in items {
+                    it.encode(buf)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn encode_extra_cbor(buf: &mut Vec<u8>, keys: &[ExtraKey]) {
+    if keys.is_empty() {
+        buf.push(CBOR_NULL);
+        return;
+    }
+    cbor_head(buf, 4, keys.len() as u64);
+    for k in keys {
+        match k {
+            ExtraKey::Lora { name, path } => {
+                buf.push(0x83);
+                cbor_text(buf, "lora");
+                cbor_text(buf, name);
+                match path {
+                    Some(p) => cbor_text(buf, p),
+                    None => buf.push(CBOR_NULL),
+                }
+            }
+            ExtraKey::Mm { identifier, offset } => {
+                buf.push(0x83);
+                cbor_text(buf, "mm");
+                cbor_text(buf, identifier);
+                cbor_int(buf, *offset);
+            }
+            ExtraKey::CacheSalt(s) => {
+                buf.push(0x82);
+                cbor_text(buf, "cache_salt");
+                cbor_text(buf, s);
+            }
+            ExtraKey::PromptEmbeds(d) => {
+                buf.push(0x82);
+                cbor_text(buf, "prompt_embeds");
+                cbor_bytes(buf, d);
+            }
+        }
+    }
+}
+
+fn native_str(buf: &mut Vec<u8>, s: &str) {
+    buf.extend_from_slice(&(s.len() as u32).to_le_bytes());
+    buf.extend_from_slice(s.as_bytes());
+}
+
+fn encode_extra_native(buf: &mut Vec<u8>, keys: &[ExtraKey]) {
+    buf.extend_from_slice(&(keys.len() as u32).to_le_bytes());
+    for k in keys {
+        match k {
+            ExtraKey::Lora { name, path } => {
+                buf.push(1);
+                native_str(buf, name);
+                match path {
+                    Some(p) => {
+                        buf.push(1);
+                        native_str(buf, p);
+                    }
+                    None => buf.push(0),
+                }
+            }
+            ExtraKey::Mm { identifier, offset } => {
+                buf.push(2);
+                native_str(buf, identifier);
+                buf.extend_from_slice(&offset.to_le_bytes());
+            }
+            ExtraKey::CacheSalt(s) => {
+                buf.push(3);
+                native_str(buf, s);
+            }
+            ExtraKey::PromptEmbeds(d) => {
+                buf.push(4);
+                buf.extend_from_slice(d);
+            }
+        }
+    }
+}
+
+/// Hashes blocks of one algorithm, reusing one serialisation buffer.
+#[derive(Clone, Debug)]
+pub struct BlockHasher {
+    algo: HashAlgo,
+    none_hash: BlockHash,
+    buf: Vec<u8>,
+}
+
+impl BlockHasher {
+    /// A hasher whose chains start from `none_hash`.
+    #[must_use]
+    pub fn new(algo: HashAlgo, none_hash: BlockHash) -> Self {
+        Self {
+            algo,
+            none_hash,
+            buf: Vec::with_capacity(256),
+        }
+    }
+
+    /// The algorithm.
+    #[must_use]
+    pub fn algo(&self) -> HashAlgo {
+        self.algo
+    }
+
+    /// The chain seed.
+    #[must_use]
+    pub fn none_hash(&self) -> BlockHash {
+        self.none_hash
+    }
+
+    /// Hash of one full block: `H((parent or NONE_HASH, tokens, extra_keys or None))`.
+    pub fn hash_block(
+        &mut self,
+        parent: Option<&BlockHash>,
+        tokens: &[u32],
+        extra: &[ExtraKey],
+    ) -> BlockHash {
+        let parent = parent.unwrap_or(&self.none_hash);
+        let buf = &mut self.buf;
+        buf.clear();
+        match self.algo {
+            HashAlgo::Sha256Cbor | HashAlgo::XxhashCbor => {
+                buf.push(0x83);
+                cbor_bytes(buf, parent.as_bytes());
+                encode_tokens_cbor(buf, tokens);
+                encode_extra_cbor(buf, extra);
+            }
+            HashAlgo::Xxh3Native => {
+                buf.reserve(tokens.len() * 4 + 48);
+                buf.extend_from_slice(parent.as_bytes());
+                buf.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
+                for t in tokens {
+                    buf.extend_from_slice(&t.to_le_bytes());
+                }
+                encode_extra_native(buf, extra);
+            }
+        }
+        self.algo.digest(buf)
+    }
+
+    /// Hash with arbitrary CBOR extra keys (`None` = CBOR null), for the CBOR
+    /// algorithms. Used to check the hash function against vLLM's vectors.
+    ///
+    /// # Errors
+    /// For `xxh3_native` (it has no generic key form) or unencodable values.
+    pub fn hash_block_generic(
+        &mut self,
+        parent: Option<&BlockHash>,
+        tokens: &[u32],
+        extra: Option<&CborValue>,
+    ) -> Result<BlockHash, String> {
+        if self.algo == HashAlgo::Xxh3Native {
+            return Err("xxh3_native takes typed extra keys only".into());
+        }
+        let parent = parent.unwrap_or(&self.none_hash);
+        let buf = &mut self.buf;
+        buf.clear();
+        buf.push(0x83);
+        cbor_bytes(buf, parent.as_bytes());
+        encode_tokens_cbor(buf, tokens);
+        match extra {
+            None => buf.push(CBOR_NULL),
+            Some(v) => v.encode(buf)?,
+        }
+        Ok(self.algo.digest(buf))
+    }
+}
+
+fn encode_tokens_cbor(buf: &mut Vec<u8>, tokens: &[u32]) {
+    cbor_head(buf, 4, tokens.len() as u64);
+    buf.reserve(tokens.len() * 5);
+    for &t in tokens {
+        cbor_head(buf, 0, u64::from(t));
+    }
+}
+
+/// SHA-256 digest of raw bytes (prompt-embedding keys).
+#[must_use]
+pub fn sha256_bytes(data: &[u8]) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    out.copy_from_slice(&Sha256::digest(data));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex(h: &BlockHash) -> String {
+        format!("{h:?}")
+    }
+
+    #[test]
+    fn default_none_hash_matches_vllm() {
+        let h = HashAlgo::Sha256Cbor.none_hash(DEFAULT_NONE_HASH_SEED);
+        assert_eq!(
+            hex(&h),
+            "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"
+        );
+    }
+
+    #[test]
+    fn seeded_none_hash_matches_vllm() {
+        assert_eq!(
+            hex(&HashAlgo::Sha256Cbor.none_hash("0")),
+            "4e1195df020de59e0d65a33a4279f1183e7ae4e5d980e309f8b55adff2e61c3e"
+        );
+        assert_eq!(
+            hex(&HashAlgo::XxhashCbor.none_hash("0")),
+            "1ebe36576dcb573f26b99533a20aaeca"
+        );
+    }
+
+    #[test]
+    fn cbor_integers_use_minimal_heads() {
+        let mut b = Vec::new();
+        for v in [0u64, 23, 24, 255, 256, 65535, 65536, u64::from(u32::MAX)] {
+            cbor_head(&mut b, 0, v);
+        }
+        assert_eq!(
+            b,
+            [
+                0x00, 0x17, 0x18, 0x18, 0x18, 0xff, 0x19, 0x01, 0x00, 0x19, 0xff, 0xff, 0x1a,
+                0x00, 0x01, 0x00, 0x00, 0x1a, 0xff, 0xff, 0xff, 0xff
+            ]
+        );
+        let mut n = Vec::new();
+        cbor_int(&mut n, -5);
+        assert_eq!(n, [0x24]);
+    }
+
+    #[test]
+    fn event_int_is_last_eight_bytes_big_endian() {
+        let mut d = [0u8; 32];
+        d[24..].copy_from_slice(&[1, 2, 3, 4, 5, 6, 7, 8]);
+        let h = BlockHash::from_slice(&d).unwrap_or_default();
+        assert_eq!(h.to_event_int(), 0x0102_0304_0506_0708);
+    }
+
+    #[test]
+    fn native_hash_separates_tokens_and_keys() {
+        let mut h = BlockHasher::new(HashAlgo::Xxh3Native, HashAlgo::Xxh3Native.none_hash("s"));
+        let a = h.hash_block(None, &[1, 2, 3], &[]);
+        let b = h.hash_block(None, &[1, 2, 4], &[]);
+        let c = h.hash_block(None, &[1, 2, 3], &[ExtraKey::CacheSalt("x")]);
+        assert_ne!(a, b);
+        assert_ne!(a, c);
+        assert_eq!(a, h.hash_block(None, &[1, 2, 3], &[]));
+    }
+}

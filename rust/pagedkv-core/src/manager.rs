@@ -1,0 +1,1003 @@
+//! `KvCacheManager`: the public surface. It owns the pool, the request table and
+//! one single-type manager per KV-cache group, and implements vLLM 0.33's
+//! `allocate_slots` stage by stage.
+
+use rustc_hash::FxHashMap;
+
+use crate::error::{Error, Result, invalid};
+use crate::events::{BlockStored, KvEvent};
+use crate::hash::{BlockHash, BlockHasher, DEFAULT_NONE_HASH_SEED};
+use crate::pool::{BlockId, BlockPool, NULL_BLOCK};
+use crate::request::{Request, RequestSpec};
+use crate::single_type::GroupManager;
+use crate::spec::ManagerConfig;
+use crate::stats::PrefixCacheStats;
+
+/// Result of [`KvCacheManager::get_computed_blocks`]: the prefix-cache hit of a
+/// request, valid until blocks are evicted (it is re-validated when used).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ComputedBlocks {
+    /// Hit blocks per group (null blocks pad skipped positions).
+    pub block_ids: Vec<Vec<BlockId>>,
+    /// Tokens covered by the hit.
+    pub num_computed_tokens: u64,
+    /// vLLM's `shared_prefix_boundary` (0 unless a sparse-retention group lags).
+    pub shared_prefix_boundary: u64,
+    request_uid: u64,
+    manager_uid: u64,
+    epoch: u64,
+}
+
+impl ComputedBlocks {
+    /// Whether every group's hit is empty.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.block_ids.iter().all(Vec::is_empty)
+    }
+}
+
+/// Arguments of [`KvCacheManager::allocate_slots`] besides the request and hit
+/// (vLLM's meaning for each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AllocateArgs {
+    pub num_new_tokens: u64,
+    pub num_computed_tokens: u64,
+    pub num_new_computed_tokens: u64,
+    pub num_lookahead_tokens: u64,
+    pub num_external_computed_tokens: u64,
+    pub delay_cache_blocks: bool,
+    pub num_encoder_tokens: u64,
+    pub full_sequence_must_fit: bool,
+    pub reserved_blocks: u64,
+    pub has_scheduled_reqs: bool,
+}
+
+impl AllocateArgs {
+    /// A running request's step: `num_new_tokens` after `num_computed_tokens`.
+    #[must_use]
+    pub fn step(num_new_tokens: u64, num_computed_tokens: u64) -> Self {
+        Self {
+            num_new_tokens,
+            num_computed_tokens,
+            num_new_computed_tokens: 0,
+            num_lookahead_tokens: 0,
+            num_external_computed_tokens: 0,
+            delay_cache_blocks: false,
+            num_encoder_tokens: 0,
+            full_sequence_must_fit: false,
+            reserved_blocks: 0,
+            has_scheduled_reqs: true,
+        }
+    }
+}
+
+/// Output of [`KvCacheManager::allocate_slots_batch`]: per group, the new block
+/// ids of every admitted request concatenated, with `offsets[g][i]..offsets[g][i+1]`
+/// the span of request `i`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BatchAllocation {
+    /// Requests served (a prefix of the batch).
+    pub num_allocated: usize,
+    pub block_ids: Vec<Vec<BlockId>>,
+    pub offsets: Vec<Vec<u32>>,
+}
+
+static MANAGER_UIDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// The KV-cache manager (vLLM's `KVCacheManager` + coordinator + single-type
+/// managers over one `BlockPool`).
+#[derive(Debug)]
+pub struct KvCacheManager {
+    cfg: ManagerConfig,
+    uid: u64,
+    pool: BlockPool,
+    groups: Vec<GroupManager>,
+    hasher: BlockHasher,
+    hash_block_size: usize,
+    watermark_blocks: u64,
+    reqs: Vec<Option<Request>>,
+    free_slots: Vec<u32>,
+    index: FxHashMap<String, u32>,
+    next_uid: u64,
+    num_admitted: usize,
+    stats: Option<PrefixCacheStats>,
+    new_blocks: Vec<Vec<BlockId>>,
+}
+
+fn random_seed() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(MANAGER_UIDS.load(std::sync::atomic::Ordering::Relaxed));
+    let a = h.finish();
+    let mut h2 = std::collections::hash_map::RandomState::new().build_hasher();
+    h2.write_u64(a);
+    format!("{a:016x}{:016x}", h2.finish())
+}
+
+impl KvCacheManager {
+    /// Builds a manager.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for an inconsistent configuration.
+    pub fn new(cfg: ManagerConfig) -> Result<Self> {
+        let hbs = cfg.validate()?;
+        let seed = match &cfg.hash_seed {
+            Some(s) => s.clone(),
+            None if cfg.hash_algo.is_cryptographic() => DEFAULT_NONE_HASH_SEED.to_owned(),
+            None => random_seed(),
+        };
+        let hasher = BlockHasher::new(cfg.hash_algo, cfg.hash_algo.none_hash(&seed));
+        let pool = BlockPool::new(cfg.num_blocks, cfg.enable_caching, cfg.enable_kv_cache_events);
+        let groups = cfg
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(i, g)| GroupManager::new(g.clone(), i as u32, hbs))
+            .collect::<Vec<_>>();
+        let watermark_blocks = (cfg.watermark * f64::from(cfg.num_blocks)) as u64;
+        let n = groups.len();
+        Ok(Self {
+            uid: MANAGER_UIDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            pool,
+            groups,
+            hasher,
+            hash_block_size: hbs as usize,
+            watermark_blocks,
+            reqs: Vec::new(),
+            free_slots: Vec::new(),
+            index: FxHashMap::default(),
+            next_uid: 1,
+            num_admitted: 0,
+            stats: cfg.log_stats.then(PrefixCacheStats::default),
+            new_blocks: vec![Vec::new(); n],
+            cfg,
+        })
+    }
+
+    // ---- accessors --------------------------------------------------------
+
+    /// The configuration.
+    #[must_use]
+    pub fn config(&self) -> &ManagerConfig {
+        &self.cfg
+    }
+
+    /// The block pool (read-only).
+    #[must_use]
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Free blocks (evictable cached blocks included).
+    #[must_use]
+    pub fn num_free_blocks(&self) -> u32 {
+        self.pool.num_free_blocks()
+    }
+
+    /// Block usage in `[0, 1]`, null block excluded.
+    #[must_use]
+    pub fn usage(&self) -> f64 {
+        self.pool.usage()
+    }
+
+    /// Number of KV-cache groups.
+    #[must_use]
+    pub fn num_groups(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// Token granularity of block hashes.
+    #[must_use]
+    pub fn hash_block_size(&self) -> usize {
+        self.hash_block_size
+    }
+
+    /// The chain seed in use.
+    #[must_use]
+    pub fn none_hash(&self) -> BlockHash {
+        self.hasher.none_hash()
+    }
+
+    /// Number of known requests.
+    #[must_use]
+    pub fn num_requests(&self) -> usize {
+        self.index.len()
+    }
+
+    fn slot(&self, id: &str) -> Result<u32> {
+        self.index
+            .get(id)
+            .copied()
+            .ok_or_else(|| Error::UnknownRequest(id.to_owned()))
+    }
+
+    fn req(&self, slot: u32) -> &Request {
+        match &self.reqs[slot as usize] {
+            Some(r) => r,
+            None => unreachable_slot(),
+        }
+    }
+
+    fn req_mut(&mut self, slot: u32) -> &mut Request {
+        match &mut self.reqs[slot as usize] {
+            Some(r) => r,
+            None => unreachable_slot(),
+        }
+    }
+
+    /// Whether a request id is known.
+    #[must_use]
+    pub fn contains(&self, id: &str) -> bool {
+        self.index.contains_key(id)
+    }
+
+    /// Token count of a request.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn num_tokens(&self, id: &str) -> Result<usize> {
+        Ok(self.req(self.slot(id)?).num_tokens())
+    }
+
+    /// The request's block hashes at `hash_block_size` granularity.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn block_hashes(&self, id: &str) -> Result<&[BlockHash]> {
+        Ok(&self.req(self.slot(id)?).hashes)
+    }
+
+    /// The request's block ids per group.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn block_ids(&self, id: &str) -> Result<Vec<&[BlockId]>> {
+        let r = self.req(self.slot(id)?);
+        Ok(r.groups.iter().map(|g| g.blocks.as_slice()).collect())
+    }
+
+    /// How many times the request was freed (preempted) while known.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn num_preemptions(&self, id: &str) -> Result<u32> {
+        Ok(self.req(self.slot(id)?).num_preemptions)
+    }
+
+    // ---- request table ----------------------------------------------------
+
+    /// Registers a request and hashes its full prompt blocks.
+    ///
+    /// # Errors
+    /// Duplicate id; a prompt longer than `max_model_len`; inconsistent
+    /// multimodal items or embeddings.
+    pub fn add_request(&mut self, id: &str, spec: RequestSpec) -> Result<()> {
+        if self.index.contains_key(id) {
+            return Err(Error::DuplicateRequest(id.to_owned()));
+        }
+        if spec.prompt_token_ids.is_empty() {
+            return Err(invalid("prompt_token_ids must not be empty"));
+        }
+        if spec.prompt_token_ids.len() as u64 > self.cfg.max_model_len {
+            return Err(invalid(format!(
+                "prompt of {} tokens is longer than max_model_len {}",
+                spec.prompt_token_ids.len(),
+                self.cfg.max_model_len
+            )));
+        }
+        let uid = self.next_uid;
+        let mut req = Request::new(
+            id.to_owned(),
+            uid,
+            spec,
+            self.groups.len(),
+            self.hash_block_size,
+        )?;
+        self.next_uid += 1;
+        if self.cfg.enable_caching || self.pool.events_enabled() {
+            req.update_hashes(&mut self.hasher, self.hash_block_size);
+        }
+        let slot = match self.free_slots.pop() {
+            Some(s) => {
+                self.reqs[s as usize] = Some(req);
+                s
+            }
+            None => {
+                self.reqs.push(Some(req));
+                (self.reqs.len() - 1) as u32
+            }
+        };
+        self.index.insert(id.to_owned(), slot);
+        Ok(())
+    }
+
+    /// Appends generated tokens; blocks that fill get hashed.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn append_token_ids(&mut self, id: &str, tokens: &[u32]) -> Result<()> {
+        let slot = self.slot(id)?;
+        let hbs = self.hash_block_size;
+        let hashing = self.cfg.enable_caching || self.pool.events_enabled();
+        let Some(req) = self.reqs[slot as usize].as_mut() else {
+            unreachable_slot()
+        };
+        req.tokens.extend_from_slice(tokens);
+        if hashing {
+            req.update_hashes(&mut self.hasher, hbs);
+        }
+        Ok(())
+    }
+
+    /// Releases the request's blocks, tail first (preemption). The request stays
+    /// known, counts one more preemption and is re-admitted through
+    /// `get_computed_blocks` + `allocate_slots`.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn free(&mut self, id: &str) -> Result<()> {
+        let slot = self.slot(id)?;
+        self.release(slot);
+        self.req_mut(slot).num_preemptions += 1;
+        Ok(())
+    }
+
+    /// Releases the request's blocks and forgets it (finished or aborted).
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn remove_request(&mut self, id: &str) -> Result<()> {
+        let slot = self.slot(id)?;
+        self.release(slot);
+        self.index.remove(id);
+        self.reqs[slot as usize] = None;
+        self.free_slots.push(slot);
+        Ok(())
+    }
+
+    fn release(&mut self, slot: u32) {
+        let Some(req) = self.reqs[slot as usize].as_mut() else {
+            unreachable_slot()
+        };
+        if req.admitted {
+            req.admitted = false;
+            self.num_admitted -= 1;
+        }
+        for (g, gm) in self.groups.iter().enumerate() {
+            gm.free(&mut self.pool, &mut req.groups[g]);
+        }
+    }
+
+    // ---- lookup -----------------------------------------------------------
+
+    /// The longest cached prefix of the request (at most `num_tokens - 1`
+    /// tokens: the last token is always recomputed). Changes no ref counts.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn get_computed_blocks(&mut self, id: &str) -> Result<ComputedBlocks> {
+        let slot = self.slot(id)?;
+        let epoch = self.pool.epoch();
+        let manager_uid = self.uid;
+        let req = self.req(slot);
+        let uid = req.uid;
+        let n = self.groups.len();
+        if !self.cfg.enable_caching || req.skip_reading {
+            return Ok(ComputedBlocks {
+                block_ids: vec![Vec::new(); n],
+                num_computed_tokens: 0,
+                shared_prefix_boundary: 0,
+                request_uid: uid,
+                manager_uid,
+                epoch,
+            });
+        }
+        let max_len = req.num_tokens().saturating_sub(1);
+        let (block_ids, hit) = self.find_longest_cache_hit(&req.hashes, max_len);
+        let r = self.req_mut(slot);
+        r.pending_lookup = true;
+        r.shared_prefix_boundary = 0;
+        Ok(ComputedBlocks {
+            block_ids,
+            num_computed_tokens: hit as u64,
+            shared_prefix_boundary: 0,
+            request_uid: uid,
+            manager_uid,
+            epoch,
+        })
+    }
+
+    /// Groups with equal specs are looked up together (a block counts only when
+    /// cached for all of them).
+    fn find_longest_cache_hit(
+        &self,
+        hashes: &[BlockHash],
+        max_len: usize,
+    ) -> (Vec<Vec<BlockId>>, usize) {
+        let ids: Vec<u32> = (0..self.groups.len() as u32).collect();
+        let gm = &self.groups[0];
+        let mut out = vec![Vec::new(); self.groups.len()];
+        let hit = gm.find_longest_cache_hit(
+            &self.pool,
+            hashes,
+            max_len,
+            &ids,
+            self.cfg.use_eagle,
+            &mut out,
+        );
+        (out, hit)
+    }
+
+    // ---- allocation -------------------------------------------------------
+
+    fn validate_hit(&self, slot: u32, hit: &ComputedBlocks, num_new_computed: u64) -> Result<()> {
+        let req = self.req(slot);
+        if hit.manager_uid != self.uid || hit.request_uid != req.uid {
+            return Err(Error::StaleComputedBlocks(format!(
+                "the computed blocks were not looked up for request {:?} on this manager",
+                req.id
+            )));
+        }
+        if hit.block_ids.len() != self.groups.len() {
+            return Err(invalid("computed blocks have the wrong number of groups"));
+        }
+        if req.holds_blocks() && !hit.is_empty() {
+            return Err(invalid(format!(
+                "request {:?} already holds blocks; a prefix hit only applies at admission",
+                req.id
+            )));
+        }
+        for (g, ids) in hit.block_ids.iter().enumerate() {
+            let bs = u64::from(self.groups[g].block_size());
+            if (ids.len() as u64) * bs < num_new_computed {
+                return Err(invalid(format!(
+                    "num_new_computed_tokens {num_new_computed} exceeds the hit of group {g} \
+                     ({} blocks of {bs} tokens)",
+                    ids.len()
+                )));
+            }
+        }
+        if hit.epoch == self.pool.epoch() {
+            return Ok(());
+        }
+        // Blocks were evicted since the lookup: every hit block must still be
+        // cached under the request's own hash at its position.
+        for (g, ids) in hit.block_ids.iter().enumerate() {
+            let gm = &self.groups[g];
+            for (i, &b) in ids.iter().enumerate() {
+                if b == NULL_BLOCK {
+                    continue;
+                }
+                let expect = gm.key_for(&req.hashes, i);
+                if expect.is_none() || self.pool.block_key(b) != expect {
+                    return Err(Error::StaleComputedBlocks(format!(
+                        "block {b} of the prefix hit was evicted or reused since \
+                         get_computed_blocks; look the request up again"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_args(&self, slot: u32, a: &AllocateArgs) -> Result<()> {
+        let req = self.req(slot);
+        if a.num_new_tokens == 0 && a.num_external_computed_tokens == 0 && a.num_new_computed_tokens == 0
+        {
+            return Err(invalid(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
+            ));
+        }
+        let local = a
+            .num_computed_tokens
+            .checked_add(a.num_new_computed_tokens)
+            .ok_or_else(|| invalid("token counts overflow"))?;
+        let total = local
+            .checked_add(a.num_external_computed_tokens)
+            .ok_or_else(|| invalid("token counts overflow"))?;
+        if total > req.num_tokens() as u64 {
+            return Err(invalid(format!(
+                "num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens \
+                 = {total} exceeds the request's {} tokens",
+                req.num_tokens()
+            )));
+        }
+        for x in [a.num_new_tokens, a.num_lookahead_tokens, a.num_encoder_tokens, a.reserved_blocks] {
+            if x > (1 << 40) {
+                return Err(invalid(format!("count {x} is out of range")));
+            }
+        }
+        for (g, gm) in self.groups.iter().enumerate() {
+            let have = req.groups[g].blocks.len() as u64 * u64::from(gm.block_size());
+            if a.num_computed_tokens > have {
+                return Err(invalid(format!(
+                    "num_computed_tokens {} but request {:?} holds blocks for only {have} tokens",
+                    a.num_computed_tokens, req.id
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Blocks the request would need in an empty pool: more than the pool has
+    /// means it can never be scheduled.
+    fn check_can_ever_fit(&self, num_tokens: u64) -> Result<()> {
+        let need: u64 = self
+            .groups
+            .iter()
+            .map(|gm| num_tokens.div_ceil(u64::from(gm.block_size())))
+            .sum();
+        let usable = u64::from(self.pool.num_blocks()) - 1;
+        if need > usable {
+            return Err(Error::CannotFit(format!(
+                "the request needs {need} blocks for {num_tokens} tokens but the pool has only \
+                 {usable} usable blocks"
+            )));
+        }
+        Ok(())
+    }
+
+    /// vLLM 0.33's `allocate_slots`. Returns the newly allocated block ids per
+    /// group (empty lists: success without new blocks), or `None` when the blocks
+    /// do not fit (nothing changed but skipped-block removal).
+    ///
+    /// # Errors
+    /// Unknown request, inconsistent counts, a stale or foreign hit, or a request
+    /// that can never fit. A refused call changes nothing.
+    pub fn allocate_slots(
+        &mut self,
+        id: &str,
+        args: &AllocateArgs,
+        hit: Option<&ComputedBlocks>,
+    ) -> Result<Option<&[Vec<BlockId>]>> {
+        let slot = self.slot(id)?;
+        let ok = self.allocate_slot(slot, args, hit)?;
+        Ok(ok.then_some(self.new_blocks.as_slice()))
+    }
+
+    fn allocate_slot(
+        &mut self,
+        slot: u32,
+        a: &AllocateArgs,
+        hit: Option<&ComputedBlocks>,
+    ) -> Result<bool> {
+        self.validate_args(slot, a)?;
+        let num_new_computed = match hit {
+            Some(h) => {
+                self.validate_hit(slot, h, a.num_new_computed_tokens)?;
+                a.num_new_computed_tokens
+            }
+            None => {
+                if a.num_new_computed_tokens > 0 {
+                    return Err(invalid(
+                        "num_new_computed_tokens > 0 needs the new_computed_blocks it came from",
+                    ));
+                }
+                0
+            }
+        };
+        let max_len = self.cfg.max_model_len;
+        let req = self.req(slot);
+        let num_tokens = req.num_tokens() as u64;
+        let admitting = hit.is_some() || !req.holds_blocks();
+        let local = a.num_computed_tokens + num_new_computed;
+        let total_computed = (local + a.num_external_computed_tokens).min(max_len);
+        let main_model = total_computed + a.num_new_tokens;
+        let need_slot = (main_model + a.num_lookahead_tokens).min(max_len);
+        self.check_can_ever_fit(need_slot)?;
+        if a.full_sequence_must_fit {
+            self.check_can_ever_fit(num_tokens.min(max_len))?;
+        }
+
+        let empty: Vec<Vec<BlockId>> = Vec::new();
+        let hit_blocks: &[Vec<BlockId>] = hit.map_or(empty.as_slice(), |h| &h.block_ids);
+        let watermark = if a.has_scheduled_reqs && admitting {
+            self.watermark_blocks
+        } else {
+            0
+        };
+        let free = u64::from(self.pool.num_free_blocks());
+
+        if a.full_sequence_must_fit {
+            let full = num_tokens.min(max_len);
+            let need = self.num_blocks_to_allocate(slot, full, hit_blocks, a.num_encoder_tokens, total_computed);
+            if need + watermark > free {
+                return Ok(false);
+            }
+        }
+
+        // Stage 1: release blocks that fell out of the attention window, even if
+        // the allocation then fails.
+        self.remove_skipped(slot, total_computed);
+
+        let need = self.num_blocks_to_allocate(
+            slot,
+            need_slot,
+            hit_blocks,
+            a.num_encoder_tokens,
+            local + a.num_external_computed_tokens,
+        );
+        let free = i128::from(self.pool.num_free_blocks()) - i128::from(a.reserved_blocks);
+        if i128::from(need + watermark) > free {
+            return Ok(false);
+        }
+
+        // Stage 2: adopt the prefix hit (two phases: touch every group's hits
+        // before any group allocates blocks for external tokens).
+        let running = self.req(slot).groups.iter().any(|g| g.num_cached.is_some());
+        if (hit.is_some() || a.num_external_computed_tokens > 0) && !running {
+            let Some(req) = self.reqs[slot as usize].as_mut() else {
+                unreachable_slot()
+            };
+            for (g, gm) in self.groups.iter().enumerate() {
+                let blocks = hit_blocks.get(g).map_or(&[][..], Vec::as_slice);
+                gm.add_local_computed_blocks(
+                    &mut self.pool,
+                    &mut req.groups[g],
+                    blocks,
+                    local,
+                    a.num_external_computed_tokens,
+                );
+            }
+            if a.num_external_computed_tokens > 0 {
+                for (g, gm) in self.groups.iter().enumerate() {
+                    gm.allocate_external_computed_blocks(
+                        &mut self.pool,
+                        &mut req.groups[g],
+                        local,
+                        a.num_external_computed_tokens,
+                    );
+                }
+            }
+        }
+
+        // Stage 3: fresh blocks for the tokens to compute (+ lookahead).
+        {
+            let Some(req) = self.reqs[slot as usize].as_mut() else {
+                unreachable_slot()
+            };
+            for (g, gm) in self.groups.iter().enumerate() {
+                let out = &mut self.new_blocks[g];
+                out.clear();
+                gm.allocate_new_blocks(&mut self.pool, &mut req.groups[g], need_slot, out);
+            }
+            if !req.admitted {
+                req.admitted = true;
+                self.num_admitted += 1;
+            }
+        }
+
+        // Stage 4: publish full blocks of committed tokens into the prefix cache.
+        if self.cfg.enable_caching && !a.delay_cache_blocks {
+            let to_cache = (total_computed + a.num_new_tokens).min(num_tokens);
+            self.cache_blocks_slot(slot, to_cache as usize);
+        }
+
+        // Stats are recorded at admission, when a lookup preceded it.
+        let req = self.req_mut(slot);
+        if admitting && req.pending_lookup {
+            req.pending_lookup = false;
+            let (n, pre) = (req.num_tokens() as u64, req.num_preemptions > 0);
+            if let Some(s) = self.stats.as_mut() {
+                s.record(n, num_new_computed, pre);
+            }
+        }
+        Ok(true)
+    }
+
+    fn num_blocks_to_allocate(
+        &self,
+        slot: u32,
+        num_tokens: u64,
+        hit: &[Vec<BlockId>],
+        _num_encoder_tokens: u64,
+        total_computed: u64,
+    ) -> u64 {
+        let req = self.req(slot);
+        self.groups
+            .iter()
+            .enumerate()
+            .map(|(g, gm)| {
+                let blocks = hit.get(g).map_or(&[][..], Vec::as_slice);
+                gm.num_blocks_to_allocate(&self.pool, &req.groups[g], num_tokens, blocks, total_computed)
+            })
+            .sum()
+    }
+
+    fn remove_skipped(&mut self, slot: u32, total_computed: u64) {
+        let Some(req) = self.reqs[slot as usize].as_mut() else {
+            unreachable_slot()
+        };
+        for (g, gm) in self.groups.iter().enumerate() {
+            gm.remove_skipped_blocks(&mut self.pool, &mut req.groups[g], total_computed);
+        }
+    }
+
+    /// Frees blocks that fell out of the attention window (sliding window, local
+    /// chunks); a no-op for full attention.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn remove_skipped_blocks(&mut self, id: &str, total_computed_tokens: u64) -> Result<()> {
+        let slot = self.slot(id)?;
+        self.remove_skipped(slot, total_computed_tokens);
+        Ok(())
+    }
+
+    /// Publishes the request's full blocks covering `num_computed_tokens` into the
+    /// prefix cache (used after a delayed allocation). No-op without caching.
+    ///
+    /// # Errors
+    /// Unknown request, or more tokens than the request has.
+    pub fn cache_blocks(&mut self, id: &str, num_computed_tokens: u64) -> Result<()> {
+        let slot = self.slot(id)?;
+        if num_computed_tokens > self.req(slot).num_tokens() as u64 {
+            return Err(invalid(format!(
+                "num_computed_tokens {num_computed_tokens} exceeds the request's {} tokens",
+                self.req(slot).num_tokens()
+            )));
+        }
+        if self.cfg.enable_caching {
+            self.cache_blocks_slot(slot, num_computed_tokens as usize);
+        }
+        Ok(())
+    }
+
+    fn cache_blocks_slot(&mut self, slot: u32, num_tokens: usize) {
+        let Some(req) = self.reqs[slot as usize].as_mut() else {
+            unreachable_slot()
+        };
+        let hbs = self.hash_block_size;
+        for (g, gm) in self.groups.iter().enumerate() {
+            let Some((from, to)) = gm.cache_blocks(&mut self.pool, req, g, num_tokens, hbs) else {
+                continue;
+            };
+            if self.pool.events_enabled() {
+                let ev = stored_event(gm, req, g, from, to);
+                self.pool.push_event(KvEvent::BlockStored(ev));
+            }
+        }
+    }
+
+    /// One decode step for many running requests in one call: the same result as
+    /// calling `allocate_slots` for each in order until the first that does not fit.
+    ///
+    /// # Errors
+    /// Any invalid entry (checked for all entries before anything changes).
+    pub fn allocate_slots_batch(
+        &mut self,
+        ids: &[&str],
+        num_new_tokens: &[u64],
+        num_computed_tokens: &[u64],
+        num_lookahead_tokens: u64,
+        out: &mut BatchAllocation,
+    ) -> Result<()> {
+        if ids.len() != num_new_tokens.len() || ids.len() != num_computed_tokens.len() {
+            return Err(invalid("request ids and token counts differ in length"));
+        }
+        let mut slots = Vec::with_capacity(ids.len());
+        for (i, id) in ids.iter().enumerate() {
+            let slot = self.slot(id)?;
+            let args = AllocateArgs {
+                num_lookahead_tokens,
+                ..AllocateArgs::step(num_new_tokens[i], num_computed_tokens[i])
+            };
+            self.validate_args(slot, &args)?;
+            let need = (num_computed_tokens[i] + num_new_tokens[i] + num_lookahead_tokens)
+                .min(self.cfg.max_model_len);
+            self.check_can_ever_fit(need)?;
+            slots.push(slot);
+        }
+        let n = self.groups.len();
+        out.num_allocated = 0;
+        out.block_ids.resize(n, Vec::new());
+        out.offsets.resize(n, Vec::new());
+        for g in 0..n {
+            out.block_ids[g].clear();
+            out.offsets[g].clear();
+            out.offsets[g].push(0);
+        }
+        for (i, &slot) in slots.iter().enumerate() {
+            let args = AllocateArgs {
+                num_lookahead_tokens,
+                ..AllocateArgs::step(num_new_tokens[i], num_computed_tokens[i])
+            };
+            if !self.allocate_slot(slot, &args, None)? {
+                break;
+            }
+            for g in 0..n {
+                out.block_ids[g].extend_from_slice(&self.new_blocks[g]);
+                out.offsets[g].push(out.block_ids[g].len() as u32);
+            }
+            out.num_allocated += 1;
+        }
+        Ok(())
+    }
+
+    // ---- cache maintenance ------------------------------------------------
+
+    /// Drops the given blocks from the prefix cache (their data is bad), without
+    /// touching ref counts or the free queue.
+    ///
+    /// # Errors
+    /// An id outside the pool (nothing is evicted then).
+    pub fn evict_blocks(&mut self, ids: &[u64]) -> Result<()> {
+        let n = u64::from(self.pool.num_blocks());
+        if let Some(bad) = ids.iter().find(|&&b| b >= n) {
+            return Err(invalid(format!("block id {bad} is outside the pool of {n} blocks")));
+        }
+        for &b in ids {
+            self.pool.maybe_evict(b as BlockId);
+        }
+        Ok(())
+    }
+
+    /// Clears the prefix cache; `false` (and no change) while any block is held.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if !self.pool.reset_prefix_cache() {
+            return false;
+        }
+        if let Some(s) = self.stats.as_mut() {
+            s.reset = true;
+        }
+        true
+    }
+
+    /// Drains the KV events, annotated with each group's spec kind.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        let mut evs = self.pool.take_events();
+        for ev in &mut evs {
+            if let KvEvent::BlockStored(s) = ev {
+                if let Some(gm) = self.groups.get(s.group_idx as usize) {
+                    s.kv_cache_spec_kind = Some(gm.spec().kind.spec_kind());
+                    s.kv_cache_spec_sliding_window = gm.spec().kind.sliding_window();
+                }
+            }
+        }
+        evs
+    }
+
+    /// Returns the prefix-cache stats gathered since the last call and starts new
+    /// ones; `None` when stats are off.
+    pub fn make_prefix_cache_stats(&mut self) -> Option<PrefixCacheStats> {
+        self.stats.as_mut().map(std::mem::take)
+    }
+
+    /// Per group, the number of leading blocks of the request shared by every
+    /// request holding blocks (vLLM 0.32's meaning, for cascade attention; full
+    /// attention only).
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn get_num_common_prefix_blocks(&self, id: &str) -> Result<Vec<u32>> {
+        let req = self.req(self.slot(id)?);
+        Ok(self
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(g, gm)| {
+                if !gm.spec().kind.is_full_attention() {
+                    return 0;
+                }
+                req.groups[g]
+                    .blocks
+                    .iter()
+                    .take_while(|&&b| self.pool.ref_cnt(b) as usize == self.num_admitted)
+                    .count() as u32
+            })
+            .collect())
+    }
+
+    /// Per-step notification (Mamba "align" groups reset per-step state).
+    pub fn new_step_starts(&mut self) {}
+
+    /// Checks every invariant of the pool and the request table.
+    ///
+    /// # Errors
+    /// [`Error::InvariantViolation`] describing the first violation.
+    pub fn check_invariants(&self) -> Result<()> {
+        let n = self.pool.num_blocks() as usize;
+        let mut refs = vec![0u32; n];
+        let mut owner_group = vec![u32::MAX; n];
+        let mut admitted = 0usize;
+        for req in self.reqs.iter().flatten() {
+            admitted += usize::from(req.admitted);
+            for (g, gb) in req.groups.iter().enumerate() {
+                for &b in &gb.blocks {
+                    let i = b as usize;
+                    if i >= n {
+                        return Err(Error::InvariantViolation(format!(
+                            "request {:?} holds out-of-range block {b}",
+                            req.id
+                        )));
+                    }
+                    if b == NULL_BLOCK {
+                        continue;
+                    }
+                    refs[i] += 1;
+                    if owner_group[i] != u32::MAX && owner_group[i] != g as u32 {
+                        return Err(Error::InvariantViolation(format!(
+                            "block {b} is held by groups {} and {g}",
+                            owner_group[i]
+                        )));
+                    }
+                    owner_group[i] = g as u32;
+                }
+                if let Some(c) = gb.num_cached {
+                    if c > gb.blocks.len() {
+                        return Err(Error::InvariantViolation(format!(
+                            "request {:?} marks {c} cached blocks of {}",
+                            req.id,
+                            gb.blocks.len()
+                        )));
+                    }
+                    let gm = &self.groups[g];
+                    for (i, &b) in gb.blocks[..c].iter().enumerate() {
+                        if b == NULL_BLOCK || !self.cfg.enable_caching {
+                            continue;
+                        }
+                        if let Some(k) = self.pool.block_key(b) {
+                            if Some(k) != gm.key_for(&req.hashes, i) {
+                                return Err(Error::InvariantViolation(format!(
+                                    "block {b} of request {:?} is cached under another hash",
+                                    req.id
+                                )));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if admitted != self.num_admitted {
+            return Err(Error::InvariantViolation("admitted-request count is off".into()));
+        }
+        if self.index.len() != self.reqs.iter().flatten().count() {
+            return Err(Error::InvariantViolation("request index is out of sync".into()));
+        }
+        self.pool
+            .check_invariants(Some(&refs))
+            .map_err(Error::InvariantViolation)
+    }
+}
+
+fn stored_event(gm: &GroupManager, req: &Request, g: usize, from: usize, to: usize) -> BlockStored {
+    let bs = gm.block_size() as usize;
+    let blocks = &req.groups[g].blocks;
+    let mut hashes = Vec::new();
+    let mut extra = Vec::new();
+    for i in from..to {
+        if blocks[i] == NULL_BLOCK {
+            continue;
+        }
+        if let Some(k) = gm.key_for(&req.hashes, i) {
+            hashes.push(k.hash);
+        }
+        extra.push(req.event_extra_keys(i * bs, (i + 1) * bs));
+    }
+    let parent = if from == 0 {
+        None
+    } else {
+        gm.key_for(&req.hashes, from - 1).map(|k| k.hash)
+    };
+    BlockStored {
+        block_hashes: hashes,
+        parent_block_hash: parent,
+        token_ids: req.tokens[from * bs..to * bs].to_vec(),
+        block_size: bs as u32,
+        lora_id: req.lora.as_ref().and_then(|l| l.id),
+        lora_name: req.lora.as_ref().map(|l| l.name.clone()),
+        // vLLM publishes one entry per stored block (None entries included) and
+        // None only when no block was stored.
+        extra_keys: (!extra.is_empty()).then_some(extra),
+        group_idx: g as u32,
+        kv_cache_spec_kind: None,
+        kv_cache_spec_sliding_window: None,
+    }
+}
+
+#[cold]
+fn unreachable_slot() -> ! {
+    // The index maps ids only to occupied slots; reaching this is a bug in this
+    // module, not misuse.
+    unreachable!("request slot without a request")
+}

@@ -1,0 +1,645 @@
+//! The block pool: block arena, LRU free queue, prefix-cache map, KV events.
+//!
+//! Invariants (checked by [`BlockPool::check_invariants`]):
+//! - block 0 is the null block: never queued, never cached, ref count meaningless;
+//! - every other block is in the free queue exactly once iff its ref count is 0;
+//! - a block has a cache key iff the prefix map lists it under that key;
+//! - `num_free` equals the queue length.
+
+use hashbrown::HashMap;
+use rustc_hash::FxBuildHasher;
+use std::hash::{Hash, Hasher};
+
+use crate::events::KvEvent;
+use crate::hash::BlockHash;
+
+/// A physical block id. Block 0 is the null block.
+pub type BlockId = u32;
+
+/// The null block's id.
+pub const NULL_BLOCK: BlockId = 0;
+
+const NIL: u32 = u32::MAX;
+
+/// Per-block metadata: 16 bytes.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    ref_cnt: u32,
+    prev: u32,
+    next: u32,
+    /// Index into `keys` when the block is cached, `NIL` otherwise.
+    key: u32,
+}
+
+/// Prefix-map key: a block hash plus the KV-cache group id (vLLM's
+/// `BlockHashWithGroupId`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheKey {
+    pub hash: BlockHash,
+    pub group: u32,
+}
+
+impl Hash for CacheKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // Digests are uniform already: one word is enough to bucket.
+        state.write_u64(self.hash.fingerprint() ^ u64::from(self.group));
+    }
+}
+
+/// One key usually maps to one block; equal content computed twice maps to
+/// several, kept in insertion order (the first is the one handed out).
+#[derive(Clone, Debug)]
+enum Entry {
+    One(BlockId),
+    Many(Vec<BlockId>),
+}
+
+/// Block arena, free queue and prefix map of one KV cache.
+#[derive(Debug)]
+pub struct BlockPool {
+    blocks: Vec<Block>,
+    head: u32,
+    tail: u32,
+    num_free: u32,
+    enable_caching: bool,
+    map: HashMap<CacheKey, Entry, FxBuildHasher>,
+    keys: Vec<CacheKey>,
+    free_keys: Vec<u32>,
+    events_enabled: bool,
+    events: Vec<KvEvent>,
+    /// Bumped whenever a cached block loses its key: lookup results taken before
+    /// a bump must be re-validated.
+    epoch: u64,
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` blocks (ids `0..num_blocks`), block 0 taken as the
+    /// null block, the rest free in id order.
+    #[must_use]
+    pub fn new(num_blocks: u32, enable_caching: bool, events_enabled: bool) -> Self {
+        let n = num_blocks.max(1);
+        let mut blocks = Vec::with_capacity(n as usize);
+        for id in 0..n {
+            blocks.push(Block {
+                ref_cnt: 0,
+                prev: if id <= 1 { NIL } else { id - 1 },
+                next: if id + 1 < n { id + 1 } else { NIL },
+                key: NIL,
+            });
+        }
+        blocks[0] = Block {
+            ref_cnt: 0,
+            prev: NIL,
+            next: NIL,
+            key: NIL,
+        };
+        let (head, tail) = if n > 1 { (1, n - 1) } else { (NIL, NIL) };
+        Self {
+            blocks,
+            head,
+            tail,
+            num_free: n - 1,
+            enable_caching,
+            map: HashMap::with_hasher(FxBuildHasher),
+            keys: Vec::new(),
+            free_keys: Vec::new(),
+            events_enabled,
+            events: Vec::new(),
+            epoch: 0,
+        }
+    }
+
+    /// Total blocks, the null block included.
+    #[must_use]
+    pub fn num_blocks(&self) -> u32 {
+        self.blocks.len() as u32
+    }
+
+    /// Blocks in the free queue (evictable cached blocks included).
+    #[must_use]
+    pub fn num_free_blocks(&self) -> u32 {
+        self.num_free
+    }
+
+    /// `1 - free / (num_blocks - 1)`, 0 for a pool holding only the null block.
+    #[must_use]
+    pub fn usage(&self) -> f64 {
+        let total = self.blocks.len() - 1;
+        if total == 0 {
+            return 0.0;
+        }
+        1.0 - f64::from(self.num_free) / total as f64
+    }
+
+    /// Whether prefix caching is on.
+    #[must_use]
+    pub fn enable_caching(&self) -> bool {
+        self.enable_caching
+    }
+
+    /// The eviction epoch (see field docs).
+    #[must_use]
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Reference count of a block.
+    #[must_use]
+    pub fn ref_cnt(&self, id: BlockId) -> u32 {
+        self.blocks[id as usize].ref_cnt
+    }
+
+    /// The cache key of a block, if it is cached.
+    #[must_use]
+    pub fn block_key(&self, id: BlockId) -> Option<CacheKey> {
+        let k = self.blocks[id as usize].key;
+        (k != NIL).then(|| self.keys[k as usize])
+    }
+
+    /// Number of keys in the prefix map.
+    #[must_use]
+    pub fn num_cached_keys(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether a block is an eviction candidate (free but still cached) or plain
+    /// free: ref 0 and not the null block.
+    #[must_use]
+    pub fn is_evictable(&self, id: BlockId) -> bool {
+        id != NULL_BLOCK && self.blocks[id as usize].ref_cnt == 0
+    }
+
+    // ---- free queue -------------------------------------------------------
+
+    fn unlink(&mut self, id: u32) {
+        let Block { prev, next, .. } = self.blocks[id as usize];
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.blocks[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            self.blocks[next as usize].prev = prev;
+        }
+        let b = &mut self.blocks[id as usize];
+        b.prev = NIL;
+        b.next = NIL;
+        self.num_free -= 1;
+    }
+
+    /// Links a run of blocks (in order) after `after` (NIL = at the head).
+    fn link_run(&mut self, run: &[BlockId], after: u32) {
+        let Some((&first, _)) = run.split_first() else {
+            return;
+        };
+        let last = run[run.len() - 1];
+        for w in run.windows(2) {
+            self.blocks[w[0] as usize].next = w[1];
+            self.blocks[w[1] as usize].prev = w[0];
+        }
+        let before = if after == NIL {
+            self.head
+        } else {
+            self.blocks[after as usize].next
+        };
+        self.blocks[first as usize].prev = after;
+        self.blocks[last as usize].next = before;
+        if after == NIL {
+            self.head = first;
+        } else {
+            self.blocks[after as usize].next = first;
+        }
+        if before == NIL {
+            self.tail = last;
+        } else {
+            self.blocks[before as usize].prev = last;
+        }
+        self.num_free += run.len() as u32;
+    }
+
+    /// Appends blocks, in order, at the tail of the free queue.
+    pub(crate) fn append_n(&mut self, run: &[BlockId]) {
+        let tail = self.tail;
+        self.link_run(run, tail);
+    }
+
+    /// Inserts blocks, in order, at the head: popleft then yields them in order.
+    pub(crate) fn prepend_n(&mut self, run: &[BlockId]) {
+        self.link_run(run, NIL);
+    }
+
+    /// Pops `n` blocks from the head into `out` (caller checked `n <= free`).
+    fn popleft_n(&mut self, n: u32, out: &mut Vec<BlockId>) {
+        let mut cur = self.head;
+        for _ in 0..n {
+            let next = self.blocks[cur as usize].next;
+            let b = &mut self.blocks[cur as usize];
+            b.prev = NIL;
+            b.next = NIL;
+            out.push(cur);
+            cur = next;
+        }
+        self.head = cur;
+        if cur == NIL {
+            self.tail = NIL;
+        } else {
+            self.blocks[cur as usize].prev = NIL;
+        }
+        self.num_free -= n;
+    }
+
+    /// The free queue from head to tail.
+    #[must_use]
+    pub fn free_queue(&self) -> Vec<BlockId> {
+        let mut out = Vec::with_capacity(self.num_free as usize);
+        let mut cur = self.head;
+        while cur != NIL && out.len() <= self.blocks.len() {
+            out.push(cur);
+            cur = self.blocks[cur as usize].next;
+        }
+        out
+    }
+
+    // ---- allocation -------------------------------------------------------
+
+    /// Takes `n` blocks from the head of the free queue, evicting cached ones, and
+    /// appends them to `out`. Returns `false` (and takes nothing) when fewer than
+    /// `n` are free.
+    pub fn get_new_blocks(&mut self, n: u32, out: &mut Vec<BlockId>) -> bool {
+        if n > self.num_free {
+            return false;
+        }
+        let start = out.len();
+        self.popleft_n(n, out);
+        for &id in &out[start..] {
+            if self.enable_caching {
+                self.maybe_evict(id);
+            }
+            self.blocks[id as usize].ref_cnt = 1;
+        }
+        true
+    }
+
+    /// Takes references on prefix-hit blocks, pulling eviction candidates out of
+    /// the free queue. The null block is skipped.
+    pub fn touch(&mut self, ids: &[BlockId]) {
+        for &id in ids {
+            if id == NULL_BLOCK {
+                continue;
+            }
+            if self.blocks[id as usize].ref_cnt == 0 {
+                self.unlink(id);
+            }
+            self.blocks[id as usize].ref_cnt += 1;
+        }
+    }
+
+    /// Drops one reference from each block, given in eviction order (first =
+    /// evicted first). Blocks reaching 0 go back to the free queue: with caching,
+    /// unhashed ones to the front (reused first) and hashed ones to the back (LRU);
+    /// without caching, all to the front. The null block is skipped.
+    pub fn free_blocks(&mut self, ordered: impl IntoIterator<Item = BlockId>) {
+        let mut first: Vec<BlockId> = Vec::new();
+        let mut last: Vec<BlockId> = Vec::new();
+        for id in ordered {
+            if id == NULL_BLOCK {
+                continue;
+            }
+            let b = &mut self.blocks[id as usize];
+            b.ref_cnt -= 1;
+            if b.ref_cnt == 0 {
+                if b.key == NIL || !self.enable_caching {
+                    first.push(id);
+                } else {
+                    last.push(id);
+                }
+            }
+        }
+        self.prepend_n(&first);
+        self.append_n(&last);
+    }
+
+    // ---- prefix map -------------------------------------------------------
+
+    /// The first block cached under `key`.
+    #[must_use]
+    pub fn cached_block(&self, key: &CacheKey) -> Option<BlockId> {
+        match self.map.get(key)? {
+            Entry::One(id) => Some(*id),
+            Entry::Many(ids) => ids.first().copied(),
+        }
+    }
+
+    /// All blocks cached under `key`, in insertion order.
+    #[must_use]
+    pub fn cached_blocks(&self, key: &CacheKey) -> Vec<BlockId> {
+        match self.map.get(key) {
+            None => Vec::new(),
+            Some(Entry::One(id)) => vec![*id],
+            Some(Entry::Many(ids)) => ids.clone(),
+        }
+    }
+
+    /// Caches a full block under `key`. A block that already carries a key keeps
+    /// it (returns `false`); the null block is never cached.
+    pub fn cache_block(&mut self, id: BlockId, key: CacheKey) -> bool {
+        if id == NULL_BLOCK || self.blocks[id as usize].key != NIL {
+            return false;
+        }
+        let slot = match self.free_keys.pop() {
+            Some(s) => {
+                self.keys[s as usize] = key;
+                s
+            }
+            None => {
+                self.keys.push(key);
+                (self.keys.len() - 1) as u32
+            }
+        };
+        self.blocks[id as usize].key = slot;
+        match self.map.get_mut(&key) {
+            None => {
+                self.map.insert(key, Entry::One(id));
+            }
+            Some(e) => match e {
+                Entry::One(old) => *e = Entry::Many(vec![*old, id]),
+                Entry::Many(ids) => ids.push(id),
+            },
+        }
+        true
+    }
+
+    /// Drops a block's key from the map (vLLM's `_maybe_evict_cached_block`),
+    /// emitting `BlockRemoved`. Returns whether it was cached.
+    pub fn maybe_evict(&mut self, id: BlockId) -> bool {
+        let slot = self.blocks[id as usize].key;
+        if slot == NIL {
+            return false;
+        }
+        let key = self.keys[slot as usize];
+        let removed = match self.map.get_mut(&key) {
+            None => false,
+            Some(Entry::One(x)) => {
+                if *x == id {
+                    self.map.remove(&key);
+                    true
+                } else {
+                    false
+                }
+            }
+            Some(Entry::Many(ids)) => {
+                if let Some(pos) = ids.iter().position(|&x| x == id) {
+                    ids.remove(pos);
+                    if ids.len() == 1 {
+                        let only = ids[0];
+                        self.map.insert(key, Entry::One(only));
+                    }
+                    true
+                } else {
+                    false
+                }
+            }
+        };
+        if !removed {
+            return false;
+        }
+        self.blocks[id as usize].key = NIL;
+        self.free_keys.push(slot);
+        self.epoch += 1;
+        if self.events_enabled {
+            self.events.push(KvEvent::BlockRemoved {
+                block_hashes: vec![key.hash],
+                group_idx: key.group,
+            });
+        }
+        true
+    }
+
+    /// Clears the prefix cache when no block is in use (only the null block);
+    /// returns `false` and changes nothing otherwise.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if self.num_free as usize != self.blocks.len() - 1 {
+            return false;
+        }
+        self.map.clear();
+        self.keys.clear();
+        self.free_keys.clear();
+        for b in &mut self.blocks {
+            b.key = NIL;
+        }
+        self.epoch += 1;
+        if self.events_enabled {
+            self.events.push(KvEvent::AllBlocksCleared);
+        }
+        true
+    }
+
+    // ---- events -----------------------------------------------------------
+
+    /// Whether events are recorded.
+    #[must_use]
+    pub fn events_enabled(&self) -> bool {
+        self.events_enabled
+    }
+
+    /// Records an event (no-op when events are off).
+    pub fn push_event(&mut self, ev: KvEvent) {
+        if self.events_enabled {
+            self.events.push(ev);
+        }
+    }
+
+    /// Drains the recorded events.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    // ---- invariants -------------------------------------------------------
+
+    /// Checks the pool's structural invariants; `expected_refs` (if given) are the
+    /// reference counts implied by the holders of blocks.
+    ///
+    /// # Errors
+    /// A description of the first violated invariant.
+    pub fn check_invariants(&self, expected_refs: Option<&[u32]>) -> Result<(), String> {
+        let n = self.blocks.len();
+        let mut seen = vec![false; n];
+        let mut cur = self.head;
+        let mut prev = NIL;
+        let mut count = 0u32;
+        while cur != NIL {
+            let i = cur as usize;
+            if i >= n {
+                return Err(format!("free queue links to out-of-range block {cur}"));
+            }
+            if cur == NULL_BLOCK {
+                return Err("null block is in the free queue".into());
+            }
+            if seen[i] {
+                return Err(format!("block {cur} is in the free queue twice"));
+            }
+            seen[i] = true;
+            if self.blocks[i].prev != prev {
+                return Err(format!("block {cur} has a broken prev link"));
+            }
+            if self.blocks[i].ref_cnt != 0 {
+                return Err(format!("block {cur} is free with ref_cnt {}", self.blocks[i].ref_cnt));
+            }
+            count += 1;
+            prev = cur;
+            cur = self.blocks[i].next;
+        }
+        if prev != self.tail {
+            return Err("free queue tail is wrong".into());
+        }
+        if count != self.num_free {
+            return Err(format!("free count {} but queue holds {count}", self.num_free));
+        }
+        for (i, b) in self.blocks.iter().enumerate().skip(1) {
+            if b.ref_cnt == 0 && !seen[i] {
+                return Err(format!("block {i} has ref_cnt 0 but is not free"));
+            }
+            if let Some(exp) = expected_refs {
+                if exp[i] != b.ref_cnt {
+                    return Err(format!(
+                        "block {i} has ref_cnt {} but {} holders",
+                        b.ref_cnt, exp[i]
+                    ));
+                }
+            }
+        }
+        if self.blocks[0].key != NIL {
+            return Err("null block is cached".into());
+        }
+        let mut listed = 0usize;
+        for (key, e) in &self.map {
+            let ids: &[BlockId] = match e {
+                Entry::One(id) => std::slice::from_ref(id),
+                Entry::Many(ids) => {
+                    if ids.len() < 2 {
+                        return Err("duplicate list with fewer than two blocks".into());
+                    }
+                    ids
+                }
+            };
+            for &id in ids {
+                listed += 1;
+                if self.block_key(id) != Some(*key) {
+                    return Err(format!("map lists block {id} under a key it does not carry"));
+                }
+            }
+        }
+        let carrying = self.blocks.iter().filter(|b| b.key != NIL).count();
+        if carrying != listed {
+            return Err(format!("{carrying} blocks carry keys but the map lists {listed}"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(b: u8) -> CacheKey {
+        CacheKey {
+            hash: BlockHash::from_slice(&[b; 32]).unwrap_or_default(),
+            group: 0,
+        }
+    }
+
+    #[test]
+    fn fresh_pool_reserves_null_block() {
+        let p = BlockPool::new(5, true, false);
+        assert_eq!(p.num_free_blocks(), 4);
+        assert_eq!(p.free_queue(), vec![1, 2, 3, 4]);
+        assert!(p.check_invariants(None).is_ok());
+    }
+
+    #[test]
+    fn prepend_puts_run_in_front_in_order() {
+        let mut p = BlockPool::new(6, true, false);
+        let mut out = Vec::new();
+        assert!(p.get_new_blocks(5, &mut out));
+        p.free_blocks([1]);
+        p.free_blocks([4, 5]);
+        assert_eq!(p.free_queue(), vec![4, 5, 1]);
+        p.free_blocks([2, 3]);
+        assert_eq!(p.free_queue(), vec![2, 3, 4, 5, 1]);
+        assert!(p.check_invariants(None).is_ok());
+    }
+
+    #[test]
+    fn freed_hashed_blocks_go_to_the_back() {
+        let mut p = BlockPool::new(6, true, false);
+        let mut out = Vec::new();
+        assert!(p.get_new_blocks(3, &mut out));
+        assert!(p.cache_block(2, key(2)));
+        p.free_blocks([3, 2, 1]);
+        assert_eq!(p.free_queue(), vec![3, 1, 4, 5, 2]);
+    }
+
+    #[test]
+    fn popleft_n_takes_from_head_and_evicts_lazily() {
+        let mut p = BlockPool::new(4, true, true);
+        let mut out = Vec::new();
+        assert!(p.get_new_blocks(1, &mut out));
+        assert!(p.cache_block(1, key(1)));
+        p.free_blocks([1]);
+        assert_eq!(p.cached_block(&key(1)), Some(1));
+        out.clear();
+        assert!(p.get_new_blocks(3, &mut out));
+        assert_eq!(out, vec![2, 3, 1]);
+        assert_eq!(p.cached_block(&key(1)), None);
+        assert_eq!(p.take_events().len(), 1);
+        assert!(!p.get_new_blocks(1, &mut out));
+    }
+
+    #[test]
+    fn duplicate_keys_keep_insertion_order_and_pop_by_id() {
+        let mut p = BlockPool::new(5, true, false);
+        let mut out = Vec::new();
+        assert!(p.get_new_blocks(4, &mut out));
+        assert!(p.cache_block(1, key(0)));
+        assert!(p.cache_block(2, key(1)));
+        assert!(p.cache_block(3, key(2)));
+        assert!(p.cache_block(4, key(0)));
+        assert_eq!(p.cached_blocks(&key(0)), vec![1, 4]);
+        assert!(p.maybe_evict(2));
+        assert_eq!(p.cached_block(&key(1)), None);
+        assert!(p.maybe_evict(1));
+        assert_eq!(p.cached_blocks(&key(0)), vec![4]);
+        assert!(p.maybe_evict(3));
+        assert!(p.maybe_evict(4));
+        assert_eq!(p.num_cached_keys(), 0);
+        assert!(!p.maybe_evict(4));
+        assert!(p.check_invariants(None).is_ok());
+    }
+
+    #[test]
+    fn reset_fails_while_blocks_are_held() {
+        let mut p = BlockPool::new(3, true, true);
+        let mut out = Vec::new();
+        assert!(p.get_new_blocks(1, &mut out));
+        assert!(p.cache_block(1, key(1)));
+        assert!(!p.reset_prefix_cache());
+        p.free_blocks([1]);
+        assert!(p.reset_prefix_cache());
+        assert_eq!(p.num_cached_keys(), 0);
+        assert_eq!(p.block_key(1), None);
+        assert!(matches!(p.take_events().last(), Some(KvEvent::AllBlocksCleared)));
+    }
+
+    #[test]
+    fn touch_removes_from_middle_of_queue() {
+        let mut p = BlockPool::new(5, true, false);
+        p.touch(&[2, 0]);
+        assert_eq!(p.free_queue(), vec![1, 3, 4]);
+        assert_eq!(p.ref_cnt(2), 1);
+        p.touch(&[2]);
+        assert_eq!(p.ref_cnt(2), 2);
+        assert!(p.check_invariants(None).is_ok());
+    }
+}

@@ -1,0 +1,277 @@
+//! The request table: each request's tokens, hashing inputs and block hashes
+//! (grown incrementally as tokens are appended), and its per-group block lists.
+
+use crate::error::{Result, invalid};
+use crate::events::EventExtraKey;
+use crate::hash::{BlockHash, BlockHasher, ExtraKey, sha256_bytes};
+use crate::pool::BlockId;
+
+/// LoRA adapter of a request (`lora_id` only travels in events).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Lora {
+    pub name: String,
+    pub path: Option<String>,
+    pub id: Option<i64>,
+}
+
+/// A multimodal item's placeholder span in the prompt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MmFeature {
+    pub identifier: String,
+    pub offset: u64,
+    pub length: u64,
+}
+
+/// Everything `add_request` takes besides the id.
+#[derive(Clone, Debug, Default)]
+pub struct RequestSpec {
+    pub prompt_token_ids: Vec<u32>,
+    pub lora: Option<Lora>,
+    pub cache_salt: Option<String>,
+    pub mm_features: Vec<MmFeature>,
+    /// Raw bytes of the prompt embeddings, row-major, one row per prompt token.
+    pub prompt_embeds: Option<Vec<u8>>,
+    /// Prompt-logprobs / all-pooling requests never read the prefix cache.
+    pub skip_reading_prefix_cache: bool,
+}
+
+/// One request's blocks in one KV-cache group.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct GroupBlocks {
+    pub blocks: Vec<BlockId>,
+    /// Number of leading blocks already cached; `Some` once the request is
+    /// running in this group (vLLM's `num_cached_block` entry).
+    pub num_cached: Option<usize>,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct Request {
+    pub id: String,
+    pub uid: u64,
+    pub tokens: Vec<u32>,
+    pub num_prompt_tokens: usize,
+    pub hashes: Vec<BlockHash>,
+    pub lora: Option<Lora>,
+    pub cache_salt: Option<String>,
+    pub mm: Vec<MmFeature>,
+    /// SHA-256 of each hash block's slice of the prompt embeddings (blocks past
+    /// the prompt hash the empty slice, as vLLM does).
+    pub embed_digests: Option<Vec<[u8; 32]>>,
+    pub skip_reading: bool,
+    pub num_preemptions: u32,
+    /// A prefix-cache lookup ran since the last admission (stats are recorded at
+    /// admission, as vLLM's scheduler does).
+    pub pending_lookup: bool,
+    pub shared_prefix_boundary: u64,
+    /// Holds an allocation (between a successful `allocate_slots` and `free`).
+    pub admitted: bool,
+    pub groups: Vec<GroupBlocks>,
+}
+
+impl Request {
+    pub fn new(
+        id: String,
+        uid: u64,
+        spec: RequestSpec,
+        num_groups: usize,
+        hash_block_size: usize,
+    ) -> Result<Self> {
+        let RequestSpec {
+            prompt_token_ids,
+            lora,
+            cache_salt,
+            mut mm_features,
+            prompt_embeds,
+            skip_reading_prefix_cache,
+        } = spec;
+        let n = prompt_token_ids.len();
+        mm_features.sort_by_key(|f| f.offset);
+        for w in mm_features.windows(2) {
+            if w[0].offset + w[0].length > w[1].offset {
+                return Err(invalid(format!(
+                    "multimodal items {:?} and {:?} overlap",
+                    w[0].identifier, w[1].identifier
+                )));
+            }
+        }
+        if let Some(f) = mm_features.iter().find(|f| f.length == 0) {
+            return Err(invalid(format!("multimodal item {:?} has length 0", f.identifier)));
+        }
+        let embed_digests = match prompt_embeds {
+            None => None,
+            Some(bytes) => {
+                if n == 0 || bytes.len() % n != 0 {
+                    return Err(invalid(format!(
+                        "prompt_embeds has {} bytes, not a whole number of rows for {n} prompt tokens",
+                        bytes.len()
+                    )));
+                }
+                let row = bytes.len() / n;
+                let digests = (0..n.div_ceil(hash_block_size))
+                    .map(|j| {
+                        let s = j * hash_block_size;
+                        let e = (s + hash_block_size).min(n);
+                        sha256_bytes(&bytes[s * row..e * row])
+                    })
+                    .collect();
+                Some(digests)
+            }
+        };
+        Ok(Self {
+            id,
+            uid,
+            tokens: prompt_token_ids,
+            num_prompt_tokens: n,
+            hashes: Vec::new(),
+            lora,
+            cache_salt: cache_salt.filter(|s| !s.is_empty()),
+            mm: mm_features,
+            embed_digests,
+            skip_reading: skip_reading_prefix_cache,
+            num_preemptions: 0,
+            pending_lookup: false,
+            shared_prefix_boundary: 0,
+            admitted: false,
+            groups: vec![GroupBlocks::default(); num_groups],
+        })
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn holds_blocks(&self) -> bool {
+        self.groups.iter().any(|g| !g.blocks.is_empty())
+    }
+
+    /// vLLM 0.33's extra keys of the block `[start, end)`, in order: LoRA,
+    /// multimodal items overlapping the block, cache salt (block 0), embeddings.
+    pub fn extra_keys<'a>(&'a self, start: usize, end: usize, out: &mut Vec<ExtraKey<'a>>) {
+        out.clear();
+        if let Some(l) = &self.lora {
+            out.push(ExtraKey::Lora {
+                name: &l.name,
+                path: l.path.as_deref(),
+            });
+        }
+        if !self.mm.is_empty() {
+            let (s, e) = (start as u64, end as u64);
+            let first = self.mm.partition_point(|f| f.offset + f.length <= s);
+            for f in &self.mm[first..] {
+                if f.offset >= e {
+                    break;
+                }
+                out.push(ExtraKey::Mm {
+                    identifier: &f.identifier,
+                    offset: f.offset as i64 - start as i64,
+                });
+            }
+        }
+        if start == 0 {
+            if let Some(salt) = &self.cache_salt {
+                out.push(ExtraKey::CacheSalt(salt));
+            }
+        }
+        if let Some(d) = &self.embed_digests {
+            let empty = EMPTY_SHA256;
+            let j = start / (end - start).max(1);
+            out.push(ExtraKey::PromptEmbeds(*d.get(j).unwrap_or(&empty)));
+        }
+    }
+
+    /// Event form of a block's extra keys (vLLM's `to_event_extra_keys`).
+    pub fn event_extra_keys(&self, start: usize, end: usize) -> Option<Vec<EventExtraKey>> {
+        let mut keys = Vec::new();
+        self.extra_keys(start, end, &mut keys);
+        if keys.is_empty() {
+            return None;
+        }
+        Some(
+            keys.iter()
+                .map(|k| match *k {
+                    ExtraKey::Lora { name, .. } => EventExtraKey::LoraName(name.to_owned()),
+                    ExtraKey::Mm { identifier, offset } => {
+                        EventExtraKey::Mm(identifier.to_owned(), offset)
+                    }
+                    ExtraKey::CacheSalt(s) => EventExtraKey::CacheSalt(s.to_owned()),
+                    ExtraKey::PromptEmbeds(d) => EventExtraKey::PromptEmbeds(d),
+                })
+                .collect(),
+        )
+    }
+
+    /// Hashes every newly full hash block.
+    pub fn update_hashes(&mut self, hasher: &mut BlockHasher, hash_block_size: usize) {
+        let mut keys: Vec<ExtraKey<'_>> = Vec::new();
+        let mut new_hashes: Vec<BlockHash> = Vec::new();
+        let mut start = self.hashes.len() * hash_block_size;
+        let mut parent = self.hashes.last().copied();
+        while start + hash_block_size <= self.tokens.len() {
+            let end = start + hash_block_size;
+            self.extra_keys(start, end, &mut keys);
+            let h = hasher.hash_block(parent.as_ref(), &self.tokens[start..end], &keys);
+            new_hashes.push(h);
+            parent = Some(h);
+            start = end;
+        }
+        drop(keys);
+        self.hashes.extend_from_slice(&new_hashes);
+    }
+}
+
+/// `sha256(b"")`: vLLM hashes an empty embedding slice for blocks past the prompt.
+const EMPTY_SHA256: [u8; 32] = [
+    0xe3, 0xb0, 0xc4, 0x42, 0x98, 0xfc, 0x1c, 0x14, 0x9a, 0xfb, 0xf4, 0xc8, 0x99, 0x6f, 0xb9, 0x24,
+    0x27, 0xae, 0x41, 0xe4, 0x64, 0x9b, 0x93, 0x4c, 0xa4, 0x95, 0x99, 0x1b, 0x78, 0x52, 0xb8, 0x55,
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_sha256_constant_is_right() {
+        assert_eq!(sha256_bytes(b""), EMPTY_SHA256);
+    }
+
+    #[test]
+    fn mm_keys_use_offsets_relative_to_block_start() {
+        let spec = RequestSpec {
+            prompt_token_ids: vec![0; 16],
+            mm_features: vec![
+                MmFeature { identifier: "hash2".into(), offset: 10, length: 5 },
+                MmFeature { identifier: "hash1".into(), offset: 0, length: 5 },
+            ],
+            ..RequestSpec::default()
+        };
+        let r = Request::new("r".into(), 0, spec, 1, 16).unwrap_or_else(|e| panic!("{e}"));
+        let mut k = Vec::new();
+        r.extra_keys(0, 5, &mut k);
+        assert_eq!(k, vec![ExtraKey::Mm { identifier: "hash1", offset: 0 }]);
+        r.extra_keys(3, 8, &mut k);
+        assert_eq!(k, vec![ExtraKey::Mm { identifier: "hash1", offset: -3 }]);
+        r.extra_keys(6, 10, &mut k);
+        assert!(k.is_empty());
+        r.extra_keys(0, 15, &mut k);
+        assert_eq!(
+            k,
+            vec![
+                ExtraKey::Mm { identifier: "hash1", offset: 0 },
+                ExtraKey::Mm { identifier: "hash2", offset: 10 }
+            ]
+        );
+    }
+
+    #[test]
+    fn overlapping_mm_items_are_rejected() {
+        let spec = RequestSpec {
+            prompt_token_ids: vec![0; 16],
+            mm_features: vec![
+                MmFeature { identifier: "a".into(), offset: 0, length: 5 },
+                MmFeature { identifier: "b".into(), offset: 4, length: 5 },
+            ],
+            ..RequestSpec::default()
+        };
+        assert!(Request::new("r".into(), 0, spec, 1, 16).is_err());
+    }
+}

@@ -155,7 +155,10 @@ fn digest128(v: u128) -> BlockHash {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ExtraKey<'a> {
     /// `("lora", lora_name, lora_path)`.
-    Lora { name: &'a str, path: Option<&'a str> },
+    Lora {
+        name: &'a str,
+        path: Option<&'a str>,
+    },
     /// `("mm", identifier, item offset - block start)`.
     Mm { identifier: &'a str, offset: i64 },
     /// `("cache_salt", salt)`, first block only.
@@ -463,8 +466,8 @@ mod tests {
         assert_eq!(
             b,
             [
-                0x00, 0x17, 0x18, 0x18, 0x18, 0xff, 0x19, 0x01, 0x00, 0x19, 0xff, 0xff, 0x1a,
-                0x00, 0x01, 0x00, 0x00, 0x1a, 0xff, 0xff, 0xff, 0xff
+                0x00, 0x17, 0x18, 0x18, 0x18, 0xff, 0x19, 0x01, 0x00, 0x19, 0xff, 0xff, 0x1a, 0x00,
+                0x01, 0x00, 0x00, 0x1a, 0xff, 0xff, 0xff, 0xff
             ]
         );
         let mut n = Vec::new();

@@ -127,7 +127,11 @@ impl KvCacheManager {
             None => random_seed(),
         };
         let hasher = BlockHasher::new(cfg.hash_algo, cfg.hash_algo.none_hash(&seed));
-        let pool = BlockPool::new(cfg.num_blocks, cfg.enable_caching, cfg.enable_kv_cache_events);
+        let pool = BlockPool::new(
+            cfg.num_blocks,
+            cfg.enable_caching,
+            cfg.enable_kv_cache_events,
+        );
         let groups = cfg
             .groups
             .iter()
@@ -482,7 +486,9 @@ impl KvCacheManager {
 
     fn validate_args(&self, slot: u32, a: &AllocateArgs) -> Result<()> {
         let req = self.req(slot);
-        if a.num_new_tokens == 0 && a.num_external_computed_tokens == 0 && a.num_new_computed_tokens == 0
+        if a.num_new_tokens == 0
+            && a.num_external_computed_tokens == 0
+            && a.num_new_computed_tokens == 0
         {
             return Err(invalid(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
@@ -502,7 +508,12 @@ impl KvCacheManager {
                 req.num_tokens()
             )));
         }
-        for x in [a.num_new_tokens, a.num_lookahead_tokens, a.num_encoder_tokens, a.reserved_blocks] {
+        for x in [
+            a.num_new_tokens,
+            a.num_lookahead_tokens,
+            a.num_encoder_tokens,
+            a.reserved_blocks,
+        ] {
             if x > (1 << 40) {
                 return Err(invalid(format!("count {x} is out of range")));
             }
@@ -600,7 +611,13 @@ impl KvCacheManager {
 
         if a.full_sequence_must_fit {
             let full = num_tokens.min(max_len);
-            let need = self.num_blocks_to_allocate(slot, full, hit_blocks, a.num_encoder_tokens, total_computed);
+            let need = self.num_blocks_to_allocate(
+                slot,
+                full,
+                hit_blocks,
+                a.num_encoder_tokens,
+                total_computed,
+            );
             if need + watermark > free {
                 return Ok(false);
             }
@@ -699,7 +716,13 @@ impl KvCacheManager {
             .enumerate()
             .map(|(g, gm)| {
                 let blocks = hit.get(g).map_or(&[][..], Vec::as_slice);
-                gm.num_blocks_to_allocate(&self.pool, &req.groups[g], num_tokens, blocks, total_computed)
+                gm.num_blocks_to_allocate(
+                    &self.pool,
+                    &req.groups[g],
+                    num_tokens,
+                    blocks,
+                    total_computed,
+                )
             })
             .sum()
     }
@@ -824,7 +847,9 @@ impl KvCacheManager {
     pub fn evict_blocks(&mut self, ids: &[u64]) -> Result<()> {
         let n = u64::from(self.pool.num_blocks());
         if let Some(bad) = ids.iter().find(|&&b| b >= n) {
-            return Err(invalid(format!("block id {bad} is outside the pool of {n} blocks")));
+            return Err(invalid(format!(
+                "block id {bad} is outside the pool of {n} blocks"
+            )));
         }
         for &b in ids {
             self.pool.maybe_evict(b as BlockId);
@@ -949,10 +974,14 @@ impl KvCacheManager {
             }
         }
         if admitted != self.num_admitted {
-            return Err(Error::InvariantViolation("admitted-request count is off".into()));
+            return Err(Error::InvariantViolation(
+                "admitted-request count is off".into(),
+            ));
         }
         if self.index.len() != self.reqs.iter().flatten().count() {
-            return Err(Error::InvariantViolation("request index is out of sync".into()));
+            return Err(Error::InvariantViolation(
+                "request index is out of sync".into(),
+            ));
         }
         self.pool
             .check_invariants(Some(&refs))

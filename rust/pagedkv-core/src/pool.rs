@@ -485,7 +485,10 @@ impl BlockPool {
                 return Err(format!("block {cur} has a broken prev link"));
             }
             if self.blocks[i].ref_cnt != 0 {
-                return Err(format!("block {cur} is free with ref_cnt {}", self.blocks[i].ref_cnt));
+                return Err(format!(
+                    "block {cur} is free with ref_cnt {}",
+                    self.blocks[i].ref_cnt
+                ));
             }
             count += 1;
             prev = cur;
@@ -495,7 +498,10 @@ impl BlockPool {
             return Err("free queue tail is wrong".into());
         }
         if count != self.num_free {
-            return Err(format!("free count {} but queue holds {count}", self.num_free));
+            return Err(format!(
+                "free count {} but queue holds {count}",
+                self.num_free
+            ));
         }
         for (i, b) in self.blocks.iter().enumerate().skip(1) {
             if b.ref_cnt == 0 && !seen[i] {
@@ -527,13 +533,17 @@ impl BlockPool {
             for &id in ids {
                 listed += 1;
                 if self.block_key(id) != Some(*key) {
-                    return Err(format!("map lists block {id} under a key it does not carry"));
+                    return Err(format!(
+                        "map lists block {id} under a key it does not carry"
+                    ));
                 }
             }
         }
         let carrying = self.blocks.iter().filter(|b| b.key != NIL).count();
         if carrying != listed {
-            return Err(format!("{carrying} blocks carry keys but the map lists {listed}"));
+            return Err(format!(
+                "{carrying} blocks carry keys but the map lists {listed}"
+            ));
         }
         Ok(())
     }
@@ -629,7 +639,10 @@ mod tests {
         assert!(p.reset_prefix_cache());
         assert_eq!(p.num_cached_keys(), 0);
         assert_eq!(p.block_key(1), None);
-        assert!(matches!(p.take_events().last(), Some(KvEvent::AllBlocksCleared)));
+        assert!(matches!(
+            p.take_events().last(),
+            Some(KvEvent::AllBlocksCleared)
+        ));
     }
 
     #[test]

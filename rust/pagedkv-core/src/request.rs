@@ -95,7 +95,10 @@ impl Request {
             }
         }
         if let Some(f) = mm_features.iter().find(|f| f.length == 0) {
-            return Err(invalid(format!("multimodal item {:?} has length 0", f.identifier)));
+            return Err(invalid(format!(
+                "multimodal item {:?} has length 0",
+                f.identifier
+            )));
         }
         let embed_digests = match prompt_embeds {
             None => None,
@@ -239,25 +242,51 @@ mod tests {
         let spec = RequestSpec {
             prompt_token_ids: vec![0; 16],
             mm_features: vec![
-                MmFeature { identifier: "hash2".into(), offset: 10, length: 5 },
-                MmFeature { identifier: "hash1".into(), offset: 0, length: 5 },
+                MmFeature {
+                    identifier: "hash2".into(),
+                    offset: 10,
+                    length: 5,
+                },
+                MmFeature {
+                    identifier: "hash1".into(),
+                    offset: 0,
+                    length: 5,
+                },
             ],
             ..RequestSpec::default()
         };
         let r = Request::new("r".into(), 0, spec, 1, 16).unwrap_or_else(|e| panic!("{e}"));
         let mut k = Vec::new();
         r.extra_keys(0, 5, &mut k);
-        assert_eq!(k, vec![ExtraKey::Mm { identifier: "hash1", offset: 0 }]);
+        assert_eq!(
+            k,
+            vec![ExtraKey::Mm {
+                identifier: "hash1",
+                offset: 0
+            }]
+        );
         r.extra_keys(3, 8, &mut k);
-        assert_eq!(k, vec![ExtraKey::Mm { identifier: "hash1", offset: -3 }]);
+        assert_eq!(
+            k,
+            vec![ExtraKey::Mm {
+                identifier: "hash1",
+                offset: -3
+            }]
+        );
         r.extra_keys(6, 10, &mut k);
         assert!(k.is_empty());
         r.extra_keys(0, 15, &mut k);
         assert_eq!(
             k,
             vec![
-                ExtraKey::Mm { identifier: "hash1", offset: 0 },
-                ExtraKey::Mm { identifier: "hash2", offset: 10 }
+                ExtraKey::Mm {
+                    identifier: "hash1",
+                    offset: 0
+                },
+                ExtraKey::Mm {
+                    identifier: "hash2",
+                    offset: 10
+                }
             ]
         );
     }
@@ -267,8 +296,16 @@ mod tests {
         let spec = RequestSpec {
             prompt_token_ids: vec![0; 16],
             mm_features: vec![
-                MmFeature { identifier: "a".into(), offset: 0, length: 5 },
-                MmFeature { identifier: "b".into(), offset: 4, length: 5 },
+                MmFeature {
+                    identifier: "a".into(),
+                    offset: 0,
+                    length: 5,
+                },
+                MmFeature {
+                    identifier: "b".into(),
+                    offset: 4,
+                    length: 5,
+                },
             ],
             ..RequestSpec::default()
         };

@@ -157,7 +157,8 @@ impl GroupManager {
         if pool.enable_caching() {
             pool.touch(hit);
         }
-        gb.blocks.extend(std::iter::repeat_n(NULL_BLOCK, skipped_blocks));
+        gb.blocks
+            .extend(std::iter::repeat_n(NULL_BLOCK, skipped_blocks));
         gb.blocks.extend_from_slice(hit);
         gb.num_cached = Some(gb.blocks.len());
     }
@@ -180,7 +181,9 @@ impl GroupManager {
         if ext == 0 {
             return;
         }
-        let need = total.div_ceil(u64::from(self.block_size)).saturating_sub(gb.blocks.len() as u64);
+        let need = total
+            .div_ceil(u64::from(self.block_size))
+            .saturating_sub(gb.blocks.len() as u64);
         // Capacity was checked by the caller.
         let _ = pool.get_new_blocks(need as u32, &mut gb.blocks);
     }

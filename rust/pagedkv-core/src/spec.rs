@@ -104,7 +104,10 @@ impl ManagerConfig {
             return bad("max_model_len must be positive".into());
         }
         if !(self.watermark >= 0.0 && self.watermark.is_finite()) {
-            return bad(format!("watermark must be a non-negative number, got {}", self.watermark));
+            return bad(format!(
+                "watermark must be a non-negative number, got {}",
+                self.watermark
+            ));
         }
         for (i, g) in self.groups.iter().enumerate() {
             if g.block_size == 0 {

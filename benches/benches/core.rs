@@ -1,1 +1,81 @@
-fn main() {}
+//! Criterion benches of every hot path of the core.
+
+use std::hint::black_box;
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use pagedkv_benches::{admit, manager, tokens};
+use pagedkv_core::{AllocateArgs, BlockHasher, BlockPool, HashAlgo};
+
+fn free_queue(c: &mut Criterion) {
+    let mut g = c.benchmark_group("free_queue");
+    for n in [1u32, 16, 256] {
+        g.bench_with_input(BenchmarkId::new("get_then_free", n), &n, |b, &n| {
+            let mut pool = BlockPool::new(1 << 16, true, false);
+            let mut out = Vec::with_capacity(n as usize);
+            b.iter(|| {
+                out.clear();
+                pool.get_new_blocks(n, &mut out);
+                pool.free_blocks(out.iter().rev().copied());
+            });
+        });
+    }
+    g.finish();
+}
+
+fn hashing(c: &mut Criterion) {
+    let mut g = c.benchmark_group("hash_block_16_tokens");
+    let toks = tokens(1, 16, 32000);
+    for algo in [HashAlgo::Sha256Cbor, HashAlgo::XxhashCbor, HashAlgo::Xxh3Native] {
+        let mut h = BlockHasher::new(algo, algo.none_hash("bench"));
+        let parent = h.hash_block(None, &toks, &[]);
+        g.throughput(Throughput::Bytes(64));
+        g.bench_function(algo.name(), |b| {
+            b.iter(|| black_box(h.hash_block(Some(&parent), black_box(&toks), &[])));
+        });
+    }
+    g.finish();
+}
+
+fn lookup(c: &mut Criterion) {
+    let mut g = c.benchmark_group("get_computed_blocks_2560_tokens");
+    let prompt = tokens(7, 2560, 32000);
+    let mut mgr = manager(4096);
+    assert!(admit(&mut mgr, "cached", &prompt));
+    let mut p2 = prompt.clone();
+    p2.push(1);
+    let _ = mgr.add_request("hit", pagedkv_core::RequestSpec { prompt_token_ids: p2, ..Default::default() });
+    let _ = mgr.add_request("miss", pagedkv_core::RequestSpec { prompt_token_ids: tokens(8, 2561, 32000), ..Default::default() });
+    g.bench_function("hit_160_blocks", |b| b.iter(|| black_box(mgr.get_computed_blocks("hit").map(|h| h.num_computed_tokens))));
+    g.bench_function("miss", |b| b.iter(|| black_box(mgr.get_computed_blocks("miss").map(|h| h.num_computed_tokens))));
+    g.finish();
+}
+
+fn allocate(c: &mut Criterion) {
+    let mut g = c.benchmark_group("allocate_slots");
+    // Decode step of a running request that needs no new block (15 of 16 steps).
+    let mut mgr = manager(1 << 16);
+    let prompt = tokens(3, 1000, 32000);
+    assert!(admit(&mut mgr, "r", &prompt));
+    g.bench_function("decode_no_new_block", |b| {
+        let args = AllocateArgs::step(1, 999);
+        b.iter(|| black_box(mgr.allocate_slots("r", &args, None).map(|x| x.is_some())));
+    });
+    // Admission of a 2,560-token prompt (160 fresh blocks) and its release.
+    let prompt = tokens(4, 2560, 32000);
+    let mut mgr = manager(1 << 16);
+    let mut i = 0u64;
+    g.bench_function("admit_2560_then_remove", |b| {
+        b.iter(|| {
+            let id = format!("a{i}");
+            i += 1;
+            let mut p = prompt.clone();
+            p[0] = (i % 30000) as u32; // distinct content: no hits
+            assert!(admit(&mut mgr, &id, &p));
+            let _ = mgr.remove_request(&id);
+        });
+    });
+    g.finish();
+}
+
+criterion_group!(benches, free_queue, hashing, lookup, allocate);
+criterion_main!(benches);

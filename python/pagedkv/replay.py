@@ -31,6 +31,13 @@ class ReplayReport:
     expected_free_blocks_at_end: int | None = None
     manager_seconds: float = 0.0
     first_mismatches: list[str] = field(default_factory=list)
+    #: per manager API: [calls, nanoseconds inside the call]
+    per_api: dict[str, list[int]] = field(default_factory=dict)
+
+    def _time(self, api: str, ns: int) -> None:
+        entry = self.per_api.setdefault(api, [0, 0])
+        entry[0] += 1
+        entry[1] += ns
 
     @property
     def ok(self) -> bool:
@@ -69,7 +76,6 @@ def replay_dump(path: str, max_reported: int = 5) -> ReplayReport:
         kv = manager_for_dump(header)
         known: dict[int, int] = {}
         last_hit: dict[int, Any] = {}
-        ns = 0
         clock = time.perf_counter_ns
 
         def ensure(i: int, num_tokens: int) -> str:
@@ -99,12 +105,14 @@ def replay_dump(path: str, max_reported: int = 5) -> ReplayReport:
                 break
             rep.ops += 1
             if op == "new_step":
+                t = clock()
                 kv.new_step_starts()
+                rep._time("new_step_starts", clock() - t)
             elif op == "get_computed_blocks":
                 rid = ensure(rec["req"], rec["num_tokens"])
                 t = clock()
                 hit = kv.get_computed_blocks(rid)
-                ns += clock() - t
+                rep._time("get_computed_blocks", clock() - t)
                 last_hit[rec["req"]] = hit
                 check(rec, {"num_computed_tokens": hit.num_computed_tokens,
                             "shared_prefix_boundary": hit.shared_prefix_boundary,
@@ -119,23 +127,26 @@ def replay_dump(path: str, max_reported: int = 5) -> ReplayReport:
                         new_computed_blocks=last_hit.pop(rec["req"]),
                         full_sequence_must_fit=rec["full_sequence_must_fit"],
                         has_scheduled_reqs=rec["has_scheduled_reqs"])
+                    kind = "allocate_slots(admit)"
                 else:
                     res = kv.allocate_slots(rid, rec["num_new_tokens"],
                                             num_computed_tokens=rec["num_computed_tokens"])
-                ns += clock() - t
+                    kind = "allocate_slots(running)"
+                rep._time(kind, clock() - t)
                 check(rec, None if res is None else _ids(res))
             elif op == "free":
                 rid = trace.requests[rec["req"]].req_id
                 t = clock()
                 if rec["reason"] == "preempted":
                     kv.free(rid)
+                    rep._time("free", clock() - t)
                 else:
                     kv.remove_request(rid)
+                    rep._time("remove_request", clock() - t)
                     known.pop(rec["req"], None)
-                ns += clock() - t
             else:
                 raise ValueError(f"unknown op {op!r} in {path}")
         rep.free_blocks_at_end = kv.num_free_blocks
-        rep.manager_seconds = ns / 1e9
+        rep.manager_seconds = sum(v[1] for v in rep.per_api.values()) / 1e9
         kv.check_invariants()
     return rep

@@ -243,6 +243,14 @@ impl KvCacheManager {
         Ok(self.req(self.slot(id)?).num_tokens())
     }
 
+    /// Prompt length of a request.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn num_prompt_tokens(&self, id: &str) -> Result<usize> {
+        Ok(self.req(self.slot(id)?).num_prompt_tokens)
+    }
+
     /// The request's block hashes at `hash_block_size` granularity.
     ///
     /// # Errors

@@ -512,6 +512,10 @@ impl PyManager {
         self.inner.num_tokens(request_id).map_err(err)
     }
 
+    fn num_prompt_tokens(&self, request_id: &str) -> PyResult<usize> {
+        self.inner.num_prompt_tokens(request_id).map_err(err)
+    }
+
     fn num_preemptions(&self, request_id: &str) -> PyResult<u32> {
         self.inner.num_preemptions(request_id).map_err(err)
     }

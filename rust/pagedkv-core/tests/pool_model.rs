@@ -1,0 +1,411 @@
+//! State-machine property test of `BlockPool` against a naive reference model.
+//!
+//! The model is deliberately simple: a `VecDeque` free queue, a `Vec` of reference
+//! counts, a per-block optional key and a key -> blocks map kept in insertion
+//! order. It encodes vLLM 0.33's `BlockPool` / `FreeKVCacheBlockQueue` semantics:
+//! allocation pops from the head and (with caching) lazily evicts, `touch` pulls
+//! ref-0 blocks out of the queue, `free_blocks` releases in the given order with
+//! unhashed blocks prepended as one run and hashed ones appended (caching off:
+//! everything prepended), one key may map to several blocks (first inserted wins).
+//!
+//! Random op sequences are interpreted against the model state (indices are taken
+//! modulo what exists), so every generated sequence is valid and shrinks well.
+
+use std::collections::{HashMap, VecDeque};
+
+use pagedkv_core::{BlockHash, BlockPool, CacheKey, KvEvent};
+use proptest::prelude::*;
+use proptest::sample::Index;
+
+const NUM_HASHES: u8 = 5;
+const NUM_GROUPS: u32 = 2;
+
+fn key(h: u8, group: u32) -> CacheKey {
+    CacheKey {
+        hash: BlockHash::from_slice(&[h + 1, 0x5a, h ^ 0x33]).expect("valid digest"),
+        group,
+    }
+}
+
+fn all_keys() -> Vec<CacheKey> {
+    (0..NUM_HASHES)
+        .flat_map(|h| (0..NUM_GROUPS).map(move |g| key(h, g)))
+        .collect()
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    /// `get_new_blocks(n)`, `n` possibly larger than the free count.
+    GetNew(u32),
+    /// `touch` of arbitrary ids (null block included).
+    Touch(Vec<Index>),
+    /// `free_blocks` of a random ordered selection of currently held references.
+    Free { picks: Vec<Index>, with_null: bool },
+    /// `cache_block(id, key)` on any block (null and already-keyed included).
+    Cache(Index, u8, u32),
+    /// `maybe_evict(id)` on any block.
+    Evict(Index),
+    /// `reset_prefix_cache()`.
+    Reset,
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u32..8).prop_map(Op::GetNew),
+        2 => prop::collection::vec(any::<Index>(), 0..5).prop_map(Op::Touch),
+        4 => (prop::collection::vec(any::<Index>(), 0..8), prop::bool::weighted(0.2))
+            .prop_map(|(picks, with_null)| Op::Free { picks, with_null }),
+        4 => (any::<Index>(), 0..NUM_HASHES, 0..NUM_GROUPS).prop_map(|(i, h, g)| Op::Cache(i, h, g)),
+        2 => any::<Index>().prop_map(Op::Evict),
+        1 => Just(Op::Reset),
+    ]
+}
+
+/// The naive reference pool.
+#[derive(Debug)]
+struct Model {
+    n: usize,
+    caching: bool,
+    events_on: bool,
+    queue: VecDeque<u32>,
+    refs: Vec<u32>,
+    key: Vec<Option<CacheKey>>,
+    map: HashMap<CacheKey, Vec<u32>>,
+    events: Vec<KvEvent>,
+}
+
+impl Model {
+    fn new(num_blocks: u32, caching: bool, events_on: bool) -> Self {
+        let n = num_blocks.max(1) as usize;
+        Self {
+            n,
+            caching,
+            events_on,
+            queue: (1..n as u32).collect(),
+            refs: vec![0; n],
+            key: vec![None; n],
+            map: HashMap::new(),
+            events: Vec::new(),
+        }
+    }
+
+    fn evict(&mut self, id: u32) -> bool {
+        let Some(k) = self.key[id as usize] else {
+            return false;
+        };
+        let list = self.map.get_mut(&k).expect("keyed block is listed");
+        let pos = list.iter().position(|&b| b == id).expect("listed");
+        list.remove(pos);
+        if list.is_empty() {
+            self.map.remove(&k);
+        }
+        self.key[id as usize] = None;
+        if self.events_on {
+            self.events.push(KvEvent::BlockRemoved {
+                block_hashes: vec![k.hash],
+                group_idx: k.group,
+            });
+        }
+        true
+    }
+
+    fn get_new(&mut self, n: u32) -> Option<Vec<u32>> {
+        if n as usize > self.queue.len() {
+            return None;
+        }
+        let mut out = Vec::new();
+        for _ in 0..n {
+            let id = self.queue.pop_front().expect("checked length");
+            if self.caching {
+                self.evict(id);
+            }
+            assert_eq!(self.refs[id as usize], 0, "model: popped a referenced block");
+            self.refs[id as usize] = 1;
+            out.push(id);
+        }
+        Some(out)
+    }
+
+    fn touch(&mut self, ids: &[u32]) {
+        for &id in ids {
+            if id == 0 {
+                continue;
+            }
+            if self.refs[id as usize] == 0 {
+                let pos = self.queue.iter().position(|&b| b == id).expect("ref-0 block is queued");
+                self.queue.remove(pos);
+            }
+            self.refs[id as usize] += 1;
+        }
+    }
+
+    fn free(&mut self, ordered: &[u32]) {
+        let mut first = Vec::new();
+        let mut last = Vec::new();
+        for &id in ordered {
+            if id == 0 {
+                continue;
+            }
+            self.refs[id as usize] -= 1;
+            if self.refs[id as usize] == 0 {
+                if self.key[id as usize].is_none() || !self.caching {
+                    first.push(id);
+                } else {
+                    last.push(id);
+                }
+            }
+        }
+        for &id in first.iter().rev() {
+            self.queue.push_front(id);
+        }
+        self.queue.extend(last);
+    }
+
+    fn cache(&mut self, id: u32, k: CacheKey) -> bool {
+        if id == 0 || self.key[id as usize].is_some() {
+            return false;
+        }
+        self.key[id as usize] = Some(k);
+        self.map.entry(k).or_default().push(id);
+        true
+    }
+
+    fn reset(&mut self) -> bool {
+        if self.queue.len() != self.n - 1 {
+            return false;
+        }
+        self.map.clear();
+        self.key.iter_mut().for_each(|k| *k = None);
+        if self.events_on {
+            self.events.push(KvEvent::AllBlocksCleared);
+        }
+        true
+    }
+
+    /// Every held reference, one entry per reference (block `b` appears `refs[b]` times).
+    fn held_refs(&self) -> Vec<u32> {
+        (1..self.n as u32)
+            .flat_map(|b| std::iter::repeat_n(b, self.refs[b as usize] as usize))
+            .collect()
+    }
+}
+
+fn assert_same(pool: &mut BlockPool, m: &mut Model, ctx: &str) -> Result<(), TestCaseError> {
+    prop_assert_eq!(pool.num_blocks() as usize, m.n, "{}: num_blocks", ctx);
+    prop_assert_eq!(
+        pool.free_queue(),
+        m.queue.iter().copied().collect::<Vec<_>>(),
+        "{}: free queue",
+        ctx
+    );
+    prop_assert_eq!(pool.num_free_blocks() as usize, m.queue.len(), "{}: num_free", ctx);
+    for b in 1..m.n as u32 {
+        prop_assert_eq!(pool.ref_cnt(b), m.refs[b as usize], "{}: ref_cnt of {}", ctx, b);
+        prop_assert_eq!(pool.block_key(b), m.key[b as usize], "{}: key of {}", ctx, b);
+        prop_assert_eq!(pool.is_evictable(b), m.refs[b as usize] == 0, "{}: evictable {}", ctx, b);
+    }
+    prop_assert_eq!(pool.block_key(0), None, "{}: null block is cached", ctx);
+    prop_assert!(!pool.is_evictable(0), "{}: null block evictable", ctx);
+    for k in all_keys() {
+        let want = m.map.get(&k).cloned().unwrap_or_default();
+        prop_assert_eq!(pool.cached_blocks(&k), want.clone(), "{}: cached_blocks({:?})", ctx, k);
+        prop_assert_eq!(pool.cached_block(&k), want.first().copied(), "{}: cached_block", ctx);
+    }
+    prop_assert_eq!(pool.num_cached_keys(), m.map.len(), "{}: num_cached_keys", ctx);
+    let total = m.n - 1;
+    let usage = if total == 0 {
+        0.0
+    } else {
+        1.0 - m.queue.len() as f64 / total as f64
+    };
+    prop_assert!((pool.usage() - usage).abs() < 1e-12, "{}: usage", ctx);
+    let mut expected_refs = m.refs.clone();
+    expected_refs[0] = pool.ref_cnt(0);
+    if let Err(e) = pool.check_invariants(Some(&expected_refs)) {
+        return Err(TestCaseError::fail(format!("{ctx}: check_invariants: {e}")));
+    }
+    prop_assert_eq!(pool.take_events(), std::mem::take(&mut m.events), "{}: events", ctx);
+    Ok(())
+}
+
+fn run_ops(num_blocks: u32, caching: bool, events_on: bool, ops: &[Op]) -> Result<(), TestCaseError> {
+    let mut pool = BlockPool::new(num_blocks, caching, events_on);
+    let mut m = Model::new(num_blocks, caching, events_on);
+    prop_assert_eq!(pool.enable_caching(), caching);
+    prop_assert_eq!(pool.events_enabled(), events_on);
+    assert_same(&mut pool, &mut m, "fresh pool")?;
+    let n = m.n;
+    for (step, op) in ops.iter().enumerate() {
+        let epoch_before = pool.epoch();
+        let keys_before = m.key.iter().filter(|k| k.is_some()).count();
+        let ctx = format!("step {step} {op:?}");
+        match op {
+            Op::GetNew(k) => {
+                let sentinel = vec![u32::MAX - 1];
+                let mut out = sentinel.clone();
+                let ok = pool.get_new_blocks(*k, &mut out);
+                match m.get_new(*k) {
+                    None => {
+                        prop_assert!(!ok, "{}: succeeded past the free count", ctx);
+                        prop_assert_eq!(out, sentinel, "{}: failed call appended", ctx);
+                    }
+                    Some(want) => {
+                        prop_assert!(ok, "{}: failed with enough free blocks", ctx);
+                        prop_assert_eq!(&out[..1], &sentinel[..], "{}: clobbered out", ctx);
+                        prop_assert_eq!(&out[1..], &want[..], "{}: allocated ids", ctx);
+                    }
+                }
+            }
+            Op::Touch(idx) => {
+                let ids: Vec<u32> = idx.iter().map(|i| i.index(n) as u32).collect();
+                pool.touch(&ids);
+                m.touch(&ids);
+            }
+            Op::Free { picks, with_null } => {
+                let mut held = m.held_refs();
+                let mut ordered = Vec::new();
+                for p in picks {
+                    if held.is_empty() {
+                        break;
+                    }
+                    ordered.push(held.swap_remove(p.index(held.len())));
+                }
+                if *with_null {
+                    let at = picks.first().map_or(0, |p| p.index(ordered.len() + 1));
+                    ordered.insert(at, 0);
+                }
+                pool.free_blocks(ordered.iter().copied());
+                m.free(&ordered);
+            }
+            Op::Cache(i, h, g) => {
+                let id = i.index(n) as u32;
+                let k = key(*h, *g);
+                let got = pool.cache_block(id, k);
+                prop_assert_eq!(got, m.cache(id, k), "{}: cache_block result", ctx);
+            }
+            Op::Evict(i) => {
+                let id = i.index(n) as u32;
+                prop_assert_eq!(pool.maybe_evict(id), m.evict(id), "{}: maybe_evict result", ctx);
+            }
+            Op::Reset => {
+                prop_assert_eq!(pool.reset_prefix_cache(), m.reset(), "{}: reset result", ctx);
+            }
+        }
+        let keys_after = m.key.iter().filter(|k| k.is_some()).count();
+        prop_assert!(pool.epoch() >= epoch_before, "{}: epoch went back", ctx);
+        // Only cache_block adds keys and no op both adds and drops them, so fewer
+        // keyed blocks means one lost its key: earlier lookups must be re-validated.
+        if keys_after < keys_before {
+            prop_assert!(pool.epoch() > epoch_before, "{}: a key was lost but the epoch stayed", ctx);
+        }
+        assert_same(&mut pool, &mut m, &ctx)?;
+    }
+    // Releasing every held reference returns the pool to all-free.
+    let held = m.held_refs();
+    pool.free_blocks(held.iter().rev().copied());
+    m.free(&held.iter().rev().copied().collect::<Vec<_>>());
+    assert_same(&mut pool, &mut m, "final release")?;
+    prop_assert_eq!(pool.num_free_blocks() as usize, n - 1);
+    prop_assert!(pool.reset_prefix_cache());
+    prop_assert_eq!(pool.num_cached_keys(), 0);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn block_pool_matches_naive_queue_refcount_and_map_model(
+        num_blocks in 1u32..20,
+        caching in any::<bool>(),
+        events_on in any::<bool>(),
+        ops in prop::collection::vec(op_strategy(), 0..60),
+    ) {
+        run_ops(num_blocks, caching, events_on, &ops)?;
+    }
+
+    /// Small pools with caching on, where duplicates, eviction on reuse and LRU
+    /// ordering interact the most.
+    #[test]
+    fn block_pool_with_caching_on_small_pools_matches_model(
+        num_blocks in 2u32..6,
+        ops in prop::collection::vec(op_strategy(), 0..60),
+    ) {
+        run_ops(num_blocks, true, true, &ops)?;
+    }
+}
+
+#[test]
+fn zero_block_pool_behaves_like_a_pool_of_only_the_null_block() {
+    let mut pool = BlockPool::new(0, true, false);
+    assert_eq!(pool.num_blocks(), 1);
+    assert_eq!(pool.num_free_blocks(), 0);
+    assert!(pool.free_queue().is_empty());
+    let mut out = Vec::new();
+    assert!(pool.get_new_blocks(0, &mut out));
+    assert!(!pool.get_new_blocks(1, &mut out));
+    assert!(out.is_empty());
+    assert_eq!(pool.usage(), 0.0);
+    assert!(pool.reset_prefix_cache());
+    assert!(pool.check_invariants(None).is_ok());
+}
+
+#[test]
+fn freeing_a_block_twice_in_one_call_releases_it_once_at_its_last_position() {
+    // ref 2 on block 1: the first occurrence only decrements, the second queues it.
+    let mut pool = BlockPool::new(5, true, false);
+    let mut out = Vec::new();
+    assert!(pool.get_new_blocks(3, &mut out));
+    pool.touch(&[1]);
+    pool.free_blocks([1, 3, 1, 2]);
+    // Unhashed blocks reaching 0 in order 3, 1, 2 are prepended as one run.
+    assert_eq!(pool.free_queue(), vec![3, 1, 2, 4]);
+    assert!(pool.check_invariants(None).is_ok());
+}
+
+#[test]
+fn mixed_free_prepends_unhashed_run_and_appends_hashed_run_in_given_order() {
+    let mut pool = BlockPool::new(8, true, false);
+    let mut out = Vec::new();
+    assert!(pool.get_new_blocks(6, &mut out));
+    assert!(pool.cache_block(2, key(0, 0)));
+    assert!(pool.cache_block(4, key(1, 0)));
+    // Tail-first free of [1..=6]: unhashed 6,5,3,1 to the front, hashed 4,2 to the back.
+    pool.free_blocks([6, 5, 4, 3, 2, 1]);
+    assert_eq!(pool.free_queue(), vec![6, 5, 3, 1, 7, 4, 2]);
+    assert!(pool.check_invariants(None).is_ok());
+}
+
+#[test]
+fn caching_off_prepends_even_hashed_blocks_and_never_evicts_on_reuse() {
+    let mut pool = BlockPool::new(5, false, false);
+    let mut out = Vec::new();
+    assert!(pool.get_new_blocks(2, &mut out));
+    assert!(pool.cache_block(1, key(0, 0)));
+    pool.free_blocks([2, 1]);
+    assert_eq!(pool.free_queue(), vec![2, 1, 3, 4]);
+    out.clear();
+    assert!(pool.get_new_blocks(2, &mut out));
+    assert_eq!(out, vec![2, 1]);
+    // get_new_blocks evicts only with caching on.
+    assert_eq!(pool.cached_block(&key(0, 0)), Some(1));
+    assert!(pool.check_invariants(None).is_ok());
+}
+
+#[test]
+fn duplicate_key_lookup_returns_first_inserted_until_it_is_evicted() {
+    let mut pool = BlockPool::new(6, true, false);
+    let mut out = Vec::new();
+    assert!(pool.get_new_blocks(5, &mut out));
+    let k = key(3, 1);
+    assert!(pool.cache_block(4, k));
+    assert!(pool.cache_block(2, k));
+    assert!(pool.cache_block(5, k));
+    assert_eq!(pool.cached_block(&k), Some(4));
+    assert!(pool.maybe_evict(4));
+    assert_eq!(pool.cached_block(&k), Some(2));
+    assert_eq!(pool.cached_blocks(&k), vec![2, 5]);
+    // Same hash, other group: a different key.
+    assert_eq!(pool.cached_block(&key(3, 0)), None);
+    assert!(pool.check_invariants(None).is_ok());
+}

@@ -1,0 +1,213 @@
+"""Block hashes byte-identical with vLLM 0.33 (vectors recorded from vLLM itself).
+
+- ``vllm_hashes_default.json``: PYTHONHASHSEED unset (NONE_HASH = hash_fn of vLLM's
+  DEFAULT_NONE_HASH_SEED for sha256 algorithms).
+- ``vllm_hashes_seed0.json``: PYTHONHASHSEED=0 (NONE_HASH = hash_fn("0")).
+- ``vllm_request_hashes.json``: the request path (tagged extra keys from LoRA,
+  multimodal items and cache salt), sha256_cbor, default NONE_HASH.
+
+``sha256`` / ``xxhash`` (pickle-based) cases are not part of pagedkv.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _util import VLLM_DEFAULT_NONE_HASH_SEED, admit, chain, event_hash, load_vectors, make_manager
+
+import pagedkv as pk
+
+CBOR_ALGOS = ("sha256_cbor", "xxhash_cbor")
+DEFAULT = load_vectors("vllm_hashes_default.json")
+SEED0 = load_vectors("vllm_hashes_seed0.json")
+REQUESTS = load_vectors("vllm_request_hashes.json")
+FILE_SEEDS = (("default", DEFAULT, VLLM_DEFAULT_NONE_HASH_SEED), ("seed0", SEED0, "0"))
+
+
+def as_tuples(x: Any) -> Any:
+    """JSON lists back to the tuples vLLM hashed (CBOR encodes both as arrays)."""
+    return tuple(as_tuples(i) for i in x) if isinstance(x, list) else x
+
+
+@pytest.fixture(autouse=True)
+def _no_pythonhashseed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # hash_seed=None reads PYTHONHASHSEED, as vLLM does: keep the environment out.
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+
+
+# --------------------------------------------------------------------------- NONE_HASH
+
+
+def _none_hash_cases() -> list[Any]:
+    cases = []
+    for file_id, data, file_seed in FILE_SEEDS:
+        for key, digest in data["none_hash"].items():
+            algo, _, seed = key.partition(":seed=")
+            if algo in CBOR_ALGOS:
+                cases.append(pytest.param(algo, seed or file_seed, digest, id=f"{file_id}-{key}"))
+    return cases
+
+
+@pytest.mark.parametrize(("algo", "seed", "digest"), _none_hash_cases())
+def test_none_hash_is_hash_fn_of_the_seed(algo: str, seed: str, digest: str) -> None:
+    assert pk.none_hash(algo, seed).hex() == digest
+
+
+def test_manager_default_none_hash_is_vllms_deterministic_default() -> None:
+    mgr = make_manager(hash_algo="sha256_cbor")
+    assert mgr.none_hash.hex() == DEFAULT["none_hash"]["sha256_cbor"]
+    assert mgr.none_hash.hex() == REQUESTS["none_hash"]
+
+
+@pytest.mark.parametrize("algo", CBOR_ALGOS)
+def test_hash_seed_behaves_like_pythonhashseed(algo: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = SEED0["none_hash"][algo]
+    assert make_manager(hash_algo=algo, hash_seed="0").none_hash.hex() == expected
+    assert make_manager(hash_algo=algo, hash_seed=0).none_hash.hex() == expected
+    seeded = make_manager(hash_algo=algo, hash_seed="python hash seed").none_hash.hex()
+    assert seeded == SEED0["none_hash"][f"{algo}:seed=python hash seed"]
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    assert make_manager(hash_algo=algo).none_hash.hex() == expected
+
+
+def test_xxhash_cbor_without_a_seed_uses_a_random_none_hash() -> None:
+    # vLLM keeps a random per-process NONE_HASH for non-cryptographic hashes.
+    a = make_manager(hash_algo="xxhash_cbor").none_hash
+    b = make_manager(hash_algo="xxhash_cbor").none_hash
+    assert a != b
+    assert a != pk.none_hash("xxhash_cbor", VLLM_DEFAULT_NONE_HASH_SEED)
+
+
+def test_seed0_chain_through_the_manager_matches_the_seed0_vectors() -> None:
+    for algo in CBOR_ALGOS:
+        case = next(c for c in SEED0["hash_vectors"]
+                    if c["algo"] == algo and c["case"] == "tokens_0_16")
+        mgr = make_manager(hash_algo=algo, hash_seed="0")
+        mgr.add_request("0", case["token_ids"] + case["child_token_ids"])
+        assert [h.hex() for h in mgr.block_hashes("0")] == [case["hash"], case["child_hash"]]
+
+
+# --------------------------------------------------------------------------- hash_block_tokens
+
+
+def _hash_cases() -> list[Any]:
+    cases = []
+    for file_id, data, seed in FILE_SEEDS:
+        for c in data["hash_vectors"]:
+            if c["algo"] in CBOR_ALGOS:
+                cases.append(pytest.param(c, seed, id=f"{file_id}-{c['algo']}-{c['case']}"))
+    return cases
+
+
+@pytest.mark.parametrize(("case", "seed"), _hash_cases())
+def test_hash_block_tokens_matches_vllm(case: dict[str, Any], seed: str) -> None:
+    algo = case["algo"]
+    none_hash = pk.none_hash(algo, seed)
+    parent = None if case["parent"] is None else bytes.fromhex(case["parent"])
+    extra = as_tuples(case["extra_keys"])
+    block_hash = pk.hash_block_tokens(algo, parent, case["token_ids"], extra, none_hash=none_hash)
+    assert block_hash.hex() == case["hash"]
+    # The child block is chained on it, without extra keys.
+    child = pk.hash_block_tokens(algo, block_hash, case["child_token_ids"], None,
+                                 none_hash=none_hash)
+    assert child.hex() == case["child_hash"]
+
+
+@pytest.mark.parametrize(("file_id", "data", "seed"), FILE_SEEDS, ids=lambda v: str(v)[:8])
+def test_salted_chain_vector(file_id: str, data: dict[str, Any], seed: str) -> None:
+    vec = data["chain_bs4_salt_first_block_sha256_cbor"]
+    tokens, bs, salt = vec["token_ids"], vec["block_size"], vec["cache_salt"]
+    none_hash = pk.none_hash("sha256_cbor", seed)
+    # The vector chains vLLM's hash_block_tokens with the untagged key (salt,) on
+    # the first block (the function-level form, as in the event vectors).
+    got = chain("sha256_cbor", none_hash, tokens, bs, [(salt,), None, None])
+    assert [h.hex() for h in got] == vec["hashes"]
+
+    # Through the manager (block size 4, cache_salt): vLLM 0.33's request path
+    # tags the key as ("cache_salt", salt), so the first block -- and the chain --
+    # differ from the untagged vector, while the event keeps the untagged key.
+    mgr = make_manager(bs, 8, hash_algo="sha256_cbor", hash_seed=seed,
+                       enable_kv_cache_events=True)
+    mgr.add_request("0", tokens, cache_salt=salt)
+    tagged = chain("sha256_cbor", none_hash, tokens, bs, [(("cache_salt", salt),), None, None])
+    assert mgr.block_hashes("0") == tagged
+    assert tagged[0].hex() != vec["hashes"][0]
+    admit(mgr, "0")
+    (stored,) = mgr.take_events()
+    assert stored.extra_keys == [(salt,), None, None]
+    assert stored.block_hashes == [event_hash(h) for h in tagged]
+
+
+# --------------------------------------------------------------------------- request path
+
+
+def _event_keys(keys: list[list[Any]] | None) -> tuple[Any, ...] | None:
+    """vLLM's to_event_extra_keys: mm keys lose the tag, others keep only the value."""
+    if keys is None:
+        return None
+    return tuple(tuple(k[1:]) if k[0] == "mm" else k[1] for k in keys)
+
+
+def _request_case_id(case: dict[str, Any]) -> str:
+    parts = [f"bs{case['block_size']}", f"n{len(case['token_ids'])}"]
+    if case["lora_name"]:
+        parts.append("lora")
+    if case["cache_salt"]:
+        parts.append("salt")
+    if case["mm_features"]:
+        parts.append(f"mm{len(case['mm_features'])}")
+    return "-".join(parts)
+
+
+@pytest.mark.parametrize("case", REQUESTS["cases"], ids=_request_case_id)
+def test_request_block_hashes_match_vllm(case: dict[str, Any]) -> None:
+    assert REQUESTS["hash_algo"] == "sha256_cbor"
+    bs, tokens = case["block_size"], case["token_ids"]
+    mgr = make_manager(bs, len(tokens) // bs + 2, enable_kv_cache_events=True)
+    assert mgr.none_hash.hex() == REQUESTS["none_hash"]
+    lora = {"lora_name": case["lora_name"], "lora_path": "/x"} if case["lora_name"] else {}
+    mgr.add_request("r", tokens, cache_salt=case["cache_salt"],
+                    mm_features=[tuple(m) for m in case["mm_features"]], **lora)
+
+    expected = [b["hash"] for b in case["blocks"]]
+    assert [h.hex() for h in mgr.block_hashes("r")] == expected
+    # The recorded (tagged) extra keys reproduce the chain with hash_block_tokens.
+    keys = [as_tuples(b["extra_keys"]) for b in case["blocks"]]
+    got = chain("sha256_cbor", mgr.none_hash, tokens, bs, keys)
+    assert [h.hex() for h in got] == expected
+
+    # Caching the whole prompt publishes the untagged keys, one entry per block.
+    mgr.allocate_slots("r", len(tokens), num_computed_tokens=0)
+    (stored,) = mgr.take_events()
+    assert stored.block_hashes == [event_hash(bytes.fromhex(h)) for h in expected]
+    assert stored.extra_keys == [_event_keys(b["extra_keys"]) for b in case["blocks"]]
+    assert stored.lora_name == case["lora_name"]
+
+
+# --------------------------------------------------------------------------- xxh3_native
+
+
+def test_xxh3_native_is_deterministic_given_a_seed_and_differs_from_vllm_hashes() -> None:
+    tokens = list(range(64))
+    hashes = {}
+    for algo in ("sha256_cbor", "xxhash_cbor", "xxh3_native"):
+        mgr = make_manager(hash_algo=algo, hash_seed="0")
+        mgr.add_request("0", tokens)
+        hashes[algo] = mgr.block_hashes("0")
+        assert len(hashes[algo]) == 4
+    assert hashes["xxh3_native"] != hashes["sha256_cbor"]
+    assert hashes["xxh3_native"] != hashes["xxhash_cbor"]
+
+    again = make_manager(hash_algo="xxh3_native", hash_seed="0")
+    again.add_request("0", tokens)
+    assert again.block_hashes("0") == hashes["xxh3_native"]
+    other = make_manager(hash_algo="xxh3_native", hash_seed="1")
+    other.add_request("0", tokens)
+    assert other.block_hashes("0") != hashes["xxh3_native"]
+
+    assert pk.none_hash("xxh3_native", "0") == again.none_hash
+    # Prefix hits work with it like with any other algorithm.
+    admit(again, "0")
+    again.add_request("1", tokens + [1])
+    assert again.get_computed_blocks("1").num_computed_tokens == 64

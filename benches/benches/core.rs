@@ -25,7 +25,11 @@ fn free_queue(c: &mut Criterion) {
 fn hashing(c: &mut Criterion) {
     let mut g = c.benchmark_group("hash_block_16_tokens");
     let toks = tokens(1, 16, 32000);
-    for algo in [HashAlgo::Sha256Cbor, HashAlgo::XxhashCbor, HashAlgo::Xxh3Native] {
+    for algo in [
+        HashAlgo::Sha256Cbor,
+        HashAlgo::XxhashCbor,
+        HashAlgo::Xxh3Native,
+    ] {
         let mut h = BlockHasher::new(algo, algo.none_hash("bench"));
         let parent = h.hash_block(None, &toks, &[]);
         g.throughput(Throughput::Bytes(64));
@@ -43,10 +47,36 @@ fn lookup(c: &mut Criterion) {
     assert!(admit(&mut mgr, "cached", &prompt));
     let mut p2 = prompt.clone();
     p2.push(1);
-    let _ = mgr.add_request("hit", pagedkv_core::RequestSpec { prompt_token_ids: p2, ..Default::default() });
-    let _ = mgr.add_request("miss", pagedkv_core::RequestSpec { prompt_token_ids: tokens(8, 2561, 32000), ..Default::default() });
-    g.bench_function("hit_160_blocks", |b| b.iter(|| black_box(mgr.get_computed_blocks("hit").map(|h| h.num_computed_tokens))));
-    g.bench_function("miss", |b| b.iter(|| black_box(mgr.get_computed_blocks("miss").map(|h| h.num_computed_tokens))));
+    let _ = mgr.add_request(
+        "hit",
+        pagedkv_core::RequestSpec {
+            prompt_token_ids: p2,
+            ..Default::default()
+        },
+    );
+    let _ = mgr.add_request(
+        "miss",
+        pagedkv_core::RequestSpec {
+            prompt_token_ids: tokens(8, 2561, 32000),
+            ..Default::default()
+        },
+    );
+    g.bench_function("hit_160_blocks", |b| {
+        b.iter(|| {
+            black_box(
+                mgr.get_computed_blocks("hit")
+                    .map(|h| h.num_computed_tokens),
+            )
+        })
+    });
+    g.bench_function("miss", |b| {
+        b.iter(|| {
+            black_box(
+                mgr.get_computed_blocks("miss")
+                    .map(|h| h.num_computed_tokens),
+            )
+        })
+    });
     g.finish();
 }
 

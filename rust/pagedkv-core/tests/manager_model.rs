@@ -28,7 +28,12 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 use std::sync::Mutex;
 static COV: Mutex<Option<HashMap<String, usize>>> = Mutex::new(None);
-fn cov(k: &str) { let mut g = COV.lock().unwrap(); *g.get_or_insert_with(HashMap::new).entry(k.to_string()).or_default() += 1; }
+fn cov(k: &str) {
+    let mut g = COV.lock().unwrap();
+    *g.get_or_insert_with(HashMap::new)
+        .entry(k.to_string())
+        .or_default() += 1;
+}
 
 // ---------------------------------------------------------------------------
 // Configuration and ops
@@ -51,7 +56,8 @@ struct Cfg {
 
 impl Cfg {
     fn manager_config(&self) -> ManagerConfig {
-        let mut c = ManagerConfig::full_attention(self.num_blocks, self.block_size, self.max_model_len);
+        let mut c =
+            ManagerConfig::full_attention(self.num_blocks, self.block_size, self.max_model_len);
         c.enable_caching = self.caching;
         c.enable_kv_cache_events = self.events;
         c.use_eagle = self.eagle;
@@ -67,7 +73,10 @@ impl Cfg {
     }
 }
 
-fn cfg_strategy(num_blocks: std::ops::RangeInclusive<u32>, caching: BoxedStrategy<bool>) -> impl Strategy<Value = Cfg> {
+fn cfg_strategy(
+    num_blocks: std::ops::RangeInclusive<u32>,
+    caching: BoxedStrategy<bool>,
+) -> impl Strategy<Value = Cfg> {
     (
         num_blocks,
         prop::sample::select(vec![1u32, 2, 4, 16]),
@@ -76,12 +85,27 @@ fn cfg_strategy(num_blocks: std::ops::RangeInclusive<u32>, caching: BoxedStrateg
         any::<bool>(),
         prop::bool::weighted(0.2),
         prop::sample::select(vec![0.0f64, 0.1]),
-        prop::sample::select(vec![HashAlgo::Sha256Cbor, HashAlgo::XxhashCbor, HashAlgo::Xxh3Native]),
+        prop::sample::select(vec![
+            HashAlgo::Sha256Cbor,
+            HashAlgo::XxhashCbor,
+            HashAlgo::Xxh3Native,
+        ]),
         prop::sample::select(vec![17u64, 48, 100_000]),
         any::<bool>(),
     )
         .prop_map(
-            |(num_blocks, block_size, hbs_pick, caching, events, eagle, watermark, algo, max_model_len, log_stats)| {
+            |(
+                num_blocks,
+                block_size,
+                hbs_pick,
+                caching,
+                events,
+                eagle,
+                watermark,
+                algo,
+                max_model_len,
+                log_stats,
+            )| {
                 let divisors: Vec<u32> = (1..=block_size).filter(|d| block_size % d == 0).collect();
                 // Half the time the default (= block size), else any divisor.
                 let hash_block_size = if hbs_pick.index(2) == 0 {
@@ -108,16 +132,36 @@ fn cfg_strategy(num_blocks: std::ops::RangeInclusive<u32>, caching: BoxedStrateg
 #[derive(Clone, Debug)]
 enum Op {
     /// New request: a prefix of one of the shared base prompts plus a short suffix.
-    Add { base: Index, len: Index, suffix: Vec<u32>, skip_reading: bool },
+    Add {
+        base: Index,
+        len: Index,
+        suffix: Vec<u32>,
+        skip_reading: bool,
+    },
     /// `get_computed_blocks` on a waiting request; the hit is kept for a later admission.
     Lookup { req: Index },
     /// Admission of a waiting request: lookup (or a kept, possibly stale, hit) then
     /// `allocate_slots` for the rest of the prompt or a chunk of it.
-    Admit { req: Index, chunk: Option<u8>, reuse_kept_hit: bool, lookahead: u8, none_if_empty: bool },
+    Admit {
+        req: Index,
+        chunk: Option<u8>,
+        reuse_kept_hit: bool,
+        lookahead: u8,
+        none_if_empty: bool,
+    },
     /// A running request's step: continue a chunked prefill, or decode one token.
-    Step { req: Index, chunk: Option<u8>, lookahead: u8, token: u32 },
+    Step {
+        req: Index,
+        chunk: Option<u8>,
+        lookahead: u8,
+        token: u32,
+    },
     /// `allocate_slots_batch` over distinct running requests (decode or prefill rest).
-    Batch { picks: Vec<Index>, lookahead: u8, token: u32 },
+    Batch {
+        picks: Vec<Index>,
+        lookahead: u8,
+        token: u32,
+    },
     /// `free` (preemption) of any known request.
     Preempt { req: Index },
     /// `remove_request` of any known request.
@@ -179,7 +223,11 @@ fn kind(e: &Error) -> ErrKind {
 /// Events with prefixes in place of hashes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum MEvent {
-    Stored { blocks: Vec<Vec<u32>>, parent: Option<Vec<u32>>, token_ids: Vec<u32> },
+    Stored {
+        blocks: Vec<Vec<u32>>,
+        parent: Option<Vec<u32>>,
+        token_ids: Vec<u32>,
+    },
     Removed(Vec<u32>),
     Cleared,
 }
@@ -249,11 +297,16 @@ impl Model {
     }
 
     fn req(&mut self, id: &str) -> &mut MReq {
-        self.reqs.iter_mut().find(|r| r.id == id).expect("known request")
+        self.reqs
+            .iter_mut()
+            .find(|r| r.id == id)
+            .expect("known request")
     }
 
     fn evict(&mut self, b: u32) {
-        let Some(k) = self.key[b as usize].take() else { return };
+        let Some(k) = self.key[b as usize].take() else {
+            return;
+        };
         let list = self.map.get_mut(&k).expect("keyed block is listed");
         list.retain(|&x| x != b);
         if list.is_empty() {
@@ -322,7 +375,12 @@ impl Model {
     /// most `num_tokens - 1` tokens; EAGLE drops the last matched block.
     fn lookup(&mut self, id: &str) -> (Vec<u32>, u64) {
         let (caching, eagle, bs) = (self.cfg.caching, self.cfg.eagle, self.bs);
-        let r = self.reqs.iter().find(|r| r.id == id).expect("known").clone();
+        let r = self
+            .reqs
+            .iter()
+            .find(|r| r.id == id)
+            .expect("known")
+            .clone();
         if !caching || r.skip_reading {
             return (Vec::new(), 0);
         }
@@ -366,8 +424,18 @@ impl Model {
     }
 
     /// vLLM's `allocate_slots` for full attention, naively.
-    fn allocate(&mut self, id: &str, a: &AllocateArgs, hit: Option<&[u32]>) -> Result<Option<Vec<u32>>, ErrKind> {
-        let r = self.reqs.iter().find(|r| r.id == id).expect("known").clone();
+    fn allocate(
+        &mut self,
+        id: &str,
+        a: &AllocateArgs,
+        hit: Option<&[u32]>,
+    ) -> Result<Option<Vec<u32>>, ErrKind> {
+        let r = self
+            .reqs
+            .iter()
+            .find(|r| r.id == id)
+            .expect("known")
+            .clone();
         let need_slot = self.precheck(&r, a, hit)?;
         let bs = self.bs as u64;
         let total = (a.num_computed_tokens + a.num_new_computed_tokens).min(self.cfg.max_model_len);
@@ -375,8 +443,15 @@ impl Model {
         let required = need_slot.div_ceil(bs) as usize;
         let hit_blocks = hit.unwrap_or(&[]);
         let fresh = required.saturating_sub(r.blocks.len() + hit_blocks.len());
-        let evictable = hit_blocks.iter().filter(|&&b| b != 0 && self.refs[b as usize] == 0).count();
-        let watermark = if admitting { self.watermark_blocks() } else { 0 };
+        let evictable = hit_blocks
+            .iter()
+            .filter(|&&b| b != 0 && self.refs[b as usize] == 0)
+            .count();
+        let watermark = if admitting {
+            self.watermark_blocks()
+        } else {
+            0
+        };
         if fresh + evictable + watermark > self.queue.len() {
             return Ok(None);
         }
@@ -410,8 +485,11 @@ impl Model {
                 }
                 if self.cfg.events {
                     self.events.push(MEvent::Stored {
-                        blocks: (rm.num_cached..full).map(|i| rm.tokens[..(i + 1) * self.bs].to_vec()).collect(),
-                        parent: (rm.num_cached > 0).then(|| rm.tokens[..rm.num_cached * self.bs].to_vec()),
+                        blocks: (rm.num_cached..full)
+                            .map(|i| rm.tokens[..(i + 1) * self.bs].to_vec())
+                            .collect(),
+                        parent: (rm.num_cached > 0)
+                            .then(|| rm.tokens[..rm.num_cached * self.bs].to_vec()),
                         token_ids: rm.tokens[rm.num_cached * self.bs..full * self.bs].to_vec(),
                     });
                 }
@@ -490,16 +568,37 @@ impl Bijection {
     }
 }
 
-fn check_all(mgr: &mut KvCacheManager, m: &mut Model, bij: &mut Bijection, ctx: &str) -> Result<(), TestCaseError> {
+fn check_all(
+    mgr: &mut KvCacheManager,
+    m: &mut Model,
+    bij: &mut Bijection,
+    ctx: &str,
+) -> Result<(), TestCaseError> {
     if let Err(e) = mgr.check_invariants() {
         return Err(TestCaseError::fail(format!("{ctx}: check_invariants: {e}")));
     }
     let pool = mgr.pool();
     let n = m.n;
-    prop_assert_eq!(pool.free_queue(), m.queue.iter().copied().collect::<Vec<_>>(), "{}: free queue", ctx);
-    prop_assert_eq!(mgr.num_free_blocks() as usize, m.queue.len(), "{}: num_free", ctx);
+    prop_assert_eq!(
+        pool.free_queue(),
+        m.queue.iter().copied().collect::<Vec<_>>(),
+        "{}: free queue",
+        ctx
+    );
+    prop_assert_eq!(
+        mgr.num_free_blocks() as usize,
+        m.queue.len(),
+        "{}: num_free",
+        ctx
+    );
     for b in 1..n as u32 {
-        prop_assert_eq!(pool.ref_cnt(b), m.refs[b as usize], "{}: ref_cnt of block {}", ctx, b);
+        prop_assert_eq!(
+            pool.ref_cnt(b),
+            m.refs[b as usize],
+            "{}: ref_cnt of block {}",
+            ctx,
+            b
+        );
     }
     prop_assert_eq!(mgr.num_requests(), m.reqs.len(), "{}: request count", ctx);
 
@@ -507,7 +606,10 @@ fn check_all(mgr: &mut KvCacheManager, m: &mut Model, bij: &mut Bijection, ctx: 
     let hbs = m.cfg.hbs();
     let hashing = m.cfg.caching || m.cfg.events;
     for r in &m.reqs {
-        let hashes = mgr.block_hashes(&r.id).map_err(|e| TestCaseError::fail(format!("{e}")))?.to_vec();
+        let hashes = mgr
+            .block_hashes(&r.id)
+            .map_err(|e| TestCaseError::fail(format!("{e}")))?
+            .to_vec();
         let want = if hashing { r.tokens.len() / hbs } else { 0 };
         prop_assert_eq!(hashes.len(), want, "{}: hash count of {}", ctx, r.id);
         for (j, h) in hashes.iter().enumerate() {
@@ -523,33 +625,81 @@ fn check_all(mgr: &mut KvCacheManager, m: &mut Model, bij: &mut Bijection, ctx: 
                 Some(bij.prefix(&k.hash)?)
             }
         };
-        prop_assert_eq!(got, m.key[b as usize].clone(), "{}: key of block {}", ctx, b);
+        prop_assert_eq!(
+            got,
+            m.key[b as usize].clone(),
+            "{}: key of block {}",
+            ctx,
+            b
+        );
     }
     for (prefix, list) in &m.map {
         let Some(&h) = bij.to_hash.get(prefix) else {
-            return Err(TestCaseError::fail(format!("{ctx}: model key of unknown hash")));
+            return Err(TestCaseError::fail(format!(
+                "{ctx}: model key of unknown hash"
+            )));
         };
         let k = CacheKey { hash: h, group: 0 };
-        prop_assert_eq!(&pool.cached_blocks(&k), list, "{}: blocks cached under prefix len {}", ctx, prefix.len());
+        prop_assert_eq!(
+            &pool.cached_blocks(&k),
+            list,
+            "{}: blocks cached under prefix len {}",
+            ctx,
+            prefix.len()
+        );
     }
-    prop_assert_eq!(pool.num_cached_keys(), m.map.len(), "{}: cached key count", ctx);
-    if m.map.values().any(|l| l.len() > 1) { cov("dup keys state"); }
+    prop_assert_eq!(
+        pool.num_cached_keys(),
+        m.map.len(),
+        "{}: cached key count",
+        ctx
+    );
+    if m.map.values().any(|l| l.len() > 1) {
+        cov("dup keys state");
+    }
 
     // Per request: blocks, tokens, preemptions; model-free block-count properties.
     let bs = m.bs as u64;
     let mut held = HashSet::new();
     let num_running = m.reqs.iter().filter(|r| r.admitted).count();
     for r in &m.reqs {
-        let ids = mgr.block_ids(&r.id).map_err(|e| TestCaseError::fail(format!("{e}")))?;
+        let ids = mgr
+            .block_ids(&r.id)
+            .map_err(|e| TestCaseError::fail(format!("{e}")))?;
         prop_assert_eq!(ids.len(), 1);
         prop_assert_eq!(ids[0], &r.blocks[..], "{}: blocks of {}", ctx, r.id);
-        prop_assert_eq!(ids[0].len() as u64, r.alloc_tokens.div_ceil(bs), "{}: block count of {}", ctx, r.id);
-        prop_assert!(ids[0].len() as u64 * bs >= r.num_computed, "{}: computed tokens without blocks", ctx);
-        prop_assert_eq!(mgr.num_tokens(&r.id).ok(), Some(r.tokens.len()), "{}: tokens of {}", ctx, r.id);
-        prop_assert_eq!(mgr.num_preemptions(&r.id).ok(), Some(r.preemptions), "{}: preemptions", ctx);
+        prop_assert_eq!(
+            ids[0].len() as u64,
+            r.alloc_tokens.div_ceil(bs),
+            "{}: block count of {}",
+            ctx,
+            r.id
+        );
+        prop_assert!(
+            ids[0].len() as u64 * bs >= r.num_computed,
+            "{}: computed tokens without blocks",
+            ctx
+        );
+        prop_assert_eq!(
+            mgr.num_tokens(&r.id).ok(),
+            Some(r.tokens.len()),
+            "{}: tokens of {}",
+            ctx,
+            r.id
+        );
+        prop_assert_eq!(
+            mgr.num_preemptions(&r.id).ok(),
+            Some(r.preemptions),
+            "{}: preemptions",
+            ctx
+        );
         held.extend(ids[0].iter().copied().filter(|&b| b != 0));
         if r.admitted {
-            let common = r.blocks.iter().take_while(|&&b| m.refs[b as usize] as usize == num_running).count() as u32;
+            let common = r
+                .blocks
+                .iter()
+                .take_while(|&&b| m.refs[b as usize] as usize == num_running)
+                .count() as u32;
             prop_assert_eq!(
                 mgr.get_num_common_prefix_blocks(&r.id).ok(),
                 Some(vec![common]),
@@ -578,14 +728,26 @@ fn check_all(mgr: &mut KvCacheManager, m: &mut Model, bij: &mut Bijection, ctx: 
                 prop_assert_eq!(s.lora_name, None);
                 prop_assert_eq!(s.kv_cache_spec_kind, Some("full_attention"));
                 prop_assert_eq!(s.kv_cache_spec_sliding_window, None);
-                prop_assert_eq!(s.extra_keys.clone(), Some(vec![None; s.block_hashes.len()]), "{}: extra keys", ctx);
+                prop_assert_eq!(
+                    s.extra_keys.clone(),
+                    Some(vec![None; s.block_hashes.len()]),
+                    "{}: extra keys",
+                    ctx
+                );
                 MEvent::Stored {
-                    blocks: s.block_hashes.iter().map(|h| bij.prefix(h)).collect::<Result<_, _>>()?,
+                    blocks: s
+                        .block_hashes
+                        .iter()
+                        .map(|h| bij.prefix(h))
+                        .collect::<Result<_, _>>()?,
                     parent: s.parent_block_hash.map(|h| bij.prefix(&h)).transpose()?,
                     token_ids: s.token_ids,
                 }
             }
-            KvEvent::BlockRemoved { block_hashes, group_idx } => {
+            KvEvent::BlockRemoved {
+                block_hashes,
+                group_idx,
+            } => {
                 prop_assert_eq!(group_idx, 0);
                 prop_assert_eq!(block_hashes.len(), 1);
                 MEvent::Removed(bij.prefix(&block_hashes[0])?)
@@ -593,7 +755,13 @@ fn check_all(mgr: &mut KvCacheManager, m: &mut Model, bij: &mut Bijection, ctx: 
             KvEvent::AllBlocksCleared => MEvent::Cleared,
         });
     }
-    for e in &got { cov(match e { MEvent::Stored{..} => "ev stored", MEvent::Removed(_) => "ev removed", MEvent::Cleared => "ev cleared"}); }
+    for e in &got {
+        cov(match e {
+            MEvent::Stored { .. } => "ev stored",
+            MEvent::Removed(_) => "ev removed",
+            MEvent::Cleared => "ev cleared",
+        });
+    }
     prop_assert_eq!(got, std::mem::take(&mut m.events), "{}: events", ctx);
     Ok(())
 }
@@ -607,28 +775,73 @@ fn pick<'a>(m: &'a Model, idx: &Index, f: impl Fn(&MReq) -> bool) -> Option<Stri
     (!c.is_empty()).then(|| c[idx.index(c.len())].id.clone())
 }
 
-fn check_hit_is_own_chain(mgr: &KvCacheManager, id: &str, hit: &ComputedBlocks, scale: usize, ctx: &str) -> Result<(), TestCaseError> {
-    let hashes = mgr.block_hashes(id).map_err(|e| TestCaseError::fail(format!("{e}")))?;
+fn check_hit_is_own_chain(
+    mgr: &KvCacheManager,
+    id: &str,
+    hit: &ComputedBlocks,
+    scale: usize,
+    ctx: &str,
+) -> Result<(), TestCaseError> {
+    let hashes = mgr
+        .block_hashes(id)
+        .map_err(|e| TestCaseError::fail(format!("{e}")))?;
     for (i, &b) in hit.block_ids[0].iter().enumerate() {
-        let want = CacheKey { hash: hashes[(i + 1) * scale - 1], group: 0 };
-        prop_assert_eq!(mgr.pool().block_key(b), Some(want), "{}: hit block {} is not the request's chain", ctx, i);
+        let want = CacheKey {
+            hash: hashes[(i + 1) * scale - 1],
+            group: 0,
+        };
+        prop_assert_eq!(
+            mgr.pool().block_key(b),
+            Some(want),
+            "{}: hit block {} is not the request's chain",
+            ctx,
+            i
+        );
     }
     let bs = (scale * mgr.hash_block_size()) as u64;
-    prop_assert_eq!(hit.num_computed_tokens, hit.block_ids[0].len() as u64 * bs, "{}: hit length", ctx);
+    prop_assert_eq!(
+        hit.num_computed_tokens,
+        hit.block_ids[0].len() as u64 * bs,
+        "{}: hit length",
+        ctx
+    );
     Ok(())
 }
 
-fn do_lookup(mgr: &mut KvCacheManager, m: &mut Model, id: &str, ctx: &str) -> Result<KeptHit, TestCaseError> {
-    let real = mgr.get_computed_blocks(id).map_err(|e| TestCaseError::fail(format!("{ctx}: lookup: {e}")))?;
+fn do_lookup(
+    mgr: &mut KvCacheManager,
+    m: &mut Model,
+    id: &str,
+    ctx: &str,
+) -> Result<KeptHit, TestCaseError> {
+    let real = mgr
+        .get_computed_blocks(id)
+        .map_err(|e| TestCaseError::fail(format!("{ctx}: lookup: {e}")))?;
     let (blocks, tokens) = m.lookup(id);
-    prop_assert_eq!(&real.block_ids, &vec![blocks.clone()], "{}: hit blocks", ctx);
+    prop_assert_eq!(
+        &real.block_ids,
+        &vec![blocks.clone()],
+        "{}: hit blocks",
+        ctx
+    );
     prop_assert_eq!(real.num_computed_tokens, tokens, "{}: hit tokens", ctx);
     prop_assert_eq!(real.shared_prefix_boundary, 0);
     prop_assert_eq!(real.is_empty(), blocks.is_empty());
-    if !blocks.is_empty() { cov("lookup hit"); if blocks.iter().any(|&b| m.refs[b as usize]==0) { cov("lookup hit evictable"); } } else { cov("lookup miss"); }
+    if !blocks.is_empty() {
+        cov("lookup hit");
+        if blocks.iter().any(|&b| m.refs[b as usize] == 0) {
+            cov("lookup hit evictable");
+        }
+    } else {
+        cov("lookup miss");
+    }
     let scale = (m.cfg.block_size as usize) / m.cfg.hbs();
     check_hit_is_own_chain(mgr, id, &real, scale, ctx)?;
-    Ok(KeptHit { real, blocks, tokens })
+    Ok(KeptHit {
+        real,
+        blocks,
+        tokens,
+    })
 }
 
 fn compare_alloc(
@@ -637,14 +850,22 @@ fn compare_alloc(
     ctx: &str,
 ) -> Result<bool, TestCaseError> {
     match (got, want) {
-        (Ok(Some(g)), Ok(Some(w))) => { cov(&format!("alloc ok {}", ctx.split(' ').nth(2).unwrap_or("")));
+        (Ok(Some(g)), Ok(Some(w))) => {
+            cov(&format!("alloc ok {}", ctx.split(' ').nth(2).unwrap_or("")));
             prop_assert_eq!(g.len(), 1);
             prop_assert_eq!(&g[0], &w, "{}: new blocks", ctx);
             Ok(true)
         }
-        (Ok(None), Ok(None)) => { cov(&format!("alloc none {}", ctx.split(' ').nth(2).unwrap_or(""))); Ok(false) }
+        (Ok(None), Ok(None)) => {
+            cov(&format!(
+                "alloc none {}",
+                ctx.split(' ').nth(2).unwrap_or("")
+            ));
+            Ok(false)
+        }
         (Err(e), Err(k)) => {
-            cov(&format!("alloc err {:?}", k)); prop_assert_eq!(kind(&e), k, "{}: error {}", ctx, e);
+            cov(&format!("alloc err {:?}", k));
+            prop_assert_eq!(kind(&e), k, "{}: error {}", ctx, e);
             Ok(false)
         }
         (g, w) => Err(TestCaseError::fail(format!(
@@ -656,7 +877,8 @@ fn compare_alloc(
 }
 
 fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
-    let mut mgr = KvCacheManager::new(cfg.manager_config()).map_err(|e| TestCaseError::fail(format!("config: {e}")))?;
+    let mut mgr = KvCacheManager::new(cfg.manager_config())
+        .map_err(|e| TestCaseError::fail(format!("config: {e}")))?;
     let mut m = Model::new(cfg);
     let mut bij = Bijection::default();
     let max_len = cfg.max_model_len;
@@ -664,10 +886,16 @@ fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
     for (step, op) in ops.iter().enumerate() {
         let ctx = format!("step {step} {op:?}");
         match op {
-            Op::Add { base, len, suffix, skip_reading } => {
+            Op::Add {
+                base,
+                len,
+                suffix,
+                skip_reading,
+            } => {
                 let b = &bases[base.index(bases.len())];
                 // Mostly prompts that fit the pool, sometimes longer.
-                let cap = (((cfg.num_blocks - 1) as usize) * cfg.block_size as usize).clamp(1, b.len());
+                let cap =
+                    (((cfg.num_blocks - 1) as usize) * cfg.block_size as usize).clamp(1, b.len());
                 let mut prompt = b[..len.index(cap + 1)].to_vec();
                 prompt.extend_from_slice(suffix);
                 if prompt.is_empty() {
@@ -682,7 +910,11 @@ fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
                 };
                 let res = mgr.add_request(&id, spec);
                 if prompt.len() as u64 > max_len {
-                    prop_assert!(matches!(res, Err(Error::InvalidArgument(_))), "{}: overlong prompt accepted", ctx);
+                    prop_assert!(
+                        matches!(res, Err(Error::InvalidArgument(_))),
+                        "{}: overlong prompt accepted",
+                        ctx
+                    );
                 } else {
                     prop_assert!(res.is_ok(), "{}: add_request failed: {:?}", ctx, res);
                     m.reqs.push(MReq {
@@ -706,8 +938,16 @@ fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
                     m.req(&id).kept_hit = Some(kept);
                 }
             }
-            Op::Admit { req, chunk, reuse_kept_hit, lookahead, none_if_empty } => {
-                let Some(id) = pick(&m, req, |r| !r.running()) else { continue };
+            Op::Admit {
+                req,
+                chunk,
+                reuse_kept_hit,
+                lookahead,
+                none_if_empty,
+            } => {
+                let Some(id) = pick(&m, req, |r| !r.running()) else {
+                    continue;
+                };
                 let kept = match (reuse_kept_hit, m.req(&id).kept_hit.clone()) {
                     (true, Some(k)) => k,
                     _ => do_lookup(&mut mgr, &mut m, &id, &ctx)?,
@@ -740,8 +980,15 @@ fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
                     m.req(&id).kept_hit = Some(kept);
                 }
             }
-            Op::Step { req, chunk, lookahead, token } => {
-                let Some(id) = pick(&m, req, MReq::running) else { continue };
+            Op::Step {
+                req,
+                chunk,
+                lookahead,
+                token,
+            } => {
+                let Some(id) = pick(&m, req, MReq::running) else {
+                    continue;
+                };
                 let (nc, nt) = {
                     let r = m.req(&id);
                     (r.num_computed, r.tokens.len() as u64)
@@ -761,18 +1008,29 @@ fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
                 let nt = m.req(&id).tokens.len() as u64;
                 let remaining = nt - nc;
                 let num_new = chunk.map_or(remaining, |c| u64::from(c).min(remaining));
-                let args = AllocateArgs { num_lookahead_tokens: u64::from(*lookahead), ..AllocateArgs::step(num_new, nc) };
+                let args = AllocateArgs {
+                    num_lookahead_tokens: u64::from(*lookahead),
+                    ..AllocateArgs::step(num_new, nc)
+                };
                 let want = m.allocate(&id, &args, None);
                 let got = mgr.allocate_slots(&id, &args, None);
                 if compare_alloc(got, want, &ctx)? {
                     m.req(&id).num_computed = nc + num_new;
                 }
             }
-            Op::Batch { picks, lookahead, token } => {
+            Op::Batch {
+                picks,
+                lookahead,
+                token,
+            } => {
                 let mut cands: Vec<String> = m
                     .reqs
                     .iter()
-                    .filter(|r| r.running() && !(r.num_computed == r.tokens.len() as u64 && r.tokens.len() as u64 >= max_len))
+                    .filter(|r| {
+                        r.running()
+                            && !(r.num_computed == r.tokens.len() as u64
+                                && r.tokens.len() as u64 >= max_len)
+                    })
                     .map(|r| r.id.clone())
                     .collect();
                 let mut chosen = Vec::new();
@@ -803,7 +1061,10 @@ fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
                 let res = mgr.allocate_slots_batch(&ids, &news, &comps, la, &mut out);
                 // Model: every entry validated first, then one by one until one does not fit.
                 let args: Vec<AllocateArgs> = (0..chosen.len())
-                    .map(|i| AllocateArgs { num_lookahead_tokens: la, ..AllocateArgs::step(news[i], comps[i]) })
+                    .map(|i| AllocateArgs {
+                        num_lookahead_tokens: la,
+                        ..AllocateArgs::step(news[i], comps[i])
+                    })
                     .collect();
                 let mut pre_err = None;
                 for (i, id) in chosen.iter().enumerate() {
@@ -816,7 +1077,11 @@ fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
                 if let Some(k) = pre_err {
                     match res {
                         Err(e) => prop_assert_eq!(kind(&e), k, "{}: batch error", ctx),
-                        Ok(()) => return Err(TestCaseError::fail(format!("{ctx}: batch should fail with {k:?}"))),
+                        Ok(()) => {
+                            return Err(TestCaseError::fail(format!(
+                                "{ctx}: batch should fail with {k:?}"
+                            )));
+                        }
                     }
                 } else {
                     prop_assert!(res.is_ok(), "{}: batch failed: {:?}", ctx, res);
@@ -832,27 +1097,44 @@ fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
                                 served += 1;
                             }
                             Ok(None) => break,
-                            Err(k) => return Err(TestCaseError::fail(format!("{ctx}: model batch error {k:?}"))),
+                            Err(k) => {
+                                return Err(TestCaseError::fail(format!(
+                                    "{ctx}: model batch error {k:?}"
+                                )));
+                            }
                         }
                     }
-                    cov(if served == chosen.len() { "batch full" } else if served > 0 { "batch partial" } else { "batch zero" });
+                    cov(if served == chosen.len() {
+                        "batch full"
+                    } else if served > 0 {
+                        "batch partial"
+                    } else {
+                        "batch zero"
+                    });
                     prop_assert_eq!(out.num_allocated, served, "{}: batch served", ctx);
                     prop_assert_eq!(&out.block_ids, &vec![want_ids], "{}: batch blocks", ctx);
                     prop_assert_eq!(&out.offsets, &vec![want_offsets], "{}: batch offsets", ctx);
                 }
             }
             Op::Preempt { req } => {
-                let Some(id) = pick(&m, req, |_| true) else { continue };
+                let Some(id) = pick(&m, req, |_| true) else {
+                    continue;
+                };
                 prop_assert!(mgr.free(&id).is_ok());
                 m.release(&id);
                 m.req(&id).preemptions += 1;
             }
             Op::Remove { req } => {
-                let Some(id) = pick(&m, req, |_| true) else { continue };
+                let Some(id) = pick(&m, req, |_| true) else {
+                    continue;
+                };
                 prop_assert!(mgr.remove_request(&id).is_ok());
                 m.release(&id);
                 m.reqs.retain(|r| r.id != id);
-                prop_assert!(matches!(mgr.remove_request(&id), Err(Error::UnknownRequest(_))));
+                prop_assert!(matches!(
+                    mgr.remove_request(&id),
+                    Err(Error::UnknownRequest(_))
+                ));
             }
             Op::Evict { ids, out_of_range } => {
                 let mut v: Vec<u64> = ids.iter().map(|i| i.index(m.n) as u64).collect();
@@ -864,7 +1146,8 @@ fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
                 prop_assert_eq!(got, m.evict_blocks(&v), "{}: evict_blocks", ctx);
             }
             Op::Reset => {
-                let rr = m.reset(); cov(&format!("reset {rr}"));
+                let rr = m.reset();
+                cov(&format!("reset {rr}"));
                 prop_assert_eq!(mgr.reset_prefix_cache(), rr, "{}: reset_prefix_cache", ctx);
             }
             Op::Stats => {
@@ -882,7 +1165,11 @@ fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
         m.reqs.retain(|r| r.id != id);
         check_all(&mut mgr, &mut m, &mut bij, "final removal")?;
     }
-    prop_assert_eq!(mgr.num_free_blocks(), cfg.num_blocks - 1, "blocks leaked after removing every request");
+    prop_assert_eq!(
+        mgr.num_free_blocks(),
+        cfg.num_blocks - 1,
+        "blocks leaked after removing every request"
+    );
     prop_assert_eq!(mgr.num_requests(), 0);
     prop_assert!(mgr.reset_prefix_cache(), "reset refused with nothing held");
     prop_assert_eq!(mgr.pool().num_cached_keys(), 0);

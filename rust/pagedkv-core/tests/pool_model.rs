@@ -119,7 +119,10 @@ impl Model {
             if self.caching {
                 self.evict(id);
             }
-            assert_eq!(self.refs[id as usize], 0, "model: popped a referenced block");
+            assert_eq!(
+                self.refs[id as usize], 0,
+                "model: popped a referenced block"
+            );
             self.refs[id as usize] = 1;
             out.push(id);
         }
@@ -132,7 +135,11 @@ impl Model {
                 continue;
             }
             if self.refs[id as usize] == 0 {
-                let pos = self.queue.iter().position(|&b| b == id).expect("ref-0 block is queued");
+                let pos = self
+                    .queue
+                    .iter()
+                    .position(|&b| b == id)
+                    .expect("ref-0 block is queued");
                 self.queue.remove(pos);
             }
             self.refs[id as usize] += 1;
@@ -198,20 +205,59 @@ fn assert_same(pool: &mut BlockPool, m: &mut Model, ctx: &str) -> Result<(), Tes
         "{}: free queue",
         ctx
     );
-    prop_assert_eq!(pool.num_free_blocks() as usize, m.queue.len(), "{}: num_free", ctx);
+    prop_assert_eq!(
+        pool.num_free_blocks() as usize,
+        m.queue.len(),
+        "{}: num_free",
+        ctx
+    );
     for b in 1..m.n as u32 {
-        prop_assert_eq!(pool.ref_cnt(b), m.refs[b as usize], "{}: ref_cnt of {}", ctx, b);
-        prop_assert_eq!(pool.block_key(b), m.key[b as usize], "{}: key of {}", ctx, b);
-        prop_assert_eq!(pool.is_evictable(b), m.refs[b as usize] == 0, "{}: evictable {}", ctx, b);
+        prop_assert_eq!(
+            pool.ref_cnt(b),
+            m.refs[b as usize],
+            "{}: ref_cnt of {}",
+            ctx,
+            b
+        );
+        prop_assert_eq!(
+            pool.block_key(b),
+            m.key[b as usize],
+            "{}: key of {}",
+            ctx,
+            b
+        );
+        prop_assert_eq!(
+            pool.is_evictable(b),
+            m.refs[b as usize] == 0,
+            "{}: evictable {}",
+            ctx,
+            b
+        );
     }
     prop_assert_eq!(pool.block_key(0), None, "{}: null block is cached", ctx);
     prop_assert!(!pool.is_evictable(0), "{}: null block evictable", ctx);
     for k in all_keys() {
         let want = m.map.get(&k).cloned().unwrap_or_default();
-        prop_assert_eq!(pool.cached_blocks(&k), want.clone(), "{}: cached_blocks({:?})", ctx, k);
-        prop_assert_eq!(pool.cached_block(&k), want.first().copied(), "{}: cached_block", ctx);
+        prop_assert_eq!(
+            pool.cached_blocks(&k),
+            want.clone(),
+            "{}: cached_blocks({:?})",
+            ctx,
+            k
+        );
+        prop_assert_eq!(
+            pool.cached_block(&k),
+            want.first().copied(),
+            "{}: cached_block",
+            ctx
+        );
     }
-    prop_assert_eq!(pool.num_cached_keys(), m.map.len(), "{}: num_cached_keys", ctx);
+    prop_assert_eq!(
+        pool.num_cached_keys(),
+        m.map.len(),
+        "{}: num_cached_keys",
+        ctx
+    );
     let total = m.n - 1;
     let usage = if total == 0 {
         0.0
@@ -224,11 +270,21 @@ fn assert_same(pool: &mut BlockPool, m: &mut Model, ctx: &str) -> Result<(), Tes
     if let Err(e) = pool.check_invariants(Some(&expected_refs)) {
         return Err(TestCaseError::fail(format!("{ctx}: check_invariants: {e}")));
     }
-    prop_assert_eq!(pool.take_events(), std::mem::take(&mut m.events), "{}: events", ctx);
+    prop_assert_eq!(
+        pool.take_events(),
+        std::mem::take(&mut m.events),
+        "{}: events",
+        ctx
+    );
     Ok(())
 }
 
-fn run_ops(num_blocks: u32, caching: bool, events_on: bool, ops: &[Op]) -> Result<(), TestCaseError> {
+fn run_ops(
+    num_blocks: u32,
+    caching: bool,
+    events_on: bool,
+    ops: &[Op],
+) -> Result<(), TestCaseError> {
     let mut pool = BlockPool::new(num_blocks, caching, events_on);
     let mut m = Model::new(num_blocks, caching, events_on);
     prop_assert_eq!(pool.enable_caching(), caching);
@@ -285,10 +341,20 @@ fn run_ops(num_blocks: u32, caching: bool, events_on: bool, ops: &[Op]) -> Resul
             }
             Op::Evict(i) => {
                 let id = i.index(n) as u32;
-                prop_assert_eq!(pool.maybe_evict(id), m.evict(id), "{}: maybe_evict result", ctx);
+                prop_assert_eq!(
+                    pool.maybe_evict(id),
+                    m.evict(id),
+                    "{}: maybe_evict result",
+                    ctx
+                );
             }
             Op::Reset => {
-                prop_assert_eq!(pool.reset_prefix_cache(), m.reset(), "{}: reset result", ctx);
+                prop_assert_eq!(
+                    pool.reset_prefix_cache(),
+                    m.reset(),
+                    "{}: reset result",
+                    ctx
+                );
             }
         }
         let keys_after = m.key.iter().filter(|k| k.is_some()).count();
@@ -296,7 +362,11 @@ fn run_ops(num_blocks: u32, caching: bool, events_on: bool, ops: &[Op]) -> Resul
         // Only cache_block adds keys and no op both adds and drops them, so fewer
         // keyed blocks means one lost its key: earlier lookups must be re-validated.
         if keys_after < keys_before {
-            prop_assert!(pool.epoch() > epoch_before, "{}: a key was lost but the epoch stayed", ctx);
+            prop_assert!(
+                pool.epoch() > epoch_before,
+                "{}: a key was lost but the epoch stayed",
+                ctx
+            );
         }
         assert_same(&mut pool, &mut m, &ctx)?;
     }

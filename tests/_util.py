@@ -8,8 +8,8 @@ full-attention group with ``num_kv_heads=1, head_size=1, float32``).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pagedkv as pk

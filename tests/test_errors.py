@@ -13,10 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pagedkv as pk
 import pytest
 from _util import admit, as_lists, make_manager, snapshot
-
-import pagedkv as pk
 from pagedkv.errors import (
     CannotFitError,
     DuplicateRequestError,
@@ -58,7 +57,7 @@ def assert_raises_unchanged(mgr: pk.KVCacheManager, exc: type[BaseException],
     assert mgr.make_prefix_cache_stats() in (None, pk.PrefixCacheStats())
 
 
-def test_exception_hierarchy() -> None:
+def test_every_error_is_a_pagedkv_error_and_a_builtin_error() -> None:
     assert issubclass(UnknownRequestError, KeyError)
     for cls in (DuplicateRequestError, InvalidArgumentError, StaleComputedBlocksError,
                 CannotFitError, pk.InvalidConfigError):
@@ -305,10 +304,10 @@ def test_request_that_fits_an_empty_pool_but_not_now_returns_none() -> None:
     mgr = busy_manager()  # 4 blocks held, 6 free
     mgr.add_request("big", list(range(1000, 1000 + 160)))  # exactly the 10 usable blocks
     before = snapshot(mgr, (*KNOWN, "big"))
-    hit, new = admit(mgr, "big")
+    _, new = admit(mgr, "big")
     assert new is None
     assert snapshot(mgr, (*KNOWN, "big")) == before
     mgr.remove_request("run")
-    hit, new = admit(mgr, "big")
+    _, new = admit(mgr, "big")
     assert new is not None and len(new[0]) == 10
     mgr.check_invariants()

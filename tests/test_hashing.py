@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pagedkv as pk
 import pytest
 from _util import VLLM_DEFAULT_NONE_HASH_SEED, admit, chain, event_hash, load_vectors, make_manager
-
-import pagedkv as pk
 
 CBOR_ALGOS = ("sha256_cbor", "xxhash_cbor")
 DEFAULT = load_vectors("vllm_hashes_default.json")
@@ -114,8 +113,9 @@ def test_hash_block_tokens_matches_vllm(case: dict[str, Any], seed: str) -> None
     assert child.hex() == case["child_hash"]
 
 
-@pytest.mark.parametrize(("file_id", "data", "seed"), FILE_SEEDS, ids=lambda v: str(v)[:8])
-def test_salted_chain_vector(file_id: str, data: dict[str, Any], seed: str) -> None:
+@pytest.mark.parametrize(("file_id", "data", "seed"), FILE_SEEDS, ids=[f[0] for f in FILE_SEEDS])
+def test_salt_vector_is_untagged_while_the_request_path_tags_the_salt(
+        file_id: str, data: dict[str, Any], seed: str) -> None:
     vec = data["chain_bs4_salt_first_block_sha256_cbor"]
     tokens, bs, salt = vec["token_ids"], vec["block_size"], vec["cache_salt"]
     none_hash = pk.none_hash("sha256_cbor", seed)
@@ -137,6 +137,17 @@ def test_salted_chain_vector(file_id: str, data: dict[str, Any], seed: str) -> N
     (stored,) = mgr.take_events()
     assert stored.extra_keys == [(salt,), None, None]
     assert stored.block_hashes == [event_hash(h) for h in tagged]
+
+
+def test_token_ids_at_the_u32_limits_hash_like_vllm() -> None:
+    # Recorded by running vLLM 0.33's request block hasher (sha256_cbor, block
+    # size 4, PYTHONHASHSEED unset) on these token ids.
+    mgr = make_manager(4, 8)
+    mgr.add_request("r", [2**32 - 1, 2**31, 2**32 - 256, 0, 65535, 65536, 2**24, 255])
+    assert [h.hex() for h in mgr.block_hashes("r")] == [
+        "b1b36d37d6c49a586657ddf2673577c17030f0e15650920841999579b0aeda49",
+        "9576ed58783bcb2d86c3819809d7447f746b94f974443c770244125c4fa956bf",
+    ]
 
 
 # --------------------------------------------------------------------------- request path
@@ -209,5 +220,5 @@ def test_xxh3_native_is_deterministic_given_a_seed_and_differs_from_vllm_hashes(
     assert pk.none_hash("xxh3_native", "0") == again.none_hash
     # Prefix hits work with it like with any other algorithm.
     admit(again, "0")
-    again.add_request("1", tokens + [1])
+    again.add_request("1", [*tokens, 1])
     assert again.get_computed_blocks("1").num_computed_tokens == 64

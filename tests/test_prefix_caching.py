@@ -10,10 +10,9 @@ introspection API (``cached_block_hash``, ``block_ref_count``, ``get_block_ids``
 
 from __future__ import annotations
 
+import pagedkv as pk
 import pytest
 from _util import admit, as_lists, chain, event_hash, make_manager
-
-import pagedkv as pk
 
 BS = 16
 # Three full blocks: [0]*16 + [1]*16 + [2]*16, as in vLLM's tests.
@@ -44,7 +43,7 @@ def test_prefill_hits_shared_prefix_and_reuses_unhashed_blocks_first(hash_algo: 
     # Full blocks are cached under the hash chain (group 0), ref 1.
     expected = chain(hash_algo, mgr.none_hash, tokens0, BS)
     assert mgr.block_hashes("0") == expected
-    for block_id, block_hash in zip((1, 2, 3), expected):
+    for block_id, block_hash in zip((1, 2, 3), expected, strict=True):
         assert mgr.cached_block_hash(block_id) == (block_hash, 0)
         assert mgr.block_ref_count(block_id) == 1
     # The partial block is not cached.
@@ -123,7 +122,7 @@ def test_prompt_logprobs_requests_never_read_the_cache_but_still_write_it() -> N
     assert [mgr.cached_block_hash(b) for b in (5, 4, 6, 7)] == req0_hashes
     assert all(mgr.block_ref_count(b) == 1 for b in (5, 4, 6, 7))
     # One hash now maps to two blocks, in insertion order; the map has 3 keys.
-    for old, dup, block_hash in zip((1, 2, 3), (5, 4, 6), expected):
+    for old, dup, block_hash in zip((1, 2, 3), (5, 4, 6), expected, strict=True):
         assert [int(b) for b in mgr.cached_blocks_for_hash(block_hash)] == [old, dup]
     assert mgr.num_cached_block_hashes == 3
     mgr.check_invariants()
@@ -294,6 +293,22 @@ def test_not_enough_free_blocks_with_a_hit_touches_nothing() -> None:
     assert mgr.num_free_blocks == 5
     assert free_queue(mgr) == queue_before
     assert as_lists(mgr.get_block_ids("3")) == ([],)
+    mgr.check_invariants()
+
+
+def test_a_hit_can_be_adopted_with_zero_new_tokens() -> None:
+    # vLLM 0.33 allows num_new_tokens == 0 when computed tokens are adopted.
+    mgr = make_manager(BS, 11)
+    mgr.add_request("0", COMMON + [3] * 7)
+    admit(mgr, "0")
+    mgr.add_request("1", COMMON + [4] * 5)
+    hit = mgr.get_computed_blocks("1")
+    new = mgr.allocate_slots("1", 0, num_computed_tokens=0, new_computed_blocks=hit)
+    assert new is not None and as_lists(new) == ([],)
+    assert as_lists(mgr.get_block_ids("1")) == ([1, 2, 3],)
+    assert [mgr.block_ref_count(b) for b in (1, 2, 3)] == [2, 2, 2]
+    # The request is now running from token 48.
+    assert as_lists(mgr.allocate_slots("1", 5, num_computed_tokens=48)) == ([5],)
     mgr.check_invariants()
 
 
@@ -482,7 +497,7 @@ def test_prefix_cache_stats_count_admissions_and_preempted_requests_separately()
     hit, new = admit(mgr, "big")
     assert new is None
     # Prompt-logprobs requests skip the lookup and are not counted either.
-    mgr.add_request("plp", COMMON + [9], skip_reading_prefix_cache=True)
+    mgr.add_request("plp", [*COMMON, 9], skip_reading_prefix_cache=True)
     admit(mgr, "plp")
     assert mgr.make_prefix_cache_stats() == pk.PrefixCacheStats()
 
@@ -496,6 +511,19 @@ def test_prefix_cache_stats_count_admissions_and_preempted_requests_separately()
     assert new is not None
     assert mgr.make_prefix_cache_stats() == pk.PrefixCacheStats(
         preempted_requests=1, preempted_queries=54, preempted_hits=48)
+
+
+def test_a_request_looked_up_several_times_is_counted_once_at_admission() -> None:
+    mgr = make_manager(BS, 11, log_stats=True)
+    mgr.add_request("x", list(range(96)))  # 6 blocks
+    admit(mgr, "x")
+    mgr.make_prefix_cache_stats()
+    mgr.add_request("big", [5] * 100)  # 7 blocks, 4 free
+    for _ in range(3):
+        assert admit(mgr, "big")[1] is None
+    mgr.remove_request("x")
+    assert admit(mgr, "big")[1] is not None
+    assert mgr.make_prefix_cache_stats() == pk.PrefixCacheStats(requests=1, queries=100, hits=0)
 
 
 # --------------------------------------------------------------------------- events
@@ -678,3 +706,254 @@ def test_num_common_prefix_blocks_counts_blocks_held_by_every_request() -> None:
     mgr.add_request("2", [7] * 20)
     admit(mgr, "2")
     assert mgr.get_num_common_prefix_blocks("0") == [0]
+
+
+# --------------------------------------------------------------------------- more vLLM 0.33 rules
+
+
+def test_evicting_a_held_block_drops_only_its_cache_entry() -> None:
+    # evict_blocks (KV-connector load failure) removes the hash without touching
+    # ref counts; freed later, the block is unhashed and goes to the queue front.
+    mgr = make_manager(BS, 11, enable_kv_cache_events=True)
+    mgr.add_request("a", COMMON + [3] * 7)
+    admit(mgr, "a")
+    hashes = mgr.block_hashes("a")
+    mgr.take_events()
+    mgr.evict_blocks([2])
+    assert mgr.take_events() == [pk.BlockRemoved([event_hash(hashes[1])], "GPU", 0)]
+    assert mgr.cached_block_hash(2) is None
+    assert mgr.block_ref_count(2) == 1
+    assert mgr.num_cached_block_hashes == 2
+    mgr.remove_request("a")
+    assert free_queue(mgr) == [4, 2, 5, 6, 7, 8, 9, 10, 3, 1]
+
+    # The chain is broken at block 2: only block 1 hits; the 2nd and 3rd blocks
+    # are recomputed into blocks 4 and 2 and cached again (block 3's entry stays,
+    # so that hash now has two blocks).
+    mgr.add_request("b", COMMON + [3] * 7)
+    hit, new = admit(mgr, "b")
+    assert as_lists(hit.block_ids) == ([1],)
+    assert new == ([4, 2, 5],)
+    (stored,) = mgr.take_events()
+    assert stored.block_hashes == [event_hash(h) for h in hashes[1:]]
+    assert stored.parent_block_hash == event_hash(hashes[0])
+    assert [int(b) for b in mgr.cached_blocks_for_hash(hashes[2])] == [3, 2]
+    mgr.check_invariants()
+
+
+def test_evicting_a_free_cached_block_keeps_its_queue_position() -> None:
+    mgr = make_manager(BS, 11, enable_kv_cache_events=True)
+    mgr.add_request("a", COMMON + [3] * 7)
+    admit(mgr, "a")
+    mgr.remove_request("a")
+    queue = free_queue(mgr)
+    assert queue == [4, 5, 6, 7, 8, 9, 10, 3, 2, 1]
+    mgr.take_events()
+    mgr.evict_blocks([2, 4, 0])  # cached, unhashed, null: only block 2 has an entry
+    assert free_queue(mgr) == queue
+    assert len(mgr.take_events()) == 1
+    mgr.add_request("b", list(range(500, 660)))
+    assert admit(mgr, "b")[1] == (queue,)
+    # Two entries were left to evict (blocks 3 and 1), in queue order.
+    removed = [e for e in mgr.take_events() if isinstance(e, pk.BlockRemoved)]
+    assert len(removed) == 2
+
+
+def test_evict_blocks_emits_removals_in_iteration_order() -> None:
+    # vLLM passes a set and evicts in its iteration order.
+    mgr = make_manager(4, 20, enable_kv_cache_events=True)
+    mgr.add_request("a", list(range(40)))
+    admit(mgr, "a")
+    mgr.take_events()
+    hashes = mgr.block_hashes("a")  # block i+1 holds hashes[i]
+    for block_ids in ({3, 1}, {9, 2, 5}, {10, 8}):
+        mgr.evict_blocks(block_ids)
+        removed = [e.block_hashes[0] for e in mgr.take_events()]
+        assert removed == [event_hash(hashes[b - 1]) for b in block_ids]
+
+
+def test_duplicate_cache_entries_serve_the_first_inserted_block() -> None:
+    mgr = make_manager(BS, 11)
+    for rid in ("a", "b"):  # both skip reading: two copies of the same prefix
+        mgr.add_request(rid, COMMON + [3] * 7, skip_reading_prefix_cache=True)
+        admit(mgr, rid)
+    assert as_lists(mgr.get_block_ids("b")) == ([5, 6, 7, 8],)
+    first = mgr.block_hashes("a")[0]
+    assert [int(b) for b in mgr.cached_blocks_for_hash(first)] == [1, 5]
+    mgr.add_request("c", COMMON + [4] * 5)
+    assert as_lists(mgr.get_computed_blocks("c").block_ids) == ([1, 2, 3],)
+    mgr.evict_blocks([1])
+    assert [int(b) for b in mgr.cached_blocks_for_hash(first)] == [5]
+    assert as_lists(mgr.get_computed_blocks("c").block_ids) == ([5, 2, 3],)
+
+
+def test_identical_prompts_in_one_step_share_blocks_cached_at_allocation() -> None:
+    # Blocks are published when allocated, so a twin admitted right after the
+    # first one hits 96 of its 100 tokens (vLLM's prefill dedup test).
+    mgr = make_manager(BS, 20)
+    mgr.add_request("a", [5] * 100)
+    mgr.add_request("b", [5] * 100)
+    assert admit(mgr, "a")[1] == ([1, 2, 3, 4, 5, 6, 7],)
+    hit, new = admit(mgr, "b")
+    assert hit.num_computed_tokens == 96
+    assert new == ([8],)
+
+
+def test_chunked_prefill_caches_full_blocks_chunk_by_chunk() -> None:
+    mgr = make_manager(BS, 20, enable_kv_cache_events=True)
+    mgr.add_request("a", list(range(100)))
+    hashes = mgr.block_hashes("a")
+    hit = mgr.get_computed_blocks("a")
+    new = mgr.allocate_slots("a", 40, num_computed_tokens=0, new_computed_blocks=hit)
+    assert as_lists(new) == ([1, 2, 3],)
+    assert mgr.num_cached_block_hashes == 2
+    assert as_lists(mgr.allocate_slots("a", 40, num_computed_tokens=40)) == ([4, 5],)
+    assert mgr.num_cached_block_hashes == 5
+    assert as_lists(mgr.allocate_slots("a", 20, num_computed_tokens=80)) == ([6, 7],)
+    assert mgr.num_cached_block_hashes == 6
+    events = mgr.take_events()
+    assert [e.block_hashes for e in events] == [
+        [event_hash(h) for h in hashes[0:2]],
+        [event_hash(h) for h in hashes[2:5]],
+        [event_hash(hashes[5])],
+    ]
+    assert [e.parent_block_hash for e in events] == [
+        None, event_hash(hashes[1]), event_hash(hashes[4])]
+
+
+def test_preempted_request_rehits_its_own_prompt_and_output_blocks() -> None:
+    mgr = make_manager(BS, 11, log_stats=True)
+    mgr.add_request("a", list(range(40)))
+    admit(mgr, "a")
+    news = []
+    for t in range(30):  # 30 decode steps: blocks fill at 48 and 64 tokens
+        mgr.append_token_ids("a", [t])
+        news.append(as_lists(mgr.allocate_slots("a", 1, num_computed_tokens=40 + t)))
+    assert [i for i, n in enumerate(news) if n != ([],)] == [8, 24]
+    assert news[8] == ([4],) and news[24] == ([5],)
+    assert len(mgr.block_hashes("a")) == 4
+    assert mgr.num_cached_block_hashes == 4
+    mgr.free("a")
+    assert free_queue(mgr) == [5, 6, 7, 8, 9, 10, 4, 3, 2, 1]
+    hit, new = admit(mgr, "a")  # 70 tokens now
+    assert as_lists(hit.block_ids) == ([1, 2, 3, 4],)
+    assert hit.num_computed_tokens == 64
+    assert new == ([5],)
+    assert mgr.make_prefix_cache_stats() == pk.PrefixCacheStats(
+        requests=1, queries=40, hits=0, preempted_requests=1, preempted_queries=70,
+        preempted_hits=64)
+
+
+def test_external_computed_tokens_get_fresh_blocks_after_the_local_hit() -> None:
+    mgr = make_manager(BS, 11)
+    mgr.add_request("a", COMMON + [3] * 7)
+    admit(mgr, "a")
+    mgr.remove_request("a")
+    mgr.add_request("b", COMMON + list(range(100, 132)) + [5] * 3)  # 83 tokens
+    hit = mgr.get_computed_blocks("b")
+    assert hit.num_computed_tokens == 48
+    new = mgr.allocate_slots("b", 3, num_computed_tokens=0, new_computed_blocks=hit,
+                             num_external_computed_tokens=32)
+    # Blocks for the 32 external tokens come first, then the new tokens' block.
+    assert as_lists(new) == ([6],)
+    assert as_lists(mgr.get_block_ids("b")) == ([1, 2, 3, 4, 5, 6],)
+    assert mgr.num_cached_block_hashes == 5
+    assert free_queue(mgr) == [7, 8, 9, 10]
+
+    # An async load: zero new tokens, delayed caching, published by cache_blocks.
+    mgr.add_request("c", list(range(300, 340)))
+    new = mgr.allocate_slots("c", 0, num_computed_tokens=0, num_external_computed_tokens=32,
+                             delay_cache_blocks=True)
+    assert as_lists(new) == ([],)
+    assert as_lists(mgr.get_block_ids("c")) == ([7, 8],)
+    assert mgr.num_cached_block_hashes == 5
+    mgr.cache_blocks("c", 32)
+    assert mgr.num_cached_block_hashes == 7
+    mgr.check_invariants()
+
+
+@pytest.mark.parametrize(("has_scheduled_reqs", "expected"),
+                         [(True, None), (False, ([1, 2, 3, 4, 5, 6, 7, 8, 9],))])
+def test_watermark_applies_to_admissions_while_others_are_scheduled(
+        has_scheduled_reqs: bool, expected: tuple[list[int], ...] | None) -> None:
+    # watermark_blocks = int(0.2 * 11) = 2: 9 needed + 2 > 10 free.
+    mgr = make_manager(BS, 11, watermark=0.2)
+    mgr.add_request("a", list(range(16 * 9)))
+    new = mgr.allocate_slots("a", 144, num_computed_tokens=0,
+                             has_scheduled_reqs=has_scheduled_reqs)
+    assert as_lists(new) == expected
+
+
+def test_watermark_does_not_apply_to_running_requests() -> None:
+    mgr = make_manager(BS, 11, watermark=0.2)
+    mgr.add_request("a", list(range(16 * 7)))
+    assert as_lists(mgr.allocate_slots("a", 112, num_computed_tokens=0)) == (
+        [1, 2, 3, 4, 5, 6, 7],)
+    mgr.append_token_ids("a", [1] * 20)
+    # 2 more blocks leave 1 free, below the watermark: fine for a running request.
+    assert as_lists(mgr.allocate_slots("a", 20, num_computed_tokens=112)) == ([8, 9],)
+
+
+def test_full_sequence_must_fit_and_reserved_blocks_gate_admission() -> None:
+    mgr = make_manager(BS, 11)
+    mgr.add_request("x", list(range(80)))
+    admit(mgr, "x")  # 5 blocks, 5 free
+    mgr.add_request("a", list(range(1000, 1100)))  # 7 blocks in all
+    assert mgr.allocate_slots("a", 16, num_computed_tokens=0, full_sequence_must_fit=True) is None
+    assert as_lists(mgr.allocate_slots("a", 16, num_computed_tokens=0)) == ([6],)
+    mgr.add_request("b", list(range(2000, 2064)))  # 4 blocks in all, 4 free
+    assert as_lists(mgr.allocate_slots("b", 16, num_computed_tokens=0,
+                                       full_sequence_must_fit=True)) == ([7],)
+    mgr.add_request("c", list(range(3000, 3064)))  # 1 block now, 3 free, 2 reserved
+    assert as_lists(mgr.allocate_slots("c", 16, num_computed_tokens=0, reserved_blocks=2)) == (
+        [8],)
+    mgr.add_request("d", list(range(4000, 4064)))  # 2 free, 2 reserved
+    assert mgr.allocate_slots("d", 16, num_computed_tokens=0, reserved_blocks=2) is None
+
+
+def test_prompt_embeds_add_a_per_block_digest_key() -> None:
+    # vLLM 0.33: ("prompt_embeds", sha256(raw bytes of the block's embeddings)),
+    # after the LoRA and cache-salt keys; events carry the bare digest.
+    import hashlib
+
+    import numpy as np
+
+    mgr = make_manager(4, 20, enable_kv_cache_events=True)
+    emb = np.arange(10 * 3, dtype=np.float32).reshape(10, 3)
+    tokens = list(range(10))
+    mgr.add_request("a", tokens, prompt_embeds=emb, cache_salt="s", lora_name="L",
+                    lora_path="/p")
+    digests = [hashlib.sha256(emb[i * 4:(i + 1) * 4].tobytes()).digest() for i in range(2)]
+    keys = [
+        (("lora", "L", "/p"), ("cache_salt", "s"), ("prompt_embeds", digests[0])),
+        (("lora", "L", "/p"), ("prompt_embeds", digests[1])),
+    ]
+    assert mgr.block_hashes("a") == chain("sha256_cbor", mgr.none_hash, tokens, 4, keys)
+    admit(mgr, "a")
+    (stored,) = mgr.take_events()
+    assert stored.extra_keys == [("L", "s", digests[0]), ("L", digests[1])]
+    # Other embeddings, other hashes.
+    mgr.add_request("b", tokens, prompt_embeds=emb + 1)
+    assert mgr.block_hashes("b")[0] != mgr.block_hashes("a")[0]
+
+
+def test_empty_cache_salt_adds_no_key() -> None:
+    # vLLM only adds the salt key when request.cache_salt is truthy.
+    mgr = make_manager(4, 20)
+    mgr.add_request("salted", list(range(8)), cache_salt="")
+    mgr.add_request("plain", list(range(8)))
+    assert mgr.block_hashes("salted") == mgr.block_hashes("plain")
+
+
+def test_freeing_a_request_that_holds_no_blocks_is_not_a_preemption() -> None:
+    # vLLM's scheduler only preempts running requests; freeing a waiting request
+    # (nothing allocated yet) must not move its stats to the preempted_* fields.
+    mgr = make_manager(num_blocks=11, block_size=16, log_stats=True)
+    mgr.add_request("w", list(range(20)))
+    mgr.free("w")
+    assert mgr.num_preemptions("w") == 0
+    hit = mgr.get_computed_blocks("w")
+    assert mgr.allocate_slots("w", 20, num_computed_tokens=0, new_computed_blocks=hit) is not None
+    stats = mgr.make_prefix_cache_stats()
+    assert stats is not None
+    assert (stats.requests, stats.preempted_requests) == (1, 0)

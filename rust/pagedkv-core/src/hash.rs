@@ -386,9 +386,10 @@ impl BlockHasher {
 
     /// Hash with arbitrary CBOR extra keys (`None` = CBOR null), for the CBOR
     /// algorithms. Used to check the hash function against vLLM's vectors.
+    /// `xxh3_native` accepts only `None` (it has no generic key form).
     ///
     /// # Errors
-    /// For `xxh3_native` (it has no generic key form) or unencodable values.
+    /// Extra keys for `xxh3_native`, or unencodable values.
     pub fn hash_block_generic(
         &mut self,
         parent: Option<&BlockHash>,
@@ -396,7 +397,10 @@ impl BlockHasher {
         extra: Option<&CborValue>,
     ) -> Result<BlockHash, String> {
         if self.algo == HashAlgo::Xxh3Native {
-            return Err("xxh3_native takes typed extra keys only".into());
+            return match extra {
+                None => Ok(self.hash_block(parent, tokens, &[])),
+                Some(_) => Err("xxh3_native takes typed extra keys only".into()),
+            };
         }
         let parent = parent.unwrap_or(&self.none_hash);
         let buf = &mut self.buf;

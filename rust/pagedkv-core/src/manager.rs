@@ -342,15 +342,18 @@ impl KvCacheManager {
     }
 
     /// Releases the request's blocks, tail first (preemption). The request stays
-    /// known, counts one more preemption and is re-admitted through
-    /// `get_computed_blocks` + `allocate_slots`.
+    /// known and is re-admitted through `get_computed_blocks` + `allocate_slots`;
+    /// if it held an allocation, that counts as a preemption (stats).
     ///
     /// # Errors
     /// Unknown request.
     pub fn free(&mut self, id: &str) -> Result<()> {
         let slot = self.slot(id)?;
+        let was_admitted = self.req(slot).admitted;
         self.release(slot);
-        self.req_mut(slot).num_preemptions += 1;
+        if was_admitted {
+            self.req_mut(slot).num_preemptions += 1;
+        }
         Ok(())
     }
 
@@ -649,8 +652,10 @@ impl KvCacheManager {
 
         // Stage 2: adopt the prefix hit (two phases: touch every group's hits
         // before any group allocates blocks for external tokens).
+        // An empty hit is no hit (vLLM returns its shared empty sentinel then).
         let running = self.req(slot).groups.iter().any(|g| g.num_cached.is_some());
-        if (hit.is_some() || a.num_external_computed_tokens > 0) && !running {
+        let has_hit = hit.is_some_and(|h| !h.is_empty());
+        if (has_hit || a.num_external_computed_tokens > 0) && !running {
             let Some(req) = self.reqs[slot as usize].as_mut() else {
                 unreachable_slot()
             };

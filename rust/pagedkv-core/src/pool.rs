@@ -70,6 +70,9 @@ pub struct BlockPool {
     /// Bumped whenever a cached block loses its key: lookup results taken before
     /// a bump must be re-validated.
     epoch: u64,
+    /// Scratch runs of `free_blocks` (kept to avoid allocating per call).
+    scratch_first: Vec<BlockId>,
+    scratch_last: Vec<BlockId>,
 }
 
 impl BlockPool {
@@ -106,6 +109,8 @@ impl BlockPool {
             events_enabled,
             events: Vec::new(),
             epoch: 0,
+            scratch_first: Vec::new(),
+            scratch_last: Vec::new(),
         }
     }
 
@@ -301,8 +306,10 @@ impl BlockPool {
     /// unhashed ones to the front (reused first) and hashed ones to the back (LRU);
     /// without caching, all to the front. The null block is skipped.
     pub fn free_blocks(&mut self, ordered: impl IntoIterator<Item = BlockId>) {
-        let mut first: Vec<BlockId> = Vec::new();
-        let mut last: Vec<BlockId> = Vec::new();
+        let mut first = std::mem::take(&mut self.scratch_first);
+        let mut last = std::mem::take(&mut self.scratch_last);
+        first.clear();
+        last.clear();
         for id in ordered {
             if id == NULL_BLOCK {
                 continue;
@@ -319,6 +326,8 @@ impl BlockPool {
         }
         self.prepend_n(&first);
         self.append_n(&last);
+        self.scratch_first = first;
+        self.scratch_last = last;
     }
 
     // ---- prefix map -------------------------------------------------------

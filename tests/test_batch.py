@@ -1,0 +1,169 @@
+"""``allocate_slots_batch`` is exactly ``allocate_slots`` called for each request in
+order until the first one that does not fit (vLLM's scheduler stops at the first
+``None`` of its running pass): same new blocks, same final state, same events and
+stats. Two identical managers are driven side by side, one per path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pagedkv as pk
+import pytest
+from _util import admit, make_manager, snapshot
+from pagedkv.errors import InvalidArgumentError, UnknownRequestError
+
+
+def loop_allocate(mgr: pk.KVCacheManager, ids: Sequence[str], num_new: Sequence[int],
+                  computed: Sequence[int], lookahead: int = 0) -> tuple[int, list[list[int]]]:
+    out: list[list[int]] = []
+    for rid, new, comp in zip(ids, num_new, computed, strict=True):
+        res = mgr.allocate_slots(rid, int(new), num_computed_tokens=int(comp),
+                                 num_lookahead_tokens=lookahead)
+        if res is None:
+            break
+        out.append([int(b) for b in res[0]])
+    return len(out), out
+
+
+def batch_allocate(mgr: pk.KVCacheManager, ids: Sequence[str], num_new: Any,
+                   computed: Any, lookahead: int = 0) -> tuple[int, list[list[int]]]:
+    n_ok, groups = mgr.allocate_slots_batch(list(ids), num_new, computed,
+                                            num_lookahead_tokens=lookahead)
+    assert len(groups) == 1
+    block_ids, offsets = groups[0]
+    assert block_ids.dtype == np.int32 and offsets.dtype == np.int32
+    assert len(offsets) == n_ok + 1 and offsets[0] == 0 and offsets[-1] == len(block_ids)
+    return n_ok, [[int(b) for b in block_ids[offsets[i]:offsets[i + 1]]] for i in range(n_ok)]
+
+
+def twin_managers(setup: Callable[[pk.KVCacheManager], list[str]], **kwargs: Any
+                  ) -> tuple[pk.KVCacheManager, pk.KVCacheManager, list[str]]:
+    kwargs.setdefault("log_stats", True)
+    kwargs.setdefault("enable_kv_cache_events", True)
+    loop_mgr, batch_mgr = make_manager(**kwargs), make_manager(**kwargs)
+    ids = setup(loop_mgr)
+    assert setup(batch_mgr) == ids
+    assert_same_state(loop_mgr, batch_mgr, ids)
+    return loop_mgr, batch_mgr, ids
+
+
+def assert_same_state(a: pk.KVCacheManager, b: pk.KVCacheManager, ids: Sequence[str]) -> None:
+    assert snapshot(a, ids) == snapshot(b, ids)
+    assert a.take_events() == b.take_events()
+    assert a.make_prefix_cache_stats() == b.make_prefix_cache_stats()
+    a.check_invariants()
+    b.check_invariants()
+
+
+def admitted(prompts: dict[str, list[int]]) -> Callable[[pk.KVCacheManager], list[str]]:
+    def setup(mgr: pk.KVCacheManager) -> list[str]:
+        for rid, tokens in prompts.items():
+            mgr.add_request(rid, tokens)
+            _, new = admit(mgr, rid)
+            assert new is not None
+        return list(prompts)
+    return setup
+
+
+def step(mgrs: Sequence[pk.KVCacheManager], ids: Sequence[str], tokens: dict[str, list[int]]
+         ) -> list[int]:
+    """Appends sampled tokens to every running request; returns the computed counts."""
+    computed = []
+    for rid in ids:
+        computed.append(mgrs[0].num_tokens(rid))
+        for mgr in mgrs:
+            mgr.append_token_ids(rid, tokens[rid])
+    return computed
+
+
+def test_batch_decode_steps_match_per_request_allocation() -> None:
+    # Prompts ending at, before and after block boundaries; some share a prefix.
+    prompts = {
+        "a": list(range(16)),
+        "b": list(range(16)) + [7] * 15,
+        "c": [3] * 20,
+        "d": list(range(100, 147)),
+        "e": list(range(16)) + [8] * 2,
+    }
+    loop_mgr, batch_mgr, ids = twin_managers(admitted(prompts), block_size=16, num_blocks=40)
+    for t in range(40):
+        computed = step((loop_mgr, batch_mgr), ids, {rid: [1000 + t] for rid in ids})
+        expected = loop_allocate(loop_mgr, ids, [1] * len(ids), computed)
+        assert batch_allocate(batch_mgr, ids, 1, np.array(computed)) == expected
+        assert expected[0] == len(ids)
+        assert_same_state(loop_mgr, batch_mgr, ids)
+    # Decode blocks filled up and were cached along the way.
+    assert batch_mgr.num_cached_block_hashes > 10
+
+
+def test_batch_with_per_request_token_counts_and_lookahead_matches() -> None:
+    prompts = {f"r{i}": list(range(50 * i, 50 * i + 5 + 7 * i)) for i in range(6)}
+    loop_mgr, batch_mgr, ids = twin_managers(admitted(prompts), block_size=4, num_blocks=200)
+    for t in range(12):
+        # One sampled token plus t % 4 draft tokens (slots only; drafts never cached).
+        num_new = [1 + (t + i) % 4 for i in range(len(ids))]
+        computed = step((loop_mgr, batch_mgr), ids, {rid: [t] for rid in ids})
+        expected = loop_allocate(loop_mgr, ids, num_new, computed, lookahead=2)
+        got = batch_allocate(batch_mgr, ids, np.array(num_new, dtype=np.int32), computed,
+                             lookahead=2)
+        assert got == expected
+        assert_same_state(loop_mgr, batch_mgr, ids)
+
+
+@pytest.mark.parametrize("num_blocks", [6, 7, 8, 9, 10])
+def test_batch_stops_at_the_first_request_that_does_not_fit(num_blocks: int) -> None:
+    # Four 15-token requests (one block each) plus a cached, evictable prefix;
+    # each decode step pushes every request into a new block, so the pool runs
+    # out part-way through the batch.
+    def setup(mgr: pk.KVCacheManager) -> list[str]:
+        mgr.add_request("cached", [9] * 32)
+        admit(mgr, "cached")
+        mgr.remove_request("cached")
+        return admitted({f"r{i}": [i] * 15 for i in range(4)})(mgr)
+
+    loop_mgr, batch_mgr, ids = twin_managers(setup, block_size=16, num_blocks=num_blocks)
+    computed = step((loop_mgr, batch_mgr), ids, {rid: [1] for rid in ids})
+    free_before = loop_mgr.num_free_blocks
+    expected = loop_allocate(loop_mgr, ids, [2] * len(ids), computed)
+    got = batch_allocate(batch_mgr, ids, 2, computed)
+    assert got == expected
+    assert got[0] == min(free_before, len(ids))
+    assert_same_state(loop_mgr, batch_mgr, ids)
+    # Requests after the failure point got nothing.
+    for rid in ids[got[0]:]:
+        assert len(batch_mgr.get_block_ids(rid)[0]) == 1
+
+
+def test_empty_batch_allocates_nothing() -> None:
+    mgr = make_manager()
+    before = snapshot(mgr)
+    n_ok, ((block_ids, offsets),) = mgr.allocate_slots_batch([], 1, np.array([], dtype=np.int64))
+    assert n_ok == 0 and len(block_ids) == 0 and list(offsets) == [0]
+    assert snapshot(mgr) == before
+
+
+@pytest.mark.parametrize(
+    ("call", "exc"),
+    [
+        (lambda m: m.allocate_slots_batch(["a", "b", "zz"], 1, [55, 53, 0]), UnknownRequestError),
+        (lambda m: m.allocate_slots_batch(["a", "b"], 1, [55, 1000]), InvalidArgumentError),
+        (lambda m: m.allocate_slots_batch(["a", "b"], [1, 1, 1], [55, 53]), InvalidArgumentError),
+        (lambda m: m.allocate_slots_batch(["a", "b"], 1, [55]), InvalidArgumentError),
+    ],
+    ids=["unknown_id", "computed_past_tokens", "counts_length", "computed_length"],
+)
+def test_invalid_batch_raises_before_allocating_anything(call: Callable[..., Any],
+                                                         exc: type[BaseException]) -> None:
+    mgr = make_manager(log_stats=True, enable_kv_cache_events=True)
+    admitted({"a": [1] * 55, "b": [2] * 53})(mgr)
+    mgr.append_token_ids("a", [5] * 10)  # "a" needs a new block at the next step
+    mgr.take_events()
+    mgr.make_prefix_cache_stats()
+    before = snapshot(mgr, ["a", "b"])
+    with pytest.raises(exc):
+        call(mgr)
+    assert snapshot(mgr, ["a", "b"]) == before
+    assert mgr.take_events() == []
+    mgr.check_invariants()

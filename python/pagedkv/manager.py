@@ -73,6 +73,12 @@ class KVCacheManager(_core.KVCacheManager):
             sliding-window/Mamba checkpoints (None = dense; 0 = replay boundary).
     """
 
+    _kv_cache_config: KVCacheConfig
+    _max_model_len: int
+    _enable_caching: bool
+    _log_stats: bool
+    _max_in_flight_tokens: int
+
     def __new__(
         cls,
         kv_cache_config: KVCacheConfig,

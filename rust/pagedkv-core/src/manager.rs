@@ -1007,8 +1007,8 @@ fn stored_event(gm: &GroupManager, req: &Request, g: usize, from: usize, to: usi
     let blocks = &req.groups[g].blocks;
     let mut hashes = Vec::new();
     let mut extra = Vec::new();
-    for i in from..to {
-        if blocks[i] == NULL_BLOCK {
+    for (i, &b) in blocks.iter().enumerate().take(to).skip(from) {
+        if b == NULL_BLOCK {
             continue;
         }
         if let Some(k) = gm.key_for(&req.hashes, i) {

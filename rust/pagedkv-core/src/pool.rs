@@ -390,26 +390,22 @@ impl BlockPool {
         let key = self.keys[slot as usize];
         let removed = match self.map.get_mut(&key) {
             None => false,
-            Some(Entry::One(x)) => {
-                if *x == id {
-                    self.map.remove(&key);
-                    true
-                } else {
-                    false
-                }
+            Some(Entry::One(x)) if *x == id => {
+                self.map.remove(&key);
+                true
             }
-            Some(Entry::Many(ids)) => {
-                if let Some(pos) = ids.iter().position(|&x| x == id) {
+            Some(Entry::One(_)) => false,
+            Some(Entry::Many(ids)) => match ids.iter().position(|&x| x == id) {
+                Some(pos) => {
                     ids.remove(pos);
                     if ids.len() == 1 {
                         let only = ids[0];
                         self.map.insert(key, Entry::One(only));
                     }
                     true
-                } else {
-                    false
                 }
-            }
+                None => false,
+            },
         };
         if !removed {
             return false;

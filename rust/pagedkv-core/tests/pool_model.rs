@@ -55,7 +55,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         2 => prop::collection::vec(any::<Index>(), 0..5).prop_map(Op::Touch),
         4 => (prop::collection::vec(any::<Index>(), 0..8), prop::bool::weighted(0.2))
             .prop_map(|(picks, with_null)| Op::Free { picks, with_null }),
-        4 => (any::<Index>(), 0..NUM_HASHES, 0..NUM_GROUPS).prop_map(|(i, h, g)| Op::Cache(i, h, g)),
+        4 => (any::<Index>(), 0..NUM_HASHES, 0..NUM_GROUPS)
+            .prop_map(|(i, h, g)| Op::Cache(i, h, g)),
         2 => any::<Index>().prop_map(Op::Evict),
         1 => Just(Op::Reset),
     ]

@@ -12,8 +12,17 @@ arrays; Python keeps the KV tensors and maps block ids onto them.
 
 from __future__ import annotations
 
-from . import errors
+from . import errors, presets
 from ._core import __version__, hash_block_tokens, none_hash
+from .config_builder import (
+    NotEnoughKVCacheMemoryError,
+    check_enough_kv_cache_memory,
+    estimate_max_model_len,
+    get_kv_cache_capacity,
+    get_kv_cache_config,
+    get_kv_cache_groups,
+    get_max_concurrency_for_kv_cache_config,
+)
 from .errors import (
     CannotFitError,
     DuplicateRequestError,
@@ -26,14 +35,21 @@ from .errors import (
 )
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from .manager import ComputedBlocks, KVCacheManager
+from .presets import ModelPreset
 from .specs import (
     AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
     KVCacheTensor,
+    MambaSpec,
     MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
     dtype_size,
 )
 from .stats import PrefixCacheStats
@@ -44,7 +60,9 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "CannotFitError",
+    "ChunkedLocalAttentionSpec",
     "ComputedBlocks",
+    "CrossAttentionSpec",
     "DuplicateRequestError",
     "FullAttentionSpec",
     "InvalidArgumentError",
@@ -57,13 +75,26 @@ __all__ = [
     "KVCacheSpec",
     "KVCacheTensor",
     "MLAAttentionSpec",
+    "MambaSpec",
+    "ModelPreset",
+    "NotEnoughKVCacheMemoryError",
     "PagedKVError",
     "PrefixCacheStats",
+    "SinkFullAttentionSpec",
+    "SlidingWindowSpec",
     "StaleComputedBlocksError",
+    "UniformTypeKVCacheSpecs",
     "UnknownRequestError",
     "__version__",
+    "check_enough_kv_cache_memory",
     "dtype_size",
     "errors",
+    "estimate_max_model_len",
+    "get_kv_cache_capacity",
+    "get_kv_cache_config",
+    "get_kv_cache_groups",
+    "get_max_concurrency_for_kv_cache_config",
     "hash_block_tokens",
     "none_hash",
+    "presets",
 ]

@@ -35,7 +35,7 @@ class KVCacheManager:
     def __new__(
         cls,
         num_blocks: int,
-        groups: Sequence[tuple[str, int]],
+        groups: Sequence[dict[str, Any]],
         max_model_len: int,
         *,
         enable_caching: bool = True,
@@ -46,6 +46,8 @@ class KVCacheManager:
         log_stats: bool = False,
         enable_kv_cache_events: bool = False,
         watermark: float = 0.0,
+        max_in_flight_tokens: int | None = None,
+        prefix_cache_retention_interval: int | None = None,
     ) -> Self: ...
     @property
     def num_free_blocks(self) -> int: ...

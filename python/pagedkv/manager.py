@@ -95,20 +95,11 @@ class KVCacheManager(_core.KVCacheManager):
         max_in_flight_tokens: int | None = None,
         prefix_cache_retention_interval: int | None = None,
     ) -> KVCacheManager:
-        from .errors import InvalidConfigError
-
         if not isinstance(kv_cache_config, KVCacheConfig):
             raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
-        groups = [(g.kv_cache_spec.kind, g.kv_cache_spec.block_size)
+        # Equal specs share lookups: the tag tells specs apart by every field.
+        groups = [{**g.kv_cache_spec.core_spec(), "tag": repr(g.kv_cache_spec)}
                   for g in kv_cache_config.kv_cache_groups]
-        if max_in_flight_tokens is not None and max_in_flight_tokens <= 0:
-            raise InvalidConfigError(
-                f"max_in_flight_tokens must be positive, got {max_in_flight_tokens}")
-        if prefix_cache_retention_interval not in (None, 0):
-            raise InvalidConfigError(
-                "prefix_cache_retention_interval is set but this model has no sliding-window "
-                "or Mamba KV cache group, so retention has no effect. Set it to 0 (it only "
-                "applies to sliding-window and Mamba attention).")
         if hash_seed is None:
             hash_seed = os.environ.get("PYTHONHASHSEED")
         self = super().__new__(
@@ -124,6 +115,8 @@ class KVCacheManager(_core.KVCacheManager):
             log_stats=log_stats,
             enable_kv_cache_events=enable_kv_cache_events,
             watermark=watermark,
+            max_in_flight_tokens=max_in_flight_tokens,
+            prefix_cache_retention_interval=prefix_cache_retention_interval,
         )
         self._kv_cache_config = kv_cache_config
         self._max_model_len = max_model_len

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .manager import KVCacheManager
-from .specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from .specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from .trace import TraceConfig, generate
 
 __all__ = ["ReplayReport", "manager_for_dump", "replay_dump"]
@@ -48,12 +48,13 @@ class ReplayReport:
 def manager_for_dump(header: dict[str, Any]) -> KVCacheManager:
     """A manager configured like the one the dump was recorded from."""
     m, s = header["manager"], header["scheduler"]
+    kw: dict[str, Any] = dict(block_size=m["block_size"], num_kv_heads=8, head_size=128,
+                              dtype="bfloat16")
+    groups = [KVCacheGroupSpec(["layers.0.attn"], FullAttentionSpec(**kw))]
     if m.get("hybrid"):
-        raise NotImplementedError("hybrid dumps need the hybrid coordinator")
-    spec = FullAttentionSpec(block_size=m["block_size"], num_kv_heads=8, head_size=128,
-                             dtype="bfloat16")
-    config = KVCacheConfig(num_blocks=m["num_blocks"],
-                           kv_cache_groups=[KVCacheGroupSpec(["layers.0.attn"], spec)])
+        groups.append(KVCacheGroupSpec(
+            ["layers.1.attn"], SlidingWindowSpec(sliding_window=m["sliding_window"], **kw)))
+    config = KVCacheConfig(num_blocks=m["num_blocks"], kv_cache_groups=groups)
     return KVCacheManager(config, max_model_len=m["max_model_len"],
                           enable_caching=m["enable_caching"], hash_algo=m["hash"],
                           watermark=s["watermark"],

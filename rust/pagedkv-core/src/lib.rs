@@ -43,5 +43,5 @@ pub use hash::{BlockHash, BlockHasher, CborValue, ExtraKey, HashAlgo};
 pub use manager::{AllocateArgs, BatchAllocation, ComputedBlocks, KvCacheManager};
 pub use pool::{BlockId, BlockPool, CacheKey, NULL_BLOCK};
 pub use request::{Lora, MmFeature, RequestSpec};
-pub use spec::{AttentionKind, GroupSpec, ManagerConfig};
+pub use spec::{AttentionKind, GroupSpec, MambaCacheMode, ManagerConfig};
 pub use stats::PrefixCacheStats;

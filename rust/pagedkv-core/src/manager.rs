@@ -9,7 +9,7 @@ use crate::events::{BlockStored, KvEvent};
 use crate::hash::{BlockHash, BlockHasher, DEFAULT_NONE_HASH_SEED};
 use crate::pool::{BlockId, BlockPool, NULL_BLOCK};
 use crate::request::{Request, RequestSpec};
-use crate::single_type::GroupManager;
+use crate::single_type::{GroupManager, Lookup, Need, Retention};
 use crate::spec::ManagerConfig;
 use crate::stats::PrefixCacheStats;
 
@@ -102,6 +102,28 @@ pub struct KvCacheManager {
     num_admitted: usize,
     stats: Option<PrefixCacheStats>,
     new_blocks: Vec<Vec<BlockId>>,
+    coordinator: Coordinator,
+    scheduler_block_size: u64,
+}
+
+/// Groups with equal specs, looked up together (vLLM's `SpecGroup`).
+#[derive(Clone, Debug)]
+struct AttnGroup {
+    group_ids: Vec<u32>,
+    is_full: bool,
+    is_mamba: bool,
+    use_eagle: bool,
+}
+
+/// How prefix hits are reconciled across groups.
+#[derive(Clone, Debug)]
+enum Coordinator {
+    /// Caching off: no lookups.
+    NoPrefixCache,
+    /// One group.
+    Unitary,
+    /// Several groups: a fixed-point search, full attention first.
+    Hybrid { attn: Vec<AttnGroup>, simple: bool },
 }
 
 fn random_seed() -> String {
@@ -132,12 +154,59 @@ impl KvCacheManager {
             cfg.enable_caching,
             cfg.enable_kv_cache_events,
         );
-        let groups = cfg
+        let sbs = cfg.scheduler_block_size();
+        let in_flight = cfg.max_in_flight_tokens.unwrap_or(cfg.max_model_len);
+        let mut groups = cfg
             .groups
             .iter()
             .enumerate()
-            .map(|(i, g)| GroupManager::new(g.clone(), i as u32, hbs))
+            .map(|(i, g)| {
+                GroupManager::new(
+                    g.clone(),
+                    i as u32,
+                    hbs,
+                    sbs,
+                    in_flight,
+                    cfg.max_model_len,
+                    cfg.num_blocks,
+                )
+            })
             .collect::<Vec<_>>();
+        let coordinator = if !cfg.enable_caching {
+            Coordinator::NoPrefixCache
+        } else if groups.len() == 1 {
+            groups[0].use_eagle = cfg.use_eagle;
+            Coordinator::Unitary
+        } else {
+            let mut attn: Vec<AttnGroup> = Vec::new();
+            for (i, g) in cfg.groups.iter().enumerate() {
+                if !groups[i].prefix_cacheable() {
+                    continue;
+                }
+                groups[i].use_eagle = cfg.use_eagle;
+                match attn
+                    .iter_mut()
+                    .find(|a| cfg.groups[a.group_ids[0] as usize] == *g)
+                {
+                    Some(a) => a.group_ids.push(i as u32),
+                    None => attn.push(AttnGroup {
+                        group_ids: vec![i as u32],
+                        is_full: g.kind.is_full_attention(),
+                        is_mamba: matches!(g.kind, crate::spec::AttentionKind::Mamba { .. }),
+                        use_eagle: cfg.use_eagle,
+                    }),
+                }
+            }
+            if attn.is_empty() {
+                return Err(Error::InvalidConfig(
+                    "prefix caching needs at least one cacheable KV-cache group".into(),
+                ));
+            }
+            // Full attention first: the cheapest scan gives the tightest bound.
+            attn.sort_by_key(|a| !a.is_full);
+            let simple = attn.len() == 2 && attn[0].is_full;
+            Coordinator::Hybrid { attn, simple }
+        };
         let watermark_blocks = (cfg.watermark * f64::from(cfg.num_blocks)) as u64;
         let n = groups.len();
         Ok(Self {
@@ -154,6 +223,8 @@ impl KvCacheManager {
             num_admitted: 0,
             stats: cfg.log_stats.then(PrefixCacheStats::default),
             new_blocks: vec![Vec::new(); n],
+            coordinator,
+            scheduler_block_size: sbs,
             cfg,
         })
     }
@@ -408,39 +479,122 @@ impl KvCacheManager {
             });
         }
         let max_len = req.num_tokens().saturating_sub(1);
-        let (block_ids, hit) = self.find_longest_cache_hit(&req.hashes, max_len);
+        let (block_ids, hit, uncached) = self.find_longest_cache_hit(&req.hashes, max_len);
+        let spb = if uncached > 0 {
+            (hit + uncached) as u64
+        } else {
+            0
+        };
         let r = self.req_mut(slot);
         r.pending_lookup = true;
-        r.shared_prefix_boundary = 0;
+        r.shared_prefix_boundary = spb;
         Ok(ComputedBlocks {
             block_ids,
             num_computed_tokens: hit as u64,
-            shared_prefix_boundary: 0,
+            shared_prefix_boundary: spb,
             request_uid: uid,
             manager_uid,
             epoch,
         })
     }
 
-    /// Groups with equal specs are looked up together (a block counts only when
-    /// cached for all of them).
+    /// Returns the hit blocks per group, the reconciled hit length, and how much
+    /// longer the longest single-group hit was (an uncached shared prefix).
     fn find_longest_cache_hit(
         &self,
         hashes: &[BlockHash],
         max_len: usize,
-    ) -> (Vec<Vec<BlockId>>, usize) {
-        let ids: Vec<u32> = (0..self.groups.len() as u32).collect();
-        let gm = &self.groups[0];
-        let mut out = vec![Vec::new(); self.groups.len()];
-        let hit = gm.find_longest_cache_hit(
-            &self.pool,
-            hashes,
-            max_len,
-            &ids,
-            self.cfg.use_eagle,
-            &mut out,
-        );
-        (out, hit)
+    ) -> (Vec<Vec<BlockId>>, usize, usize) {
+        let n = self.groups.len();
+        let mut out = vec![Vec::new(); n];
+        match &self.coordinator {
+            Coordinator::NoPrefixCache => (out, 0, 0),
+            Coordinator::Unitary => {
+                let gm = &self.groups[0];
+                let q = Lookup {
+                    hashes,
+                    max_len,
+                    drop_eagle_block: gm.use_eagle,
+                    alignment: gm.block_size() as usize,
+                };
+                let hit = gm.find_longest_cache_hit(&self.pool, &q, &[0], &mut out);
+                (out, hit, 0)
+            }
+            Coordinator::Hybrid { attn, simple } => {
+                self.find_hybrid(attn, *simple, hashes, max_len, out)
+            }
+        }
+    }
+
+    /// vLLM's fixed-point search: each attention group accepts the candidate
+    /// length or lowers it; repeat until no group lowers it (one pass for a
+    /// simple full-attention + one-other-type hybrid).
+    fn find_hybrid(
+        &self,
+        attn: &[AttnGroup],
+        simple: bool,
+        hashes: &[BlockHash],
+        max_len: usize,
+        mut out: Vec<Vec<BlockId>>,
+    ) -> (Vec<Vec<BlockId>>, usize, usize) {
+        let n = self.groups.len();
+        let sbs = self.scheduler_block_size as usize;
+        let mut hit_length = max_len;
+        let mut longest = 0usize;
+        let mut searched = vec![false; n];
+        let mut hit_by_group = vec![0usize; n];
+        let mut eagle_verified = vec![false; attn.len()];
+        loop {
+            let mut curr = hit_length;
+            for (idx, ag) in attn.iter().enumerate() {
+                let first = ag.group_ids[0] as usize;
+                if ag.is_full && searched[first] {
+                    // Full attention is downward closed: just trim.
+                    curr = curr.min(hit_by_group[first]);
+                    continue;
+                }
+                let gm = &self.groups[first];
+                let drop = ag.use_eagle && !eagle_verified[idx];
+                let mut max_length = curr;
+                if drop && !ag.is_mamba {
+                    // Match one block past the candidate, then drop it.
+                    max_length =
+                        (curr + gm.block_size() as usize).min(hashes.len() * self.hash_block_size);
+                }
+                let q = Lookup {
+                    hashes,
+                    max_len: max_length,
+                    drop_eagle_block: drop,
+                    alignment: sbs,
+                };
+                let new_hit = gm.find_longest_cache_hit(&self.pool, &q, &ag.group_ids, &mut out);
+                if drop {
+                    eagle_verified[idx] = true;
+                } else if new_hit < curr {
+                    eagle_verified.iter_mut().for_each(|v| *v = false);
+                }
+                curr = new_hit;
+                for &g in &ag.group_ids {
+                    searched[g as usize] = true;
+                    hit_by_group[g as usize] = new_hit;
+                }
+                longest = longest.max(curr);
+            }
+            if curr >= hit_length {
+                break;
+            }
+            hit_length = curr;
+            if simple {
+                break;
+            }
+        }
+        for ag in attn.iter().filter(|a| a.is_full) {
+            for &g in &ag.group_ids {
+                let bs = self.groups[g as usize].block_size() as usize;
+                out[g as usize].truncate(hit_length.div_ceil(bs));
+            }
+        }
+        (out, hit_length, longest.saturating_sub(hit_length))
     }
 
     // ---- allocation -------------------------------------------------------
@@ -530,6 +684,9 @@ impl KvCacheManager {
             }
         }
         for (g, gm) in self.groups.iter().enumerate() {
+            if !gm.prefix_cacheable() {
+                continue; // cross attention: its blocks cover encoder tokens
+            }
             let have = req.groups[g].blocks.len() as u64 * u64::from(gm.block_size());
             if a.num_computed_tokens > have {
                 return Err(invalid(format!(
@@ -541,19 +698,45 @@ impl KvCacheManager {
         Ok(())
     }
 
-    /// Blocks the request would need in an empty pool: more than the pool has
-    /// means it can never be scheduled.
-    fn check_can_ever_fit(&self, num_tokens: u64) -> Result<()> {
-        let need: u64 = self
-            .groups
-            .iter()
-            .map(|gm| num_tokens.div_ceil(u64::from(gm.block_size())))
-            .sum();
-        let usable = u64::from(self.pool.num_blocks()) - 1;
-        if need > usable {
+    /// Refuses a request that can never be scheduled: the blocks it would hold
+    /// after this call (fresh blocks plus every prefix-hit block, evictable or
+    /// held by others) exceed all usable blocks minus those it keeps holding
+    /// once skipped blocks are released. Only called when the need exceeds the
+    /// free blocks.
+    fn check_ever_fits(
+        &self,
+        slot: u32,
+        need: i64,
+        hit: &[Vec<BlockId>],
+        total_computed: u64,
+    ) -> Result<()> {
+        let req = self.req(slot);
+        let mut held = 0i64;
+        let mut shared_hits = 0i64;
+        for (g, gm) in self.groups.iter().enumerate() {
+            let gb = &req.groups[g];
+            let real = gb.blocks.iter().filter(|&&b| b != NULL_BLOCK).count();
+            held += (real - gm.num_skippable_blocks(gb, total_computed).min(real)) as i64;
+            if let Some(h) = hit.get(g) {
+                // Hits referenced by other requests are not in `need` but will be
+                // this request's too.
+                let skip =
+                    (gm.num_skipped_tokens(total_computed) / u64::from(gm.block_size())) as usize;
+                shared_hits += h
+                    .iter()
+                    .skip(skip)
+                    .filter(|&&b| b != NULL_BLOCK && !self.pool.is_evictable(b))
+                    .count() as i64;
+            }
+        }
+        let capacity = i64::from(self.pool.num_blocks()) - 1 - held;
+        if need + shared_hits > capacity {
             return Err(Error::CannotFit(format!(
-                "the request needs {need} blocks for {num_tokens} tokens but the pool has only \
-                 {usable} usable blocks"
+                "request {:?} needs {} more blocks but the pool can never give it more \
+                 than {capacity} ({} usable blocks, {held} held by the request)",
+                req.id,
+                need + shared_hits,
+                self.pool.num_blocks() - 1
             )));
         }
         Ok(())
@@ -606,29 +789,42 @@ impl KvCacheManager {
         let total_computed = (local + a.num_external_computed_tokens).min(max_len);
         let main_model = total_computed + a.num_new_tokens;
         let need_slot = (main_model + a.num_lookahead_tokens).min(max_len);
-        self.check_can_ever_fit(need_slot)?;
-        if a.full_sequence_must_fit {
-            self.check_can_ever_fit(num_tokens.min(max_len))?;
-        }
 
         let empty: Vec<Vec<BlockId>> = Vec::new();
         let hit_blocks: &[Vec<BlockId>] = hit.map_or(empty.as_slice(), |h| &h.block_ids);
         let watermark = if a.has_scheduled_reqs && admitting {
-            self.watermark_blocks
+            self.watermark_blocks as i64
         } else {
             0
         };
-        let free = u64::from(self.pool.num_free_blocks());
+        let free = i64::from(self.pool.num_free_blocks());
+        let enc = a.num_encoder_tokens;
+
+        let need_args = Need {
+            num_tokens: need_slot,
+            total_computed: local + a.num_external_computed_tokens,
+            main_model,
+            cap: false,
+        };
+        // The need does not change when skipped blocks are nulled below, so a
+        // request that can never fit is refused before anything changes.
+        let (need, blocked) = self.num_blocks_to_allocate(slot, &need_args, hit_blocks, enc);
+        if need > free && !blocked {
+            self.check_ever_fits(slot, need, hit_blocks, total_computed)?;
+        }
 
         if a.full_sequence_must_fit {
             let full = num_tokens.min(max_len);
-            let need = self.num_blocks_to_allocate(
-                slot,
-                full,
-                hit_blocks,
-                a.num_encoder_tokens,
+            let full_args = Need {
+                num_tokens: full,
                 total_computed,
-            );
+                main_model: full,
+                cap: true,
+            };
+            let (need, blocked) = self.num_blocks_to_allocate(slot, &full_args, hit_blocks, enc);
+            if need > free && !blocked {
+                self.check_ever_fits(slot, need, hit_blocks, total_computed)?;
+            }
             if need + watermark > free {
                 return Ok(false);
             }
@@ -638,15 +834,9 @@ impl KvCacheManager {
         // the allocation then fails.
         self.remove_skipped(slot, total_computed);
 
-        let need = self.num_blocks_to_allocate(
-            slot,
-            need_slot,
-            hit_blocks,
-            a.num_encoder_tokens,
-            local + a.num_external_computed_tokens,
-        );
-        let free = i128::from(self.pool.num_free_blocks()) - i128::from(a.reserved_blocks);
-        if i128::from(need + watermark) > free {
+        let (need, _) = self.num_blocks_to_allocate(slot, &need_args, hit_blocks, enc);
+        let available = i64::from(self.pool.num_free_blocks()) - a.reserved_blocks as i64;
+        if need + watermark > available {
             return Ok(false);
         }
 
@@ -689,7 +879,12 @@ impl KvCacheManager {
             for (g, gm) in self.groups.iter().enumerate() {
                 let out = &mut self.new_blocks[g];
                 out.clear();
-                gm.allocate_new_blocks(&mut self.pool, &mut req.groups[g], need_slot, out);
+                let (n, main) = if gm.prefix_cacheable() {
+                    (need_slot, main_model)
+                } else {
+                    (enc, enc) // cross attention: one allocation for the encoder output
+                };
+                gm.allocate_new_blocks(&mut self.pool, &mut req.groups[g], n, main, out);
             }
             if !req.admitted {
                 req.admitted = true;
@@ -715,29 +910,35 @@ impl KvCacheManager {
         Ok(true)
     }
 
+    /// vLLM's coordinator `get_num_blocks_to_allocate`; the flag says a Mamba hit
+    /// was cached this very step (a transient refusal, not a capacity problem).
     fn num_blocks_to_allocate(
         &self,
         slot: u32,
-        num_tokens: u64,
+        n: &Need,
         hit: &[Vec<BlockId>],
-        _num_encoder_tokens: u64,
-        total_computed: u64,
-    ) -> u64 {
+        num_encoder_tokens: u64,
+    ) -> (i64, bool) {
         let req = self.req(slot);
-        self.groups
-            .iter()
-            .enumerate()
-            .map(|(g, gm)| {
-                let blocks = hit.get(g).map_or(&[][..], Vec::as_slice);
-                gm.num_blocks_to_allocate(
-                    &self.pool,
-                    &req.groups[g],
-                    num_tokens,
-                    blocks,
-                    total_computed,
-                )
-            })
-            .sum()
+        let mut total = 0i64;
+        let mut blocked = false;
+        for (g, gm) in self.groups.iter().enumerate() {
+            let blocks = hit.get(g).map_or(&[][..], Vec::as_slice);
+            let need = if gm.prefix_cacheable() {
+                gm.num_blocks_to_allocate(&self.pool, &req.groups[g], blocks, n)
+            } else {
+                let enc = Need {
+                    num_tokens: num_encoder_tokens,
+                    total_computed: 0,
+                    main_model: num_encoder_tokens,
+                    cap: n.cap,
+                };
+                gm.num_blocks_to_allocate(&self.pool, &req.groups[g], &[], &enc)
+            };
+            blocked |= gm.hit_cached_this_step(&self.pool, blocks);
+            total += need;
+        }
+        (total, blocked)
     }
 
     fn remove_skipped(&mut self, slot: u32, total_computed: u64) {
@@ -784,12 +985,34 @@ impl KvCacheManager {
             unreachable_slot()
         };
         let hbs = self.hash_block_size;
-        for (g, gm) in self.groups.iter().enumerate() {
-            let Some((from, to)) = gm.cache_blocks(&mut self.pool, req, g, num_tokens, hbs) else {
+        let sbs = self.scheduler_block_size as usize;
+        let hybrid = matches!(self.coordinator, Coordinator::Hybrid { .. });
+        let boundaries =
+            replay_boundaries(req.num_prompt_tokens as u64, sbs as u64, self.cfg.use_eagle);
+        let retention = Retention {
+            interval: self.cfg.prefix_cache_retention_interval,
+            boundaries: &boundaries,
+        };
+        for (g, gm) in self.groups.iter_mut().enumerate() {
+            // Nothing past the last aligned boundary can ever be hit in a hybrid
+            // model (EAGLE groups keep one block past it).
+            let n = if hybrid {
+                let aligned = num_tokens / sbs * sbs;
+                if gm.use_eagle && aligned > 0 {
+                    num_tokens.min(aligned + gm.block_size() as usize)
+                } else {
+                    aligned
+                }
+            } else {
+                num_tokens
+            };
+            let Some((from, to, mask)) =
+                gm.cache_blocks(&mut self.pool, req, g, n, hbs, &retention)
+            else {
                 continue;
             };
             if self.pool.events_enabled() {
-                let ev = stored_event(gm, req, g, from, to);
+                let ev = stored_event(gm, req, g, from, to, mask.as_deref());
                 self.pool.push_event(KvEvent::BlockStored(ev));
             }
         }
@@ -812,6 +1035,7 @@ impl KvCacheManager {
             return Err(invalid("request ids and token counts differ in length"));
         }
         let mut slots = Vec::with_capacity(ids.len());
+        let free_at_start = i64::from(self.pool.num_free_blocks());
         for (i, id) in ids.iter().enumerate() {
             let slot = self.slot(id)?;
             let args = AllocateArgs {
@@ -819,9 +1043,18 @@ impl KvCacheManager {
                 ..AllocateArgs::step(num_new_tokens[i], num_computed_tokens[i])
             };
             self.validate_args(slot, &args)?;
-            let need = (num_computed_tokens[i] + num_new_tokens[i] + num_lookahead_tokens)
-                .min(self.cfg.max_model_len);
-            self.check_can_ever_fit(need)?;
+            let max_len = self.cfg.max_model_len;
+            let need_args = Need {
+                num_tokens: (num_computed_tokens[i] + num_new_tokens[i] + num_lookahead_tokens)
+                    .min(max_len),
+                total_computed: num_computed_tokens[i],
+                main_model: (num_computed_tokens[i] + num_new_tokens[i]).min(max_len),
+                cap: false,
+            };
+            let (need, blocked) = self.num_blocks_to_allocate(slot, &need_args, &[], 0);
+            if need > free_at_start && !blocked {
+                self.check_ever_fits(slot, need, &[], num_computed_tokens[i].min(max_len))?;
+            }
             slots.push(slot);
         }
         let n = self.groups.len();
@@ -927,7 +1160,11 @@ impl KvCacheManager {
     }
 
     /// Per-step notification (Mamba "align" groups reset per-step state).
-    pub fn new_step_starts(&mut self) {}
+    pub fn new_step_starts(&mut self) {
+        for gm in &mut self.groups {
+            gm.new_step_starts();
+        }
+    }
 
     /// Checks every invariant of the pool and the request table.
     ///
@@ -1002,13 +1239,35 @@ impl KvCacheManager {
     }
 }
 
-fn stored_event(gm: &GroupManager, req: &Request, g: usize, from: usize, to: usize) -> BlockStored {
+/// Tokens a later request replaying this prompt can resume at (vLLM's
+/// `replay_boundaries`): the resend cap `P - 1`, or with EAGLE the aligned
+/// positions one block below the resend and the extension.
+fn replay_boundaries(num_prompt_tokens: u64, sbs: u64, use_eagle: bool) -> Vec<u64> {
+    if !use_eagle {
+        return vec![num_prompt_tokens.saturating_sub(1)];
+    }
+    let resend = num_prompt_tokens.saturating_sub(1) / sbs * sbs;
+    let extension = num_prompt_tokens / sbs * sbs;
+    let mut v = vec![resend.saturating_sub(sbs), extension.saturating_sub(sbs)];
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+fn stored_event(
+    gm: &GroupManager,
+    req: &Request,
+    g: usize,
+    from: usize,
+    to: usize,
+    mask: Option<&[bool]>,
+) -> BlockStored {
     let bs = gm.block_size() as usize;
     let blocks = &req.groups[g].blocks;
     let mut hashes = Vec::new();
     let mut extra = Vec::new();
     for (i, &b) in blocks.iter().enumerate().take(to).skip(from) {
-        if b == NULL_BLOCK {
+        if b == NULL_BLOCK || mask.is_some_and(|m| !m[i - from]) {
             continue;
         }
         if let Some(k) = gm.key_for(&req.hashes, i) {

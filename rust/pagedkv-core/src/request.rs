@@ -42,6 +42,12 @@ pub(crate) struct GroupBlocks {
     /// Number of leading blocks already cached; `Some` once the request is
     /// running in this group (vLLM's `num_cached_block` entry).
     pub num_cached: Option<usize>,
+    /// Mamba "align": blocks were allocated since admission.
+    pub mamba_allocated: bool,
+    /// Mamba "align": index of the previous step's state block.
+    pub mamba_last_state: Option<usize>,
+    /// Mamba "align": blocks before this index were already retired.
+    pub mamba_retired: usize,
 }
 
 #[derive(Clone, Debug)]

@@ -3,13 +3,52 @@
 use crate::error::{Error, Result};
 use crate::hash::HashAlgo;
 
+/// Mamba state caching mode (vLLM's `mamba_cache_mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MambaCacheMode {
+    /// No prefix caching; one state block per request (+ speculative blocks).
+    None,
+    /// Prefix caching: a state is cached at every block boundary reached while a
+    /// request only holds its running state block.
+    Align,
+    /// A state per block (memory grows with the sequence).
+    All,
+}
+
+impl MambaCacheMode {
+    /// Parses vLLM's mode name.
+    #[must_use]
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "none" => Some(Self::None),
+            "align" => Some(Self::Align),
+            "all" => Some(Self::All),
+            _ => None,
+        }
+    }
+}
+
 /// The attention type of a KV-cache group, with the fields its manager needs.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum AttentionKind {
     /// Full (causal) attention: every block stays needed until the request ends.
     FullAttention,
     /// Multi-head latent attention: managed exactly like full attention.
     MlaAttention,
+    /// Sliding-window attention over the last `window` tokens.
+    SlidingWindow { window: u32 },
+    /// Chunked local attention (Llama 4): attention within `chunk`-token chunks.
+    ChunkedLocal { chunk: u32 },
+    /// Mamba / linear-attention state.
+    Mamba {
+        mode: MambaCacheMode,
+        num_speculative_blocks: u32,
+    },
+    /// Encoder-decoder cross attention: blocks for the encoder output, allocated
+    /// once per request, never cached.
+    CrossAttention,
+    /// Full attention with attention sinks (`sink_len` tokens).
+    SinkFullAttention { sink_len: u32 },
 }
 
 impl AttentionKind {
@@ -19,28 +58,67 @@ impl AttentionKind {
         match self {
             Self::FullAttention => "full_attention",
             Self::MlaAttention => "mla_attention",
+            Self::SlidingWindow { .. } => "sliding_window",
+            Self::ChunkedLocal { .. } => "chunked_local_attention",
+            Self::Mamba { .. } => "mamba",
+            Self::CrossAttention => "cross_attention",
+            Self::SinkFullAttention { .. } => "sink_full_attention",
         }
     }
 
     /// The sliding window published in events (`None` for other types).
     #[must_use]
     pub fn sliding_window(&self) -> Option<u32> {
-        None
+        match self {
+            Self::SlidingWindow { window } => Some(*window),
+            _ => None,
+        }
     }
 
-    /// Whether the group is managed by vLLM's `FullAttentionManager`.
+    /// Whether vLLM treats the spec as a `FullAttentionSpec` (full attention, MLA,
+    /// sinks): hits are downward closed, searched first, counted for cascade
+    /// attention.
     #[must_use]
     pub fn is_full_attention(&self) -> bool {
-        matches!(self, Self::FullAttention | Self::MlaAttention)
+        matches!(
+            self,
+            Self::FullAttention | Self::MlaAttention | Self::SinkFullAttention { .. }
+        )
+    }
+
+    /// Sliding-window and Mamba groups cache sparsely under a retention interval.
+    #[must_use]
+    pub fn is_sparse_retention(&self) -> bool {
+        matches!(self, Self::SlidingWindow { .. } | Self::Mamba { .. })
     }
 }
 
 /// One KV-cache group as the manager sees it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct GroupSpec {
     pub kind: AttentionKind,
     /// Tokens per block.
     pub block_size: u32,
+    /// Distinguishes specs that differ only in fields the manager does not read
+    /// (head counts, dtypes): groups are looked up together only when their
+    /// kinds, block sizes and tags are all equal.
+    pub tag: String,
+}
+
+impl GroupSpec {
+    /// A spec with an empty tag.
+    #[must_use]
+    pub fn new(kind: AttentionKind, block_size: u32) -> Self {
+        Self {
+            kind,
+            block_size,
+            tag: String::new(),
+        }
+    }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 { a } else { gcd(b, a % b) }
 }
 
 /// Everything a [`crate::KvCacheManager`] is built from.
@@ -65,6 +143,12 @@ pub struct ManagerConfig {
     pub enable_kv_cache_events: bool,
     /// Fraction of `num_blocks` kept free when admitting waiting requests.
     pub watermark: f64,
+    /// Tokens scheduled but not yet settled (vLLM's admission cap for
+    /// sliding-window and chunked-local groups). `None`: `max_model_len`.
+    pub max_in_flight_tokens: Option<u64>,
+    /// Sparse retention of sliding-window / Mamba checkpoints: `None` dense,
+    /// `Some(0)` only the replay boundary, `Some(r)` one per `r` tokens.
+    pub prefix_cache_retention_interval: Option<u64>,
 }
 
 impl ManagerConfig {
@@ -73,10 +157,7 @@ impl ManagerConfig {
     pub fn full_attention(num_blocks: u32, block_size: u32, max_model_len: u64) -> Self {
         Self {
             num_blocks,
-            groups: vec![GroupSpec {
-                kind: AttentionKind::FullAttention,
-                block_size,
-            }],
+            groups: vec![GroupSpec::new(AttentionKind::FullAttention, block_size)],
             max_model_len,
             enable_caching: true,
             hash_algo: HashAlgo::Sha256Cbor,
@@ -86,7 +167,18 @@ impl ManagerConfig {
             log_stats: false,
             enable_kv_cache_events: false,
             watermark: 0.0,
+            max_in_flight_tokens: None,
+            prefix_cache_retention_interval: None,
         }
+    }
+
+    /// The scheduler block size: the LCM of every group's block size.
+    #[must_use]
+    pub fn scheduler_block_size(&self) -> u64 {
+        self.groups
+            .iter()
+            .map(|g| u64::from(g.block_size))
+            .fold(1, |acc, b| acc / gcd(acc, b) * b)
     }
 
     pub(crate) fn validate(&self) -> Result<u32> {
@@ -114,26 +206,73 @@ impl ManagerConfig {
                 return bad(format!("group {i}: block_size must be positive"));
             }
         }
-        let min_bs = self.groups.iter().map(|g| g.block_size).min().unwrap_or(1);
-        let hbs = self.hash_block_size.unwrap_or(min_bs);
+        for (i, g) in self.groups.iter().enumerate() {
+            let bad_kind = match g.kind {
+                AttentionKind::SlidingWindow { window } => window == 0,
+                AttentionKind::ChunkedLocal { chunk } => chunk == 0,
+                AttentionKind::SinkFullAttention { sink_len } => {
+                    sink_len == 0 || sink_len % g.block_size != 0
+                }
+                AttentionKind::Mamba { mode, .. } => {
+                    self.enable_caching && mode != MambaCacheMode::Align
+                }
+                _ => false,
+            };
+            if bad_kind {
+                return bad(format!(
+                    "group {i}: invalid {} spec {:?} (windows and chunks must be positive, \
+                     sink_len a positive multiple of the block size, and Mamba prefix \
+                     caching needs mamba_cache_mode='align')",
+                    g.kind.spec_kind(),
+                    g.kind
+                ));
+            }
+        }
+        // Hashes are computed at the GCD of the cacheable groups' block sizes.
+        let hbs = match self.hash_block_size {
+            Some(h) => h,
+            None => {
+                let sizes = self
+                    .groups
+                    .iter()
+                    .filter(|g| g.kind != AttentionKind::CrossAttention)
+                    .map(|g| u64::from(g.block_size));
+                u32::try_from(sizes.fold(0, gcd)).unwrap_or(1).max(1)
+            }
+        };
         if hbs == 0 {
             return bad("hash_block_size must be positive".into());
         }
-        if let Some(g) = self.groups.iter().find(|g| g.block_size % hbs != 0) {
+        if let Some(g) = self
+            .groups
+            .iter()
+            .find(|g| g.kind != AttentionKind::CrossAttention && g.block_size % hbs != 0)
+        {
             return bad(format!(
                 "hash_block_size {hbs} must divide every group's block size (found {})",
                 g.block_size
             ));
         }
-        if self.enable_caching && self.groups.len() > 1 {
-            let first = &self.groups[0];
-            if self.groups.iter().any(|g| g != first) {
+        if let Some(r) = self.prefix_cache_retention_interval {
+            let sparse = self.groups.iter().any(|g| g.kind.is_sparse_retention());
+            if !sparse && r != 0 {
                 return bad(
-                    "prefix caching over groups of different specs needs the hybrid \
-                     coordinator, which this build does not provide"
+                    "prefix_cache_retention_interval is set but this model has no \
+                     sliding-window or Mamba KV cache group, so retention has no effect. \
+                     Set it to 0 (it only applies to sliding-window and Mamba attention)."
                         .into(),
                 );
             }
+            let sbs = self.scheduler_block_size();
+            if sparse && r % sbs != 0 {
+                return bad(format!(
+                    "prefix_cache_retention_interval ({r}) must be non-negative and a \
+                     multiple of scheduler_block_size ({sbs})."
+                ));
+            }
+        }
+        if self.max_in_flight_tokens == Some(0) {
+            return bad("max_in_flight_tokens must be positive".into());
         }
         Ok(hbs)
     }

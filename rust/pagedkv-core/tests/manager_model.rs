@@ -67,10 +67,7 @@ impl Cfg {
         c.groups = self
             .block_sizes
             .iter()
-            .map(|&block_size| GroupSpec {
-                kind: kind.clone(),
-                block_size,
-            })
+            .map(|&block_size| GroupSpec::new(kind.clone(), block_size))
             .collect();
         c.enable_caching = self.caching;
         c.enable_kv_cache_events = self.events;
@@ -569,7 +566,14 @@ impl Model {
             return (hit, 0);
         }
         let bs = self.bss[0]; // equal in every group when caching
-        'blocks: for i in 0..(r.tokens.len() - 1) / bs {
+        let mut max_len = r.tokens.len() - 1;
+        if self.cfg.eagle && ng > 1 {
+            // vLLM's hybrid coordinator lets an EAGLE group match one block past
+            // the candidate (bounded by the hashed tokens) before dropping it.
+            let hbs = self.cfg.hash_block_size.map_or(bs, |h| h as usize);
+            max_len = (max_len + bs).min(r.tokens.len() / hbs * hbs);
+        }
+        'blocks: for i in 0..max_len / bs {
             let mut found = Vec::new();
             for g in 0..ng {
                 match self.prefix_key(&r, g, i).and_then(|k| self.map.get(&k)) {
@@ -1021,7 +1025,7 @@ fn check_all(
 // Driver
 // ---------------------------------------------------------------------------
 
-fn pick<'a>(m: &'a Model, idx: &Index, f: impl Fn(&MReq) -> bool) -> Option<String> {
+fn pick(m: &Model, idx: &Index, f: impl Fn(&MReq) -> bool) -> Option<String> {
     let c: Vec<&MReq> = m.reqs.iter().filter(|r| f(r)).collect();
     (!c.is_empty()).then(|| c[idx.index(c.len())].id.clone())
 }

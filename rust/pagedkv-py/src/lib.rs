@@ -4,12 +4,12 @@
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use pagedkv_core as core;
 use pagedkv_core::{
     AllocateArgs, AttentionKind, BatchAllocation, BlockHash, CborValue, Error, EventExtraKey,
-    GroupSpec, HashAlgo, KvEvent, Lora, ManagerConfig, MmFeature, RequestSpec,
+    GroupSpec, HashAlgo, KvEvent, Lora, MambaCacheMode, ManagerConfig, MmFeature, RequestSpec,
 };
 
 mod errors {
@@ -143,6 +143,84 @@ fn cbor_value(obj: &Bound<'_, PyAny>) -> PyResult<CborValue> {
     )))
 }
 
+fn cfg_err(msg: String) -> PyErr {
+    errors::InvalidConfigError::new_err(msg)
+}
+
+fn positive(name: &str, v: i64) -> PyResult<u64> {
+    u64::try_from(v)
+        .ok()
+        .filter(|&x| x > 0 && x < (1 << 40))
+        .ok_or_else(|| cfg_err(format!("{name} must be a positive int, got {v}")))
+}
+
+/// One group from its spec's `core_spec()` dict (+ `tag`).
+fn group_spec(d: &Bound<'_, PyDict>) -> PyResult<GroupSpec> {
+    let get_u32 = |key: &str| -> PyResult<u32> {
+        let v: i64 = d
+            .get_item(key)?
+            .ok_or_else(|| cfg_err(format!("group spec lacks {key:?}")))?
+            .extract()?;
+        u32::try_from(v)
+            .ok()
+            .filter(|&x| x > 0)
+            .ok_or_else(|| cfg_err(format!("{key} must be a positive int, got {v}")))
+    };
+    let kind: String = d
+        .get_item("kind")?
+        .ok_or_else(|| cfg_err("group spec lacks \"kind\"".into()))?
+        .extract()?;
+    let kind =
+        match kind.as_str() {
+            "full_attention" => AttentionKind::FullAttention,
+            "mla_attention" => AttentionKind::MlaAttention,
+            "sliding_window" => AttentionKind::SlidingWindow {
+                window: get_u32("sliding_window")?,
+            },
+            "chunked_local_attention" => AttentionKind::ChunkedLocal {
+                chunk: get_u32("attention_chunk_size")?,
+            },
+            "cross_attention" => AttentionKind::CrossAttention,
+            "sink_full_attention" => AttentionKind::SinkFullAttention {
+                sink_len: get_u32("sink_len")?,
+            },
+            "mamba" => {
+                let mode: String = match d.get_item("mamba_cache_mode")? {
+                    Some(m) => m.extract()?,
+                    None => "none".into(),
+                };
+                let num_speculative_blocks: i64 = match d.get_item("num_speculative_blocks")? {
+                    Some(v) => v.extract()?,
+                    None => 0,
+                };
+                AttentionKind::Mamba {
+                mode: MambaCacheMode::from_name(&mode).ok_or_else(|| {
+                    cfg_err(format!("mamba_cache_mode must be none/align/all, got {mode:?}"))
+                })?,
+                num_speculative_blocks: u32::try_from(num_speculative_blocks).map_err(|_| {
+                    cfg_err(format!(
+                        "num_speculative_blocks must be non-negative, got {num_speculative_blocks}"
+                    ))
+                })?,
+            }
+            }
+            other => {
+                return Err(cfg_err(format!(
+                    "KV-cache spec kind {other:?} is not supported"
+                )));
+            }
+        };
+    let tag: String = match d.get_item("tag")? {
+        Some(t) => t.extract()?,
+        None => String::new(),
+    };
+    Ok(GroupSpec {
+        kind,
+        block_size: get_u32("block_size")?,
+        tag,
+    })
+}
+
 fn algo(name: &str) -> PyResult<HashAlgo> {
     HashAlgo::from_name(name).ok_or_else(|| {
         errors::InvalidConfigError::new_err(format!(
@@ -200,12 +278,13 @@ impl PyManager {
     #[new]
     #[pyo3(signature = (num_blocks, groups, max_model_len, *, enable_caching = true,
         hash_algo = "sha256_cbor", hash_seed = None, hash_block_size = None, use_eagle = false,
-        log_stats = false, enable_kv_cache_events = false, watermark = 0.0))]
+        log_stats = false, enable_kv_cache_events = false, watermark = 0.0,
+        max_in_flight_tokens = None, prefix_cache_retention_interval = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         num_blocks: i64,
-        groups: Vec<(String, i64)>,
+        groups: Vec<Bound<'_, PyDict>>,
         max_model_len: i64,
         enable_caching: bool,
         hash_algo: &str,
@@ -215,8 +294,9 @@ impl PyManager {
         log_stats: bool,
         enable_kv_cache_events: bool,
         watermark: f64,
+        max_in_flight_tokens: Option<i64>,
+        prefix_cache_retention_interval: Option<i64>,
     ) -> PyResult<Self> {
-        let cfg_err = |m: String| errors::InvalidConfigError::new_err(m);
         let num_blocks = u32::try_from(num_blocks)
             .ok()
             .filter(|&n| n > 0 && n < i32::MAX as u32)
@@ -226,38 +306,23 @@ impl PyManager {
                 ))
             })?;
         let groups = groups
-            .into_iter()
-            .map(|(kind, bs)| {
-                let block_size = u32::try_from(bs)
-                    .ok()
-                    .filter(|&b| b > 0)
-                    .ok_or_else(|| cfg_err(format!("block_size must be positive, got {bs}")))?;
-                let kind = match kind.as_str() {
-                    "full_attention" => AttentionKind::FullAttention,
-                    "mla_attention" => AttentionKind::MlaAttention,
-                    other => {
-                        return Err(cfg_err(format!(
-                            "KV-cache spec kind {other:?} is not supported by this build"
-                        )));
-                    }
-                };
-                Ok(GroupSpec { kind, block_size })
-            })
+            .iter()
+            .map(group_spec)
             .collect::<PyResult<Vec<_>>>()?;
-        let max_model_len = u64::try_from(max_model_len)
-            .ok()
-            .filter(|&m| m > 0)
-            .ok_or_else(|| {
-                cfg_err(format!(
-                    "max_model_len must be positive, got {max_model_len}"
-                ))
-            })?;
+        let max_model_len = positive("max_model_len", max_model_len)?;
         let hash_block_size = hash_block_size
-            .map(|h| {
-                u32::try_from(h)
-                    .ok()
-                    .filter(|&x| x > 0)
-                    .ok_or_else(|| cfg_err(format!("hash_block_size must be positive, got {h}")))
+            .map(|h| positive("hash_block_size", h).map(|v| v as u32))
+            .transpose()?;
+        let max_in_flight_tokens = max_in_flight_tokens
+            .map(|v| positive("max_in_flight_tokens", v))
+            .transpose()?;
+        let prefix_cache_retention_interval = prefix_cache_retention_interval
+            .map(|v| {
+                u64::try_from(v).map_err(|_| {
+                    cfg_err(format!(
+                        "prefix_cache_retention_interval ({v}) must be non-negative"
+                    ))
+                })
             })
             .transpose()?;
         let cfg = ManagerConfig {
@@ -272,6 +337,8 @@ impl PyManager {
             log_stats,
             enable_kv_cache_events,
             watermark,
+            max_in_flight_tokens,
+            prefix_cache_retention_interval,
         };
         let inner = core::KvCacheManager::new(cfg).map_err(err)?;
         let n = inner.num_groups();

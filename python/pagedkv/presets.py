@@ -1,0 +1,253 @@
+"""KV-cache layouts of real models, from their public ``config.json`` files.
+
+>>> from pagedkv import presets
+>>> p = presets.get("gemma-3-27b")
+>>> specs = p.layer_specs(block_size=16)
+>>> len(specs), p.max_model_len
+(62, 131072)
+
+Each preset gives the per-layer specs vLLM 0.33 builds for the model at tensor
+parallel size 1 with a ``bfloat16`` KV cache (``dtype`` changes the attention
+cache dtype, e.g. ``"fp8"``), keyed by layer names shaped like vLLM's module paths
+and in model order (the order matters for grouping), and the model's context
+length (``max_position_embeddings``). Feed them to
+:func:`pagedkv.get_kv_cache_config`.
+
+Presets: ``llama-3.1-8b`` (dense), ``gemma-3-27b`` (5 local : 1 global),
+``gpt-oss-120b`` (alternating sliding / full), ``llama-4-scout`` (chunked local +
+full every 4th layer), ``jamba-1.5-mini`` (Mamba hybrid), ``deepseek-v3`` (MLA),
+``whisper-large-v3`` (encoder-decoder with cross-attention).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .specs import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+__all__ = ["ModelPreset", "get", "names"]
+
+#: Smallest kernel block of a FlashAttention-style backend (kernel block sizes are
+#: multiples of 16 tokens); vLLM aligns hybrid attention block sizes to it.
+_KERNEL_BLOCK_ALIGNMENT = 16
+
+
+@dataclass(frozen=True)
+class _Options:
+    block_size: int
+    dtype: Any
+    mamba_cache_mode: str
+    num_speculative_blocks: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """One model's KV-cache layout.
+
+    ``name``: the preset's name; ``model``: the Hugging Face model it follows;
+    ``max_model_len``: the model's context length (``max_position_embeddings``);
+    ``max_num_encoder_input_tokens``: the encoder output length for
+    encoder-decoder models (pass it to the config builder), else ``None``;
+    ``source``: the config numbers used.
+    """
+
+    name: str
+    model: str
+    max_model_len: int
+    source: str
+    _build: Callable[[_Options], dict[str, KVCacheSpec]] = field(repr=False, compare=False)
+    max_num_encoder_input_tokens: int | None = None
+
+    def layer_specs(
+        self,
+        block_size: int = 16,
+        *,
+        dtype: Any = "bfloat16",
+        mamba_cache_mode: str = "align",
+        num_speculative_blocks: int = 0,
+        max_model_len: int | None = None,
+    ) -> dict[str, KVCacheSpec]:
+        """Layer name -> spec, in model order.
+
+        ``block_size``: tokens per attention block (vLLM's ``--block-size``).
+        ``dtype``: the attention KV-cache dtype. The Mamba options apply to Mamba
+        layers only: ``mamba_cache_mode`` ``"align"`` (prefix caching, vLLM's
+        default when prefix caching is on) or ``"none"`` (the Mamba block then spans
+        ``max_model_len`` tokens, default this preset's), and
+        ``num_speculative_blocks``.
+        """
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if max_model_len is None:
+            max_model_len = self.max_model_len
+        return self._build(_Options(block_size, dtype, mamba_cache_mode,
+                                    num_speculative_blocks, max_model_len))
+
+
+# ------------------------------------------------------------------------- models
+
+
+def _llama_3_1_8b(o: _Options) -> dict[str, KVCacheSpec]:
+    spec = FullAttentionSpec(o.block_size, 8, 128, o.dtype)
+    return {f"model.layers.{i}.self_attn.attn": spec for i in range(32)}
+
+
+def _gemma_3_27b(o: _Options) -> dict[str, KVCacheSpec]:
+    full = FullAttentionSpec(o.block_size, 16, 128, o.dtype)
+    local = SlidingWindowSpec(o.block_size, 16, 128, o.dtype, 1024)
+    return {f"language_model.model.layers.{i}.self_attn.attn": full if (i + 1) % 6 == 0 else local
+            for i in range(62)}
+
+
+def _gpt_oss_120b(o: _Options) -> dict[str, KVCacheSpec]:
+    full = FullAttentionSpec(o.block_size, 8, 64, o.dtype)
+    swa = SlidingWindowSpec(o.block_size, 8, 64, o.dtype, 128)
+    return {f"model.layers.{i}.attn.attn": swa if i % 2 == 0 else full for i in range(36)}
+
+
+def _llama_4_scout(o: _Options) -> dict[str, KVCacheSpec]:
+    full = FullAttentionSpec(o.block_size, 8, 128, o.dtype)
+    local = ChunkedLocalAttentionSpec(o.block_size, 8, 128, o.dtype, 8192)
+    return {f"language_model.model.layers.{i}.self_attn.attn": full if (i + 1) % 4 == 0
+            else local for i in range(48)}
+
+
+def _jamba_1_5_mini(o: _Options) -> dict[str, KVCacheSpec]:
+    # Mamba-1 state of one layer (vLLM's mamba1_state_shape, TP 1):
+    # conv state (intermediate, d_conv - 1), SSM state (intermediate, d_state),
+    # intermediate = mamba_expand * hidden_size = 2 * 4096.
+    intermediate = 2 * 4096
+    shapes = ((intermediate, 4 - 1), (intermediate, 16))
+    state_dtypes = ("bfloat16", "bfloat16")
+    mamba_page = sum(math.prod(s) for s in shapes) * 2
+    # vLLM (Platform._align_hybrid_block_size): the attention block grows until its
+    # page holds a Mamba state, in steps of the kernel block; the Mamba page is then
+    # padded to the attention page.
+    attn_1_token = FullAttentionSpec(1, 8, 128, o.dtype).page_size_bytes
+    align = max(_KERNEL_BLOCK_ALIGNMENT, o.block_size)
+    attn_block_size = align * -(-mamba_page // (align * attn_1_token))
+    attn_block_size = _KERNEL_BLOCK_ALIGNMENT * -(-attn_block_size // _KERNEL_BLOCK_ALIGNMENT)
+    block_size = max(o.block_size, attn_block_size)
+    attn = FullAttentionSpec(block_size, 8, 128, o.dtype)
+    padded = attn.page_size_bytes if attn.page_size_bytes != mamba_page else None
+    mamba_block_size = block_size if o.mamba_cache_mode != "none" else o.max_model_len
+    mamba = MambaSpec(mamba_block_size, shapes, state_dtypes, page_size_padded=padded,
+                      mamba_cache_mode=o.mamba_cache_mode,
+                      num_speculative_blocks=o.num_speculative_blocks)
+    return {(f"model.layers.{i}.self_attn.attn" if i % 8 == 4 else f"model.layers.{i}.mamba"):
+            (attn if i % 8 == 4 else mamba) for i in range(32)}
+
+
+def _deepseek_v3(o: _Options) -> dict[str, KVCacheSpec]:
+    spec = MLAAttentionSpec(o.block_size, 1, 512 + 64, o.dtype)
+    return {f"model.layers.{i}.self_attn.attn": spec for i in range(61)}
+
+
+def _whisper_large_v3(o: _Options) -> dict[str, KVCacheSpec]:
+    self_attn = FullAttentionSpec(o.block_size, 20, 64, o.dtype)
+    cross_attn = CrossAttentionSpec(o.block_size, 20, 64, o.dtype)
+    specs: dict[str, KVCacheSpec] = {}
+    for i in range(32):
+        specs[f"model.decoder.layers.{i}.self_attn.attn"] = self_attn
+        specs[f"model.decoder.layers.{i}.encoder_attn.attn"] = cross_attn
+    return specs
+
+
+_PRESETS: dict[str, ModelPreset] = {p.name: p for p in (
+    ModelPreset(
+        name="llama-3.1-8b",
+        model="meta-llama/Llama-3.1-8B",
+        max_model_len=131072,
+        source="num_hidden_layers 32, num_key_value_heads 8, head_dim 128 (hidden_size 4096 / "
+               "32 heads), max_position_embeddings 131072: 32 full-attention layers.",
+        _build=_llama_3_1_8b,
+    ),
+    ModelPreset(
+        name="gemma-3-27b",
+        model="google/gemma-3-27b-it",
+        max_model_len=131072,
+        source="text_config: num_hidden_layers 62, num_key_value_heads 16, head_dim 128, "
+               "sliding_window 1024, sliding_window_pattern 6 (layers 5, 11, ..., 59 are "
+               "global), max_position_embeddings 131072: 52 sliding-window (1024) + 10 "
+               "full-attention layers.",
+        _build=_gemma_3_27b,
+    ),
+    ModelPreset(
+        name="gpt-oss-120b",
+        model="openai/gpt-oss-120b",
+        max_model_len=131072,
+        source="num_hidden_layers 36, num_key_value_heads 8, head_dim 64, sliding_window 128, "
+               "layer_types alternating sliding_attention / full_attention (even layers "
+               "slide), max_position_embeddings 131072: 18 sliding-window (128) + 18 full.",
+        _build=_gpt_oss_120b,
+    ),
+    ModelPreset(
+        name="llama-4-scout",
+        model="meta-llama/Llama-4-Scout-17B-16E-Instruct",
+        max_model_len=10485760,
+        source="text_config: num_hidden_layers 48, num_key_value_heads 8, head_dim 128, "
+               "attention_chunk_size 8192, no_rope_layers [1, 1, 1, 0] * 12 (every 4th layer "
+               "is a NoPE global layer), max_position_embeddings 10485760: 36 chunked-local "
+               "(8192) + 12 full-attention layers.",
+        _build=_llama_4_scout,
+    ),
+    ModelPreset(
+        name="jamba-1.5-mini",
+        model="ai21labs/AI21-Jamba-1.5-Mini",
+        max_model_len=262144,
+        source="num_hidden_layers 32, attn_layer_period 8, attn_layer_offset 4 (layers 4, 12, "
+               "20, 28 are attention), num_key_value_heads 8, head_dim 128 (4096 / 32), "
+               "hidden_size 4096, mamba_expand 2, mamba_d_state 16, mamba_d_conv 4, "
+               "max_position_embeddings 262144: 28 Mamba-1 layers with states (8192, 3) + "
+               "(8192, 16) in bfloat16 (311,296 bytes) + 4 full-attention layers. As vLLM "
+               "does for hybrid models, the attention block size grows to a multiple of 16 "
+               "whose page holds a Mamba state (80 tokens for block_size 16: 327,680 "
+               "bytes) and the Mamba page is padded to it.",
+        _build=_jamba_1_5_mini,
+    ),
+    ModelPreset(
+        name="deepseek-v3",
+        model="deepseek-ai/DeepSeek-V3",
+        max_model_len=163840,
+        source="num_hidden_layers 61, kv_lora_rank 512, qk_rope_head_dim 64, "
+               "max_position_embeddings 163840: 61 MLA layers of 1 latent head of "
+               "512 + 64 = 576.",
+        _build=_deepseek_v3,
+    ),
+    ModelPreset(
+        name="whisper-large-v3",
+        model="openai/whisper-large-v3",
+        max_model_len=448,
+        max_num_encoder_input_tokens=1500,
+        source="decoder_layers 32, decoder_attention_heads 20, d_model 1280 (head_dim 64), "
+               "max_target_positions 448, max_source_positions 1500: 32 decoder layers, each "
+               "with a self-attention (full) and a cross-attention layer over the 1500 "
+               "encoder outputs; encoder layers keep no KV cache.",
+        _build=_whisper_large_v3,
+    ),
+)}
+
+
+def names() -> list[str]:
+    """The preset names."""
+    return list(_PRESETS)
+
+
+def get(name: str) -> ModelPreset:
+    """The preset called ``name`` (case-insensitive). ``KeyError`` lists the names."""
+    try:
+        return _PRESETS[name.lower()]
+    except (KeyError, AttributeError):
+        raise KeyError(f"unknown preset {name!r}; presets: {', '.join(_PRESETS)}") from None

@@ -1,0 +1,255 @@
+//! Random operation sequences over multi-group (hybrid) pools: after every call the
+//! invariants hold (ref counts equal holders, free queue xor referenced, no block
+//! held by two groups, map and block keys agree), calls never panic, and
+//! removing every request returns every block.
+
+use pagedkv_core::{
+    AllocateArgs, AttentionKind, GroupSpec, HashAlgo, KvCacheManager, MambaCacheMode,
+    ManagerConfig, RequestSpec,
+};
+use proptest::prelude::*;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Add {
+        base: usize,
+        suffix: Vec<u32>,
+    },
+    Admit {
+        req: usize,
+        chunk: Option<usize>,
+        enc: u32,
+    },
+    Step {
+        req: usize,
+        chunk: usize,
+    },
+    Decode {
+        req: usize,
+        token: u32,
+    },
+    Free {
+        req: usize,
+    },
+    Remove {
+        req: usize,
+    },
+    Evict {
+        block: u32,
+    },
+    Reset,
+    NewStep,
+}
+
+fn layouts() -> Vec<Vec<GroupSpec>> {
+    let g = |kind, bs| GroupSpec::new(kind, bs);
+    let swa = |w| AttentionKind::SlidingWindow { window: w };
+    let align = AttentionKind::Mamba {
+        mode: MambaCacheMode::Align,
+        num_speculative_blocks: 0,
+    };
+    vec![
+        vec![g(AttentionKind::FullAttention, 4), g(swa(8), 4)],
+        vec![
+            g(AttentionKind::FullAttention, 4),
+            g(swa(6), 4),
+            g(swa(6), 4),
+        ],
+        vec![g(AttentionKind::FullAttention, 8), g(swa(8), 4)],
+        vec![
+            g(AttentionKind::FullAttention, 4),
+            g(AttentionKind::ChunkedLocal { chunk: 8 }, 4),
+        ],
+        vec![g(AttentionKind::FullAttention, 4), g(align, 8)],
+        vec![
+            g(AttentionKind::FullAttention, 4),
+            g(AttentionKind::CrossAttention, 4),
+        ],
+        vec![g(swa(4), 2)],
+        vec![
+            g(AttentionKind::MlaAttention, 4),
+            g(swa(12), 4),
+            g(AttentionKind::FullAttention, 4),
+        ],
+    ]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0..3usize, prop::collection::vec(0..3u32, 0..30))
+            .prop_map(|(base, suffix)| Op::Add { base, suffix }),
+        4 => (0..8usize, prop::option::of(1..40usize), 0..20u32)
+            .prop_map(|(req, chunk, enc)| Op::Admit { req, chunk, enc }),
+        3 => (0..8usize, 1..30usize).prop_map(|(req, chunk)| Op::Step { req, chunk }),
+        4 => (0..8usize, 0..3u32).prop_map(|(req, token)| Op::Decode { req, token }),
+        1 => (0..8usize).prop_map(|req| Op::Free { req }),
+        2 => (0..8usize).prop_map(|req| Op::Remove { req }),
+        1 => (0..80u32).prop_map(|block| Op::Evict { block }),
+        1 => Just(Op::Reset),
+        2 => Just(Op::NewStep),
+    ]
+}
+
+/// Drives one request like a scheduler: `computed` tokens are done.
+struct Sim {
+    mgr: KvCacheManager,
+    reqs: Vec<(String, u64)>,
+    next: usize,
+}
+
+impl Sim {
+    fn id(&self, i: usize) -> Option<(String, u64)> {
+        (!self.reqs.is_empty()).then(|| self.reqs[i % self.reqs.len()].clone())
+    }
+
+    fn set(&mut self, id: &str, computed: u64) {
+        if let Some(r) = self.reqs.iter_mut().find(|r| r.0 == id) {
+            r.1 = computed;
+        }
+    }
+
+    fn apply(&mut self, op: &Op, bases: &[Vec<u32>]) {
+        match op {
+            Op::Add { base, suffix } => {
+                let id = format!("r{}", self.next);
+                self.next += 1;
+                let mut p = bases[*base].clone();
+                p.extend(suffix);
+                p.truncate(120);
+                let spec = RequestSpec {
+                    prompt_token_ids: p,
+                    ..Default::default()
+                };
+                if self.mgr.add_request(&id, spec).is_ok() {
+                    self.reqs.push((id, 0));
+                }
+            }
+            Op::Admit { req, chunk, enc } => {
+                let Some((id, computed)) = self.id(*req) else {
+                    return;
+                };
+                if computed > 0
+                    || self
+                        .mgr
+                        .block_ids(&id)
+                        .is_ok_and(|g| g.iter().any(|b| !b.is_empty()))
+                {
+                    return;
+                }
+                let Ok(hit) = self.mgr.get_computed_blocks(&id) else {
+                    return;
+                };
+                let n = self.mgr.num_tokens(&id).unwrap_or(0) as u64;
+                let rest = n - hit.num_computed_tokens;
+                let new = chunk
+                    .map_or(rest, |c| (c as u64).min(rest))
+                    .max(1)
+                    .min(rest);
+                if new == 0 {
+                    return;
+                }
+                let args = AllocateArgs {
+                    num_new_computed_tokens: hit.num_computed_tokens,
+                    num_encoder_tokens: u64::from(*enc),
+                    full_sequence_must_fit: true,
+                    ..AllocateArgs::step(new, 0)
+                };
+                if let Ok(Some(_)) = self.mgr.allocate_slots(&id, &args, Some(&hit)) {
+                    self.set(&id, hit.num_computed_tokens + new);
+                }
+            }
+            Op::Step { req, chunk } => {
+                let Some((id, computed)) = self.id(*req) else {
+                    return;
+                };
+                let n = self.mgr.num_tokens(&id).unwrap_or(0) as u64;
+                if computed == 0 || computed >= n {
+                    return;
+                }
+                let new = (*chunk as u64).min(n - computed);
+                if let Ok(Some(_)) =
+                    self.mgr
+                        .allocate_slots(&id, &AllocateArgs::step(new, computed), None)
+                {
+                    self.set(&id, computed + new);
+                }
+            }
+            Op::Decode { req, token } => {
+                let Some((id, computed)) = self.id(*req) else {
+                    return;
+                };
+                let n = self.mgr.num_tokens(&id).unwrap_or(0) as u64;
+                if computed == 0 || computed != n || n >= 150 {
+                    return;
+                }
+                let _ = self.mgr.append_token_ids(&id, &[*token]);
+                if let Ok(Some(_)) =
+                    self.mgr
+                        .allocate_slots(&id, &AllocateArgs::step(1, computed), None)
+                {
+                    self.set(&id, computed + 1);
+                }
+            }
+            Op::Free { req } => {
+                let Some((id, _)) = self.id(*req) else { return };
+                let _ = self.mgr.free(&id);
+                self.set(&id, 0);
+            }
+            Op::Remove { req } => {
+                let Some((id, _)) = self.id(*req) else { return };
+                let _ = self.mgr.remove_request(&id);
+                self.reqs.retain(|r| r.0 != id);
+            }
+            Op::Evict { block } => {
+                let _ = self.mgr.evict_blocks(&[u64::from(*block)]);
+            }
+            Op::Reset => {
+                let _ = self.mgr.reset_prefix_cache();
+            }
+            Op::NewStep => self.mgr.new_step_starts(),
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn hybrid_pools_keep_every_invariant(
+        layout in 0..8usize,
+        num_blocks in 4..80u32,
+        caching in any::<bool>(),
+        eagle in any::<bool>(),
+        retention in prop::option::of(prop_oneof![Just(0u64), Just(16u64)]),
+        bases in prop::collection::vec(prop::collection::vec(0..4u32, 8..60), 3),
+        ops in prop::collection::vec(op(), 1..80),
+    ) {
+        let groups = layouts()[layout].clone();
+        let sparse = groups.iter().any(|g| g.kind.is_sparse_retention());
+        let mut cfg = ManagerConfig::full_attention(num_blocks, 4, 160);
+        cfg.groups = groups;
+        cfg.enable_caching = caching;
+        cfg.use_eagle = eagle && layout != 3; // vLLM refuses EAGLE with chunked local
+        cfg.enable_kv_cache_events = true;
+        cfg.hash_algo = HashAlgo::Xxh3Native;
+        cfg.hash_seed = Some("p".into());
+        cfg.max_in_flight_tokens = Some(32);
+        cfg.prefix_cache_retention_interval = if sparse { retention } else { None };
+        let Ok(mgr) = KvCacheManager::new(cfg) else { return Ok(()) };
+        let mut sim = Sim { mgr, reqs: Vec::new(), next: 0 };
+        for (i, op) in ops.iter().enumerate() {
+            sim.apply(op, &bases);
+            if let Err(e) = sim.mgr.check_invariants() {
+                prop_assert!(false, "after op {i} {op:?}: {e}");
+            }
+            let _ = sim.mgr.take_events();
+        }
+        let ids: Vec<String> = sim.reqs.iter().map(|r| r.0.clone()).collect();
+        for id in ids {
+            prop_assert!(sim.mgr.remove_request(&id).is_ok());
+        }
+        prop_assert_eq!(sim.mgr.num_free_blocks(), num_blocks - 1);
+        prop_assert!(sim.mgr.check_invariants().is_ok());
+        prop_assert!(sim.mgr.reset_prefix_cache());
+    }
+}

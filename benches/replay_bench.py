@@ -4,13 +4,17 @@ and — given vLLM's own replay figures for the same dump (``replay_ops.py`` JSO
 output) — the ratio.
 
     python benches/replay_bench.py tests/vectors/ops_small.jsonl.gz [--vllm-json vllm.json]
+    python benches/replay_bench.py DUMP --vllm-python ORACLE_VENV/bin/python \
+        --oracle-dir ../shared/tools/vllm_oracle       # runs vLLM's replay in the same invocation
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
 import time
 
 from pagedkv.replay import replay_dump
@@ -24,11 +28,22 @@ VLLM_API = {  # pagedkv API -> vLLM replay_ops.py key (it reports these totals o
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dump")
     ap.add_argument("--vllm-json", help="replay_ops.py output (one JSON line) for the same dump")
+    ap.add_argument("--vllm-python", help="python of a venv with vLLM (the oracle's .venv)")
+    ap.add_argument("--oracle-dir", default=os.path.join(os.path.dirname(__file__), "..", "..",
+                                                          "shared", "tools", "vllm_oracle"))
     ap.add_argument("--repeat", type=int, default=3, help="replays; the fastest is reported")
     args = ap.parse_args()
+    vllm_line = None
+    if args.vllm_python:
+        # vLLM's own manager replays the same dump first, in this same invocation.
+        out = subprocess.run([args.vllm_python, os.path.join(args.oracle_dir, "replay_ops.py"),
+                              os.path.abspath(args.dump)], capture_output=True, text=True,
+                             check=True, cwd=args.oracle_dir)
+        vllm_line = out.stdout.strip().splitlines()[-1]
 
     best = None
     for _ in range(args.repeat):
@@ -42,7 +57,9 @@ def main() -> None:
     rep, wall = best
     steps = rep.per_api.get("new_step_starts", [1, 0])[0]
     vllm = None
-    if args.vllm_json:
+    if vllm_line:
+        vllm = json.loads(vllm_line)
+    elif args.vllm_json:
         with open(args.vllm_json) as f:
             vllm = json.loads(f.read().strip().splitlines()[-1])
 
@@ -51,7 +68,8 @@ def main() -> None:
     print(f"{'API':<26}{'calls':>9}{'pagedkv µs/call':>17}", end="")
     print(f"{'vLLM µs/call':>14}{'ratio':>8}" if vllm else "")
     rows = dict(rep.per_api)
-    adm, run = rows.get("allocate_slots(admit)", [0, 0]), rows.get("allocate_slots(running)", [0, 0])
+    adm = rows.get("allocate_slots(admit)", [0, 0])
+    run = rows.get("allocate_slots(running)", [0, 0])
     rows["allocate_slots(all)"] = [adm[0] + run[0], adm[1] + run[1]]
     frees = [rows.get(k, [0, 0]) for k in ("free", "remove_request")]
     rows["free+remove_request"] = [frees[0][0] + frees[1][0], frees[0][1] + frees[1][1]]

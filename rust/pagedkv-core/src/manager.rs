@@ -104,6 +104,9 @@ pub struct KvCacheManager {
     new_blocks: Vec<Vec<BlockId>>,
     coordinator: Coordinator,
     scheduler_block_size: u64,
+    /// Some group frees blocks outside its attention window (sliding window,
+    /// chunked local, Mamba).
+    any_skipping: bool,
 }
 
 /// Groups with equal specs, looked up together (vLLM's `SpecGroup`).
@@ -225,6 +228,9 @@ impl KvCacheManager {
             new_blocks: vec![Vec::new(); n],
             coordinator,
             scheduler_block_size: sbs,
+            any_skipping: cfg.groups.iter().any(|g| {
+                !g.kind.is_full_attention() && g.kind != crate::spec::AttentionKind::CrossAttention
+            }),
             cfg,
         })
     }
@@ -831,10 +837,14 @@ impl KvCacheManager {
         }
 
         // Stage 1: release blocks that fell out of the attention window, even if
-        // the allocation then fails.
-        self.remove_skipped(slot, total_computed);
-
-        let (need, _) = self.num_blocks_to_allocate(slot, &need_args, hit_blocks, enc);
+        // the allocation then fails (nothing to do for full attention).
+        let need = if self.any_skipping {
+            self.remove_skipped(slot, total_computed);
+            self.num_blocks_to_allocate(slot, &need_args, hit_blocks, enc)
+                .0
+        } else {
+            need
+        };
         let available = i64::from(self.pool.num_free_blocks()) - a.reserved_blocks as i64;
         if need + watermark > available {
             return Ok(false);
@@ -987,11 +997,11 @@ impl KvCacheManager {
         let hbs = self.hash_block_size;
         let sbs = self.scheduler_block_size as usize;
         let hybrid = matches!(self.coordinator, Coordinator::Hybrid { .. });
-        let boundaries =
+        let (boundaries, nb) =
             replay_boundaries(req.num_prompt_tokens as u64, sbs as u64, self.cfg.use_eagle);
         let retention = Retention {
             interval: self.cfg.prefix_cache_retention_interval,
-            boundaries: &boundaries,
+            boundaries: &boundaries[..nb],
         };
         for (g, gm) in self.groups.iter_mut().enumerate() {
             // Nothing past the last aligned boundary can ever be hit in a hybrid
@@ -1241,17 +1251,20 @@ impl KvCacheManager {
 
 /// Tokens a later request replaying this prompt can resume at (vLLM's
 /// `replay_boundaries`): the resend cap `P - 1`, or with EAGLE the aligned
-/// positions one block below the resend and the extension.
-fn replay_boundaries(num_prompt_tokens: u64, sbs: u64, use_eagle: bool) -> Vec<u64> {
+/// positions one block below the resend and the extension. Returns the
+/// positions and how many of the two slots are used.
+fn replay_boundaries(num_prompt_tokens: u64, sbs: u64, use_eagle: bool) -> ([u64; 2], usize) {
     if !use_eagle {
-        return vec![num_prompt_tokens.saturating_sub(1)];
+        return ([num_prompt_tokens.saturating_sub(1), 0], 1);
     }
     let resend = num_prompt_tokens.saturating_sub(1) / sbs * sbs;
     let extension = num_prompt_tokens / sbs * sbs;
-    let mut v = vec![resend.saturating_sub(sbs), extension.saturating_sub(sbs)];
-    v.sort_unstable();
-    v.dedup();
-    v
+    let (a, b) = (resend.saturating_sub(sbs), extension.saturating_sub(sbs));
+    if a == b {
+        ([a, 0], 1)
+    } else {
+        ([a.min(b), a.max(b)], 2)
+    }
 }
 
 fn stored_event(

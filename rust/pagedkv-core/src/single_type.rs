@@ -598,14 +598,23 @@ impl GroupManager {
         if cached >= full {
             return None;
         }
-        let mut boundaries: Vec<u64> = retention.boundaries.to_vec();
-        if shared > 0 {
-            boundaries.push(shared);
-            if self.use_eagle {
-                boundaries.push(shared.saturating_sub(u64::from(self.block_size)));
+        let mask = if self.spec.kind.is_sparse_retention() {
+            // The replay boundaries plus a pinned shared-prefix junction.
+            let mut b = [0u64; 4];
+            let mut nb = retention.boundaries.len().min(2);
+            b[..nb].copy_from_slice(&retention.boundaries[..nb]);
+            if shared > 0 {
+                b[nb] = shared;
+                nb += 1;
+                if self.use_eagle {
+                    b[nb] = shared.saturating_sub(u64::from(self.block_size));
+                    nb += 1;
+                }
             }
-        }
-        let mask = self.reachable_block_mask(cached, full, retention.interval, &boundaries);
+            self.reachable_block_mask(cached, full, retention.interval, &b[..nb])
+        } else {
+            None
+        };
         for i in cached..full {
             let b = gb.blocks[i];
             if b == NULL_BLOCK || mask.as_ref().is_some_and(|m| !m[i - cached]) {

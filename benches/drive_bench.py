@@ -54,7 +54,7 @@ def run_pagedkv(args: argparse.Namespace) -> dict:
         clock += 1
     wall = time.perf_counter() - t0
     st = sched.stats
-    hashing = st.ns.get("add_request", 0) + st.ns.get("append_token_ids", 0)
+    hashing = st.ns.get("add_request", 0) + st.ns.get("append_token_ids_batch", 0)
     return {
         "steps": st.steps, "preemptions": st.preemptions, "admissions": st.admissions,
         "hit_rate": round(st.hit_tokens / st.query_tokens, 4) if st.query_tokens else 0.0,

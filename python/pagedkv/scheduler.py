@@ -236,16 +236,21 @@ class Scheduler:
             self._admit(budget, scheduled)
         st.peak_running = max(st.peak_running, len(self.running))
         done: list[SimRequest] = []
+        sampled_ids: list[str] = []
+        sampled: list[int] = []
         for req, n in scheduled:
             req.num_computed_tokens += n
             if req.num_computed_tokens == req.num_tokens:
-                token = req.output[req.num_output_tokens]
-                t = clock()
-                kv.append_token_ids(req.request_id, (token,))
-                st.timed("append_token_ids", clock() - t)
+                sampled_ids.append(req.request_id)
+                sampled.append(req.output[req.num_output_tokens])
                 req.num_output_tokens += 1
                 if req.num_output_tokens >= len(req.output):
                     done.append(req)
+        if sampled_ids:
+            # One crossing appends every sampled token (blocks that fill get hashed).
+            t = clock()
+            kv.append_token_ids_batch(sampled_ids, sampled)
+            st.timed("append_token_ids_batch", clock() - t)
         for req in done:
             t = clock()
             kv.remove_request(req.request_id)

@@ -107,6 +107,7 @@ pub struct KvCacheManager {
     /// Some group frees blocks outside its attention window (sliding window,
     /// chunked local, Mamba).
     any_skipping: bool,
+    scratch_slots: Vec<u32>,
 }
 
 /// Groups with equal specs, looked up together (vLLM's `SpecGroup`).
@@ -228,6 +229,7 @@ impl KvCacheManager {
             new_blocks: vec![Vec::new(); n],
             coordinator,
             scheduler_block_size: sbs,
+            scratch_slots: Vec::new(),
             any_skipping: cfg.groups.iter().any(|g| {
                 !g.kind.is_full_attention() && g.kind != crate::spec::AttentionKind::CrossAttention
             }),
@@ -415,6 +417,41 @@ impl KvCacheManager {
         if hashing {
             req.update_hashes(&mut self.hasher, hbs);
         }
+        Ok(())
+    }
+
+    /// Appends one sampled token to each of many requests (one crossing per
+    /// step). All ids are checked before any token is appended.
+    ///
+    /// # Errors
+    /// Unknown request or lengths that differ.
+    pub fn append_token_ids_batch(&mut self, ids: &[&str], tokens: &[u32]) -> Result<()> {
+        if ids.len() != tokens.len() {
+            return Err(invalid("request ids and token ids differ in length"));
+        }
+        let mut slots = std::mem::take(&mut self.scratch_slots);
+        slots.clear();
+        for id in ids {
+            match self.slot(id) {
+                Ok(s) => slots.push(s),
+                Err(e) => {
+                    self.scratch_slots = slots;
+                    return Err(e);
+                }
+            }
+        }
+        let hbs = self.hash_block_size;
+        let hashing = self.cfg.enable_caching || self.pool.events_enabled();
+        for (&slot, &t) in slots.iter().zip(tokens) {
+            let Some(req) = self.reqs[slot as usize].as_mut() else {
+                unreachable_slot()
+            };
+            req.tokens.push(t);
+            if hashing && req.tokens.len() % hbs == 0 {
+                req.update_hashes(&mut self.hasher, hbs);
+            }
+        }
+        self.scratch_slots = slots;
         Ok(())
     }
 
@@ -1044,7 +1081,8 @@ impl KvCacheManager {
         if ids.len() != num_new_tokens.len() || ids.len() != num_computed_tokens.len() {
             return Err(invalid("request ids and token counts differ in length"));
         }
-        let mut slots = Vec::with_capacity(ids.len());
+        let mut slots = std::mem::take(&mut self.scratch_slots);
+        slots.clear();
         let free_at_start = i64::from(self.pool.num_free_blocks());
         for (i, id) in ids.iter().enumerate() {
             let slot = self.slot(id)?;
@@ -1090,6 +1128,7 @@ impl KvCacheManager {
             }
             out.num_allocated += 1;
         }
+        self.scratch_slots = slots;
         Ok(())
     }
 

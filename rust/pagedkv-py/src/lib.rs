@@ -452,6 +452,18 @@ impl PyManager {
         self.inner.append_token_ids(request_id, &t).map_err(err)
     }
 
+    /// Appends one sampled token to each request: `token_ids[i]` to
+    /// `request_ids[i]` (one crossing for a whole step's outputs).
+    fn append_token_ids_batch(
+        &mut self,
+        request_ids: Vec<PyBackedStr>,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let ids: Vec<&str> = request_ids.iter().map(|s| &**s).collect();
+        let t = tokens(token_ids)?;
+        self.inner.append_token_ids_batch(&ids, &t).map_err(err)
+    }
+
     fn free(&mut self, request_id: &str) -> PyResult<()> {
         self.inner.free(request_id).map_err(err)
     }

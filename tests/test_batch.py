@@ -167,3 +167,30 @@ def test_invalid_batch_raises_before_allocating_anything(call: Callable[..., Any
     assert snapshot(mgr, ["a", "b"]) == before
     assert mgr.take_events() == []
     mgr.check_invariants()
+
+
+def test_append_token_ids_batch_equals_appending_one_by_one() -> None:
+    a, b = make_manager(block_size=4, num_blocks=64), make_manager(block_size=4, num_blocks=64)
+    for m in (a, b):
+        m.add_request("x", list(range(10)))
+        m.add_request("y", list(range(100, 107)))
+    for step in range(9):
+        toks = [1000 + step, 2000 + step]
+        a.append_token_ids_batch(["x", "y"], toks)
+        b.append_token_ids("x", [toks[0]])
+        b.append_token_ids("y", [toks[1]])
+    for rid in ("x", "y"):
+        assert a.block_hashes(rid) == b.block_hashes(rid)
+        assert a.num_tokens(rid) == b.num_tokens(rid)
+    assert len(a.block_hashes("x")) == 19 // 4
+
+
+def test_append_token_ids_batch_with_an_unknown_id_appends_nothing() -> None:
+    m = make_manager(block_size=4, num_blocks=64)
+    m.add_request("x", list(range(10)))
+    with pytest.raises(pk.UnknownRequestError):
+        m.append_token_ids_batch(["x", "nope"], [1, 2])
+    assert m.num_tokens("x") == 10
+    with pytest.raises(pk.InvalidArgumentError):
+        m.append_token_ids_batch(["x"], [1, 2])
+    assert m.num_tokens("x") == 10

@@ -48,8 +48,34 @@ fn token_from_i64(v: i64) -> PyResult<u32> {
     u32::try_from(v).map_err(|_| bad_arg(format!("token id {v} is outside 0..2**32")))
 }
 
-/// Token ids from an int NumPy array or any sequence of ints.
+fn token_item(item: &Bound<'_, PyAny>) -> PyResult<u32> {
+    match item.extract::<u32>() {
+        Ok(v) if !item.is_instance_of::<pyo3::types::PyBool>() => Ok(v),
+        _ => {
+            if item.is_instance_of::<pyo3::types::PyBool>() {
+                return Err(PyTypeError::new_err("token ids must be ints, not bools"));
+            }
+            let shown = item.repr().map(|r| r.to_string()).unwrap_or_default();
+            if item.is_instance_of::<pyo3::types::PyInt>() {
+                Err(bad_arg(format!("token id {shown} is outside 0..2**32")))
+            } else {
+                Err(PyTypeError::new_err(format!(
+                    "token ids must be ints, got {shown}"
+                )))
+            }
+        }
+    }
+}
+
+/// Token ids from a list, an int NumPy array or any sequence of ints.
 fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        let mut out = Vec::with_capacity(list.len());
+        for item in list.iter() {
+            out.push(token_item(&item)?);
+        }
+        return Ok(out);
+    }
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
         return a.as_slice()?.iter().map(|&v| token_from_i64(v)).collect();
     }
@@ -68,18 +94,7 @@ fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     }
     let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
     for item in obj.try_iter()? {
-        let item = item?;
-        if item.is_instance_of::<pyo3::types::PyBool>() {
-            return Err(PyTypeError::new_err("token ids must be ints, not bools"));
-        }
-        let v: i64 = item.extract().map_err(|_| {
-            let shown = item.repr().map(|r| r.to_string()).unwrap_or_default();
-            match item.is_instance_of::<pyo3::types::PyInt>() {
-                true => bad_arg(format!("token id {shown} is outside 0..2**32")),
-                false => PyTypeError::new_err(format!("token ids must be ints, got {shown}")),
-            }
-        })?;
-        out.push(token_from_i64(v)?);
+        out.push(token_item(&item?)?);
     }
     Ok(out)
 }

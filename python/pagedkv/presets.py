@@ -125,11 +125,11 @@ def _llama_4_scout(o: _Options) -> dict[str, KVCacheSpec]:
 
 
 def _jamba_1_5_mini(o: _Options) -> dict[str, KVCacheSpec]:
-    # Mamba-1 state of one layer (vLLM's mamba1_state_shape, TP 1):
-    # conv state (intermediate, d_conv - 1), SSM state (intermediate, d_state),
+    # Mamba-1 state of one layer (vLLM's mamba1_state_shape, TP 1, default "SD" conv
+    # layout): conv state (d_conv - 1, intermediate), SSM state (intermediate, d_state),
     # intermediate = mamba_expand * hidden_size = 2 * 4096.
     intermediate = 2 * 4096
-    shapes = ((intermediate, 4 - 1), (intermediate, 16))
+    shapes = ((4 - 1, intermediate), (intermediate, 16))
     state_dtypes = ("bfloat16", "bfloat16")
     mamba_page = sum(math.prod(s) for s in shapes) * 2
     # vLLM (Platform._align_hybrid_block_size): the attention block grows until its
@@ -210,7 +210,7 @@ _PRESETS: dict[str, ModelPreset] = {p.name: p for p in (
         source="num_hidden_layers 32, attn_layer_period 8, attn_layer_offset 4 (layers 4, 12, "
                "20, 28 are attention), num_key_value_heads 8, head_dim 128 (4096 / 32), "
                "hidden_size 4096, mamba_expand 2, mamba_d_state 16, mamba_d_conv 4, "
-               "max_position_embeddings 262144: 28 Mamba-1 layers with states (8192, 3) + "
+               "max_position_embeddings 262144: 28 Mamba-1 layers with states (3, 8192) + "
                "(8192, 16) in bfloat16 (311,296 bytes) + 4 full-attention layers. As vLLM "
                "does for hybrid models, the attention block size grows to a multiple of 16 "
                "whose page holds a Mamba state (80 tokens for block_size 16: 327,680 "

@@ -304,8 +304,9 @@ class MLAAttentionSpec(FullAttentionSpec):
 @dataclass(frozen=True)
 class SinkFullAttentionSpec(FullAttentionSpec):
     """Full attention with ``sink_len`` attention-sink tokens. The manager takes
-    ``sink_len // block_size`` blocks out of the pool for good, so ``sink_len`` must
-    be a positive multiple of ``block_size``."""
+    ``sink_len // block_size`` blocks out of the pool for good and requires
+    ``sink_len`` to be a multiple of ``block_size`` (checked there, as in vLLM: the
+    config builder may still enlarge the block size of a hybrid model's layers)."""
 
     sink_len: int
 
@@ -314,10 +315,6 @@ class SinkFullAttentionSpec(FullAttentionSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_positive_int("sink_len", self.sink_len)
-        if self.sink_len % self.block_size != 0:
-            raise ValueError(
-                f"sink_len ({self.sink_len}) must be a multiple of block_size "
-                f"({self.block_size})")
 
     def core_spec(self) -> dict[str, Any]:
         return {**super().core_spec(), "sink_len": self.sink_len}

@@ -213,8 +213,10 @@ impl ManagerConfig {
                 AttentionKind::SinkFullAttention { sink_len } => {
                     sink_len == 0 || sink_len % g.block_size != 0
                 }
+                // Prefix caching needs a cached state at block boundaries: "align"
+                // (vLLM 0.33) or "all" (a state per block, the older vLLM mode).
                 AttentionKind::Mamba { mode, .. } => {
-                    self.enable_caching && mode != MambaCacheMode::Align
+                    self.enable_caching && mode == MambaCacheMode::None
                 }
                 _ => false,
             };
@@ -222,7 +224,7 @@ impl ManagerConfig {
                 return bad(format!(
                     "group {i}: invalid {} spec {:?} (windows and chunks must be positive, \
                      sink_len a positive multiple of the block size, and Mamba prefix \
-                     caching needs mamba_cache_mode='align')",
+                     caching needs mamba_cache_mode 'align' or 'all')",
                     g.kind.spec_kind(),
                     g.kind
                 ));

@@ -71,6 +71,26 @@ fn layouts() -> Vec<Vec<GroupSpec>> {
             g(swa(12), 4),
             g(AttentionKind::FullAttention, 4),
         ],
+        vec![
+            g(AttentionKind::FullAttention, 4),
+            g(
+                AttentionKind::Mamba {
+                    mode: MambaCacheMode::All,
+                    num_speculative_blocks: 1,
+                },
+                4,
+            ),
+        ],
+        vec![
+            g(AttentionKind::SinkFullAttention { sink_len: 8 }, 4),
+            g(
+                AttentionKind::Mamba {
+                    mode: MambaCacheMode::Align,
+                    num_speculative_blocks: 2,
+                },
+                4,
+            ),
+        ],
     ]
 }
 
@@ -78,10 +98,10 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (0..3usize, prop::collection::vec(0..3u32, 0..30))
             .prop_map(|(base, suffix)| Op::Add { base, suffix }),
-        4 => (0..8usize, prop::option::of(1..40usize), 0..20u32)
+        8 => (0..8usize, prop::option::of(1..40usize), 0..20u32)
             .prop_map(|(req, chunk, enc)| Op::Admit { req, chunk, enc }),
         3 => (0..8usize, 1..30usize).prop_map(|(req, chunk)| Op::Step { req, chunk }),
-        4 => (0..8usize, 0..3u32).prop_map(|(req, token)| Op::Decode { req, token }),
+        8 => (0..8usize, 0..3u32).prop_map(|(req, token)| Op::Decode { req, token }),
         1 => (0..8usize).prop_map(|req| Op::Free { req }),
         2 => (0..8usize).prop_map(|req| Op::Remove { req }),
         1 => (0..80u32).prop_map(|block| Op::Evict { block }),
@@ -216,13 +236,13 @@ proptest! {
 
     #[test]
     fn hybrid_pools_keep_every_invariant(
-        layout in 0..8usize,
+        layout in 0..10usize,
         num_blocks in 4..80u32,
         caching in any::<bool>(),
         eagle in any::<bool>(),
         retention in prop::option::of(prop_oneof![Just(0u64), Just(16u64)]),
         bases in prop::collection::vec(prop::collection::vec(0..4u32, 8..60), 3),
-        ops in prop::collection::vec(op(), 1..80),
+        ops in prop::collection::vec(op(), 1..150),
     ) {
         let groups = layouts()[layout].clone();
         let sparse = groups.iter().any(|g| g.kind.is_sparse_retention());

@@ -330,7 +330,30 @@ class SinkFullAttentionSpec(FullAttentionSpec):
 
 
 @dataclass(frozen=True)
-class SlidingWindowSpec(AttentionSpec):
+class _RecyclingAttentionSpec(AttentionSpec):
+    """Attention whose requests recycle blocks (sliding window, chunked local): a
+    request holds at most ``max_admission_blocks_per_request`` blocks, which also
+    sizes the pool (vLLM's single source of truth for both)."""
+
+    def max_admission_blocks_per_request(
+        self, max_in_flight_tokens: int, max_model_len: int
+    ) -> int:
+        raise NotImplementedError
+
+    def max_memory_usage_bytes(
+        self,
+        max_model_len: int,
+        max_in_flight_tokens: int | None = None,
+        *,
+        max_num_encoder_input_tokens: int | None = None,
+    ) -> int:
+        in_flight = _check_sizing(max_model_len, max_in_flight_tokens)
+        return (self.max_admission_blocks_per_request(in_flight, max_model_len)
+                * self.page_size_bytes)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(_RecyclingAttentionSpec):
     """Sliding-window attention: the next token sees the last ``sliding_window``
     tokens; blocks entirely before the window are freed (replaced by the null
     block)."""
@@ -354,23 +377,12 @@ class SlidingWindowSpec(AttentionSpec):
         num_tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
         return _cdiv(num_tokens, self.block_size) + 1
 
-    def max_memory_usage_bytes(
-        self,
-        max_model_len: int,
-        max_in_flight_tokens: int | None = None,
-        *,
-        max_num_encoder_input_tokens: int | None = None,
-    ) -> int:
-        in_flight = _check_sizing(max_model_len, max_in_flight_tokens)
-        return (self.max_admission_blocks_per_request(in_flight, max_model_len)
-                * self.page_size_bytes)
-
     def core_spec(self) -> dict[str, Any]:
         return {**super().core_spec(), "sliding_window": self.sliding_window}
 
 
 @dataclass(frozen=True)
-class ChunkedLocalAttentionSpec(AttentionSpec):
+class ChunkedLocalAttentionSpec(_RecyclingAttentionSpec):
     """Chunked local attention (Llama 4): a token sees only its own
     ``attention_chunk_size``-token chunk; blocks of earlier chunks are freed."""
 
@@ -392,17 +404,6 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         _check_positive_int("max_model_len", max_model_len)
         num_tokens = min(self.attention_chunk_size + max_in_flight_tokens, max_model_len)
         return _cdiv(num_tokens, self.block_size)
-
-    def max_memory_usage_bytes(
-        self,
-        max_model_len: int,
-        max_in_flight_tokens: int | None = None,
-        *,
-        max_num_encoder_input_tokens: int | None = None,
-    ) -> int:
-        in_flight = _check_sizing(max_model_len, max_in_flight_tokens)
-        return (self.max_admission_blocks_per_request(in_flight, max_model_len)
-                * self.page_size_bytes)
 
     def core_spec(self) -> dict[str, Any]:
         return {**super().core_spec(), "attention_chunk_size": self.attention_chunk_size}

@@ -303,10 +303,10 @@ class MLAAttentionSpec(FullAttentionSpec):
 
 @dataclass(frozen=True)
 class SinkFullAttentionSpec(FullAttentionSpec):
-    """Full attention with ``sink_len`` attention-sink tokens. The manager takes
-    ``sink_len // block_size`` blocks out of the pool for good and requires
-    ``sink_len`` to be a multiple of ``block_size`` (checked there, as in vLLM: the
-    config builder may still enlarge the block size of a hybrid model's layers)."""
+    """Full attention with ``sink_len`` attention-sink tokens. Managed like full
+    attention (vLLM 0.33's manager takes no blocks for the sinks); the manager
+    requires ``sink_len`` to be a multiple of ``block_size`` (checked there, as in
+    vLLM: the config builder may still enlarge a hybrid model's block sizes)."""
 
     sink_len: int
 

@@ -660,6 +660,9 @@ impl KvCacheManager {
             )));
         }
         for (g, ids) in hit.block_ids.iter().enumerate() {
+            if !self.groups[g].prefix_cacheable() {
+                continue; // cross attention never hits
+            }
             let bs = u64::from(self.groups[g].block_size());
             if (ids.len() as u64) * bs < num_new_computed {
                 return Err(invalid(format!(

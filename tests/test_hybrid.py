@@ -234,13 +234,9 @@ def test_different_block_size() -> None:
     assert hit.num_computed_tokens == 64
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "pagedkv does not cache the prompt's partial tail block of a full-attention group "
-    "whose block_size exceeds hash_block_size (vLLM 0.33's "
-    "FullAttentionManager._cache_partial_tail_block): with EAGLE, vLLM keys block 2 "
-    "(tokens 32..63, 50 filled) under the 48-token prefix hash right at admission"))
 def test_full_attention_partial_tail_block_is_cached_with_eagle() -> None:
-    # Full attention bs 32 + SWA bs 16 (window 32), hash_block_size 16, EAGLE.
+    # Full attention bs 32 + SWA bs 16 (window 32), hash_block_size 16, EAGLE: vLLM
+    # 0.33 keys the block holding the prompt's last hash boundary under that prefix.
     mgr = manager(20, [full(32), swa(16, 32)], use_eagle=True)
     mgr.add_request("a", list(range(50)))
     _, new = admit(mgr, "a")
@@ -252,12 +248,8 @@ def test_full_attention_partial_tail_block_is_cached_with_eagle() -> None:
     assert mgr.num_cached_block_hashes == 5
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "pagedkv does not register vLLM 0.33's extra partial-tail key: once a prompt whose "
-    "last hash boundary (48 tokens) lies inside a 32-token full-attention block is "
-    "computed past that block, vLLM keys the block under both its full hash and the "
-    "48-token prefix hash (7 keys instead of 6)"))
 def test_full_attention_partial_tail_key_is_added_when_the_block_fills() -> None:
+    # Once computed past it, the block carries its full hash and the 48-token one.
     mgr = manager(20, [full(32), swa(16, 32)])
     mgr.add_request("a", list(range(50)))
     _, new = admit(mgr, "a")

@@ -1056,14 +1056,27 @@ impl KvCacheManager {
             } else {
                 num_tokens
             };
-            let Some((from, to, mask)) =
+            if let Some((from, to, mask)) =
                 gm.cache_blocks(&mut self.pool, req, g, n, hbs, &retention)
-            else {
-                continue;
+            {
+                if self.pool.events_enabled() {
+                    let ev = stored_event(gm, req, g, from, to, mask.as_deref());
+                    self.pool.push_event(KvEvent::BlockStored(ev));
+                }
+            }
+            // Partial prompt-tail entries exist where vLLM allows a hash block
+            // below the group block size: hybrid models. (A single group with a
+            // finer hash is pagedkv's extension; it caches whole blocks only.)
+            let partial = if hybrid {
+                gm.cache_partial_tail(&mut self.pool, req, g, n, hbs)
+            } else {
+                None
             };
-            if self.pool.events_enabled() {
-                let ev = stored_event(gm, req, g, from, to, mask.as_deref());
-                self.pool.push_event(KvEvent::BlockStored(ev));
+            if let Some(boundary) = partial {
+                if self.pool.events_enabled() {
+                    let ev = partial_stored_event(req, g, boundary, hbs);
+                    self.pool.push_event(KvEvent::BlockStored(ev));
+                }
             }
         }
     }
@@ -1263,7 +1276,11 @@ impl KvCacheManager {
                         if b == NULL_BLOCK || !self.cfg.enable_caching {
                             continue;
                         }
-                        if let Some(k) = self.pool.block_key(b) {
+                        // A full block carries its own key; a partial prompt-tail
+                        // entry (re-registered after an eviction) is the other case.
+                        let full_tokens = ((i + 1) * gm.block_size() as usize) as u32;
+                        let partial = self.pool.primary_tokens(b).is_some_and(|t| t < full_tokens);
+                        if let Some(k) = self.pool.block_key(b).filter(|_| !partial) {
                             if Some(k) != gm.key_for(&req.hashes, i) {
                                 return Err(Error::InvariantViolation(format!(
                                     "block {b} of request {:?} is cached under another hash",
@@ -1306,6 +1323,25 @@ fn replay_boundaries(num_prompt_tokens: u64, sbs: u64, use_eagle: bool) -> ([u64
         ([a, 0], 1)
     } else {
         ([a.min(b), a.max(b)], 2)
+    }
+}
+
+/// The `BlockStored` of a partial prompt-tail entry: the one hash block ending at
+/// `boundary`.
+fn partial_stored_event(req: &Request, g: usize, boundary: usize, hbs: usize) -> BlockStored {
+    let n = boundary / hbs;
+    let start = boundary - hbs;
+    BlockStored {
+        block_hashes: vec![req.hashes[n - 1]],
+        parent_block_hash: (n > 1).then(|| req.hashes[n - 2]),
+        token_ids: req.tokens[start..boundary].to_vec(),
+        block_size: hbs as u32,
+        lora_id: req.lora.as_ref().and_then(|l| l.id),
+        lora_name: req.lora.as_ref().map(|l| l.name.clone()),
+        extra_keys: Some(vec![req.event_extra_keys(start, boundary)]),
+        group_idx: g as u32,
+        kv_cache_spec_kind: None,
+        kv_cache_spec_sliding_window: None,
     }
 }
 

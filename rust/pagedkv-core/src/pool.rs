@@ -64,7 +64,12 @@ pub struct BlockPool {
     enable_caching: bool,
     map: HashMap<CacheKey, Entry, FxBuildHasher>,
     keys: Vec<CacheKey>,
+    /// Tokens covered by each primary key (full block, or a partial prefix).
+    key_tokens: Vec<u32>,
     free_keys: Vec<u32>,
+    /// Extra keys of blocks reachable from more than one prefix boundary (a
+    /// full block that also carries a partial prompt-tail entry).
+    secondary: rustc_hash::FxHashMap<BlockId, Vec<CacheKey>>,
     events_enabled: bool,
     events: Vec<KvEvent>,
     /// Bumped whenever a cached block loses its key: lookup results taken before
@@ -105,7 +110,9 @@ impl BlockPool {
             enable_caching,
             map: HashMap::with_hasher(FxBuildHasher),
             keys: Vec::new(),
+            key_tokens: Vec::new(),
             free_keys: Vec::new(),
+            secondary: rustc_hash::FxHashMap::default(),
             events_enabled,
             events: Vec::new(),
             epoch: 0,
@@ -351,23 +358,7 @@ impl BlockPool {
         }
     }
 
-    /// Caches a full block under `key`. A block that already carries a key keeps
-    /// it (returns `false`); the null block is never cached.
-    pub fn cache_block(&mut self, id: BlockId, key: CacheKey) -> bool {
-        if id == NULL_BLOCK || self.blocks[id as usize].key != NIL {
-            return false;
-        }
-        let slot = match self.free_keys.pop() {
-            Some(s) => {
-                self.keys[s as usize] = key;
-                s
-            }
-            None => {
-                self.keys.push(key);
-                (self.keys.len() - 1) as u32
-            }
-        };
-        self.blocks[id as usize].key = slot;
+    fn map_insert(&mut self, key: CacheKey, id: BlockId) {
         match self.map.get_mut(&key) {
             None => {
                 self.map.insert(key, Entry::One(id));
@@ -377,21 +368,22 @@ impl BlockPool {
                 Entry::Many(ids) => ids.push(id),
             },
         }
-        true
     }
 
-    /// Drops a block's key from the map (vLLM's `_maybe_evict_cached_block`),
-    /// emitting `BlockRemoved`. Returns whether it was cached.
-    pub fn maybe_evict(&mut self, id: BlockId) -> bool {
-        let slot = self.blocks[id as usize].key;
-        if slot == NIL {
-            return false;
+    fn map_contains(&self, key: &CacheKey, id: BlockId) -> bool {
+        match self.map.get(key) {
+            None => false,
+            Some(Entry::One(x)) => *x == id,
+            Some(Entry::Many(ids)) => ids.contains(&id),
         }
-        let key = self.keys[slot as usize];
-        let removed = match self.map.get_mut(&key) {
+    }
+
+    /// Removes `(key, id)` from the map; whether it was there.
+    fn map_pop(&mut self, key: &CacheKey, id: BlockId) -> bool {
+        match self.map.get_mut(key) {
             None => false,
             Some(Entry::One(x)) if *x == id => {
-                self.map.remove(&key);
+                self.map.remove(key);
                 true
             }
             Some(Entry::One(_)) => false,
@@ -400,26 +392,120 @@ impl BlockPool {
                     ids.remove(pos);
                     if ids.len() == 1 {
                         let only = ids[0];
-                        self.map.insert(key, Entry::One(only));
+                        self.map.insert(*key, Entry::One(only));
                     }
                     true
                 }
                 None => false,
             },
-        };
-        if !removed {
+        }
+    }
+
+    /// Tokens covered by a block's primary key (a full block, or a partial
+    /// prompt-tail boundary inside it).
+    #[must_use]
+    pub fn primary_tokens(&self, id: BlockId) -> Option<u32> {
+        let k = self.blocks[id as usize].key;
+        (k != NIL).then(|| self.key_tokens[k as usize])
+    }
+
+    /// vLLM's `_insert_block_hash`: the key becomes the block's primary key, or an
+    /// extra one when it already has a primary. Whether the map changed.
+    fn insert_block_hash(&mut self, id: BlockId, key: CacheKey, tokens: u32) -> bool {
+        if self.block_key(id) == Some(key) || self.map_contains(&key, id) {
             return false;
         }
-        self.blocks[id as usize].key = NIL;
-        self.free_keys.push(slot);
-        self.epoch += 1;
-        if self.events_enabled {
-            self.events.push(KvEvent::BlockRemoved {
-                block_hashes: vec![key.hash],
-                group_idx: key.group,
-            });
+        if self.blocks[id as usize].key == NIL {
+            let slot = match self.free_keys.pop() {
+                Some(s) => {
+                    self.keys[s as usize] = key;
+                    self.key_tokens[s as usize] = tokens;
+                    s
+                }
+                None => {
+                    self.keys.push(key);
+                    self.key_tokens.push(tokens);
+                    (self.keys.len() - 1) as u32
+                }
+            };
+            self.blocks[id as usize].key = slot;
+        } else {
+            self.secondary.entry(id).or_default().push(key);
         }
+        self.map_insert(key, id);
         true
+    }
+
+    /// Drops every key of a block from the map (vLLM's
+    /// `_remove_cached_block_hashes`), emitting one `BlockRemoved` per key that
+    /// was there. Returns how many were.
+    fn remove_block_hashes(&mut self, id: BlockId) -> usize {
+        let slot = self.blocks[id as usize].key;
+        let mut keys: Vec<CacheKey> = self.secondary.remove(&id).unwrap_or_default();
+        if slot != NIL {
+            keys.insert(0, self.keys[slot as usize]);
+            self.blocks[id as usize].key = NIL;
+            self.free_keys.push(slot);
+        }
+        let mut removed = 0;
+        for key in keys {
+            if self.map_pop(&key, id) {
+                removed += 1;
+                if self.events_enabled {
+                    self.events.push(KvEvent::BlockRemoved {
+                        block_hashes: vec![key.hash],
+                        group_idx: key.group,
+                    });
+                }
+            }
+        }
+        if removed > 0 {
+            self.epoch += 1;
+        }
+        removed
+    }
+
+    /// Caches a block under `key` as its only key. A block that already carries a
+    /// key keeps it (returns `false`); the null block is never cached.
+    pub fn cache_block(&mut self, id: BlockId, key: CacheKey) -> bool {
+        if id == NULL_BLOCK || self.blocks[id as usize].key != NIL {
+            return false;
+        }
+        self.insert_block_hash(id, key, u32::MAX)
+    }
+
+    /// Caches a block that just became full (`tokens` = the prefix it ends). A
+    /// partial entry it carried is replaced (promotion, with `BlockRemoved`).
+    pub fn cache_full_block(&mut self, id: BlockId, key: CacheKey, tokens: u32) -> bool {
+        if id == NULL_BLOCK {
+            return false;
+        }
+        if self.blocks[id as usize].key != NIL && self.block_key(id) != Some(key) {
+            self.remove_block_hashes(id);
+        }
+        self.insert_block_hash(id, key, tokens)
+    }
+
+    /// vLLM's `cache_partial_block`: makes a block reachable from a prefix
+    /// boundary of `tokens` tokens inside it. A shorter primary entry is replaced;
+    /// otherwise the key is added beside the block's primary key. Returns whether
+    /// the entry is new (an event is due).
+    pub fn cache_partial_block(&mut self, id: BlockId, key: CacheKey, tokens: u32) -> bool {
+        if id == NULL_BLOCK {
+            return false;
+        }
+        let already = self.block_key(id) == Some(key) || self.map_contains(&key, id);
+        if !already && self.primary_tokens(id).is_some_and(|t| t < tokens) {
+            self.remove_block_hashes(id);
+        }
+        self.insert_block_hash(id, key, tokens);
+        !already
+    }
+
+    /// Drops a block's keys from the map (vLLM's `_maybe_evict_cached_block`),
+    /// emitting `BlockRemoved`. Returns whether it was cached.
+    pub fn maybe_evict(&mut self, id: BlockId) -> bool {
+        self.remove_block_hashes(id) > 0
     }
 
     /// Clears the prefix cache when no block is in use (only the null block);
@@ -430,7 +516,9 @@ impl BlockPool {
         }
         self.map.clear();
         self.keys.clear();
+        self.key_tokens.clear();
         self.free_keys.clear();
+        self.secondary.clear();
         for b in &mut self.blocks {
             b.key = NIL;
         }
@@ -537,14 +625,16 @@ impl BlockPool {
             };
             for &id in ids {
                 listed += 1;
-                if self.block_key(id) != Some(*key) {
+                let extra = self.secondary.get(&id).is_some_and(|v| v.contains(key));
+                if self.block_key(id) != Some(*key) && !extra {
                     return Err(format!(
                         "map lists block {id} under a key it does not carry"
                     ));
                 }
             }
         }
-        let carrying = self.blocks.iter().filter(|b| b.key != NIL).count();
+        let carrying = self.blocks.iter().filter(|b| b.key != NIL).count()
+            + self.secondary.values().map(Vec::len).sum::<usize>();
         if carrying != listed {
             return Err(format!(
                 "{carrying} blocks carry keys but the map lists {listed}"

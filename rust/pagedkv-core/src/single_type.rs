@@ -621,7 +621,7 @@ impl GroupManager {
                 continue;
             }
             if let Some(key) = self.key_for(&req.hashes, i) {
-                pool.cache_block(b, key);
+                pool.cache_full_block(b, key, ((i + 1) * self.block_size as usize) as u32);
                 if matches!(self.kind(), AttentionKind::Mamba { .. }) {
                     self.cached_this_step.insert(key);
                 }
@@ -629,6 +629,40 @@ impl GroupManager {
         }
         gb.num_cached = Some(full);
         Some((cached, full, mask))
+    }
+
+    /// vLLM's `_cache_partial_tail_block` (full-attention groups whose block spans
+    /// several hash blocks): registers the prompt's last hash boundary inside a
+    /// block as a partial entry of that block. Returns the boundary (tokens) when
+    /// the entry is new, for its `BlockStored` event.
+    pub(crate) fn cache_partial_tail(
+        &self,
+        pool: &mut BlockPool,
+        req: &Request,
+        g: usize,
+        num_tokens: usize,
+        hash_block_size: usize,
+    ) -> Option<usize> {
+        if self.scale <= 1 || !self.spec.kind.is_full_attention() {
+            return None;
+        }
+        let limit = if self.use_eagle {
+            req.num_prompt_tokens
+        } else {
+            req.num_prompt_tokens.saturating_sub(1)
+        };
+        let boundary = (limit / hash_block_size).min(req.hashes.len()) * hash_block_size;
+        let bs = self.block_size as usize;
+        if boundary == 0 || boundary > num_tokens || boundary % bs == 0 {
+            return None;
+        }
+        let &block = req.groups[g].blocks.get(boundary / bs)?;
+        let key = CacheKey {
+            hash: req.hashes[boundary / hash_block_size - 1],
+            group: self.group_id,
+        };
+        pool.cache_partial_block(block, key, boundary as u32)
+            .then_some(boundary)
     }
 
     /// Which of blocks `[start, end)` can ever serve a hit (vLLM's

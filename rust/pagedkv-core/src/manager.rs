@@ -1037,6 +1037,16 @@ impl KvCacheManager {
         let hbs = self.hash_block_size;
         let sbs = self.scheduler_block_size as usize;
         let hybrid = matches!(self.coordinator, Coordinator::Hybrid { .. });
+        // Most decode steps fill no block: nothing new to publish in any group.
+        let hashed = req.hashes.len() * hbs;
+        if !hybrid
+            && self.groups.iter().zip(&req.groups).all(|(gm, gb)| {
+                gm.blocks_floor(num_tokens.min(hashed) as u64) as usize
+                    <= gb.num_cached.unwrap_or(0)
+            })
+        {
+            return;
+        }
         let (boundaries, nb) =
             replay_boundaries(req.num_prompt_tokens as u64, sbs as u64, self.cfg.use_eagle);
         let retention = Retention {

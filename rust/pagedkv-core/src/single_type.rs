@@ -64,6 +64,9 @@ pub struct GroupManager {
     /// Mamba: state blocks cached this step (a hit on one cannot be used yet).
     cached_this_step: FxHashSet<CacheKey>,
     num_gpu_blocks: u32,
+    /// `log2(block_size)` for power-of-two block sizes (divisions on the hot path
+    /// become shifts), `None` otherwise.
+    shift: Option<u32>,
 }
 
 impl GroupManager {
@@ -99,6 +102,9 @@ impl GroupManager {
             admission_cap,
             cached_this_step: FxHashSet::default(),
             num_gpu_blocks,
+            shift: block_size
+                .is_power_of_two()
+                .then(|| block_size.trailing_zeros()),
         }
     }
 
@@ -112,6 +118,24 @@ impl GroupManager {
     #[must_use]
     pub fn block_size(&self) -> u32 {
         self.block_size
+    }
+
+    /// Whole blocks in `n` tokens.
+    #[inline]
+    pub(crate) fn blocks_floor(&self, n: u64) -> u64 {
+        match self.shift {
+            Some(s) => n >> s,
+            None => n / u64::from(self.block_size),
+        }
+    }
+
+    /// Blocks needed for `n` tokens.
+    #[inline]
+    pub(crate) fn blocks_ceil(&self, n: u64) -> u64 {
+        match self.shift {
+            Some(s) => (n + u64::from(self.block_size) - 1) >> s,
+            None => n.div_ceil(u64::from(self.block_size)),
+        }
     }
 
     fn kind(&self) -> &AttentionKind {
@@ -421,7 +445,7 @@ impl GroupManager {
             }
             num_tokens += bs * u64::from(num_speculative_blocks);
         }
-        let mut required = num_tokens.div_ceil(bs);
+        let mut required = self.blocks_ceil(num_tokens);
         if apply_admission_cap {
             if let Some(cap) = self.admission_cap {
                 required = required.min(cap);
@@ -431,7 +455,7 @@ impl GroupManager {
         if gb.num_cached.is_some() {
             return required.saturating_sub(have) as i64;
         }
-        let skipped_blocks = self.num_skipped_tokens(total_computed) / bs;
+        let skipped_blocks = self.blocks_floor(self.num_skipped_tokens(total_computed));
         let local = hit.len() as u64 + have;
         let fresh = required.saturating_sub(skipped_blocks.max(local));
         let skip_hits = (skipped_blocks.saturating_sub(have) as usize).min(hit.len());
@@ -518,7 +542,7 @@ impl GroupManager {
             }
             num_tokens += bs * u64::from(num_speculative_blocks);
         }
-        let required = num_tokens.div_ceil(bs);
+        let required = self.blocks_ceil(num_tokens);
         let have = gb.blocks.len() as u64;
         if required <= have {
             return;
@@ -594,7 +618,8 @@ impl GroupManager {
         let gb = &mut req.groups[g];
         let cached = gb.num_cached.unwrap_or(0);
         let hashed_tokens = req.hashes.len() * hash_block_size;
-        let full = (num_tokens.min(hashed_tokens) / self.block_size as usize).min(gb.blocks.len());
+        let full =
+            (self.blocks_floor(num_tokens.min(hashed_tokens) as u64) as usize).min(gb.blocks.len());
         if cached >= full {
             return None;
         }

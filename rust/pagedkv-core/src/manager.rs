@@ -813,6 +813,16 @@ impl KvCacheManager {
         hit: Option<&ComputedBlocks>,
     ) -> Result<bool> {
         self.validate_args(slot, a)?;
+        self.allocate_validated(slot, a, hit)
+    }
+
+    /// `allocate_slot` once the arguments were validated.
+    fn allocate_validated(
+        &mut self,
+        slot: u32,
+        a: &AllocateArgs,
+        hit: Option<&ComputedBlocks>,
+    ) -> Result<bool> {
         let num_new_computed = match hit {
             Some(h) => {
                 self.validate_hit(slot, h, a.num_new_computed_tokens)?;
@@ -1145,7 +1155,8 @@ impl KvCacheManager {
                 num_lookahead_tokens,
                 ..AllocateArgs::step(num_new_tokens[i], num_computed_tokens[i])
             };
-            if !self.allocate_slot(slot, &args, None)? {
+            // Validated above, before anything changed.
+            if !self.allocate_validated(slot, &args, None)? {
                 break;
             }
             for g in 0..n {

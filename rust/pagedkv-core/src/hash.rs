@@ -420,7 +420,19 @@ fn encode_tokens_cbor(buf: &mut Vec<u8>, tokens: &[u32]) {
     cbor_head(buf, 4, tokens.len() as u64);
     buf.reserve(tokens.len() * 5);
     for &t in tokens {
-        cbor_head(buf, 0, u64::from(t));
+        // Unsigned ints, shortest form (the same bytes as `cbor_head(buf, 0, t)`).
+        match t {
+            0..24 => buf.push(t as u8),
+            24..256 => buf.extend_from_slice(&[24, t as u8]),
+            256..65536 => {
+                let b = (t as u16).to_be_bytes();
+                buf.extend_from_slice(&[25, b[0], b[1]]);
+            }
+            _ => {
+                let b = t.to_be_bytes();
+                buf.extend_from_slice(&[26, b[0], b[1], b[2], b[3]]);
+            }
+        }
     }
 }
 

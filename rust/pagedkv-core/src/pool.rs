@@ -441,21 +441,17 @@ impl BlockPool {
     /// was there. Returns how many were.
     fn remove_block_hashes(&mut self, id: BlockId) -> usize {
         let slot = self.blocks[id as usize].key;
-        let mut keys: Vec<CacheKey> = self.secondary.remove(&id).unwrap_or_default();
-        if slot != NIL {
-            keys.insert(0, self.keys[slot as usize]);
-            self.blocks[id as usize].key = NIL;
-            self.free_keys.push(slot);
+        if slot == NIL {
+            // Extra keys only exist beside a primary key.
+            return 0;
         }
-        let mut removed = 0;
-        for key in keys {
-            if self.map_pop(&key, id) {
-                removed += 1;
-                if self.events_enabled {
-                    self.events.push(KvEvent::BlockRemoved {
-                        block_hashes: vec![key.hash],
-                        group_idx: key.group,
-                    });
+        self.blocks[id as usize].key = NIL;
+        self.free_keys.push(slot);
+        let mut removed = usize::from(self.pop_and_report(self.keys[slot as usize], id));
+        if !self.secondary.is_empty() {
+            if let Some(extra) = self.secondary.remove(&id) {
+                for key in extra {
+                    removed += usize::from(self.pop_and_report(key, id));
                 }
             }
         }
@@ -463,6 +459,17 @@ impl BlockPool {
             self.epoch += 1;
         }
         removed
+    }
+
+    fn pop_and_report(&mut self, key: CacheKey, id: BlockId) -> bool {
+        let popped = self.map_pop(&key, id);
+        if popped && self.events_enabled {
+            self.events.push(KvEvent::BlockRemoved {
+                block_hashes: vec![key.hash],
+                group_idx: key.group,
+            });
+        }
+        popped
     }
 
     /// Caches a block under `key` as its only key. A block that already carries a

@@ -107,5 +107,59 @@ fn allocate(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, free_queue, hashing, lookup, allocate);
+/// Lookup and decode step with 1–4 KV-cache groups (full attention plus sliding
+/// windows: the hybrid coordinator from 2 groups on).
+fn coordinator(c: &mut Criterion) {
+    use pagedkv_core::{AttentionKind, GroupSpec, KvCacheManager, ManagerConfig, RequestSpec};
+    let mut g = c.benchmark_group("coordinator_groups");
+    for n in 1..=4usize {
+        let mut cfg = ManagerConfig::full_attention(1 << 16, 16, 1 << 20);
+        cfg.groups = (0..n)
+            .map(|i| {
+                let kind = if i == 0 {
+                    AttentionKind::FullAttention
+                } else {
+                    AttentionKind::SlidingWindow {
+                        window: 512 * i as u32,
+                    }
+                };
+                GroupSpec::new(kind, 16)
+            })
+            .collect();
+        let Ok(mut mgr) = KvCacheManager::new(cfg) else {
+            continue;
+        };
+        let prompt = tokens(9, 2560, 32000);
+        assert!(admit(&mut mgr, "cached", &prompt));
+        let mut p2 = prompt.clone();
+        p2.push(1);
+        let _ = mgr.add_request(
+            "hit",
+            RequestSpec {
+                prompt_token_ids: p2,
+                ..Default::default()
+            },
+        );
+        g.bench_with_input(BenchmarkId::new("lookup_2560_tokens", n), &n, |b, _| {
+            b.iter(|| {
+                black_box(
+                    mgr.get_computed_blocks("hit")
+                        .map(|h| h.num_computed_tokens),
+                )
+            });
+        });
+        g.bench_with_input(BenchmarkId::new("decode_step", n), &n, |b, _| {
+            let args = AllocateArgs::step(1, 2559);
+            b.iter(|| {
+                black_box(
+                    mgr.allocate_slots("cached", &args, None)
+                        .map(|x| x.is_some()),
+                )
+            });
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, free_queue, hashing, lookup, allocate, coordinator);
 criterion_main!(benches);

@@ -8,7 +8,7 @@ full-attention group with ``num_kv_heads=1, head_size=1, float32``).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +95,27 @@ def snapshot(mgr: pk.KVCacheManager, request_ids: Sequence[str] = ()) -> dict[st
             mgr.num_preemptions(rid),
         )
     return state
+
+
+def full(bs: int) -> pk.FullAttentionSpec:
+    return pk.FullAttentionSpec(bs, 1, 1, "float32")
+
+
+def swa(bs: int, window: int) -> pk.SlidingWindowSpec:
+    return pk.SlidingWindowSpec(bs, 1, 1, "float32", sliding_window=window)
+
+
+def manager(num_blocks: int, specs: Sequence[pk.KVCacheSpec], *, max_model_len: int = 8192,
+            **kwargs: Any) -> pk.KVCacheManager:
+    """A manager with one group per spec (layers named ``layer<i>``)."""
+    groups = [pk.KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)]
+    config = pk.KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
+    return pk.KVCacheManager(config, max_model_len=max_model_len, **kwargs)
+
+
+def refused(call: Callable[[], Any]) -> bool:
+    """vLLM's ``None``, or pagedkv's ``CannotFitError`` for a request that can never fit."""
+    try:
+        return call() is None
+    except pk.CannotFitError:
+        return True

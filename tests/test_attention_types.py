@@ -15,27 +15,12 @@ Where vLLM returns ``None`` for a request that can never fit, pagedkv raises
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pagedkv as pk
 import pytest
-from _util import admit, as_lists
-
-
-def manager(num_blocks: int, specs: Sequence[pk.KVCacheSpec], *, max_model_len: int = 8192,
-            **kwargs: Any) -> pk.KVCacheManager:
-    groups = [pk.KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)]
-    config = pk.KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
-    return pk.KVCacheManager(config, max_model_len=max_model_len, **kwargs)
-
-
-def refused(call: Callable[[], Any]) -> bool:
-    """vLLM's ``None``, or pagedkv's ``CannotFitError`` for a request that can never fit."""
-    try:
-        return call() is None
-    except pk.CannotFitError:
-        return True
+from _util import admit, as_lists, full, manager, refused, swa
 
 
 def free_queue(mgr: pk.KVCacheManager) -> list[int]:
@@ -46,16 +31,10 @@ def cached_ids(mgr: pk.KVCacheManager) -> list[int]:
     return [b for b in range(mgr.num_blocks) if mgr.cached_block_hash(b) is not None]
 
 
-def swa(bs: int, window: int) -> pk.SlidingWindowSpec:
-    return pk.SlidingWindowSpec(bs, 1, 1, "float32", sliding_window=window)
-
 
 def local(bs: int, chunk: int) -> pk.ChunkedLocalAttentionSpec:
     return pk.ChunkedLocalAttentionSpec(bs, 1, 1, "float32", attention_chunk_size=chunk)
 
-
-def full(bs: int) -> pk.FullAttentionSpec:
-    return pk.FullAttentionSpec(bs, 1, 1, "float32")
 
 
 def cache_pattern(mgr: pk.KVCacheManager, flags: Sequence[bool]) -> list[int]:

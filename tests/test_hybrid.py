@@ -17,38 +17,19 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pagedkv as pk
 import pytest
-from _util import admit, as_lists, chain
+from _util import admit, as_lists, chain, full, manager, refused, swa
 
 DUMP = Path(__file__).parent / "vectors" / "ops_hybrid.jsonl.gz"
 
 
-def full(bs: int) -> pk.FullAttentionSpec:
-    return pk.FullAttentionSpec(bs, 1, 1, "float32")
 
 
-def swa(bs: int, window: int) -> pk.SlidingWindowSpec:
-    return pk.SlidingWindowSpec(bs, 1, 1, "float32", sliding_window=window)
-
-
-def manager(num_blocks: int, specs: Sequence[pk.KVCacheSpec], *, max_model_len: int = 8192,
-            **kwargs: Any) -> pk.KVCacheManager:
-    groups = [pk.KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)]
-    config = pk.KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
-    return pk.KVCacheManager(config, max_model_len=max_model_len, **kwargs)
-
-
-def refused(call: Callable[[], Any]) -> bool:
-    """vLLM's ``None``, or pagedkv's ``CannotFitError`` for a request that can never fit."""
-    try:
-        return call() is None
-    except pk.CannotFitError:
-        return True
 
 
 def cached_positions(mgr: pk.KVCacheManager, block_ids: Sequence[int]) -> list[int]:

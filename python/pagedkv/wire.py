@@ -1,0 +1,227 @@
+"""KV-cache events on the wire, byte for byte as vLLM 0.33 writes them.
+
+vLLM publishes ``KVEventBatch`` objects encoded by ``msgspec.msgpack.Encoder``:
+the batch is a msgpack array ``[ts, [events...], data_parallel_rank]`` and each
+event a msgpack map tagged with ``"type"`` (the class name) holding only the
+fields that differ from their defaults. The structs below have vLLM's names,
+field order and options, so ``msgspec`` encodes them exactly as vLLM does and a
+consumer written against vLLM (llm-d, Dynamo, SGLang's router) decodes them
+unchanged.
+
+Block hashes travel as vLLM's ``ExternalBlockHash``: by default the 64-bit
+integer form (the last 8 bytes of the digest, big-endian), or the raw digest
+bytes with ``hash_format="bytes"``.
+
+Requires the ``events`` extra (``msgspec``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import msgspec
+
+from .events import AllBlocksCleared as _AllBlocksCleared
+from .events import BlockRemoved as _BlockRemoved
+from .events import BlockStored as _BlockStored
+
+__all__ = [
+    "MEDIUM_GPU",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "ExternalBlockHash",
+    "HashFormat",
+    "KVCacheEvent",
+    "KVEventBatch",
+    "KVEventEncoder",
+    "decode_batch",
+    "hash_to_int",
+    "to_wire",
+]
+
+ExternalBlockHash = bytes | int
+HashFormat = Literal["int", "bytes"]
+MEDIUM_GPU = "GPU"
+_MASK64 = (1 << 64) - 1
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A timestamped batch of events (one scheduler step), encoded as an array."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the tagged event union (``{"type": "<class name>", ...}``)."""
+
+
+class BlockStored(KVCacheEvent):
+    """Full blocks entered into the prefix cache."""
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[int] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Blocks evicted from the prefix cache (hashes without the group id)."""
+
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """The prefix cache was reset."""
+
+
+class KVEventBatch(EventBatch):
+    """``EventBatch`` with the event union, what publishers send."""
+
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+WireEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def hash_to_int(h: ExternalBlockHash) -> int:
+    """vLLM's integer form of a block hash: the last 8 bytes, big-endian."""
+    if isinstance(h, int):
+        return h & _MASK64
+    return int.from_bytes(h[-8:], "big")
+
+
+def _hash(h: ExternalBlockHash, fmt: HashFormat) -> ExternalBlockHash:
+    if fmt == "int":
+        return hash_to_int(h)
+    if isinstance(h, int):
+        raise ValueError(
+            "hash_format='bytes' needs events carrying raw digests; "
+            "KVCacheManager events carry vLLM's integer form only"
+        )
+    return bytes(h)
+
+
+def _hashes(hs: Iterable[ExternalBlockHash], fmt: HashFormat) -> list[ExternalBlockHash]:
+    if fmt == "int":
+        return [h if isinstance(h, int) else hash_to_int(h) for h in hs]
+    return [_hash(h, fmt) for h in hs]
+
+
+def to_wire(event: Any, hash_format: HashFormat = "int") -> WireEvent:
+    """Converts one event to its wire struct.
+
+    Accepts :mod:`pagedkv.events` objects, the core's tuple form (what
+    ``KVCacheManager._take_events`` returns) and wire structs (re-encoded with
+    ``hash_format``).
+    """
+    if isinstance(event, tuple):
+        tag = event[0]
+        if tag == "BlockStored":
+            _, hashes, parent, tokens, bs, lora_id, lora_name, extra, group, kind, window = event
+            return BlockStored(
+                block_hashes=_hashes(hashes, hash_format),
+                parent_block_hash=None if parent is None else _hash(parent, hash_format),
+                token_ids=tokens,
+                block_size=bs,
+                lora_id=lora_id,
+                medium=MEDIUM_GPU,
+                lora_name=lora_name,
+                extra_keys=extra,
+                group_idx=group,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window,
+            )
+        if tag == "BlockRemoved":
+            return BlockRemoved(
+                block_hashes=_hashes(event[1], hash_format), medium=MEDIUM_GPU, group_idx=event[2]
+            )
+        if tag == "AllBlocksCleared":
+            return AllBlocksCleared()
+        raise ValueError(f"unknown event tag {tag!r}")
+    if isinstance(event, _BlockStored | BlockStored):
+        parent = event.parent_block_hash
+        return BlockStored(
+            block_hashes=_hashes(event.block_hashes, hash_format),
+            parent_block_hash=None if parent is None else _hash(parent, hash_format),
+            token_ids=list(event.token_ids),
+            block_size=event.block_size,
+            lora_id=event.lora_id,
+            medium=event.medium,
+            lora_name=event.lora_name,
+            extra_keys=event.extra_keys,
+            group_idx=event.group_idx,
+            kv_cache_spec_kind=event.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
+        )
+    if isinstance(event, _BlockRemoved | BlockRemoved):
+        return BlockRemoved(
+            block_hashes=_hashes(event.block_hashes, hash_format),
+            medium=event.medium,
+            group_idx=event.group_idx,
+        )
+    if isinstance(event, _AllBlocksCleared | AllBlocksCleared):
+        return AllBlocksCleared()
+    raise TypeError(f"not a KV-cache event: {event!r}")
+
+
+class KVEventEncoder:
+    """Encodes event batches as vLLM's publisher does.
+
+    ``hash_format``: ``"int"`` (vLLM's default, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``)
+    or ``"bytes"`` (raw digests). ``data_parallel_rank`` stamps batches that carry none.
+    """
+
+    def __init__(
+        self, *, hash_format: HashFormat = "int", data_parallel_rank: int | None = None
+    ) -> None:
+        if hash_format not in ("int", "bytes"):
+            raise ValueError(f"hash_format must be 'int' or 'bytes', got {hash_format!r}")
+        self.hash_format: HashFormat = hash_format
+        self.data_parallel_rank = data_parallel_rank
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def batch(self, events: Iterable[Any], ts: float | None = None) -> KVEventBatch:
+        """A ``KVEventBatch`` of ``events`` (any form :func:`to_wire` accepts)."""
+        fmt = self.hash_format
+        return KVEventBatch(
+            ts=time.time() if ts is None else ts,
+            events=[to_wire(e, fmt) for e in events],
+            data_parallel_rank=self.data_parallel_rank,
+        )
+
+    def encode(self, obj: KVEventBatch | WireEvent) -> bytes:
+        """msgpack bytes of a batch or a single event."""
+        return self._encoder.encode(obj)
+
+    def encode_events(self, events: Iterable[Any], ts: float | None = None) -> bytes:
+        """msgpack bytes of a batch built from ``events``."""
+        return self._encoder.encode(self.batch(events, ts))
+
+
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def decode_batch(payload: bytes | memoryview) -> KVEventBatch:
+    """Decodes one published payload."""
+    return _decoder.decode(payload)

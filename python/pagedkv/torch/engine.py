@@ -1,0 +1,482 @@
+"""A small serving loop that runs a model over a paged KV cache managed by
+pagedkv: continuous batching with chunked prefill, prefix caching, preemption by
+recompute or by swapping to a CPU pool, and request forks that copy the partly
+filled last block (copy-on-write).
+
+Each step follows vLLM 0.33's scheduler: running requests first (a request that
+does not fit preempts the newest running one), then, in a step without
+preemption, waiting requests are admitted with a prefix-cache lookup. The
+block-table rows come from the manager (``get_block_ids`` on admission, each
+``allocate_slots`` result afterwards), the slot mappings are computed for the
+whole batch at once, and the model writes and reads K/V only through them.
+
+It exists to prove the mapping end to end (every logit it computes can be
+compared with :meth:`TinyTransformer.forward_dense`), not to be fast.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..config_builder import get_kv_cache_config
+from ..errors import DuplicateRequestError, InvalidArgumentError, UnknownRequestError
+from ..manager import KVCacheManager
+from ..specs import (
+    ChunkedLocalAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+from .block_table import MultiGroupBlockTable, step_positions
+from .kernels import AttentionMetadata, copy_blocks
+from .kv_cache import KVCache, allocate_kv_cache
+from .model import TinyTransformer
+from .swap import KVSwapper, SwapInResult, SwappedRequest
+
+__all__ = ["EngineRequest", "PagedEngine", "StepOutput"]
+
+_PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """A request and what the engine did with it."""
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    seed: int | None = None
+    output: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    row: int = -1
+    #: tokens run through the model for this request (recomputation included)
+    num_model_tokens: int = 0
+    #: prefix-cache hit tokens, summed over admissions
+    num_hit_tokens: int = 0
+    num_preemptions: int = 0
+    num_swaps: int = 0
+    #: blocks copied from the parent when the request was forked, per group
+    copied_blocks: tuple[int, ...] = ()
+    swapped: SwappedRequest | None = None
+    finished: bool = False
+    #: (first position, logits of the positions computed from there), in order
+    logit_chunks: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def computed_logits(self) -> dict[int, torch.Tensor]:
+        """Position -> the logits last computed there."""
+        out: dict[int, torch.Tensor] = {}
+        for start, chunk in self.logit_chunks:
+            for j in range(chunk.shape[0]):
+                out[start + j] = chunk[j]
+        return out
+
+
+@dataclass
+class StepOutput:
+    """What one step did; ``*_ns``: host time to build and upload the step's inputs."""
+
+    scheduled: list[tuple[str, int]]
+    preempted: list[str]
+    finished: list[str]
+    slot_mapping_ns: int = 0
+    upload_ns: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+def _window(spec: KVCacheSpec) -> tuple[int | None, int | None]:
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        spec = spec.first_spec
+    if isinstance(spec, SlidingWindowSpec):
+        return spec.sliding_window, None
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return None, spec.attention_chunk_size
+    return None, None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedEngine:
+    """Serves requests with ``model`` over a pagedkv-managed paged KV cache.
+
+    Args:
+        model: the model; the cache is allocated on its device.
+        block_size: tokens per block (ignored when ``kv_cache_config`` is given).
+        num_blocks: blocks in the pool, the null block included.
+        kv_cache_config: a ready config (default: :func:`pagedkv.get_kv_cache_config`
+            over ``model.kv_cache_specs(block_size)``).
+        preemption_mode: ``"recompute"`` (free, recompute later) or ``"swap"`` (copy
+            to a CPU pool of ``num_cpu_blocks`` blocks; recompute when it is full).
+        poison_free_blocks: before every forward pass, fill the free blocks that hold
+            no cached data, and the null block, with NaN: any read of them would show.
+        record_logits: keep every computed logit row (for comparisons).
+    """
+
+    def __init__(
+        self,
+        model: TinyTransformer,
+        *,
+        block_size: int = 4,
+        num_blocks: int = 256,
+        kv_cache_config: KVCacheConfig | None = None,
+        max_model_len: int = 256,
+        max_num_reqs: int = 8,
+        max_num_batched_tokens: int = 64,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256_cbor",
+        preemption_mode: str = "recompute",
+        num_cpu_blocks: int = 0,
+        poison_free_blocks: bool = False,
+        record_logits: bool = True,
+    ) -> None:
+        if preemption_mode not in _PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {_PREEMPTION_MODES}, got {preemption_mode!r}"
+            )
+        if preemption_mode == "swap" and num_cpu_blocks <= 0:
+            raise ValueError("swap preemption needs num_cpu_blocks > 0")
+        self.model = model
+        if kv_cache_config is None:
+            kv_cache_config = get_kv_cache_config(
+                model.kv_cache_specs(block_size),
+                0,
+                max_model_len=max_model_len,
+                num_gpu_blocks_override=num_blocks,
+            )
+        self.config = kv_cache_config
+        self.device = model.embed.device
+        self.manager = KVCacheManager(
+            kv_cache_config, max_model_len, enable_caching=enable_caching, hash_algo=hash_algo
+        )
+        self.kv_cache: KVCache = allocate_kv_cache(kv_cache_config, self.device)
+        self.block_tables = MultiGroupBlockTable.from_config(
+            kv_cache_config, max_num_reqs, max_model_len, max_num_batched_tokens, self.device
+        )
+        self.max_model_len = max_model_len
+        self.max_num_reqs = max_num_reqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = preemption_mode
+        self.swapper = (
+            KVSwapper(self.manager, self.kv_cache, num_cpu_blocks) if num_cpu_blocks > 0 else None
+        )
+        self.poison_free_blocks = poison_free_blocks
+        self.record_logits = record_logits
+        self.requests: dict[str, EngineRequest] = {}
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self._row_owner: list[EngineRequest] = []
+        self._windows = [_window(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
+        self._block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+        self.swap_ins: list[SwapInResult] = []
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self, request_id: str, prompt: Sequence[int], max_tokens: int, *, seed: int | None = None
+    ) -> EngineRequest:
+        """Queues a request that samples ``max_tokens`` tokens (greedy, or from the
+        softmax with ``seed``)."""
+        if request_id in self.requests:
+            raise DuplicateRequestError(f"request {request_id!r} already exists")
+        if max_tokens <= 0:
+            raise InvalidArgumentError(f"max_tokens must be positive, got {max_tokens}")
+        if len(prompt) + max_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceed max_model_len "
+                f"({self.max_model_len})"
+            )
+        req = EngineRequest(request_id, [int(t) for t in prompt], max_tokens, seed)
+        self.manager.add_request(request_id, req.prompt)
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return req
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run(self, max_steps: int = 100_000) -> list[StepOutput]:
+        """Steps until every request has finished."""
+        outs: list[StepOutput] = []
+        while self.has_unfinished:
+            if len(outs) >= max_steps:
+                raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+            outs.append(self.step())
+        return outs
+
+    # ------------------------------------------------------------------ rows
+
+    def _acquire_row(self, req: EngineRequest) -> None:
+        req.row = len(self._row_owner)
+        self._row_owner.append(req)
+
+    def _release_row(self, req: EngineRequest) -> None:
+        """Frees the request's row, moving the last row into it (rows stay dense)."""
+        row = req.row
+        last = self._row_owner.pop()
+        if last is not req:
+            self.block_tables.move_row(last.row, row)
+            self._row_owner[row] = last
+            self.block_tables.clear_row(last.row)
+            last.row = row
+        else:
+            self.block_tables.clear_row(row)
+        req.row = -1
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _preempt(self, victim: EngineRequest) -> None:
+        if self.preemption_mode == "swap" and self.swapper is not None:
+            victim.swapped = self.swapper.swap_out(victim.request_id, victim.num_computed_tokens)
+        if victim.swapped is not None:
+            victim.num_swaps += 1
+        else:
+            self.manager.free(victim.request_id)
+            victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self._release_row(victim)
+        self.waiting.appendleft(victim)
+
+    def _admit(self, budget: int, scheduled: list[tuple[EngineRequest, int]]) -> None:
+        mgr = self.manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_reqs:
+            req = self.waiting[0]
+            rid = req.request_id
+            if req.swapped is not None:
+                assert self.swapper is not None
+                computed = req.swapped.num_computed_tokens
+                n = min(req.num_tokens - computed, budget)
+                res = self.swapper.swap_in(req.swapped, n)
+                if res is None:
+                    if not self.running:
+                        raise RuntimeError(f"swapped request {rid!r} can never be swapped in")
+                    break
+                self.swap_ins.append(res)
+                req.swapped = None
+            else:
+                hit = mgr.get_computed_blocks(rid)
+                computed = hit.num_computed_tokens
+                n = min(req.num_tokens - computed, budget)
+                new = mgr.allocate_slots(
+                    rid,
+                    n,
+                    num_computed_tokens=0,
+                    num_new_computed_tokens=computed,
+                    new_computed_blocks=hit,
+                    has_scheduled_reqs=bool(self.running),
+                )
+                if new is None:
+                    if not self.running:
+                        raise RuntimeError(
+                            f"request {rid!r} ({req.num_tokens} tokens) can never be admitted"
+                        )
+                    break
+                req.num_hit_tokens += computed
+            self.waiting.popleft()
+            req.num_computed_tokens = computed
+            self._acquire_row(req)
+            self.block_tables.add_row(mgr.get_block_ids(rid), req.row)
+            self.running.append(req)
+            scheduled.append((req, n))
+            budget -= n
+
+    def step(self) -> StepOutput:
+        """Schedules, runs the model on the scheduled tokens and samples."""
+        mgr = self.manager
+        mgr.new_step_starts()
+        self.num_steps += 1
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[EngineRequest, int]] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            new = mgr.allocate_slots(req.request_id, n, num_computed_tokens=req.num_computed_tokens)
+            if new is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+                continue
+            self.block_tables.append_row(new, req.row)
+            scheduled.append((req, n))
+            budget -= n
+            i += 1
+        if not preempted:
+            self._admit(budget, scheduled)
+        out = StepOutput([(r.request_id, n) for r, n in scheduled], preempted, [])
+        if scheduled:
+            self._execute(scheduled, out)
+        return out
+
+    # ------------------------------------------------------------------ execution
+
+    def _poison(self) -> None:
+        mgr = self.manager
+        ids = [0] + [int(b) for b in mgr.free_block_ids() if mgr.cached_block_hash(int(b)) is None]
+        index = torch.tensor(ids, dtype=torch.long, device=self.device)
+        for layer in self.kv_cache.layers.values():
+            for t in layer.block_tensors:
+                t[index] = float("nan")
+
+    def _execute(self, scheduled: list[tuple[EngineRequest, int]], out: StepOutput) -> None:
+        reqs = [r for r, _ in scheduled]
+        ns = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=len(scheduled))
+        computed = np.fromiter(
+            (r.num_computed_tokens for r in reqs), dtype=np.int64, count=len(reqs)
+        )
+        rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=len(reqs))
+        total = int(ns.sum())
+
+        t0 = time.perf_counter_ns()
+        req_idx, positions = step_positions(rows, computed, ns)
+        self.block_tables.compute_slot_mappings(req_idx, positions)
+        t1 = time.perf_counter_ns()
+        tables = self.block_tables.commit(len(self._row_owner))
+        slots = self.block_tables.commit_slot_mappings(total)
+        t2 = time.perf_counter_ns()
+        out.slot_mapping_ns, out.upload_ns = t1 - t0, t2 - t1
+
+        tokens = np.concatenate(
+            [
+                np.asarray(r.tokens[c : c + n], dtype=np.int64)
+                for r, c, n in zip(reqs, computed.tolist(), ns.tolist(), strict=True)
+            ]
+        )
+        qsl = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(ns, out=qsl[1:])
+        seq_lens = computed + ns
+        metadata = [
+            AttentionMetadata(
+                tables[g], slots[g], qsl, seq_lens, rows, self._block_sizes[g], *self._windows[g]
+            )
+            for g in range(len(self._block_sizes))
+        ]
+        if self.poison_free_blocks:
+            self._poison()
+        logits = self.model.forward_paged(
+            torch.from_numpy(tokens).to(self.device),
+            torch.from_numpy(positions).to(self.device),
+            self.kv_cache,
+            metadata,
+        )
+
+        for i, req in enumerate(reqs):
+            qs, qe = int(qsl[i]), int(qsl[i + 1])
+            if self.record_logits:
+                req.logit_chunks.append((req.num_computed_tokens, logits[qs:qe].cpu()))
+            req.num_model_tokens += qe - qs
+            req.num_computed_tokens += qe - qs
+            if req.num_computed_tokens < req.num_tokens:
+                continue
+            token = self._sample(req, logits[qe - 1])
+            req.output.append(token)
+            self.manager.append_token_ids(req.request_id, [token])
+            if len(req.output) >= req.max_tokens:
+                self._finish(req)
+                out.finished.append(req.request_id)
+
+    def _sample(self, req: EngineRequest, logits: torch.Tensor) -> int:
+        if req.seed is None:
+            return int(torch.argmax(logits))
+        p = torch.softmax(logits.double(), -1).cpu().numpy()
+        rng = np.random.default_rng([req.seed, req.num_tokens])
+        return int(rng.choice(len(p), p=p / p.sum()))
+
+    def _finish(self, req: EngineRequest) -> None:
+        req.finished = True
+        self.manager.remove_request(req.request_id)
+        self._release_row(req)
+        self.running.remove(req)
+
+    # ------------------------------------------------------------------ forks
+
+    def fork_request(
+        self, parent_id: str, child_id: str, max_tokens: int, *, seed: int | None = None
+    ) -> EngineRequest | None:
+        """Starts ``child_id`` as a copy of running request ``parent_id`` (its tokens
+        so far become the child's prompt), without recomputing them: full blocks the
+        prefix cache holds are shared, the others (the partly filled last block
+        among them) are copied into the child's own blocks. Call between steps.
+        Returns None, adding nothing, when the pool lacks room."""
+        parent = self.requests.get(parent_id)
+        if parent is None:
+            raise UnknownRequestError(f"unknown request {parent_id!r}")
+        if parent.row < 0:
+            raise InvalidArgumentError(f"request {parent_id!r} is not running")
+        if child_id in self.requests:
+            raise DuplicateRequestError(f"request {child_id!r} already exists")
+        if len(self.running) >= self.max_num_reqs:
+            return None
+        mgr = self.manager
+        tokens = parent.tokens
+        if len(tokens) + max_tokens > self.max_model_len:
+            raise InvalidArgumentError("the fork would exceed max_model_len")
+        mgr.add_request(child_id, tokens)
+        hit = mgr.get_computed_blocks(child_id)
+        num_hit = hit.num_computed_tokens
+        computed = max(num_hit, parent.num_computed_tokens)
+        new = mgr.allocate_slots(
+            child_id,
+            computed - num_hit,
+            num_computed_tokens=0,
+            num_new_computed_tokens=num_hit,
+            new_computed_blocks=hit,
+        )
+        if new is None:
+            mgr.remove_request(child_id)
+            return None
+        child = EngineRequest(
+            child_id, tokens, max_tokens, seed, num_computed_tokens=computed, num_hit_tokens=num_hit
+        )
+        parent_ids = mgr.get_block_ids(parent_id)
+        child_ids = mgr.get_block_ids(child_id)
+        copied = []
+        for g, bs in enumerate(self._block_sizes):
+            n = _cdiv(parent.num_computed_tokens, bs)
+            p, c = parent_ids[g][:n], child_ids[g][:n]
+            move = (p != c) & (p != 0) & (c != 0)
+            copy_blocks(self.kv_cache.group_block_tensors(g), p[move], c[move])
+            copied.append(int(move.sum()))
+        child.copied_blocks = tuple(copied)
+        self.requests[child_id] = child
+        self._acquire_row(child)
+        self.block_tables.add_row(child_ids, child.row)
+        self.running.append(child)
+        return child
+
+    # ------------------------------------------------------------------ checks
+
+    def max_logit_error(self, request_id: str) -> float:
+        """Largest absolute difference between the logits the engine computed for a
+        request and the dense reference over its tokens (no paging, no cache)."""
+        req = self.requests[request_id]
+        computed = req.computed_logits()
+        if not computed:
+            raise InvalidArgumentError(f"no logits recorded for {request_id!r}")
+        dense = self.model.forward_dense(req.tokens[: max(computed) + 1]).cpu()
+        positions = sorted(computed)
+        paged = torch.stack([computed[p] for p in positions])
+        return float((paged - dense[positions]).abs().max())

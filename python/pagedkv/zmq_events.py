@@ -1,0 +1,520 @@
+"""KV events over ZeroMQ with vLLM's protocol: a publisher and a gap-filling subscriber.
+
+Protocol (vLLM's ``ZmqEventPublisher``):
+
+- a PUB socket sends one three-frame message per batch:
+  ``(topic, sequence as 8-byte big-endian, msgpack KVEventBatch)``; sequences
+  start at 0 and grow by one per batch;
+- an optional ROUTER "replay" socket: a client sends ``(b"", start_seq as 8
+  bytes big-endian)`` and receives ``(b"", seq, payload)`` for every buffered
+  batch with ``seq >= start_seq``, then ``(b"", -1 as 8 signed bytes, b"")``;
+- the PUB endpoint binds when it contains ``*`` or ``::`` or is ``ipc://`` /
+  ``inproc://``, and connects otherwise.
+
+The publisher converts, encodes and sends on its own thread: the scheduler
+thread only enqueues the events it drained (``publish_from(manager)`` costs one
+crossing into the core and a queue put). The queue, the replay buffer and the
+socket high-water marks are bounded.
+
+The subscriber checks sequences: a duplicate is dropped, a jump triggers a
+replay request from the first missing sequence, and what the publisher no
+longer buffers is reported as lost. A new subscriber asks for a replay from 0
+on connect, so it starts with everything the publisher still buffers.
+
+Requires the ``events`` extra (``msgspec``, ``pyzmq``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import zmq
+
+from .wire import HashFormat, KVEventBatch, KVEventEncoder, decode_batch
+
+__all__ = [
+    "END_SEQ",
+    "Received",
+    "ZmqEventPublisher",
+    "ZmqEventSubscriber",
+    "offset_endpoint_port",
+]
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class _EventSource(Protocol):
+    def _take_events(self) -> list[Any]: ...
+
+
+def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
+    """vLLM's per-rank endpoint: the TCP port plus the rank, ``inproc://x_dp<rank>``."""
+    if not endpoint or data_parallel_rank == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{data_parallel_rank}"
+    if "tcp" in endpoint:
+        base, sep, port = endpoint.rpartition(":")
+        if not sep:
+            return endpoint
+        return f"{base}:{int(port) + data_parallel_rank}"
+    raise ValueError("endpoint must be tcp:// or inproc://")
+
+
+def _binds(endpoint: str) -> bool:
+    return (
+        "*" in endpoint
+        or "::" in endpoint
+        or endpoint.startswith("ipc://")
+        or endpoint.startswith("inproc://")
+    )
+
+
+_Item = tuple[float, Any]  # (ts, events or a ready KVEventBatch)
+
+
+class ZmqEventPublisher:
+    """Publishes KV-event batches on a PUB socket, with an optional replay ROUTER.
+
+    Args:
+        endpoint: PUB address (``tcp://*:5557`` binds; ``tcp://host:5557`` connects).
+        replay_endpoint: ROUTER address for replay requests (always bound), or None.
+        buffer_steps: batches kept for replay.
+        hwm: send high-water mark of the PUB socket (messages a slow subscriber
+            may queue before the socket drops for it) and of replay streams.
+        max_queue_size: batches waiting to be encoded; ``publish`` blocks when full.
+        topic: first frame of every message.
+        data_parallel_rank: stamped on batches; offsets the endpoint ports.
+        hash_format: ``"int"`` (vLLM's default) or ``"bytes"``.
+        replay_send_timeout: seconds a replay stream may wait on a client that
+            does not read before it is abandoned.
+        bind: bind (True) or connect (False) the PUB socket; None decides as vLLM
+            does, from the endpoint.
+    """
+
+    SHUTDOWN_TIMEOUT: float = 2.0
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://*:5557",
+        replay_endpoint: str | None = None,
+        *,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        max_queue_size: int = 100_000,
+        topic: str = "",
+        data_parallel_rank: int = 0,
+        hash_format: HashFormat = "int",
+        replay_send_timeout: float = 5.0,
+        bind: bool | None = None,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        if buffer_steps <= 0 or max_queue_size <= 0 or hwm < 0:
+            raise ValueError("buffer_steps and max_queue_size must be positive, hwm >= 0")
+        self._encoder = KVEventEncoder(
+            hash_format=hash_format, data_parallel_rank=data_parallel_rank
+        )
+        self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._ctx = context or zmq.Context.instance()
+        self._endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
+        self._replay_endpoint = offset_endpoint_port(replay_endpoint, data_parallel_rank)
+        self._hwm = hwm
+        self._bind = bind
+        self._replay_send_timeout_ms = int(replay_send_timeout * 1000)
+        self._topic = topic.encode()
+        self._next_seq = 0
+        self._lock = threading.Lock()  # guards the counters read by other threads
+        self.num_published = 0
+        self.num_replay_requests = 0
+        self.num_replayed = 0
+        self.bound_endpoint: str | None = None
+        self.bound_replay_endpoint: str | None = None
+        # A pipe wakes the thread as soon as something is queued (no polling delay).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._running = True
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="pagedkv-zmq-pub")
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            self._close_pipe()
+            raise self._error
+
+    # -- scheduler side -------------------------------------------------------------
+
+    def publish(self, events: Iterable[Any] | KVEventBatch, ts: float | None = None) -> None:
+        """Queues one batch: events in any form :func:`pagedkv.wire.to_wire` accepts,
+        or a ready ``KVEventBatch``. Conversion and encoding happen on the
+        publisher thread. Blocks while the queue is full."""
+        if not self._running:
+            raise RuntimeError("publisher is closed")
+        if not isinstance(events, KVEventBatch):
+            events = list(events)
+        self._queue.put((time.time() if ts is None else ts, events))
+        self._wake()
+
+    def publish_from(self, manager: _EventSource) -> int:
+        """Drains a manager's events and queues them as one batch (nothing when
+        there are none, as vLLM's scheduler does). Returns the number of events."""
+        raw = manager._take_events()
+        if raw:
+            self.publish(raw)
+        return len(raw)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Waits until every queued batch has been sent; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.001)
+        return True
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next batch will get."""
+        return self._next_seq
+
+    def close(self) -> None:
+        """Sends what is queued (up to ``SHUTDOWN_TIMEOUT``), stops the thread, closes
+        the sockets."""
+        if not self._running:
+            return
+        self.flush(self.SHUTDOWN_TIMEOUT)
+        self._running = False
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)
+        self._wake()
+        self._thread.join(self.SHUTDOWN_TIMEOUT)
+        self._close_pipe()
+
+    shutdown = close
+
+    def __enter__(self) -> ZmqEventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"\0")
+
+    def _close_pipe(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # -- publisher thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        pub: zmq.Socket[Any] | None = None
+        replay: zmq.Socket[Any] | None = None
+        try:
+            pub = self._ctx.socket(zmq.PUB)
+            pub.setsockopt(zmq.SNDHWM, self._hwm)
+            pub.setsockopt(zmq.LINGER, 0)
+            if self._endpoint is not None:
+                if self._bind if self._bind is not None else _binds(self._endpoint):
+                    pub.bind(self._endpoint)
+                    self.bound_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+                else:
+                    pub.connect(self._endpoint)
+                    self.bound_endpoint = self._endpoint
+            if self._replay_endpoint is not None:
+                replay = self._ctx.socket(zmq.ROUTER)
+                replay.setsockopt(zmq.SNDHWM, self._hwm)
+                replay.setsockopt(zmq.LINGER, 0)
+                # Block (up to the timeout) rather than silently drop replayed batches.
+                replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                replay.setsockopt(zmq.SNDTIMEO, self._replay_send_timeout_ms)
+                replay.bind(self._replay_endpoint)
+                self.bound_replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException as e:  # reported to the constructor
+            self._error = e
+            for s in (pub, replay):
+                if s is not None:
+                    s.close(0)
+            self._started.set()
+            return
+        self._started.set()
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        if replay is not None:
+            poller.register(replay, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(poller.poll(100))
+                if self._wake_r in ready:
+                    with contextlib.suppress(BlockingIOError, OSError):
+                        os.read(self._wake_r, 65536)
+                if not self._drain(pub):
+                    break
+                if replay is not None and replay in ready:
+                    self._service_replay(replay)
+        finally:
+            pub.close(0)
+            if replay is not None:
+                replay.close(0)
+
+    def _drain(self, pub: zmq.Socket[Any]) -> bool:
+        """Sends everything queued; False once the stop sentinel is reached."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            try:
+                if item is None:
+                    return False
+                ts, events = item
+                if isinstance(events, KVEventBatch):
+                    if events.data_parallel_rank is None:
+                        events.data_parallel_rank = self._encoder.data_parallel_rank
+                    payload = self._encoder.encode(events)
+                else:
+                    payload = self._encoder.encode_events(events, ts)
+                seq = self._next_seq
+                pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+                self._buffer.append((seq, payload))
+                with self._lock:
+                    self._next_seq = seq + 1
+                    self.num_published += 1
+            except zmq.ZMQError:
+                time.sleep(0.01)  # a transient socket error: do not spin
+            finally:
+                self._queue.task_done()
+
+    def _service_replay(self, replay: zmq.Socket[Any]) -> None:
+        while True:
+            try:
+                frames = replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3:
+                continue
+            client, _, start = frames
+            start_seq = int.from_bytes(start, "big", signed=True)
+            self.num_replay_requests += 1
+            try:
+                for seq, payload in list(self._buffer):
+                    if seq >= start_seq:
+                        replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+                        self.num_replayed += 1
+                replay.send_multipart((client, b"", END_SEQ, b""))
+            except zmq.ZMQError:
+                continue  # the client went away or stopped reading: abandon its stream
+
+
+@dataclass(frozen=True)
+class Received:
+    """One delivered batch.
+
+    ``replayed``: it came from the replay socket. ``lost_before``: batches
+    before it that the publisher no longer had (0 normally). ``reset``: the
+    publisher restarted before this batch, so everything learnt from it
+    earlier is stale.
+    """
+
+    seq: int
+    batch: KVEventBatch
+    replayed: bool = False
+    lost_before: int = 0
+    reset: bool = False
+
+
+class ZmqEventSubscriber:
+    """Receives KV-event batches in sequence order, filling gaps by replay.
+
+    Args:
+        endpoint: the publisher's PUB address (connected).
+        replay_endpoint: its replay ROUTER address, or None (gaps are then only
+            counted).
+        topic: subscription prefix.
+        start_seq: the first sequence wanted. 0 (default) replays everything the
+            publisher still buffers on connect; None starts at the first live batch.
+        replay_timeout: seconds to wait for each replayed message.
+        resync_interval: with no live batch for this long, ``poll`` asks the
+            replay socket for anything newer (a tail dropped by a high-water mark
+            or published before the subscription took effect). None: never.
+        rcvhwm: receive high-water mark of the SUB socket.
+
+    A live batch with a sequence below the expected one is a duplicate, unless
+    it is newer (``ts``) than the last batch delivered: then the publisher
+    restarted, and the next batch delivered has ``reset=True``.
+
+    Counters: ``num_received`` (live), ``num_duplicates``, ``num_gaps``,
+    ``num_replayed``, ``num_lost``, ``num_restarts``; ``next_seq`` is the next
+    sequence expected.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        start_seq: int | None = 0,
+        replay_timeout: float = 5.0,
+        resync_interval: float | None = 1.0,
+        rcvhwm: int = 1_000_000,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self._ctx = context or zmq.Context.instance()
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.sub = self._ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, rcvhwm)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self.sub.connect(endpoint)
+        self._replay: zmq.Socket[Any] | None = None
+        self._replay_timeout_ms = int(replay_timeout * 1000)
+        self._resync_interval = resync_interval
+        self._last_activity = time.monotonic()
+        self.next_seq: int | None = start_seq
+        self._catch_up = start_seq is not None and replay_endpoint is not None
+        self._last_ts: float | None = None
+        self._pending_lost = 0
+        self._pending_reset = False
+        self.num_received = 0
+        self.num_duplicates = 0
+        self.num_gaps = 0
+        self.num_replayed = 0
+        self.num_lost = 0
+        self.num_restarts = 0
+
+    def close(self) -> None:
+        self.sub.close(0)
+        if self._replay is not None:
+            self._replay.close(0)
+            self._replay = None
+
+    def __enter__(self) -> ZmqEventSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def poll(self, timeout: float = 0.0, max_batches: int = 10_000) -> list[Received]:
+        """Batches that arrived, in sequence order, gaps filled by replay where the
+        publisher still buffers them. Waits up to ``timeout`` seconds for the first."""
+        out: list[Received] = []
+        if self._catch_up:
+            self._catch_up = False
+            self.sync(out)
+        if not self.sub.poll(int(timeout * 1000)):
+            if (
+                self._resync_interval is not None
+                and time.monotonic() - self._last_activity > self._resync_interval
+            ):
+                self.sync(out)
+            return out
+        self._last_activity = time.monotonic()
+        for _ in range(max_batches):
+            try:
+                frames = self.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) == 3:
+                self._on_live(int.from_bytes(frames[1], "big"), frames[2], out)
+        return out
+
+    def sync(self, out: list[Received] | None = None) -> list[Received]:
+        """Asks the replay socket for every batch from ``next_seq`` on (from the
+        oldest buffered one when nothing was received yet)."""
+        out = [] if out is None else out
+        self._last_activity = time.monotonic()
+        self._replay_from(0 if self.next_seq is None else self.next_seq, out)
+        return out
+
+    def _deliver(self, seq: int, batch: KVEventBatch, out: list[Received], replayed: bool) -> None:
+        out.append(
+            Received(
+                seq, batch, replayed, lost_before=self._pending_lost, reset=self._pending_reset
+            )
+        )
+        self._pending_lost = 0
+        self._pending_reset = False
+        self._last_ts = batch.ts
+        self.next_seq = seq + 1
+
+    def _lost(self, first: int, end: int) -> None:
+        self.num_lost += end - first
+        self._pending_lost += end - first
+        self.next_seq = end
+
+    def _on_live(self, seq: int, payload: bytes, out: list[Received]) -> None:
+        self.num_received += 1
+        if self.next_seq is None:
+            self.next_seq = seq
+        batch: KVEventBatch | None = None
+        if seq < self.next_seq:
+            batch = decode_batch(payload)
+            if self._last_ts is None or batch.ts <= self._last_ts:
+                self.num_duplicates += 1
+                return
+            self.num_restarts += 1
+            self._pending_reset = True
+            self.next_seq = 0
+        if seq > self.next_seq:
+            self.num_gaps += 1
+            self._replay_from(self.next_seq, out)
+            if seq < self.next_seq:
+                self.num_duplicates += 1  # the replay already delivered it
+                return
+            if seq > self.next_seq:
+                self._lost(self.next_seq, seq)
+        self._deliver(seq, decode_batch(payload) if batch is None else batch, out, False)
+
+    def _replay_socket(self) -> zmq.Socket[Any] | None:
+        if self.replay_endpoint is None:
+            return None
+        if self._replay is None:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
+            s.connect(self.replay_endpoint)
+            self._replay = s
+        return self._replay
+
+    def _replay_from(self, start: int, out: list[Received]) -> None:
+        """Requests every buffered batch from ``start`` and delivers the ones still
+        ahead of ``next_seq``; a sequence the publisher no longer has is lost."""
+        sock = self._replay_socket()
+        if sock is None:
+            return
+        sock.send_multipart((b"", start.to_bytes(8, "big")))
+        while True:
+            if not sock.poll(self._replay_timeout_ms):
+                # No answer: drop the socket so a late stream cannot be mistaken
+                # for the answer to a later request.
+                sock.close(0)
+                self._replay = None
+                return
+            frames = sock.recv_multipart()
+            if len(frames) != 3:
+                continue
+            _, seq_bytes, payload = frames
+            if seq_bytes == END_SEQ:
+                return
+            seq = int.from_bytes(seq_bytes, "big")
+            if self.next_seq is None:
+                self.next_seq = seq
+            if seq < self.next_seq:
+                continue
+            if seq > self.next_seq:
+                self._lost(self.next_seq, seq)
+            self.num_replayed += 1
+            self._deliver(seq, decode_batch(payload), out, True)

@@ -471,7 +471,8 @@ class PagedEngine:
 
     def max_logit_error(self, request_id: str) -> float:
         """Largest absolute difference between the logits the engine computed for a
-        request and the dense reference over its tokens (no paging, no cache)."""
+        request and the dense reference over its tokens (no paging, no cache); ``inf``
+        when a computed logit is NaN."""
         req = self.requests[request_id]
         computed = req.computed_logits()
         if not computed:
@@ -479,4 +480,6 @@ class PagedEngine:
         dense = self.model.forward_dense(req.tokens[: max(computed) + 1]).cpu()
         positions = sorted(computed)
         paged = torch.stack([computed[p] for p in positions])
-        return float((paged - dense[positions]).abs().max())
+        diff = (paged - dense[positions]).abs()
+        # A NaN (a read of a poisoned block) counts as an infinite error.
+        return float(torch.nan_to_num(diff, nan=float("inf")).max())

@@ -60,7 +60,8 @@ class SwappedRequest:
 @dataclass(frozen=True)
 class SwapInResult:
     """Per group, the old device ids and the new ones the data now lives in
-    (``old_ids[i]`` moved to ``new_ids[i]``)."""
+    (``old_ids[i]`` moved to ``new_ids[i]``). Blocks that fell out of a sliding
+    window while the request was swapped out are not brought back."""
 
     old_ids: tuple[_I32, ...]
     new_ids: tuple[_I32, ...]
@@ -150,20 +151,22 @@ class KVSwapper:
         total = swapped.num_computed_tokens + num_new_tokens
         if self.manager.allocate_slots(rid, total, num_computed_tokens=0) is None:
             return None
+        # Blocks now outside a sliding window need no data: release them first.
+        self.manager.remove_skipped_blocks(rid, swapped.num_computed_tokens)
         block_ids = self.manager.get_block_ids(rid)
         old, new = [], []
         for gid, group in enumerate(swapped.groups):
             new_ids = block_ids[gid][group.indices]
+            live = new_ids != 0
             copy_blocks(
                 self.cpu_cache.group_block_tensors(gid),
-                group.cpu_ids,
-                new_ids,
+                group.cpu_ids[live],
+                new_ids[live],
                 dst_tensors=self.kv_cache.group_block_tensors(gid),
             )
             self._free.extend(int(c) for c in group.cpu_ids)
-            old.append(group.device_ids)
-            new.append(new_ids.astype(np.int32))
-        self.manager.remove_skipped_blocks(rid, swapped.num_computed_tokens)
+            old.append(group.device_ids[live])
+            new.append(new_ids[live].astype(np.int32))
         return SwapInResult(tuple(old), tuple(new))
 
     def discard(self, swapped: SwappedRequest) -> None:

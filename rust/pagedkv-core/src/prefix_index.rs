@@ -1,0 +1,431 @@
+//! Router-side prefix index: which replica holds the longest cached prefix of a
+//! request, learnt from the KV events of many managers (one per serving replica).
+//!
+//! Blocks are keyed by vLLM's event form of a block hash (`u64`: the last 8
+//! bytes of the digest, big-endian). Because a block hash chains its parent's,
+//! a request's hash chain identifies its prefix: a replica holds a prefix of
+//! `n` blocks when it holds the first `n` hashes of the chain.
+//!
+//! Per hash the index keeps its parent (from `BlockStored.parent_block_hash`)
+//! and its holders: `(replica, group, count)`. The count matters because vLLM
+//! does not de-duplicate: the same content computed twice is stored under two
+//! blocks (two `BlockStored`), and evicting one of them (one `BlockRemoved`)
+//! leaves the other cached. Groups are kept apart so that a sliding-window or
+//! Mamba group dropping a block does not read as the full-attention group
+//! dropping it. Per replica the index keeps the set of hashes it holds, so
+//! `AllBlocksCleared` costs the replica's size, not the index's.
+//!
+//! ```
+//! use pagedkv_core::prefix_index::PrefixIndex;
+//!
+//! let mut index = PrefixIndex::new();
+//! let a = index.replica("replica-a");
+//! let b = index.replica("replica-b");
+//! index.store(a, None, &[11, 12, 13], Some(0)).unwrap();
+//! index.store(b, None, &[11, 12], Some(0)).unwrap();
+//! index.store(b, Some(12), &[99], Some(0)).unwrap(); // a branch off block 12
+//! let best = index.longest_prefix(&[11, 12, 13, 14], None).unwrap();
+//! assert_eq!((best.replica, best.num_blocks), (a, 3));
+//! index.remove(a, &[12], Some(0)).unwrap();
+//! assert_eq!(index.match_lengths(&[11, 12, 13], None), vec![1, 2]);
+//! assert_eq!(index.chain(99), vec![11, 12, 99]);
+//! index.clear(b).unwrap();
+//! assert_eq!(index.longest_prefix(&[11, 12], None).map(|m| m.replica), Some(a));
+//! index.check_invariants().unwrap();
+//! ```
+
+use hashbrown::{HashMap, HashSet};
+use rustc_hash::FxBuildHasher;
+
+use crate::error::{Error, Result};
+
+/// A replica registered with [`PrefixIndex::replica`] (dense, from 0).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ReplicaId(pub u32);
+
+/// The group key of events without `group_idx` (vLLM before group annotations).
+const NO_GROUP: u32 = u32::MAX;
+
+fn group_key(group: Option<u32>) -> u32 {
+    group.unwrap_or(NO_GROUP)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Holder {
+    replica: u32,
+    group: u32,
+    /// Blocks of this replica and group cached under the hash (>= 1).
+    count: u32,
+}
+
+#[derive(Clone, Debug)]
+struct Node {
+    parent: Option<u64>,
+    /// Never empty: a node without holders is removed.
+    holders: Vec<Holder>,
+}
+
+impl Node {
+    fn held_by(&self, replica: u32, group: Option<u32>) -> bool {
+        self.holders
+            .iter()
+            .any(|h| h.replica == replica && group.is_none_or(|g| h.group == g))
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+struct Replica {
+    name: String,
+    /// Hashes with at least one holder entry of this replica.
+    hashes: HashSet<u64, FxBuildHasher>,
+}
+
+/// The replica holding the longest prefix, and its length in blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefixMatch {
+    pub replica: ReplicaId,
+    pub num_blocks: usize,
+}
+
+/// Counters of what the index was fed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    pub blocks_stored: u64,
+    pub blocks_removed: u64,
+    /// `BlockRemoved` hashes the replica was not known to hold (events missed,
+    /// or a removal of a block stored before the index started).
+    pub unknown_removals: u64,
+    pub clears: u64,
+}
+
+/// Which replica holds which cached blocks; see the module docs.
+#[derive(Clone, Debug, Default)]
+pub struct PrefixIndex {
+    nodes: HashMap<u64, Node, FxBuildHasher>,
+    replicas: Vec<Replica>,
+    by_name: HashMap<String, u32, FxBuildHasher>,
+    stats: IndexStats,
+}
+
+impl PrefixIndex {
+    /// An empty index.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The id of a replica, registering it on first use.
+    pub fn replica(&mut self, name: &str) -> ReplicaId {
+        if let Some(&id) = self.by_name.get(name) {
+            return ReplicaId(id);
+        }
+        let id = u32::try_from(self.replicas.len()).unwrap_or(u32::MAX);
+        self.replicas.push(Replica {
+            name: name.to_owned(),
+            hashes: HashSet::default(),
+        });
+        self.by_name.insert(name.to_owned(), id);
+        ReplicaId(id)
+    }
+
+    /// The id of a registered replica.
+    #[must_use]
+    pub fn replica_id(&self, name: &str) -> Option<ReplicaId> {
+        self.by_name.get(name).map(|&id| ReplicaId(id))
+    }
+
+    /// The name of a registered replica.
+    #[must_use]
+    pub fn replica_name(&self, replica: ReplicaId) -> Option<&str> {
+        self.replicas
+            .get(replica.0 as usize)
+            .map(|r| r.name.as_str())
+    }
+
+    /// Number of registered replicas.
+    #[must_use]
+    pub fn num_replicas(&self) -> usize {
+        self.replicas.len()
+    }
+
+    /// Distinct block hashes held by any replica.
+    #[must_use]
+    pub fn num_blocks(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Distinct block hashes held by one replica (0 for an unknown id).
+    #[must_use]
+    pub fn replica_num_blocks(&self, replica: ReplicaId) -> usize {
+        self.replicas
+            .get(replica.0 as usize)
+            .map_or(0, |r| r.hashes.len())
+    }
+
+    /// What the index has been fed so far.
+    #[must_use]
+    pub fn stats(&self) -> IndexStats {
+        self.stats
+    }
+
+    fn check_replica(&self, replica: ReplicaId) -> Result<usize> {
+        let i = replica.0 as usize;
+        if i < self.replicas.len() {
+            Ok(i)
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "replica id {} is not registered",
+                replica.0
+            )))
+        }
+    }
+
+    /// `BlockStored`: `replica` cached `hashes` (a chain: each the parent of the
+    /// next, the first a child of `parent`) in `group`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for an unregistered replica (nothing changes).
+    pub fn store(
+        &mut self,
+        replica: ReplicaId,
+        parent: Option<u64>,
+        hashes: &[u64],
+        group: Option<u32>,
+    ) -> Result<()> {
+        let r = self.check_replica(replica)?;
+        let g = group_key(group);
+        let mut parent = parent;
+        for &h in hashes {
+            let node = self.nodes.entry(h).or_insert_with(|| Node {
+                parent,
+                holders: Vec::new(),
+            });
+            if node.parent.is_none() {
+                node.parent = parent;
+            }
+            match node
+                .holders
+                .iter_mut()
+                .find(|x| x.replica == replica.0 && x.group == g)
+            {
+                Some(x) => x.count = x.count.saturating_add(1),
+                None => node.holders.push(Holder {
+                    replica: replica.0,
+                    group: g,
+                    count: 1,
+                }),
+            }
+            self.replicas[r].hashes.insert(h);
+            parent = Some(h);
+        }
+        self.stats.blocks_stored += hashes.len() as u64;
+        Ok(())
+    }
+
+    /// `BlockRemoved`: one block per hash of `replica`'s `group` was evicted
+    /// (`group` None: the events' own None group, vLLM without group annotations).
+    /// A hash the replica is not known to hold is counted in
+    /// [`IndexStats::unknown_removals`].
+    ///
+    /// # Errors
+    /// `InvalidArgument` for an unregistered replica (nothing changes).
+    pub fn remove(&mut self, replica: ReplicaId, hashes: &[u64], group: Option<u32>) -> Result<()> {
+        let r = self.check_replica(replica)?;
+        let g = group_key(group);
+        for &h in hashes {
+            let Some(node) = self.nodes.get_mut(&h) else {
+                self.stats.unknown_removals += 1;
+                continue;
+            };
+            let Some(pos) = node
+                .holders
+                .iter()
+                .position(|x| x.replica == replica.0 && x.group == g)
+            else {
+                self.stats.unknown_removals += 1;
+                continue;
+            };
+            self.stats.blocks_removed += 1;
+            node.holders[pos].count -= 1;
+            if node.holders[pos].count > 0 {
+                continue;
+            }
+            node.holders.swap_remove(pos);
+            if !node.holders.iter().any(|x| x.replica == replica.0) {
+                self.replicas[r].hashes.remove(&h);
+            }
+            if node.holders.is_empty() {
+                self.nodes.remove(&h);
+            }
+        }
+        Ok(())
+    }
+
+    /// `AllBlocksCleared`: `replica` holds nothing any more (also what to do when
+    /// its publisher restarted).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for an unregistered replica.
+    pub fn clear(&mut self, replica: ReplicaId) -> Result<()> {
+        let r = self.check_replica(replica)?;
+        let hashes = std::mem::take(&mut self.replicas[r].hashes);
+        for h in &hashes {
+            if let Some(node) = self.nodes.get_mut(h) {
+                node.holders.retain(|x| x.replica != replica.0);
+                if node.holders.is_empty() {
+                    self.nodes.remove(h);
+                }
+            }
+        }
+        self.stats.clears += 1;
+        Ok(())
+    }
+
+    /// Whether `replica` holds `hash` (in `group`, or in any group for None).
+    #[must_use]
+    pub fn contains(&self, replica: ReplicaId, hash: u64, group: Option<u32>) -> bool {
+        self.nodes
+            .get(&hash)
+            .is_some_and(|n| n.held_by(replica.0, group))
+    }
+
+    /// The parent recorded for a held hash (None for a first block or an
+    /// unknown hash).
+    #[must_use]
+    pub fn parent(&self, hash: u64) -> Option<u64> {
+        self.nodes.get(&hash).and_then(|n| n.parent)
+    }
+
+    /// The chain ending at `hash`, first block first, following parent links
+    /// while the parents are held (empty for an unknown hash).
+    #[must_use]
+    pub fn chain(&self, hash: u64) -> Vec<u64> {
+        let mut out = Vec::new();
+        let mut cur = Some(hash);
+        while let Some(h) = cur {
+            let Some(node) = self.nodes.get(&h) else {
+                break;
+            };
+            out.push(h);
+            // A cycle needs a 64-bit collision; stop rather than loop forever.
+            if out.len() > self.nodes.len() {
+                break;
+            }
+            cur = node.parent;
+        }
+        out.reverse();
+        out
+    }
+
+    /// Per registered replica (by id), the number of leading blocks of the hash
+    /// chain it holds. `group`: count only that group's blocks (None: any).
+    #[must_use]
+    pub fn match_lengths(&self, hashes: &[u64], group: Option<u32>) -> Vec<usize> {
+        let mut lengths = vec![0; self.replicas.len()];
+        let mut alive: Vec<u32> = Vec::new();
+        for (i, h) in hashes.iter().enumerate() {
+            let Some(node) = self.nodes.get(h) else {
+                break;
+            };
+            if i == 0 {
+                for x in &node.holders {
+                    if group.is_none_or(|g| x.group == g) && !alive.contains(&x.replica) {
+                        alive.push(x.replica);
+                    }
+                }
+            } else {
+                alive.retain(|&r| node.held_by(r, group));
+            }
+            if alive.is_empty() {
+                break;
+            }
+            for &r in &alive {
+                lengths[r as usize] = i + 1;
+            }
+        }
+        lengths
+    }
+
+    /// The replica holding the longest prefix of the hash chain (the lowest id
+    /// among equals), or None when no replica holds its first block.
+    #[must_use]
+    pub fn longest_prefix(&self, hashes: &[u64], group: Option<u32>) -> Option<PrefixMatch> {
+        let mut best: Option<PrefixMatch> = None;
+        for (r, n) in self.match_lengths(hashes, group).into_iter().enumerate() {
+            if n > 0 && best.is_none_or(|b| n > b.num_blocks) {
+                best = Some(PrefixMatch {
+                    replica: ReplicaId(u32::try_from(r).unwrap_or(u32::MAX)),
+                    num_blocks: n,
+                });
+            }
+        }
+        best
+    }
+
+    /// The (hash, group, count) entries of one replica, sorted (for tests and
+    /// snapshots). `None` groups come back as None.
+    #[must_use]
+    pub fn replica_entries(&self, replica: ReplicaId) -> Vec<(u64, Option<u32>, u32)> {
+        let Some(rep) = self.replicas.get(replica.0 as usize) else {
+            return Vec::new();
+        };
+        let mut out: Vec<(u64, Option<u32>, u32)> = rep
+            .hashes
+            .iter()
+            .filter_map(|h| self.nodes.get(h).map(|n| (h, n)))
+            .flat_map(|(&h, n)| {
+                n.holders
+                    .iter()
+                    .filter(|x| x.replica == replica.0)
+                    .map(move |x| (h, (x.group != NO_GROUP).then_some(x.group), x.count))
+            })
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Checks the internal bookkeeping: no empty node, no zero count, no
+    /// duplicate holder, per-replica sets equal to the holders.
+    ///
+    /// # Errors
+    /// `InvariantViolation` describing the first problem found.
+    pub fn check_invariants(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvariantViolation(m));
+        let mut per_replica = vec![0usize; self.replicas.len()];
+        for (h, node) in &self.nodes {
+            if node.holders.is_empty() {
+                return bad(format!("hash {h:#x} has no holder"));
+            }
+            for (i, x) in node.holders.iter().enumerate() {
+                if x.count == 0 {
+                    return bad(format!("hash {h:#x} has a zero count"));
+                }
+                let Some(rep) = self.replicas.get(x.replica as usize) else {
+                    return bad(format!("hash {h:#x} held by unknown replica {}", x.replica));
+                };
+                if !rep.hashes.contains(h) {
+                    return bad(format!("replica {} misses hash {h:#x}", x.replica));
+                }
+                if node.holders[..i]
+                    .iter()
+                    .any(|y| y.replica == x.replica && y.group == x.group)
+                {
+                    return bad(format!("hash {h:#x} has a duplicate holder"));
+                }
+                if !node.holders[..i].iter().any(|y| y.replica == x.replica) {
+                    per_replica[x.replica as usize] += 1;
+                }
+            }
+        }
+        for (i, rep) in self.replicas.iter().enumerate() {
+            if rep.hashes.len() != per_replica[i] {
+                return bad(format!(
+                    "replica {i} lists {} hashes, holds {}",
+                    rep.hashes.len(),
+                    per_replica[i]
+                ));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,262 @@
+//! `PrefixIndex`: behaviour tests and a property test against a naive model.
+//!
+//! The model keeps a count per (replica, group, hash) and answers a query by
+//! walking the chain for every replica. Random operation sequences are applied
+//! to both; every query and the per-replica contents must agree.
+
+use std::collections::BTreeMap;
+
+use pagedkv_core::prefix_index::{IndexStats, PrefixIndex, PrefixMatch, ReplicaId};
+use proptest::prelude::*;
+
+fn index_with(names: &[&str]) -> (PrefixIndex, Vec<ReplicaId>) {
+    let mut index = PrefixIndex::new();
+    let ids = names.iter().map(|n| index.replica(n)).collect();
+    (index, ids)
+}
+
+#[test]
+fn replicas_are_interned_densely() {
+    let mut index = PrefixIndex::new();
+    assert_eq!(index.replica("a"), ReplicaId(0));
+    assert_eq!(index.replica("b"), ReplicaId(1));
+    assert_eq!(index.replica("a"), ReplicaId(0));
+    assert_eq!(index.replica_id("b"), Some(ReplicaId(1)));
+    assert_eq!(index.replica_id("c"), None);
+    assert_eq!(index.replica_name(ReplicaId(1)), Some("b"));
+    assert_eq!(index.num_replicas(), 2);
+}
+
+#[test]
+fn longest_prefix_picks_the_replica_with_the_most_leading_blocks() {
+    let (mut index, r) = index_with(&["a", "b", "c"]);
+    index.store(r[0], None, &[1, 2], Some(0)).unwrap();
+    index.store(r[1], None, &[1, 2, 3, 4], Some(0)).unwrap();
+    index.store(r[2], None, &[9, 2, 3, 4, 5], Some(0)).unwrap(); // other first block
+    assert_eq!(index.match_lengths(&[1, 2, 3, 4, 5], None), vec![2, 4, 0]);
+    assert_eq!(
+        index.longest_prefix(&[1, 2, 3, 4, 5], None),
+        Some(PrefixMatch {
+            replica: r[1],
+            num_blocks: 4
+        })
+    );
+    assert_eq!(index.longest_prefix(&[7], None), None);
+    assert_eq!(index.longest_prefix(&[], None), None);
+}
+
+#[test]
+fn a_hole_in_the_chain_ends_the_prefix() {
+    let (mut index, r) = index_with(&["a"]);
+    index.store(r[0], None, &[1, 2, 3], Some(0)).unwrap();
+    index.remove(r[0], &[2], Some(0)).unwrap();
+    assert_eq!(index.match_lengths(&[1, 2, 3], None), vec![1]);
+    assert!(index.contains(r[0], 3, Some(0)));
+}
+
+#[test]
+fn ties_go_to_the_lowest_replica_id() {
+    let (mut index, r) = index_with(&["a", "b"]);
+    index.store(r[1], None, &[1, 2], Some(0)).unwrap();
+    index.store(r[0], None, &[1, 2], Some(0)).unwrap();
+    assert_eq!(index.longest_prefix(&[1, 2], None).unwrap().replica, r[0]);
+}
+
+#[test]
+fn duplicate_blocks_need_as_many_removals() {
+    // vLLM caches identical content twice without de-duplicating: two stores,
+    // and the hash stays cached until both blocks are evicted.
+    let (mut index, r) = index_with(&["a"]);
+    index.store(r[0], None, &[5], Some(0)).unwrap();
+    index.store(r[0], None, &[5], Some(0)).unwrap();
+    index.remove(r[0], &[5], Some(0)).unwrap();
+    assert!(index.contains(r[0], 5, Some(0)));
+    index.remove(r[0], &[5], Some(0)).unwrap();
+    assert!(!index.contains(r[0], 5, None));
+    assert_eq!(index.num_blocks(), 0);
+    index.check_invariants().unwrap();
+}
+
+#[test]
+fn groups_are_kept_apart() {
+    // A sliding-window group dropping a block must not read as the full group
+    // dropping it.
+    let (mut index, r) = index_with(&["a"]);
+    index.store(r[0], None, &[1, 2], Some(0)).unwrap();
+    index.store(r[0], None, &[1, 2], Some(1)).unwrap();
+    index.remove(r[0], &[1], Some(1)).unwrap();
+    assert_eq!(index.match_lengths(&[1, 2], Some(0)), vec![2]);
+    assert_eq!(index.match_lengths(&[1, 2], Some(1)), vec![0]);
+    assert_eq!(index.match_lengths(&[1, 2], None), vec![2]);
+    assert_eq!(index.replica_num_blocks(r[0]), 2);
+    // Events without group_idx form their own group.
+    index.store(r[0], None, &[7], None).unwrap();
+    assert!(index.contains(r[0], 7, None) && !index.contains(r[0], 7, Some(0)));
+    index.remove(r[0], &[7], Some(0)).unwrap();
+    assert!(index.contains(r[0], 7, None));
+    index.remove(r[0], &[7], None).unwrap();
+    assert!(!index.contains(r[0], 7, None));
+    assert_eq!(index.stats().unknown_removals, 1);
+}
+
+#[test]
+fn clear_forgets_one_replica_only() {
+    let (mut index, r) = index_with(&["a", "b"]);
+    index.store(r[0], None, &[1, 2, 3], Some(0)).unwrap();
+    index.store(r[1], None, &[1, 2], Some(0)).unwrap();
+    index.clear(r[0]).unwrap();
+    assert_eq!(index.match_lengths(&[1, 2, 3], None), vec![0, 2]);
+    assert_eq!(index.num_blocks(), 2);
+    assert_eq!(index.replica_num_blocks(r[0]), 0);
+    index.check_invariants().unwrap();
+    assert_eq!(
+        index.stats(),
+        IndexStats {
+            blocks_stored: 5,
+            blocks_removed: 0,
+            unknown_removals: 0,
+            clears: 1
+        }
+    );
+}
+
+#[test]
+fn parent_links_rebuild_the_chain() {
+    let (mut index, r) = index_with(&["a"]);
+    index.store(r[0], None, &[1, 2], Some(0)).unwrap();
+    index.store(r[0], Some(2), &[3, 4], Some(0)).unwrap();
+    index.store(r[0], Some(2), &[8], Some(0)).unwrap();
+    assert_eq!(index.parent(1), None);
+    assert_eq!(index.parent(3), Some(2));
+    assert_eq!(index.chain(4), vec![1, 2, 3, 4]);
+    assert_eq!(index.chain(8), vec![1, 2, 8]);
+    // A chain stops where a parent is no longer held.
+    index.remove(r[0], &[2], Some(0)).unwrap();
+    assert_eq!(index.chain(4), vec![3, 4]);
+    assert_eq!(index.chain(99), Vec::<u64>::new());
+}
+
+#[test]
+fn unregistered_replicas_are_refused_without_change() {
+    let (mut index, _) = index_with(&["a"]);
+    assert!(index.store(ReplicaId(3), None, &[1], Some(0)).is_err());
+    assert!(index.remove(ReplicaId(3), &[1], Some(0)).is_err());
+    assert!(index.clear(ReplicaId(3)).is_err());
+    assert_eq!(index.num_blocks(), 0);
+    assert_eq!(index.stats(), IndexStats::default());
+}
+
+// ---- property test against a naive model ----------------------------------------
+
+const REPLICAS: u32 = 3;
+const HASHES: u64 = 12;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Store(u32, Option<u64>, Vec<u64>, Option<u32>),
+    Remove(u32, Vec<u64>, Option<u32>),
+    Clear(u32),
+    Query(Vec<u64>, Option<u32>),
+}
+
+fn group() -> impl Strategy<Value = Option<u32>> {
+    prop_oneof![Just(None), Just(Some(0)), Just(Some(1))]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let hashes = || prop::collection::vec(0..HASHES, 0..6);
+    prop_oneof![
+        4 => (0..REPLICAS, prop::option::of(0..HASHES), hashes(), group())
+            .prop_map(|(r, p, h, g)| Op::Store(r, p, h, g)),
+        3 => (0..REPLICAS, hashes(), group()).prop_map(|(r, h, g)| Op::Remove(r, h, g)),
+        1 => (0..REPLICAS).prop_map(Op::Clear),
+        3 => (hashes(), group()).prop_map(|(h, g)| Op::Query(h, g)),
+    ]
+}
+
+#[derive(Default)]
+struct Model {
+    counts: BTreeMap<(u32, Option<u32>, u64), u32>,
+}
+
+impl Model {
+    fn holds(&self, r: u32, h: u64, g: Option<Option<u32>>) -> bool {
+        self.counts
+            .iter()
+            .any(|(&(rr, gg, hh), &c)| rr == r && hh == h && c > 0 && g.is_none_or(|g| g == gg))
+    }
+
+    fn lengths(&self, hashes: &[u64], g: Option<Option<u32>>) -> Vec<usize> {
+        (0..REPLICAS)
+            .map(|r| hashes.iter().take_while(|&&h| self.holds(r, h, g)).count())
+            .collect()
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    #[test]
+    fn index_agrees_with_the_model(ops in prop::collection::vec(op(), 1..60)) {
+        let mut index = PrefixIndex::new();
+        let ids: Vec<ReplicaId> = (0..REPLICAS).map(|r| index.replica(&format!("r{r}"))).collect();
+        let mut model = Model::default();
+        for op in ops {
+            match op {
+                Op::Store(r, p, hs, g) => {
+                    index.store(ids[r as usize], p, &hs, g).unwrap();
+                    for h in hs {
+                        *model.counts.entry((r, g, h)).or_default() += 1;
+                    }
+                }
+                Op::Remove(r, hs, g) => {
+                    index.remove(ids[r as usize], &hs, g).unwrap();
+                    for h in hs {
+                        if let Some(c) = model.counts.get_mut(&(r, g, h)) {
+                            *c -= 1;
+                            if *c == 0 {
+                                model.counts.remove(&(r, g, h));
+                            }
+                        }
+                    }
+                }
+                Op::Clear(r) => {
+                    index.clear(ids[r as usize]).unwrap();
+                    model.counts.retain(|&(rr, _, _), _| rr != r);
+                }
+                Op::Query(hs, g) => {
+                    // `Some(g)` asks one group; the model's `Some(None)` is the None group,
+                    // which `match_lengths` reaches only through "any group" (None).
+                    let any = index.match_lengths(&hs, None);
+                    prop_assert_eq!(&any, &model.lengths(&hs, None));
+                    if let Some(g) = g {
+                        prop_assert_eq!(
+                            index.match_lengths(&hs, Some(g)),
+                            model.lengths(&hs, Some(Some(g)))
+                        );
+                    }
+                    let best = index.longest_prefix(&hs, None);
+                    let max = any.iter().copied().max().unwrap_or(0);
+                    if max == 0 {
+                        prop_assert_eq!(best, None);
+                    } else {
+                        let first = any.iter().position(|&n| n == max).unwrap();
+                        prop_assert_eq!(best, Some(PrefixMatch {
+                            replica: ids[first], num_blocks: max }));
+                    }
+                }
+            }
+            index.check_invariants().unwrap();
+        }
+        for r in 0..REPLICAS {
+            let want: Vec<(u64, Option<u32>, u32)> = {
+                let mut v: Vec<_> = model.counts.iter()
+                    .filter(|&(&(rr, _, _), _)| rr == r)
+                    .map(|(&(_, g, h), &c)| (h, g, c))
+                    .collect();
+                v.sort_unstable();
+                v
+            };
+            prop_assert_eq!(index.replica_entries(ids[r as usize]), want);
+        }
+    }
+}

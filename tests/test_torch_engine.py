@@ -114,12 +114,14 @@ def test_memory_pressure_preempts_and_recomputes(
 
 
 def test_swap_preemption_keeps_the_data(model: TinyTransformer) -> None:
-    prompts = _prompts(1, 6, tail=(8, 16))
+    # Later requests hit the prefix of swapped-in ones: a block cached before its
+    # data was copied back would show.
+    prompts = _prompts(1, 8, tail=(8, 16))
     model_tokens = {}
     for mode in ("recompute", "swap"):
         engine = _engine(model, num_blocks=34, preemption_mode=mode, num_cpu_blocks=64)
         for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, max_tokens=12)
+            engine.add_request(f"r{i}", p, max_tokens=12, seed=i if i % 2 else None)
         engine.run()
         _check_all(engine)
         model_tokens[mode] = sum(r.num_model_tokens for r in engine.requests.values())
@@ -164,8 +166,14 @@ def test_fork_copies_the_partial_last_block(model: TinyTransformer, enable_cachi
         engine.step()
     parent = engine.requests["parent"]
     assert parent.num_computed_tokens == 17 and parent.num_tokens == 18
+    mgr = engine.manager
+    cached_before = {b for b in range(1, 128) if mgr.cached_block_hash(b) is not None}
     child = engine.fork_request("parent", "child", max_tokens=5, seed=3)
     assert child is not None
+    # Blocks the fork cached hold copied data (no released block was cached).
+    cached_after = {b for b in range(1, 128) if mgr.cached_block_hash(b) is not None}
+    live = {int(b) for ids in mgr.get_block_ids("child") for b in ids if b != 0}
+    assert cached_after - cached_before <= live
     assert child.num_computed_tokens == 17
     bs = 4
     if enable_caching:

@@ -46,6 +46,10 @@ def _run(mgr: pk.KVCacheManager, cache: KVCache, rid: str, prompt: list[int], de
     return computed
 
 
+def _cached(mgr: pk.KVCacheManager) -> set[int]:
+    return {b for b in range(1, mgr.num_blocks) if mgr.cached_block_hash(b) is not None}
+
+
 def _snapshot(
     cache: KVCache, block_ids: tuple[np.ndarray, ...]
 ) -> list[dict[int, list[torch.Tensor]]]:
@@ -81,9 +85,15 @@ def test_data_survives_swap_out_and_in() -> None:
         b[cache.buffers[0].numel() // 2 :] = 255
     mgr.remove_request("b")
 
+    cached_before = _cached(mgr)
     result = swapper.swap_in(swapped, num_new_tokens=1)
     assert result is not None
     after_ids = mgr.get_block_ids("a")
+    # Blocks cached by the swap-in hold the copied data: they are blocks the request
+    # holds, never one it allocated and released again (outside the window).
+    live = {int(b) for ids in after_ids for b in ids if b != 0}
+    assert _cached(mgr) - cached_before <= live
+    assert _cached(mgr) - cached_before
     for g, (old, new) in enumerate(zip(result.old_ids, result.new_ids, strict=True)):
         live = after_ids[g][swapped.groups[g].indices] != 0
         assert old.tolist() == before_ids[g][swapped.groups[g].indices][live].tolist()

@@ -438,16 +438,19 @@ class PagedEngine:
         hit = mgr.get_computed_blocks(child_id)
         num_hit = hit.num_computed_tokens
         computed = max(num_hit, parent.num_computed_tokens)
+        # Blocks are cached once they hold the data (see KVSwapper.swap_in).
         new = mgr.allocate_slots(
             child_id,
             computed - num_hit,
             num_computed_tokens=0,
             num_new_computed_tokens=num_hit,
             new_computed_blocks=hit,
+            delay_cache_blocks=True,
         )
         if new is None:
             mgr.remove_request(child_id)
             return None
+        mgr.remove_skipped_blocks(child_id, computed)
         child = EngineRequest(
             child_id, tokens, max_tokens, seed, num_computed_tokens=computed, num_hit_tokens=num_hit
         )
@@ -460,6 +463,7 @@ class PagedEngine:
             move = (p != c) & (p != 0) & (c != 0)
             copy_blocks(self.kv_cache.group_block_tensors(g), p[move], c[move])
             copied.append(int(move.sum()))
+        mgr.cache_blocks(child_id, computed)
         child.copied_blocks = tuple(copied)
         self.requests[child_id] = child
         self._acquire_row(child)

@@ -142,19 +142,25 @@ class KVSwapper:
 
     def swap_in(self, swapped: SwappedRequest, num_new_tokens: int = 0) -> SwapInResult | None:
         """Allocates device blocks for the swapped tokens plus ``num_new_tokens`` (the
-        tokens scheduled next, so one call admits the request), copies the data back,
-        releases the CPU blocks and any sliding-window blocks outside the window.
+        tokens scheduled next, so one call admits the request), releases the
+        sliding-window blocks outside the window, copies the data back, releases the
+        CPU blocks, and only then caches the full blocks of the swapped tokens.
         Returns None, changing nothing, when the device pool lacks room."""
         rid = swapped.request_id
         if any(len(g) for g in self.manager.get_block_ids(rid)):
             raise InvalidArgumentError(f"{rid!r} already holds blocks; swap it out first")
         total = swapped.num_computed_tokens + num_new_tokens
-        if self.manager.allocate_slots(rid, total, num_computed_tokens=0) is None:
+        # The new blocks are cached only once they hold the data: a block cached now
+        # and released below (outside a sliding window) would be a hit on garbage.
+        new = self.manager.allocate_slots(
+            rid, total, num_computed_tokens=0, delay_cache_blocks=True
+        )
+        if new is None:
             return None
         # Blocks now outside a sliding window need no data: release them first.
         self.manager.remove_skipped_blocks(rid, swapped.num_computed_tokens)
         block_ids = self.manager.get_block_ids(rid)
-        old, new = [], []
+        old, new_ids_per_group = [], []
         for gid, group in enumerate(swapped.groups):
             new_ids = block_ids[gid][group.indices]
             live = new_ids != 0
@@ -166,8 +172,9 @@ class KVSwapper:
             )
             self._free.extend(int(c) for c in group.cpu_ids)
             old.append(group.device_ids[live])
-            new.append(new_ids[live].astype(np.int32))
-        return SwapInResult(tuple(old), tuple(new))
+            new_ids_per_group.append(new_ids[live].astype(np.int32))
+        self.manager.cache_blocks(rid, swapped.num_computed_tokens)
+        return SwapInResult(tuple(old), tuple(new_ids_per_group))
 
     def discard(self, swapped: SwappedRequest) -> None:
         """Releases the CPU blocks of a swapped request that will not come back."""

@@ -106,6 +106,20 @@ class BlockTable:
         self.slot_mapping = torch.full(
             (max_num_batched_tokens,), -1, dtype=torch.int64, device=self.device
         )
+        # A non-blocking upload from pinned memory may still be reading the CPU
+        # buffers; edits wait for it (a no-op on the CPU).
+        self._upload_done: torch.cuda.Event | None = None
+
+    def _wait_upload(self) -> None:
+        if self._upload_done is not None:
+            self._upload_done.synchronize()
+            self._upload_done = None
+
+    def _mark_upload(self) -> None:
+        if self.device.type == "cuda" and self.cpu.is_pinned():
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            self._upload_done = event
 
     def _row(self, row_idx: int) -> int:
         if not isinstance(row_idx, (int, np.integer)) or isinstance(row_idx, bool):
@@ -118,6 +132,7 @@ class BlockTable:
 
     def append_row(self, block_ids: npt.ArrayLike, row_idx: int) -> None:
         """Appends ``block_ids`` (an ``allocate_slots`` result of this group) to a row."""
+        self._wait_upload()
         row = self._row(row_idx)
         ids = np.asarray(block_ids)
         if ids.ndim != 1:
@@ -144,6 +159,7 @@ class BlockTable:
 
     def move_row(self, src: int, tgt: int) -> None:
         """Copies row ``src`` onto row ``tgt`` (condensing the batch)."""
+        self._wait_upload()
         s, t = self._row(src), self._row(tgt)
         n = int(self.num_blocks_per_row[s])
         self.np[t, :n] = self.np[s, :n]
@@ -151,17 +167,20 @@ class BlockTable:
 
     def swap_row(self, a: int, b: int) -> None:
         """Exchanges rows ``a`` and ``b``."""
+        self._wait_upload()
         a, b = self._row(a), self._row(b)
         self.num_blocks_per_row[[a, b]] = self.num_blocks_per_row[[b, a]]
         self.np[[a, b]] = self.np[[b, a]]
 
     def clear_row(self, row_idx: int) -> None:
         """Empties a row (its entries become the null block)."""
+        self._wait_upload()
         row = self._row(row_idx)
         self.np[row, : int(self.num_blocks_per_row[row])] = 0
         self.num_blocks_per_row[row] = 0
 
     def clear(self) -> None:
+        self._wait_upload()
         self.np.fill(0)
         self.num_blocks_per_row.fill(0)
         self.gpu.fill_(0)
@@ -175,10 +194,12 @@ class BlockTable:
 
     def commit(self, num_reqs: int) -> torch.Tensor:
         """Uploads rows ``[0, num_reqs)`` to the device mirror (non-blocking from
-        pinned memory) and returns that slice of the mirror."""
+        pinned memory) and returns that slice of the mirror. The next edit of the
+        table waits until the copy has read the CPU buffer."""
         if not 0 <= num_reqs <= self.max_num_reqs:
             raise ValueError(f"num_reqs {num_reqs} out of range [0, {self.max_num_reqs}]")
         self.gpu[:num_reqs].copy_(self.cpu[:num_reqs], non_blocking=True)
+        self._mark_upload()
         return self.gpu[:num_reqs]
 
     def compute_slot_mapping(
@@ -203,6 +224,7 @@ class BlockTable:
                 f"{n} tokens padded to {padded} do not fit max_num_batched_tokens="
                 f"{self.max_num_batched_tokens}"
             )
+        self._wait_upload()
         out = self.slot_mapping_np
         if n:
             if rows.min() < 0 or rows.max() >= self.max_num_reqs or pos.min() < 0:
@@ -220,6 +242,7 @@ class BlockTable:
     def commit_slot_mapping(self, num_tokens: int) -> torch.Tensor:
         """Uploads the first ``num_tokens`` slots; returns them on the device."""
         self.slot_mapping[:num_tokens].copy_(self.slot_mapping_cpu[:num_tokens], non_blocking=True)
+        self._mark_upload()
         return self.slot_mapping[:num_tokens]
 
 

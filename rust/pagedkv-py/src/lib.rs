@@ -12,6 +12,8 @@ use pagedkv_core::{
     GroupSpec, HashAlgo, KvEvent, Lora, MambaCacheMode, ManagerConfig, MmFeature, RequestSpec,
 };
 
+mod index;
+
 mod errors {
     pyo3::import_exception!(pagedkv.errors, UnknownRequestError);
     pyo3::import_exception!(pagedkv.errors, DuplicateRequestError);
@@ -848,6 +850,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyComputedBlocks>()?;
     m.add_function(wrap_pyfunction!(none_hash, m)?)?;
     m.add_function(wrap_pyfunction!(hash_block_tokens, m)?)?;
+    index::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -6,7 +6,7 @@ Importing :mod:`pagedkv` does not import torch; importing this subpackage does.
 
 >>> import pagedkv as pk
 >>> from pagedkv.torch import TinyConfig, TinyTransformer, PagedEngine
->>> engine = PagedEngine(TinyTransformer(TinyConfig()), block_size=4, num_blocks=64)
+>>> engine = PagedEngine(TinyTransformer(TinyConfig()), num_blocks=64, max_model_len=64)
 >>> _ = engine.add_request("r1", [1, 2, 3, 4, 5], max_tokens=3)
 >>> _ = engine.run()
 >>> engine.max_logit_error("r1") < 1e-4

@@ -34,7 +34,9 @@ from .errors import (
     UnknownRequestError,
 )
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from .index import PrefixIndex, PrefixMatch
 from .manager import ComputedBlocks, KVCacheManager
+from .metrics import MeteredKVCacheManager
 from .presets import ModelPreset
 from .specs import (
     AttentionSpec,
@@ -76,10 +78,13 @@ __all__ = [
     "KVCacheTensor",
     "MLAAttentionSpec",
     "MambaSpec",
+    "MeteredKVCacheManager",
     "ModelPreset",
     "NotEnoughKVCacheMemoryError",
     "PagedKVError",
     "PrefixCacheStats",
+    "PrefixIndex",
+    "PrefixMatch",
     "SinkFullAttentionSpec",
     "SlidingWindowSpec",
     "StaleComputedBlocksError",

@@ -1,0 +1,162 @@
+"""Throughput of the prefix index and of KV events over ZMQ (loopback).
+
+python benches/kv_events_bench.py          # index + ZMQ
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+N_BATCH, PER_BATCH = 4000, 50
+
+
+def bench_index() -> None:
+    from pagedkv import _core, wire
+    from pagedkv.index import PrefixIndex
+
+    rng = np.random.default_rng(0)
+    replicas, chains, depth = 8, 20_000, 32
+    idx = _core.PrefixIndex()
+    reps = [idx.replica(f"r{i}") for i in range(replicas)]
+    table = rng.integers(0, 2**63, size=(chains, depth), dtype=np.uint64)
+    calls = blocks = 0
+    t = time.perf_counter()
+    for c in range(chains):
+        for r in range(replicas):
+            if (c + r) % 3 == 0:
+                idx.store(reps[r], table[c, : depth - r], None, 0)
+                calls += 1
+                blocks += depth - r
+    dt = time.perf_counter() - t
+    print(
+        f"store: {calls:,} BlockStored ({blocks:,} blocks) in {dt:.3f}s = "
+        f"{calls / dt / 1e3:.0f} k events/s, {blocks / dt / 1e6:.2f} M blocks/s; "
+        f"{idx.num_blocks:,} hashes held"
+    )
+    queries = [table[i % chains] for i in range(20_000)]
+    t = time.perf_counter()
+    for q in queries:
+        idx.longest_prefix(q, None)
+    dt = time.perf_counter() - t
+    print(
+        f"longest_prefix ({depth}-block chain, {replicas} replicas, uint64 array): "
+        f"{dt / len(queries) * 1e6:.2f} us/query"
+    )
+    as_lists = [q.tolist() for q in queries]
+    t = time.perf_counter()
+    for ql in as_lists:
+        idx.longest_prefix(ql, None)
+    dt = time.perf_counter() - t
+    print(f"longest_prefix from a list of Python ints: {dt / len(queries) * 1e6:.2f} us/query")
+    t = time.perf_counter()
+    for c in range(chains):
+        for r in range(replicas):
+            if (c + r) % 3 == 0:
+                idx.remove(reps[r], table[c, : depth - r], 0)
+    dt = time.perf_counter() - t
+    print(f"remove: {blocks / dt / 1e6:.2f} M blocks/s; {idx.num_blocks} hashes left")
+
+    enc = wire.KVEventEncoder()
+    events: list[tuple[object, ...]] = []
+    for c in range(2000):
+        h = table[c].tolist()
+        events.append(
+            (
+                "BlockStored",
+                h,
+                None,
+                list(range(depth * 16)),
+                16,
+                None,
+                None,
+                None,
+                0,
+                "full_attention",
+                None,
+            )
+        )
+        events.extend(("BlockRemoved", [x], 0) for x in h[-4:])
+    payloads = [enc.encode_events(events[i : i + 50]) for i in range(0, len(events), 50)]
+    pi = PrefixIndex()
+    t = time.perf_counter()
+    for p in payloads:
+        pi.apply("r0", wire.decode_batch(p))
+    dt = time.perf_counter() - t
+    print(
+        f"decode + apply: {len(events):,} events in {dt:.3f}s = "
+        f"{len(events) / dt / 1e3:.0f} k events/s"
+    )
+
+
+def subscriber(endpoint: str, replay: str) -> None:
+    from pagedkv.zmq_events import ZmqEventSubscriber
+
+    sub = ZmqEventSubscriber(endpoint, replay)
+    got = events = 0
+    t0 = None
+    while got < N_BATCH:
+        for r in sub.poll(0.5):
+            t0 = time.perf_counter() if t0 is None else t0
+            got += 1
+            events += len(r.batch.events)
+    dt = time.perf_counter() - (t0 or 0)
+    print(json.dumps({"events": events, "s": dt, "gaps": sub.num_gaps, "lost": sub.num_lost}))
+
+
+def bench_zmq() -> None:
+    from pagedkv.zmq_events import ZmqEventPublisher
+
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=N_BATCH)
+    assert pub.bound_endpoint and pub.bound_replay_endpoint
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "sub", pub.bound_endpoint, pub.bound_replay_endpoint],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.0)
+    half = PER_BATCH // 2
+    batch: list[tuple[object, ...]] = [
+        (
+            "BlockStored",
+            list(range(i * 16, i * 16 + 16)),
+            None,
+            list(range(256)),
+            16,
+            None,
+            None,
+            None,
+            0,
+            "full_attention",
+            None,
+        )
+        for i in range(half)
+    ]
+    batch += [("BlockRemoved", [i], 0) for i in range(PER_BATCH - half)]
+    t = time.perf_counter()
+    for _ in range(N_BATCH):
+        pub.publish(batch)
+    enqueue = time.perf_counter() - t
+    pub.flush()
+    sent = time.perf_counter() - t
+    out = json.loads(proc.communicate()[0])
+    n = N_BATCH * PER_BATCH
+    print(
+        f"publish() on the caller's thread: {enqueue / N_BATCH * 1e6:.1f} us per "
+        f"{PER_BATCH}-event batch; publisher thread: {n:,} events in {sent:.2f}s = "
+        f"{n / sent / 1e3:.0f} k events/s"
+    )
+    print(f"subscriber process: {out['events']:,} events, gaps {out['gaps']}, lost {out['lost']}")
+    pub.close()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "sub":
+        subscriber(sys.argv[2], sys.argv[3])
+    else:
+        bench_index()
+        bench_zmq()

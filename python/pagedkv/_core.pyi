@@ -11,6 +11,8 @@ __all__ = ["ComputedBlocks", "KVCacheManager", "__version__", "hash_block_tokens
 __version__: str
 
 _IdArray = npt.NDArray[np.int32]
+# Batch calls name requests by id, or by the handle add_request returned.
+_RequestRefs = Sequence[str] | Sequence[int] | npt.NDArray[np.int64] | npt.NDArray[np.uint64]
 
 def none_hash(hash_algo: str, seed: str) -> bytes: ...
 def hash_block_tokens(
@@ -78,12 +80,13 @@ class KVCacheManager:
         mm_features: Sequence[tuple[str, int, int]] | None = None,
         prompt_embeds: bytes | None = None,
         skip_reading_prefix_cache: bool = False,
-    ) -> None: ...
+    ) -> int: ...
+    def request_handle(self, request_id: str) -> int: ...
     def append_token_ids(
         self, request_id: str, token_ids: Sequence[int] | npt.NDArray[Any]
     ) -> None: ...
     def append_token_ids_batch(
-        self, request_ids: Sequence[str], token_ids: Sequence[int] | npt.NDArray[Any]
+        self, request_ids: _RequestRefs, token_ids: Sequence[int] | npt.NDArray[Any]
     ) -> None: ...
     def free(self, request_id: str) -> None: ...
     def remove_request(self, request_id: str) -> None: ...
@@ -106,7 +109,7 @@ class KVCacheManager:
     ) -> tuple[_IdArray, ...] | None: ...
     def allocate_slots_batch(
         self,
-        request_ids: Sequence[str],
+        request_ids: _RequestRefs,
         num_new_tokens: int | Sequence[int] | npt.NDArray[Any],
         num_computed_tokens: Sequence[int] | npt.NDArray[Any],
         *,

@@ -154,15 +154,17 @@ class KVCacheManager(_core.KVCacheManager):
         mm_features: Sequence[Any] | None = None,
         prompt_embeds: Any = None,
         skip_reading_prefix_cache: bool = False,
-    ) -> None:
-        """Registers a request and hashes its full prompt blocks.
+    ) -> int:
+        """Registers a request and hashes its full prompt blocks. Returns the
+        request's handle: batch calls accept handles in place of ids (no id lookup);
+        a removed request's handle is refused, never taken for another request.
 
         ``mm_features``: ``(identifier, offset, length)`` per multimodal item (or
         vLLM ``MultiModalFeatureSpec`` objects). ``prompt_embeds``: a tensor/array
         with one row per prompt token (hashed per block, as vLLM does).
         ``skip_reading_prefix_cache``: prompt-logprobs requests never read the cache.
         """
-        super().add_request(
+        return super().add_request(
             request_id,
             prompt_token_ids,
             lora_name=lora_name,

@@ -40,7 +40,9 @@ pub mod stats;
 pub use error::{Error, Result};
 pub use events::{BlockStored, EventExtraKey, KvEvent};
 pub use hash::{BlockHash, BlockHasher, CborValue, ExtraKey, HashAlgo};
-pub use manager::{AllocateArgs, BatchAllocation, ComputedBlocks, KvCacheManager};
+pub use manager::{
+    AllocateArgs, BatchAllocation, ComputedBlocks, KvCacheManager, RequestHandle, RequestRefs,
+};
 pub use pool::{BlockId, BlockPool, CacheKey, NULL_BLOCK};
 pub use request::{Lora, MmFeature, RequestSpec};
 pub use spec::{AttentionKind, GroupSpec, MambaCacheMode, ManagerConfig};

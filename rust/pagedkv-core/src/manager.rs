@@ -36,6 +36,37 @@ impl ComputedBlocks {
     }
 }
 
+/// A request's handle: returned by [`KvCacheManager::add_request`], valid until the
+/// request is removed (a removed request's handle never names another request).
+/// Batch calls take handles to skip the id lookup.
+pub type RequestHandle = u64;
+
+/// The requests of a batch call, named by ids or by handles.
+#[derive(Clone, Copy, Debug)]
+pub enum RequestRefs<'a> {
+    /// Request ids.
+    Ids(&'a [&'a str]),
+    /// Handles from [`KvCacheManager::add_request`].
+    Handles(&'a [RequestHandle]),
+}
+
+impl RequestRefs<'_> {
+    /// Number of requests named.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Ids(v) => v.len(),
+            Self::Handles(v) => v.len(),
+        }
+    }
+
+    /// No request named.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Arguments of [`KvCacheManager::allocate_slots`] besides the request and hit
 /// (vLLM's meaning for each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,6 +127,9 @@ pub struct KvCacheManager {
     hash_block_size: usize,
     watermark_blocks: u64,
     reqs: Vec<Option<Request>>,
+    /// Generation of each request slot, bumped when the slot is vacated, so a
+    /// handle of a removed request never names its successor.
+    slot_gen: Vec<u32>,
     free_slots: Vec<u32>,
     index: FxHashMap<String, u32>,
     next_uid: u64,
@@ -221,6 +255,7 @@ impl KvCacheManager {
             hash_block_size: hbs as usize,
             watermark_blocks,
             reqs: Vec::new(),
+            slot_gen: Vec::new(),
             free_slots: Vec::new(),
             index: FxHashMap::default(),
             next_uid: 1,
@@ -294,6 +329,49 @@ impl KvCacheManager {
             .ok_or_else(|| Error::UnknownRequest(id.to_owned()))
     }
 
+    fn handle_of(&self, slot: u32) -> RequestHandle {
+        (u64::from(self.slot_gen[slot as usize]) << 32) | u64::from(slot)
+    }
+
+    /// The handle of a known request (the value `add_request` returned).
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn request_handle(&self, id: &str) -> Result<RequestHandle> {
+        Ok(self.handle_of(self.slot(id)?))
+    }
+
+    fn slot_of_handle(&self, handle: RequestHandle) -> Result<u32> {
+        let slot = handle as u32;
+        let live = self.reqs.get(slot as usize).is_some_and(Option::is_some)
+            && u64::from(self.slot_gen[slot as usize]) == handle >> 32;
+        if live {
+            Ok(slot)
+        } else {
+            Err(Error::UnknownRequest(format!("handle {handle:#x}")))
+        }
+    }
+
+    /// Resolves request references to slots (into `out`, cleared first).
+    fn resolve(&self, refs: RequestRefs<'_>, out: &mut Vec<u32>) -> Result<()> {
+        out.clear();
+        match refs {
+            RequestRefs::Ids(ids) => {
+                out.reserve(ids.len());
+                for id in ids {
+                    out.push(self.slot(id)?);
+                }
+            }
+            RequestRefs::Handles(hs) => {
+                out.reserve(hs.len());
+                for &h in hs {
+                    out.push(self.slot_of_handle(h)?);
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn req(&self, slot: u32) -> &Request {
         match &self.reqs[slot as usize] {
             Some(r) => r,
@@ -362,7 +440,7 @@ impl KvCacheManager {
     /// # Errors
     /// Duplicate id; a prompt longer than `max_model_len`; inconsistent
     /// multimodal items or embeddings.
-    pub fn add_request(&mut self, id: &str, spec: RequestSpec) -> Result<()> {
+    pub fn add_request(&mut self, id: &str, spec: RequestSpec) -> Result<RequestHandle> {
         if self.index.contains_key(id) {
             return Err(Error::DuplicateRequest(id.to_owned()));
         }
@@ -395,11 +473,12 @@ impl KvCacheManager {
             }
             None => {
                 self.reqs.push(Some(req));
+                self.slot_gen.push(0);
                 (self.reqs.len() - 1) as u32
             }
         };
         self.index.insert(id.to_owned(), slot);
-        Ok(())
+        Ok(self.handle_of(slot))
     }
 
     /// Appends generated tokens; blocks that fill get hashed.
@@ -426,19 +505,25 @@ impl KvCacheManager {
     /// # Errors
     /// Unknown request or lengths that differ.
     pub fn append_token_ids_batch(&mut self, ids: &[&str], tokens: &[u32]) -> Result<()> {
-        if ids.len() != tokens.len() {
+        self.append_token_ids_batch_refs(RequestRefs::Ids(ids), tokens)
+    }
+
+    /// [`Self::append_token_ids_batch`] with requests named by ids or handles.
+    ///
+    /// # Errors
+    /// Unknown request or lengths that differ.
+    pub fn append_token_ids_batch_refs(
+        &mut self,
+        refs: RequestRefs<'_>,
+        tokens: &[u32],
+    ) -> Result<()> {
+        if refs.len() != tokens.len() {
             return Err(invalid("request ids and token ids differ in length"));
         }
         let mut slots = std::mem::take(&mut self.scratch_slots);
-        slots.clear();
-        for id in ids {
-            match self.slot(id) {
-                Ok(s) => slots.push(s),
-                Err(e) => {
-                    self.scratch_slots = slots;
-                    return Err(e);
-                }
-            }
+        if let Err(e) = self.resolve(refs, &mut slots) {
+            self.scratch_slots = slots;
+            return Err(e);
         }
         let hbs = self.hash_block_size;
         let hashing = self.cfg.enable_caching || self.pool.events_enabled();
@@ -480,6 +565,7 @@ impl KvCacheManager {
         self.release(slot);
         self.index.remove(id);
         self.reqs[slot as usize] = None;
+        self.slot_gen[slot as usize] = self.slot_gen[slot as usize].wrapping_add(1);
         self.free_slots.push(slot);
         Ok(())
     }
@@ -1114,32 +1200,43 @@ impl KvCacheManager {
         num_lookahead_tokens: u64,
         out: &mut BatchAllocation,
     ) -> Result<()> {
-        if ids.len() != num_new_tokens.len() || ids.len() != num_computed_tokens.len() {
+        self.allocate_slots_batch_refs(
+            RequestRefs::Ids(ids),
+            num_new_tokens,
+            num_computed_tokens,
+            num_lookahead_tokens,
+            out,
+        )
+    }
+
+    /// [`Self::allocate_slots_batch`] with requests named by ids or handles.
+    ///
+    /// # Errors
+    /// Any invalid entry (checked for all entries before anything changes).
+    pub fn allocate_slots_batch_refs(
+        &mut self,
+        refs: RequestRefs<'_>,
+        num_new_tokens: &[u64],
+        num_computed_tokens: &[u64],
+        num_lookahead_tokens: u64,
+        out: &mut BatchAllocation,
+    ) -> Result<()> {
+        let len = refs.len();
+        if len != num_new_tokens.len() || len != num_computed_tokens.len() {
             return Err(invalid("request ids and token counts differ in length"));
         }
         let mut slots = std::mem::take(&mut self.scratch_slots);
-        slots.clear();
-        let free_at_start = i64::from(self.pool.num_free_blocks());
-        for (i, id) in ids.iter().enumerate() {
-            let slot = self.slot(id)?;
-            let args = AllocateArgs {
+        let checked = self.resolve(refs, &mut slots).and_then(|()| {
+            self.validate_batch(
+                &slots,
+                num_new_tokens,
+                num_computed_tokens,
                 num_lookahead_tokens,
-                ..AllocateArgs::step(num_new_tokens[i], num_computed_tokens[i])
-            };
-            self.validate_args(slot, &args)?;
-            let max_len = self.cfg.max_model_len;
-            let need_args = Need {
-                num_tokens: (num_computed_tokens[i] + num_new_tokens[i] + num_lookahead_tokens)
-                    .min(max_len),
-                total_computed: num_computed_tokens[i],
-                main_model: (num_computed_tokens[i] + num_new_tokens[i]).min(max_len),
-                cap: false,
-            };
-            let (need, blocked) = self.num_blocks_to_allocate(slot, &need_args, &[], 0);
-            if need > free_at_start && !blocked {
-                self.check_ever_fits(slot, need, &[], num_computed_tokens[i].min(max_len))?;
-            }
-            slots.push(slot);
+            )
+        });
+        if let Err(e) = checked {
+            self.scratch_slots = slots;
+            return Err(e);
         }
         let n = self.groups.len();
         out.num_allocated = 0;
@@ -1166,6 +1263,37 @@ impl KvCacheManager {
             out.num_allocated += 1;
         }
         self.scratch_slots = slots;
+        Ok(())
+    }
+
+    /// Checks every entry of a batch (after slot resolution) before anything changes.
+    fn validate_batch(
+        &self,
+        slots: &[u32],
+        num_new_tokens: &[u64],
+        num_computed_tokens: &[u64],
+        num_lookahead_tokens: u64,
+    ) -> Result<()> {
+        let free_at_start = i64::from(self.pool.num_free_blocks());
+        for (i, &slot) in slots.iter().enumerate() {
+            let args = AllocateArgs {
+                num_lookahead_tokens,
+                ..AllocateArgs::step(num_new_tokens[i], num_computed_tokens[i])
+            };
+            self.validate_args(slot, &args)?;
+            let max_len = self.cfg.max_model_len;
+            let need_args = Need {
+                num_tokens: (num_computed_tokens[i] + num_new_tokens[i] + num_lookahead_tokens)
+                    .min(max_len),
+                total_computed: num_computed_tokens[i],
+                main_model: (num_computed_tokens[i] + num_new_tokens[i]).min(max_len),
+                cap: false,
+            };
+            let (need, blocked) = self.num_blocks_to_allocate(slot, &need_args, &[], 0);
+            if need > free_at_start && !blocked {
+                self.check_ever_fits(slot, need, &[], num_computed_tokens[i].min(max_len))?;
+            }
+        }
         Ok(())
     }
 

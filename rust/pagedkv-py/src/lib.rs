@@ -67,14 +67,42 @@ fn token_item(item: &Bound<'_, PyAny>) -> PyResult<u32> {
     }
 }
 
+/// Token ids from a list of Python ints. Exact ints in range take a direct path
+/// (no reference counting, no error machinery); anything else goes through
+/// [`token_item`], which converts or explains.
+fn list_tokens(list: &Bound<'_, PyList>) -> PyResult<Vec<u32>> {
+    let n = list.len();
+    let mut out = Vec::with_capacity(n);
+    let int_type = std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type);
+    for i in 0..n {
+        // SAFETY: `i < n`, the length read above; the GIL is held and nothing in
+        // this loop's fast path runs Python code, so the list cannot change under
+        // us. The item is a borrowed reference used only in this iteration.
+        let fast = unsafe {
+            let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
+            if !item.is_null() && pyo3::ffi::Py_TYPE(item) == int_type {
+                let v = pyo3::ffi::PyLong_AsLong(item);
+                if v == -1 {
+                    // -1, or an overflow error to drop: the slow path decides.
+                    pyo3::ffi::PyErr_Clear();
+                }
+                u32::try_from(v).ok()
+            } else {
+                None
+            }
+        };
+        match fast {
+            Some(t) => out.push(t),
+            None => out.push(token_item(&list.get_item(i)?)?),
+        }
+    }
+    Ok(out)
+}
+
 /// Token ids from a list, an int NumPy array or any sequence of ints.
 fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     if let Ok(list) = obj.cast::<PyList>() {
-        let mut out = Vec::with_capacity(list.len());
-        for item in list.iter() {
-            out.push(token_item(&item)?);
-        }
-        return Ok(out);
+        return list_tokens(list);
     }
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
         return a.as_slice()?.iter().map(|&v| token_from_i64(v)).collect();
@@ -113,6 +141,62 @@ fn counts(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     }
     let v: Vec<i64> = obj.extract()?;
     v.into_iter().map(|x| count(name, x)).collect()
+}
+
+/// The requests of a batch call: a sequence of ids, or handles (a list of ints
+/// or an integer NumPy array) as `add_request` returned them.
+enum BatchIds {
+    Names(Vec<PyBackedStr>),
+    Handles(Vec<u64>),
+}
+
+impl BatchIds {
+    fn extract(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+            // A negative value is no handle: it maps to one that is never live.
+            return Ok(Self::Handles(
+                a.as_slice()?.iter().map(|&h| h as u64).collect(),
+            ));
+        }
+        if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u64>>() {
+            return Ok(Self::Handles(a.as_slice()?.to_vec()));
+        }
+        if let Ok(list) = obj.cast::<PyList>() {
+            let first_is_int = match list.len() {
+                0 => false,
+                _ => list.get_item(0)?.is_instance_of::<pyo3::types::PyInt>(),
+            };
+            if first_is_int {
+                return list
+                    .iter()
+                    .map(|h| {
+                        h.extract::<u64>().map_err(|_| {
+                            PyTypeError::new_err(
+                                "request handles must be ints returned by add_request",
+                            )
+                        })
+                    })
+                    .collect::<PyResult<Vec<u64>>>()
+                    .map(Self::Handles);
+            }
+        }
+        if obj.is_instance_of::<pyo3::types::PyString>() {
+            return Err(PyTypeError::new_err(
+                "request_ids must be a sequence of ids, not one string",
+            ));
+        }
+        Ok(Self::Names(obj.extract()?))
+    }
+
+    fn with_refs<T>(&self, f: impl FnOnce(core::RequestRefs<'_>) -> T) -> T {
+        match self {
+            Self::Names(v) => {
+                let ids: Vec<&str> = v.iter().map(|s| &**s).collect();
+                f(core::RequestRefs::Ids(&ids))
+            }
+            Self::Handles(h) => f(core::RequestRefs::Handles(h)),
+        }
+    }
 }
 
 fn ids_array<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyArray1<i32>> {
@@ -427,7 +511,7 @@ impl PyManager {
         mm_features: Option<Vec<(String, i64, i64)>>,
         prompt_embeds: Option<Vec<u8>>,
         skip_reading_prefix_cache: bool,
-    ) -> PyResult<()> {
+    ) -> PyResult<u64> {
         let prompt = tokens(prompt_token_ids)?;
         let lora = match (lora_name, lora_path, lora_id) {
             (None, None, None) => None,
@@ -471,12 +555,20 @@ impl PyManager {
     /// `request_ids[i]` (one crossing for a whole step's outputs).
     fn append_token_ids_batch(
         &mut self,
-        request_ids: Vec<PyBackedStr>,
+        request_ids: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let ids: Vec<&str> = request_ids.iter().map(|s| &**s).collect();
+        let ids = BatchIds::extract(request_ids)?;
         let t = tokens(token_ids)?;
-        self.inner.append_token_ids_batch(&ids, &t).map_err(err)
+        let inner = &mut self.inner;
+        ids.with_refs(|r| inner.append_token_ids_batch_refs(r, &t))
+            .map_err(err)
+    }
+
+    /// The handle of a known request (what `add_request` returned): batch calls
+    /// accept handles in place of ids and skip the id lookup.
+    fn request_handle(&self, request_id: &str) -> PyResult<u64> {
+        self.inner.request_handle(request_id).map_err(err)
     }
 
     fn free(&mut self, request_id: &str) -> PyResult<()> {
@@ -560,13 +652,16 @@ impl PyManager {
     fn allocate_slots_batch<'py>(
         &mut self,
         py: Python<'py>,
-        request_ids: Vec<PyBackedStr>,
+        request_ids: &Bound<'py, PyAny>,
         num_new_tokens: &Bound<'py, PyAny>,
         num_computed_tokens: &Bound<'py, PyAny>,
         num_lookahead_tokens: i64,
     ) -> PyResult<(usize, Bound<'py, PyTuple>)> {
-        let ids: Vec<&str> = request_ids.iter().map(|s| &**s).collect();
-        let n = ids.len();
+        let ids = BatchIds::extract(request_ids)?;
+        let n = match &ids {
+            BatchIds::Names(v) => v.len(),
+            BatchIds::Handles(v) => v.len(),
+        };
         let new = if let Ok(v) = num_new_tokens.extract::<i64>() {
             vec![count("num_new_tokens", v)?; n]
         } else {
@@ -574,8 +669,8 @@ impl PyManager {
         };
         let computed = counts("num_computed_tokens", num_computed_tokens)?;
         let look = count("num_lookahead_tokens", num_lookahead_tokens)?;
-        self.inner
-            .allocate_slots_batch(&ids, &new, &computed, look, &mut self.batch)
+        let (inner, batch) = (&mut self.inner, &mut self.batch);
+        ids.with_refs(|r| inner.allocate_slots_batch_refs(r, &new, &computed, look, batch))
             .map_err(err)?;
         let b = &self.batch;
         let per_group = PyTuple::new(

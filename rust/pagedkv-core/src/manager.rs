@@ -142,6 +142,21 @@ pub struct KvCacheManager {
     /// chunked local, Mamba).
     any_skipping: bool,
     scratch_slots: Vec<u32>,
+    /// With `verify_cached_tokens`: what each cached block was computed for.
+    provenance: Vec<Option<Box<Provenance>>>,
+    /// Prefix hits cut short because a cached block did not match the request.
+    verification_failures: u64,
+}
+
+/// What a cached block was computed for (hit verification).
+#[derive(Clone, Debug)]
+struct Provenance {
+    /// The pool's cache stamp when this was recorded (stale once it differs).
+    stamp: u64,
+    /// The block's token ids (as many as the request had when it was cached).
+    tokens: Vec<u32>,
+    /// The request's context digest at the end of each hash block covered.
+    ctx_ends: Vec<[u8; 32]>,
 }
 
 /// Groups with equal specs, looked up together (vLLM's `SpecGroup`).
@@ -186,7 +201,10 @@ impl KvCacheManager {
             None if cfg.hash_algo.is_cryptographic() => DEFAULT_NONE_HASH_SEED.to_owned(),
             None => random_seed(),
         };
-        let hasher = BlockHasher::new(cfg.hash_algo, cfg.hash_algo.none_hash(&seed));
+        let mut hasher = BlockHasher::new(cfg.hash_algo, cfg.hash_algo.none_hash(&seed));
+        if let Some(n) = cfg.hash_truncate_bytes {
+            hasher.set_truncation(n);
+        }
         let pool = BlockPool::new(
             cfg.num_blocks,
             cfg.enable_caching,
@@ -265,6 +283,12 @@ impl KvCacheManager {
             coordinator,
             scheduler_block_size: sbs,
             scratch_slots: Vec::new(),
+            provenance: if cfg.verify_cached_tokens {
+                vec![None; cfg.num_blocks.max(1) as usize]
+            } else {
+                Vec::new()
+            },
+            verification_failures: 0,
             any_skipping: cfg.groups.iter().any(|g| {
                 !g.kind.is_full_attention() && g.kind != crate::spec::AttentionKind::CrossAttention
             }),
@@ -463,6 +487,7 @@ impl KvCacheManager {
             self.hash_block_size,
         )?;
         self.next_uid += 1;
+        req.verify = self.cfg.verify_cached_tokens && self.cfg.enable_caching;
         if self.cfg.enable_caching || self.pool.events_enabled() {
             req.update_hashes(&mut self.hasher, self.hash_block_size);
         }
@@ -608,7 +633,18 @@ impl KvCacheManager {
             });
         }
         let max_len = req.num_tokens().saturating_sub(1);
-        let (block_ids, hit, uncached) = self.find_longest_cache_hit(&req.hashes, max_len);
+        let (mut block_ids, mut hit, mut uncached) =
+            self.find_longest_cache_hit(&req.hashes, max_len);
+        let mut failures = 0;
+        if req.verify {
+            // A block that does not match the request ends the hit at its start;
+            // search again below it (each round lowers the limit).
+            while let Some(p) = self.first_unverified(req, &block_ids, hit) {
+                failures += 1;
+                (block_ids, hit, uncached) = self.find_longest_cache_hit(&req.hashes, p);
+            }
+        }
+        self.verification_failures += failures;
         let spb = if uncached > 0 {
             (hit + uncached) as u64
         } else {
@@ -1150,6 +1186,7 @@ impl KvCacheManager {
             boundaries: &boundaries[..nb],
         };
         for (g, gm) in self.groups.iter_mut().enumerate() {
+            let cached_before = req.groups[g].num_cached.unwrap_or(0);
             // Nothing past the last aligned boundary can ever be hit in a hybrid
             // model (EAGLE groups keep one block past it).
             let n = if hybrid {
@@ -1184,7 +1221,61 @@ impl KvCacheManager {
                     self.pool.push_event(KvEvent::BlockStored(ev));
                 }
             }
+            if req.verify {
+                let bs = gm.block_size() as usize;
+                let cached_after = req.groups[g].num_cached.unwrap_or(0);
+                // The block before may have been cached partially (a prompt
+                // tail); the one after may carry a partial entry now.
+                let from = cached_before.saturating_sub(1);
+                let to = (cached_after + 1).min(req.groups[g].blocks.len());
+                for i in from..to {
+                    record_provenance(&mut self.provenance, &self.pool, req, g, i, bs, hbs);
+                }
+            }
         }
+    }
+
+    /// The start (in tokens) of the first hit block that does not match the
+    /// request: a stale or missing record, other token ids, or another context.
+    fn first_unverified(
+        &self,
+        req: &Request,
+        block_ids: &[Vec<BlockId>],
+        hit: usize,
+    ) -> Option<usize> {
+        let hbs = self.hash_block_size;
+        let mut first: Option<usize> = None;
+        for (g, blocks) in block_ids.iter().enumerate() {
+            let bs = self.groups[g].block_size() as usize;
+            for (i, &b) in blocks.iter().enumerate() {
+                let start = i * bs;
+                let end = (start + bs).min(hit);
+                if b == NULL_BLOCK || end <= start {
+                    continue;
+                }
+                let ok = self.provenance[b as usize].as_deref().is_some_and(|p| {
+                    let covered = end - start;
+                    let hashed = covered / hbs;
+                    Some(p.stamp) == self.pool.cache_stamp(b)
+                        && hashed > 0
+                        && p.tokens.len() >= covered
+                        && p.tokens[..covered] == req.tokens[start..end]
+                        && p.ctx_ends.get(hashed - 1) == req.ctx.get(start / hbs + hashed - 1)
+                });
+                if !ok {
+                    first = Some(first.map_or(start, |f| f.min(start)));
+                    break;
+                }
+            }
+        }
+        first
+    }
+
+    /// Prefix hits cut short by `verify_cached_tokens` (a cached block whose
+    /// tokens or context did not match the request: a hash collision).
+    #[must_use]
+    pub fn verification_failures(&self) -> u64 {
+        self.verification_failures
     }
 
     /// One decode step for many running requests in one call: the same result as
@@ -1541,4 +1632,42 @@ fn unreachable_slot() -> ! {
     // The index maps ids only to occupied slots; reaching this is a bug in this
     // module, not misuse.
     unreachable!("request slot without a request")
+}
+
+/// Records what block `i` of the request's group `g` was computed for, when the
+/// block is cached and the record is missing, stale or shorter than it can be.
+fn record_provenance(
+    provenance: &mut [Option<Box<Provenance>>],
+    pool: &BlockPool,
+    req: &Request,
+    g: usize,
+    i: usize,
+    bs: usize,
+    hbs: usize,
+) {
+    let b = req.groups[g].blocks[i];
+    if b == NULL_BLOCK {
+        return;
+    }
+    let Some(stamp) = pool.cache_stamp(b) else {
+        return;
+    };
+    let start = i * bs;
+    let end = (start + bs).min(req.tokens.len());
+    let hashed_end = end.min(req.ctx.len() * hbs);
+    if hashed_end <= start {
+        return;
+    }
+    let slot = &mut provenance[b as usize];
+    if slot
+        .as_deref()
+        .is_some_and(|p| p.stamp == stamp && p.tokens.len() >= end - start)
+    {
+        return;
+    }
+    *slot = Some(Box::new(Provenance {
+        stamp,
+        tokens: req.tokens[start..end].to_vec(),
+        ctx_ends: req.ctx[start / hbs..hashed_end / hbs].to_vec(),
+    }));
 }

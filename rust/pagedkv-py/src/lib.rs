@@ -378,7 +378,8 @@ impl PyManager {
     #[pyo3(signature = (num_blocks, groups, max_model_len, *, enable_caching = true,
         hash_algo = "sha256_cbor", hash_seed = None, hash_block_size = None, use_eagle = false,
         log_stats = false, enable_kv_cache_events = false, watermark = 0.0,
-        max_in_flight_tokens = None, prefix_cache_retention_interval = None))]
+        max_in_flight_tokens = None, prefix_cache_retention_interval = None,
+        verify_cached_tokens = false, hash_truncate_bytes = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -395,7 +396,19 @@ impl PyManager {
         watermark: f64,
         max_in_flight_tokens: Option<i64>,
         prefix_cache_retention_interval: Option<i64>,
+        verify_cached_tokens: bool,
+        hash_truncate_bytes: Option<i64>,
     ) -> PyResult<Self> {
+        let hash_truncate_bytes = hash_truncate_bytes
+            .map(|n| {
+                u8::try_from(n)
+                    .ok()
+                    .filter(|b| (1..=32).contains(b))
+                    .ok_or_else(|| {
+                        cfg_err(format!("hash_truncate_bytes must be in 1..=32, got {n}"))
+                    })
+            })
+            .transpose()?;
         let num_blocks = u32::try_from(num_blocks)
             .ok()
             .filter(|&n| n > 0 && n < i32::MAX as u32)
@@ -438,6 +451,8 @@ impl PyManager {
             watermark,
             max_in_flight_tokens,
             prefix_cache_retention_interval,
+            verify_cached_tokens,
+            hash_truncate_bytes,
         };
         let inner = core::KvCacheManager::new(cfg).map_err(err)?;
         let n = inner.num_groups();
@@ -447,6 +462,13 @@ impl PyManager {
             empty,
             batch: BatchAllocation::default(),
         })
+    }
+
+    /// Prefix hits cut short by `verify_cached_tokens`: a cached block whose
+    /// tokens or context did not match the request (a hash collision caught).
+    #[getter]
+    fn verification_failures(&self) -> u64 {
+        self.inner.verification_failures()
     }
 
     /// Blocks in the free queue (evictable cached blocks included).
@@ -753,7 +775,21 @@ impl PyManager {
     /// block_size, lora_id, lora_name, extra_keys, group_idx, spec_kind,
     /// sliding_window)`, `("BlockRemoved", hashes, group_idx)`, `("AllBlocksCleared",)`.
     /// Hashes are vLLM's integer form.
-    fn _take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    /// Drains the events as tuples; hashes as vLLM's 64-bit ints, or with
+    /// `raw_hashes` as the full digest bytes.
+    #[pyo3(signature = (raw_hashes = false))]
+    fn _take_events<'py>(
+        &mut self,
+        py: Python<'py>,
+        raw_hashes: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let hv = |h: &BlockHash| -> PyResult<Bound<'py, PyAny>> {
+            if raw_hashes {
+                Ok(PyBytes::new(py, h.as_bytes()).into_any())
+            } else {
+                Ok(hash_int(h).into_pyobject(py)?.into_any())
+            }
+        };
         let evs = self.inner.take_events();
         let out = PyList::empty(py);
         for ev in evs {
@@ -770,8 +806,11 @@ impl PyManager {
                     };
                     (
                         "BlockStored",
-                        s.block_hashes.iter().map(hash_int).collect::<Vec<_>>(),
-                        s.parent_block_hash.as_ref().map(hash_int),
+                        s.block_hashes
+                            .iter()
+                            .map(hv)
+                            .collect::<PyResult<Vec<_>>>()?,
+                        s.parent_block_hash.as_ref().map(hv).transpose()?,
                         s.token_ids,
                         s.block_size,
                         s.lora_id,
@@ -788,7 +827,7 @@ impl PyManager {
                     group_idx,
                 } => (
                     "BlockRemoved",
-                    block_hashes.iter().map(hash_int).collect::<Vec<_>>(),
+                    block_hashes.iter().map(hv).collect::<PyResult<Vec<_>>>()?,
                     group_idx,
                 )
                     .into_pyobject(py)?,

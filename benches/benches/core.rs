@@ -37,6 +37,12 @@ fn hashing(c: &mut Criterion) {
             b.iter(|| black_box(h.hash_block(Some(&parent), black_box(&toks), &[])));
         });
     }
+    // The digest alone over a message of the size a 16-token sha256_cbor block
+    // encodes to (tokens < 65,536: 2 + 34 + 1 + 16 * 3 + 1 bytes).
+    let msg = vec![0x5au8; 86];
+    g.bench_function("sha256_digest_only_86_bytes", |b| {
+        b.iter(|| black_box(pagedkv_core::hash::sha256_bytes(black_box(&msg))));
+    });
     g.finish();
 }
 

@@ -1,6 +1,7 @@
 """KV-cache events with vLLM 0.33's fields (``vllm/distributed/kv_events.py``).
 
-Block hashes are vLLM's integer form: the last 8 bytes of the digest, big-endian.
+Block hashes are vLLM's integer form: the last 8 bytes of the digest, big-endian
+(or the full digest bytes, from ``take_events(raw_hashes=True)``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent"]
 class BlockStored:
     """Full blocks entered into the prefix cache by one call."""
 
-    block_hashes: list[int]
-    parent_block_hash: int | None
+    block_hashes: list[int] | list[bytes]
+    parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -32,7 +33,7 @@ class BlockStored:
 class BlockRemoved:
     """One block evicted from the prefix cache."""
 
-    block_hashes: list[int]
+    block_hashes: list[int] | list[bytes]
     medium: str | None = "GPU"
     group_idx: int | None = None
 

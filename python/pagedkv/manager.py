@@ -71,6 +71,14 @@ class KVCacheManager(_core.KVCacheManager):
         max_in_flight_tokens: vLLM's admission cap for sliding-window groups.
         prefix_cache_retention_interval: vLLM's sparse retention of
             sliding-window/Mamba checkpoints (None = dense; 0 = replay boundary).
+        verify_cached_tokens: collision safety. Every cached block keeps the token
+            ids it was computed for (and a SHA-256 digest of its whole context);
+            every prefix hit is checked against the request's own tokens, and a
+            block that does not match ends the hit there, so a weak or attacked
+            hash never serves another prompt's KV (``verification_failures``
+            counts the hits cut short). Costs one SHA-256 per hashed block.
+        hash_truncate_bytes: keep only this many leading bytes (1..32) of every
+            block hash: a deliberately weak hash, for testing collision handling.
     """
 
     _kv_cache_config: KVCacheConfig
@@ -94,6 +102,8 @@ class KVCacheManager(_core.KVCacheManager):
         watermark: float = 0.0,
         max_in_flight_tokens: int | None = None,
         prefix_cache_retention_interval: int | None = None,
+        verify_cached_tokens: bool = False,
+        hash_truncate_bytes: int | None = None,
     ) -> KVCacheManager:
         if not isinstance(kv_cache_config, KVCacheConfig):
             raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
@@ -117,6 +127,8 @@ class KVCacheManager(_core.KVCacheManager):
             watermark=watermark,
             max_in_flight_tokens=max_in_flight_tokens,
             prefix_cache_retention_interval=prefix_cache_retention_interval,
+            verify_cached_tokens=verify_cached_tokens,
+            hash_truncate_bytes=hash_truncate_bytes,
         )
         self._kv_cache_config = kv_cache_config
         self._max_model_len = max_model_len
@@ -154,15 +166,17 @@ class KVCacheManager(_core.KVCacheManager):
         mm_features: Sequence[Any] | None = None,
         prompt_embeds: Any = None,
         skip_reading_prefix_cache: bool = False,
-    ) -> None:
-        """Registers a request and hashes its full prompt blocks.
+    ) -> int:
+        """Registers a request and hashes its full prompt blocks. Returns the
+        request's handle: batch calls accept handles in place of ids (no id lookup);
+        a removed request's handle is refused, never taken for another request.
 
         ``mm_features``: ``(identifier, offset, length)`` per multimodal item (or
         vLLM ``MultiModalFeatureSpec`` objects). ``prompt_embeds``: a tensor/array
         with one row per prompt token (hashed per block, as vLLM does).
         ``skip_reading_prefix_cache``: prompt-logprobs requests never read the cache.
         """
-        super().add_request(
+        return super().add_request(
             request_id,
             prompt_token_ids,
             lora_name=lora_name,
@@ -174,9 +188,11 @@ class KVCacheManager(_core.KVCacheManager):
             skip_reading_prefix_cache=skip_reading_prefix_cache,
         )
 
-    def take_events(self) -> list[KVCacheEvent]:
-        """Drains the recorded KV-cache events (empty when events are off)."""
-        return [from_core(raw) for raw in self._take_events()]
+    def take_events(self, *, raw_hashes: bool = False) -> list[KVCacheEvent]:
+        """Drains the recorded KV-cache events (empty when events are off). Block
+        hashes are vLLM's 64-bit ints (the digest's last 8 bytes, big-endian), or
+        the full digest bytes with ``raw_hashes``."""
+        return [from_core(raw) for raw in self._take_events(raw_hashes)]
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The prefix-cache stats since the last call (and starts new ones); None

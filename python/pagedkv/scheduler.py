@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -60,6 +61,9 @@ class SimRequest:
     num_output_tokens: int = 0
     num_preemptions: int = 0
     admitted_once: bool = False
+    #: How batch calls name the request: the handle ``add_request`` returned
+    #: (an int; skips the id lookup), or the id for managers without handles.
+    handle: int | str = ""
 
     @property
     def num_tokens(self) -> int:
@@ -115,8 +119,9 @@ class Scheduler:
     def add_request(self, req: SimRequest) -> None:
         """Registers the request with the manager (hashing its prompt) and queues it."""
         t = self._clock()
-        self.kv.add_request(req.request_id, req.prompt)
+        handle = self.kv.add_request(req.request_id, req.prompt)
         self.stats.timed("add_request", self._clock() - t)
+        req.handle = handle if isinstance(handle, int) else req.request_id
         self.waiting.append(req)
 
     @property
@@ -154,7 +159,7 @@ class Scheduler:
         preempted = False
         ri = 0
         while ri < len(self.running) and budget > 0:
-            ids: list[str] = []
+            ids: list[Any] = []  # all handles, or all ids
             new: list[int] = []
             computed: list[int] = []
             b = budget
@@ -162,7 +167,7 @@ class Scheduler:
                 if b <= 0:
                     break
                 n = min(req.num_tokens - req.num_computed_tokens, b)
-                ids.append(req.request_id)
+                ids.append(req.handle)
                 new.append(n)
                 computed.append(req.num_computed_tokens)
                 b -= n
@@ -236,12 +241,12 @@ class Scheduler:
             self._admit(budget, scheduled)
         st.peak_running = max(st.peak_running, len(self.running))
         done: list[SimRequest] = []
-        sampled_ids: list[str] = []
+        sampled_ids: list[Any] = []
         sampled: list[int] = []
         for req, n in scheduled:
             req.num_computed_tokens += n
             if req.num_computed_tokens == req.num_tokens:
-                sampled_ids.append(req.request_id)
+                sampled_ids.append(req.handle)
                 sampled.append(req.output[req.num_output_tokens])
                 req.num_output_tokens += 1
                 if req.num_output_tokens >= len(req.output):

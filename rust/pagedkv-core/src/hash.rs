@@ -329,6 +329,8 @@ pub struct BlockHasher {
     algo: HashAlgo,
     none_hash: BlockHash,
     buf: Vec<u8>,
+    /// Keep only this many leading bytes of every block hash (0: all).
+    truncate: u8,
 }
 
 impl BlockHasher {
@@ -339,7 +341,34 @@ impl BlockHasher {
             algo,
             none_hash,
             buf: Vec::with_capacity(256),
+            truncate: 0,
         }
+    }
+
+    /// Keeps only the first `bytes` bytes of every block hash (1..=32; 0 keeps
+    /// all). A deliberately weak hash, for exercising collision handling.
+    pub fn set_truncation(&mut self, bytes: u8) {
+        self.truncate = bytes.min(32);
+    }
+
+    /// The strong chained digest of a block's context for hit verification:
+    /// SHA-256 over the previous digest, the block's tokens and its extra keys.
+    /// Independent of the configured block hash (and of its truncation).
+    pub fn context_digest(
+        &mut self,
+        prev: &[u8; 32],
+        tokens: &[u32],
+        extra: &[ExtraKey],
+    ) -> [u8; 32] {
+        let buf = &mut self.buf;
+        buf.clear();
+        buf.extend_from_slice(prev);
+        buf.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
+        for t in tokens {
+            buf.extend_from_slice(&t.to_le_bytes());
+        }
+        encode_extra_native(buf, extra);
+        sha256_bytes(buf)
     }
 
     /// The algorithm.
@@ -381,7 +410,12 @@ impl BlockHasher {
                 encode_extra_native(buf, extra);
             }
         }
-        self.algo.digest(buf)
+        let h = self.algo.digest(buf);
+        match self.truncate {
+            0 => h,
+            n => BlockHash::from_slice(&h.as_bytes()[..usize::from(n).min(h.as_bytes().len())])
+                .unwrap_or(h),
+        }
     }
 
     /// Hash with arbitrary CBOR extra keys (`None` = CBOR null), for the CBOR

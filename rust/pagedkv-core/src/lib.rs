@@ -41,7 +41,9 @@ pub mod stats;
 pub use error::{Error, Result};
 pub use events::{BlockStored, EventExtraKey, KvEvent};
 pub use hash::{BlockHash, BlockHasher, CborValue, ExtraKey, HashAlgo};
-pub use manager::{AllocateArgs, BatchAllocation, ComputedBlocks, KvCacheManager};
+pub use manager::{
+    AllocateArgs, BatchAllocation, ComputedBlocks, KvCacheManager, RequestHandle, RequestRefs,
+};
 pub use pool::{BlockId, BlockPool, CacheKey, NULL_BLOCK};
 pub use prefix_index::{PrefixIndex, PrefixMatch, ReplicaId};
 pub use request::{Lora, MmFeature, RequestSpec};

@@ -36,6 +36,37 @@ impl ComputedBlocks {
     }
 }
 
+/// A request's handle: returned by [`KvCacheManager::add_request`], valid until the
+/// request is removed (a removed request's handle never names another request).
+/// Batch calls take handles to skip the id lookup.
+pub type RequestHandle = u64;
+
+/// The requests of a batch call, named by ids or by handles.
+#[derive(Clone, Copy, Debug)]
+pub enum RequestRefs<'a> {
+    /// Request ids.
+    Ids(&'a [&'a str]),
+    /// Handles from [`KvCacheManager::add_request`].
+    Handles(&'a [RequestHandle]),
+}
+
+impl RequestRefs<'_> {
+    /// Number of requests named.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Ids(v) => v.len(),
+            Self::Handles(v) => v.len(),
+        }
+    }
+
+    /// No request named.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Arguments of [`KvCacheManager::allocate_slots`] besides the request and hit
 /// (vLLM's meaning for each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,6 +127,9 @@ pub struct KvCacheManager {
     hash_block_size: usize,
     watermark_blocks: u64,
     reqs: Vec<Option<Request>>,
+    /// Generation of each request slot, bumped when the slot is vacated, so a
+    /// handle of a removed request never names its successor.
+    slot_gen: Vec<u32>,
     free_slots: Vec<u32>,
     index: FxHashMap<String, u32>,
     next_uid: u64,
@@ -108,6 +142,21 @@ pub struct KvCacheManager {
     /// chunked local, Mamba).
     any_skipping: bool,
     scratch_slots: Vec<u32>,
+    /// With `verify_cached_tokens`: what each cached block was computed for.
+    provenance: Vec<Option<Box<Provenance>>>,
+    /// Prefix hits cut short because a cached block did not match the request.
+    verification_failures: u64,
+}
+
+/// What a cached block was computed for (hit verification).
+#[derive(Clone, Debug)]
+struct Provenance {
+    /// The pool's cache stamp when this was recorded (stale once it differs).
+    stamp: u64,
+    /// The block's token ids (as many as the request had when it was cached).
+    tokens: Vec<u32>,
+    /// The request's context digest at the end of each hash block covered.
+    ctx_ends: Vec<[u8; 32]>,
 }
 
 /// Groups with equal specs, looked up together (vLLM's `SpecGroup`).
@@ -152,7 +201,10 @@ impl KvCacheManager {
             None if cfg.hash_algo.is_cryptographic() => DEFAULT_NONE_HASH_SEED.to_owned(),
             None => random_seed(),
         };
-        let hasher = BlockHasher::new(cfg.hash_algo, cfg.hash_algo.none_hash(&seed));
+        let mut hasher = BlockHasher::new(cfg.hash_algo, cfg.hash_algo.none_hash(&seed));
+        if let Some(n) = cfg.hash_truncate_bytes {
+            hasher.set_truncation(n);
+        }
         let pool = BlockPool::new(
             cfg.num_blocks,
             cfg.enable_caching,
@@ -221,6 +273,7 @@ impl KvCacheManager {
             hash_block_size: hbs as usize,
             watermark_blocks,
             reqs: Vec::new(),
+            slot_gen: Vec::new(),
             free_slots: Vec::new(),
             index: FxHashMap::default(),
             next_uid: 1,
@@ -230,6 +283,12 @@ impl KvCacheManager {
             coordinator,
             scheduler_block_size: sbs,
             scratch_slots: Vec::new(),
+            provenance: if cfg.verify_cached_tokens {
+                vec![None; cfg.num_blocks.max(1) as usize]
+            } else {
+                Vec::new()
+            },
+            verification_failures: 0,
             any_skipping: cfg.groups.iter().any(|g| {
                 !g.kind.is_full_attention() && g.kind != crate::spec::AttentionKind::CrossAttention
             }),
@@ -292,6 +351,49 @@ impl KvCacheManager {
             .get(id)
             .copied()
             .ok_or_else(|| Error::UnknownRequest(id.to_owned()))
+    }
+
+    fn handle_of(&self, slot: u32) -> RequestHandle {
+        (u64::from(self.slot_gen[slot as usize]) << 32) | u64::from(slot)
+    }
+
+    /// The handle of a known request (the value `add_request` returned).
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn request_handle(&self, id: &str) -> Result<RequestHandle> {
+        Ok(self.handle_of(self.slot(id)?))
+    }
+
+    fn slot_of_handle(&self, handle: RequestHandle) -> Result<u32> {
+        let slot = handle as u32;
+        let live = self.reqs.get(slot as usize).is_some_and(Option::is_some)
+            && u64::from(self.slot_gen[slot as usize]) == handle >> 32;
+        if live {
+            Ok(slot)
+        } else {
+            Err(Error::UnknownRequest(format!("handle {handle:#x}")))
+        }
+    }
+
+    /// Resolves request references to slots (into `out`, cleared first).
+    fn resolve(&self, refs: RequestRefs<'_>, out: &mut Vec<u32>) -> Result<()> {
+        out.clear();
+        match refs {
+            RequestRefs::Ids(ids) => {
+                out.reserve(ids.len());
+                for id in ids {
+                    out.push(self.slot(id)?);
+                }
+            }
+            RequestRefs::Handles(hs) => {
+                out.reserve(hs.len());
+                for &h in hs {
+                    out.push(self.slot_of_handle(h)?);
+                }
+            }
+        }
+        Ok(())
     }
 
     fn req(&self, slot: u32) -> &Request {
@@ -362,7 +464,7 @@ impl KvCacheManager {
     /// # Errors
     /// Duplicate id; a prompt longer than `max_model_len`; inconsistent
     /// multimodal items or embeddings.
-    pub fn add_request(&mut self, id: &str, spec: RequestSpec) -> Result<()> {
+    pub fn add_request(&mut self, id: &str, spec: RequestSpec) -> Result<RequestHandle> {
         if self.index.contains_key(id) {
             return Err(Error::DuplicateRequest(id.to_owned()));
         }
@@ -385,6 +487,7 @@ impl KvCacheManager {
             self.hash_block_size,
         )?;
         self.next_uid += 1;
+        req.verify = self.cfg.verify_cached_tokens && self.cfg.enable_caching;
         if self.cfg.enable_caching || self.pool.events_enabled() {
             req.update_hashes(&mut self.hasher, self.hash_block_size);
         }
@@ -395,11 +498,12 @@ impl KvCacheManager {
             }
             None => {
                 self.reqs.push(Some(req));
+                self.slot_gen.push(0);
                 (self.reqs.len() - 1) as u32
             }
         };
         self.index.insert(id.to_owned(), slot);
-        Ok(())
+        Ok(self.handle_of(slot))
     }
 
     /// Appends generated tokens; blocks that fill get hashed.
@@ -426,19 +530,25 @@ impl KvCacheManager {
     /// # Errors
     /// Unknown request or lengths that differ.
     pub fn append_token_ids_batch(&mut self, ids: &[&str], tokens: &[u32]) -> Result<()> {
-        if ids.len() != tokens.len() {
+        self.append_token_ids_batch_refs(RequestRefs::Ids(ids), tokens)
+    }
+
+    /// [`Self::append_token_ids_batch`] with requests named by ids or handles.
+    ///
+    /// # Errors
+    /// Unknown request or lengths that differ.
+    pub fn append_token_ids_batch_refs(
+        &mut self,
+        refs: RequestRefs<'_>,
+        tokens: &[u32],
+    ) -> Result<()> {
+        if refs.len() != tokens.len() {
             return Err(invalid("request ids and token ids differ in length"));
         }
         let mut slots = std::mem::take(&mut self.scratch_slots);
-        slots.clear();
-        for id in ids {
-            match self.slot(id) {
-                Ok(s) => slots.push(s),
-                Err(e) => {
-                    self.scratch_slots = slots;
-                    return Err(e);
-                }
-            }
+        if let Err(e) = self.resolve(refs, &mut slots) {
+            self.scratch_slots = slots;
+            return Err(e);
         }
         let hbs = self.hash_block_size;
         let hashing = self.cfg.enable_caching || self.pool.events_enabled();
@@ -480,6 +590,7 @@ impl KvCacheManager {
         self.release(slot);
         self.index.remove(id);
         self.reqs[slot as usize] = None;
+        self.slot_gen[slot as usize] = self.slot_gen[slot as usize].wrapping_add(1);
         self.free_slots.push(slot);
         Ok(())
     }
@@ -522,7 +633,18 @@ impl KvCacheManager {
             });
         }
         let max_len = req.num_tokens().saturating_sub(1);
-        let (block_ids, hit, uncached) = self.find_longest_cache_hit(&req.hashes, max_len);
+        let (mut block_ids, mut hit, mut uncached) =
+            self.find_longest_cache_hit(&req.hashes, max_len);
+        let mut failures = 0;
+        if req.verify {
+            // A block that does not match the request ends the hit at its start;
+            // search again below it (each round lowers the limit).
+            while let Some(p) = self.first_unverified(req, &block_ids, hit) {
+                failures += 1;
+                (block_ids, hit, uncached) = self.find_longest_cache_hit(&req.hashes, p);
+            }
+        }
+        self.verification_failures += failures;
         let spb = if uncached > 0 {
             (hit + uncached) as u64
         } else {
@@ -1064,6 +1186,7 @@ impl KvCacheManager {
             boundaries: &boundaries[..nb],
         };
         for (g, gm) in self.groups.iter_mut().enumerate() {
+            let cached_before = req.groups[g].num_cached.unwrap_or(0);
             // Nothing past the last aligned boundary can ever be hit in a hybrid
             // model (EAGLE groups keep one block past it).
             let n = if hybrid {
@@ -1098,7 +1221,61 @@ impl KvCacheManager {
                     self.pool.push_event(KvEvent::BlockStored(ev));
                 }
             }
+            if req.verify {
+                let bs = gm.block_size() as usize;
+                let cached_after = req.groups[g].num_cached.unwrap_or(0);
+                // The block before may have been cached partially (a prompt
+                // tail); the one after may carry a partial entry now.
+                let from = cached_before.saturating_sub(1);
+                let to = (cached_after + 1).min(req.groups[g].blocks.len());
+                for i in from..to {
+                    record_provenance(&mut self.provenance, &self.pool, req, g, i, bs, hbs);
+                }
+            }
         }
+    }
+
+    /// The start (in tokens) of the first hit block that does not match the
+    /// request: a stale or missing record, other token ids, or another context.
+    fn first_unverified(
+        &self,
+        req: &Request,
+        block_ids: &[Vec<BlockId>],
+        hit: usize,
+    ) -> Option<usize> {
+        let hbs = self.hash_block_size;
+        let mut first: Option<usize> = None;
+        for (g, blocks) in block_ids.iter().enumerate() {
+            let bs = self.groups[g].block_size() as usize;
+            for (i, &b) in blocks.iter().enumerate() {
+                let start = i * bs;
+                let end = (start + bs).min(hit);
+                if b == NULL_BLOCK || end <= start {
+                    continue;
+                }
+                let ok = self.provenance[b as usize].as_deref().is_some_and(|p| {
+                    let covered = end - start;
+                    let hashed = covered / hbs;
+                    Some(p.stamp) == self.pool.cache_stamp(b)
+                        && hashed > 0
+                        && p.tokens.len() >= covered
+                        && p.tokens[..covered] == req.tokens[start..end]
+                        && p.ctx_ends.get(hashed - 1) == req.ctx.get(start / hbs + hashed - 1)
+                });
+                if !ok {
+                    first = Some(first.map_or(start, |f| f.min(start)));
+                    break;
+                }
+            }
+        }
+        first
+    }
+
+    /// Prefix hits cut short by `verify_cached_tokens` (a cached block whose
+    /// tokens or context did not match the request: a hash collision).
+    #[must_use]
+    pub fn verification_failures(&self) -> u64 {
+        self.verification_failures
     }
 
     /// One decode step for many running requests in one call: the same result as
@@ -1114,32 +1291,43 @@ impl KvCacheManager {
         num_lookahead_tokens: u64,
         out: &mut BatchAllocation,
     ) -> Result<()> {
-        if ids.len() != num_new_tokens.len() || ids.len() != num_computed_tokens.len() {
+        self.allocate_slots_batch_refs(
+            RequestRefs::Ids(ids),
+            num_new_tokens,
+            num_computed_tokens,
+            num_lookahead_tokens,
+            out,
+        )
+    }
+
+    /// [`Self::allocate_slots_batch`] with requests named by ids or handles.
+    ///
+    /// # Errors
+    /// Any invalid entry (checked for all entries before anything changes).
+    pub fn allocate_slots_batch_refs(
+        &mut self,
+        refs: RequestRefs<'_>,
+        num_new_tokens: &[u64],
+        num_computed_tokens: &[u64],
+        num_lookahead_tokens: u64,
+        out: &mut BatchAllocation,
+    ) -> Result<()> {
+        let len = refs.len();
+        if len != num_new_tokens.len() || len != num_computed_tokens.len() {
             return Err(invalid("request ids and token counts differ in length"));
         }
         let mut slots = std::mem::take(&mut self.scratch_slots);
-        slots.clear();
-        let free_at_start = i64::from(self.pool.num_free_blocks());
-        for (i, id) in ids.iter().enumerate() {
-            let slot = self.slot(id)?;
-            let args = AllocateArgs {
+        let checked = self.resolve(refs, &mut slots).and_then(|()| {
+            self.validate_batch(
+                &slots,
+                num_new_tokens,
+                num_computed_tokens,
                 num_lookahead_tokens,
-                ..AllocateArgs::step(num_new_tokens[i], num_computed_tokens[i])
-            };
-            self.validate_args(slot, &args)?;
-            let max_len = self.cfg.max_model_len;
-            let need_args = Need {
-                num_tokens: (num_computed_tokens[i] + num_new_tokens[i] + num_lookahead_tokens)
-                    .min(max_len),
-                total_computed: num_computed_tokens[i],
-                main_model: (num_computed_tokens[i] + num_new_tokens[i]).min(max_len),
-                cap: false,
-            };
-            let (need, blocked) = self.num_blocks_to_allocate(slot, &need_args, &[], 0);
-            if need > free_at_start && !blocked {
-                self.check_ever_fits(slot, need, &[], num_computed_tokens[i].min(max_len))?;
-            }
-            slots.push(slot);
+            )
+        });
+        if let Err(e) = checked {
+            self.scratch_slots = slots;
+            return Err(e);
         }
         let n = self.groups.len();
         out.num_allocated = 0;
@@ -1166,6 +1354,37 @@ impl KvCacheManager {
             out.num_allocated += 1;
         }
         self.scratch_slots = slots;
+        Ok(())
+    }
+
+    /// Checks every entry of a batch (after slot resolution) before anything changes.
+    fn validate_batch(
+        &self,
+        slots: &[u32],
+        num_new_tokens: &[u64],
+        num_computed_tokens: &[u64],
+        num_lookahead_tokens: u64,
+    ) -> Result<()> {
+        let free_at_start = i64::from(self.pool.num_free_blocks());
+        for (i, &slot) in slots.iter().enumerate() {
+            let args = AllocateArgs {
+                num_lookahead_tokens,
+                ..AllocateArgs::step(num_new_tokens[i], num_computed_tokens[i])
+            };
+            self.validate_args(slot, &args)?;
+            let max_len = self.cfg.max_model_len;
+            let need_args = Need {
+                num_tokens: (num_computed_tokens[i] + num_new_tokens[i] + num_lookahead_tokens)
+                    .min(max_len),
+                total_computed: num_computed_tokens[i],
+                main_model: (num_computed_tokens[i] + num_new_tokens[i]).min(max_len),
+                cap: false,
+            };
+            let (need, blocked) = self.num_blocks_to_allocate(slot, &need_args, &[], 0);
+            if need > free_at_start && !blocked {
+                self.check_ever_fits(slot, need, &[], num_computed_tokens[i].min(max_len))?;
+            }
+        }
         Ok(())
     }
 
@@ -1413,4 +1632,42 @@ fn unreachable_slot() -> ! {
     // The index maps ids only to occupied slots; reaching this is a bug in this
     // module, not misuse.
     unreachable!("request slot without a request")
+}
+
+/// Records what block `i` of the request's group `g` was computed for, when the
+/// block is cached and the record is missing, stale or shorter than it can be.
+fn record_provenance(
+    provenance: &mut [Option<Box<Provenance>>],
+    pool: &BlockPool,
+    req: &Request,
+    g: usize,
+    i: usize,
+    bs: usize,
+    hbs: usize,
+) {
+    let b = req.groups[g].blocks[i];
+    if b == NULL_BLOCK {
+        return;
+    }
+    let Some(stamp) = pool.cache_stamp(b) else {
+        return;
+    };
+    let start = i * bs;
+    let end = (start + bs).min(req.tokens.len());
+    let hashed_end = end.min(req.ctx.len() * hbs);
+    if hashed_end <= start {
+        return;
+    }
+    let slot = &mut provenance[b as usize];
+    if slot
+        .as_deref()
+        .is_some_and(|p| p.stamp == stamp && p.tokens.len() >= end - start)
+    {
+        return;
+    }
+    *slot = Some(Box::new(Provenance {
+        stamp,
+        tokens: req.tokens[start..end].to_vec(),
+        ctx_ends: req.ctx[start / hbs..hashed_end / hbs].to_vec(),
+    }));
 }

@@ -66,6 +66,10 @@ pub struct BlockPool {
     keys: Vec<CacheKey>,
     /// Tokens covered by each primary key (full block, or a partial prefix).
     key_tokens: Vec<u32>,
+    /// When each primary key was given (a fresh number per caching), so state
+    /// recorded about a cached block can tell whether it is still current.
+    key_stamps: Vec<u64>,
+    next_stamp: u64,
     free_keys: Vec<u32>,
     /// Extra keys of blocks reachable from more than one prefix boundary (a
     /// full block that also carries a partial prompt-tail entry).
@@ -111,6 +115,8 @@ impl BlockPool {
             map: HashMap::with_hasher(FxBuildHasher),
             keys: Vec::new(),
             key_tokens: Vec::new(),
+            key_stamps: Vec::new(),
+            next_stamp: 0,
             free_keys: Vec::new(),
             secondary: rustc_hash::FxHashMap::default(),
             events_enabled,
@@ -409,6 +415,14 @@ impl BlockPool {
         (k != NIL).then(|| self.key_tokens[k as usize])
     }
 
+    /// A number that changes whenever the block is cached afresh (`None` while it
+    /// is not cached). Unique over the pool's life.
+    #[must_use]
+    pub fn cache_stamp(&self, id: BlockId) -> Option<u64> {
+        let k = self.blocks[id as usize].key;
+        (k != NIL).then(|| self.key_stamps[k as usize])
+    }
+
     /// vLLM's `_insert_block_hash`: the key becomes the block's primary key, or an
     /// extra one when it already has a primary. Whether the map changed.
     fn insert_block_hash(&mut self, id: BlockId, key: CacheKey, tokens: u32) -> bool {
@@ -420,15 +434,18 @@ impl BlockPool {
                 Some(s) => {
                     self.keys[s as usize] = key;
                     self.key_tokens[s as usize] = tokens;
+                    self.key_stamps[s as usize] = self.next_stamp;
                     s
                 }
                 None => {
                     self.keys.push(key);
                     self.key_tokens.push(tokens);
+                    self.key_stamps.push(self.next_stamp);
                     (self.keys.len() - 1) as u32
                 }
             };
             self.blocks[id as usize].key = slot;
+            self.next_stamp += 1;
         } else {
             self.secondary.entry(id).or_default().push(key);
         }
@@ -524,6 +541,7 @@ impl BlockPool {
         self.map.clear();
         self.keys.clear();
         self.key_tokens.clear();
+        self.key_stamps.clear();
         self.free_keys.clear();
         self.secondary.clear();
         for b in &mut self.blocks {

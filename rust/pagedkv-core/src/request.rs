@@ -57,6 +57,10 @@ pub(crate) struct Request {
     pub tokens: Vec<u32>,
     pub num_prompt_tokens: usize,
     pub hashes: Vec<BlockHash>,
+    /// With hit verification on: the strong context digest through each hash
+    /// block (`ctx[j]` covers tokens and extra keys of hash blocks `0..=j`).
+    pub ctx: Vec<[u8; 32]>,
+    pub verify: bool,
     pub lora: Option<Lora>,
     pub cache_salt: Option<String>,
     pub mm: Vec<MmFeature>,
@@ -132,6 +136,8 @@ impl Request {
             tokens: prompt_token_ids,
             num_prompt_tokens: n,
             hashes: Vec::new(),
+            ctx: Vec::new(),
+            verify: false,
             lora,
             cache_salt: cache_salt.filter(|s| !s.is_empty()),
             mm: mm_features,
@@ -213,18 +219,25 @@ impl Request {
     pub fn update_hashes(&mut self, hasher: &mut BlockHasher, hash_block_size: usize) {
         let mut keys: Vec<ExtraKey<'_>> = Vec::new();
         let mut new_hashes: Vec<BlockHash> = Vec::new();
+        let mut new_ctx: Vec<[u8; 32]> = Vec::new();
         let mut start = self.hashes.len() * hash_block_size;
         let mut parent = self.hashes.last().copied();
+        let mut ctx = self.ctx.last().copied().unwrap_or([0; 32]);
         while start + hash_block_size <= self.tokens.len() {
             let end = start + hash_block_size;
             self.extra_keys(start, end, &mut keys);
             let h = hasher.hash_block(parent.as_ref(), &self.tokens[start..end], &keys);
             new_hashes.push(h);
+            if self.verify {
+                ctx = hasher.context_digest(&ctx, &self.tokens[start..end], &keys);
+                new_ctx.push(ctx);
+            }
             parent = Some(h);
             start = end;
         }
         drop(keys);
         self.hashes.extend_from_slice(&new_hashes);
+        self.ctx.extend_from_slice(&new_ctx);
     }
 }
 

@@ -149,6 +149,15 @@ pub struct ManagerConfig {
     /// Sparse retention of sliding-window / Mamba checkpoints: `None` dense,
     /// `Some(0)` only the replay boundary, `Some(r)` one per `r` tokens.
     pub prefix_cache_retention_interval: Option<u64>,
+    /// Collision safety: every cached block keeps the token ids it was computed
+    /// for (and a strong digest of its whole context), and every prefix hit is
+    /// checked against the request's own tokens before it is served; a block
+    /// that does not match ends the hit there. Costs one SHA-256 per hashed
+    /// block and the stored tokens.
+    pub verify_cached_tokens: bool,
+    /// Keep only this many leading bytes of every block hash (1..=32). A
+    /// deliberately weak hash, for testing collision handling. `None`: all.
+    pub hash_truncate_bytes: Option<u8>,
 }
 
 impl ManagerConfig {
@@ -169,6 +178,8 @@ impl ManagerConfig {
             watermark: 0.0,
             max_in_flight_tokens: None,
             prefix_cache_retention_interval: None,
+            verify_cached_tokens: false,
+            hash_truncate_bytes: None,
         }
     }
 
@@ -194,6 +205,11 @@ impl ManagerConfig {
         }
         if self.max_model_len == 0 {
             return bad("max_model_len must be positive".into());
+        }
+        if let Some(n) = self.hash_truncate_bytes {
+            if !(1..=32).contains(&n) {
+                return bad(format!("hash_truncate_bytes must be in 1..=32, got {n}"));
+            }
         }
         if !(self.watermark >= 0.0 && self.watermark.is_finite()) {
             return bad(format!(

@@ -1507,7 +1507,7 @@ fn misuse(
                 "num_tokens unknown",
             )?;
             // An empty prompt is refused.
-            let r = mgr.add_request("empty", RequestSpec::default());
+            let r = mgr.add_request("empty", RequestSpec::default()).map(|_| ());
             expect(r, ErrKind::Invalid, "empty prompt")?;
             return Ok(());
         }

@@ -69,14 +69,42 @@ fn token_item(item: &Bound<'_, PyAny>) -> PyResult<u32> {
     }
 }
 
+/// Token ids from a list of Python ints. Exact ints in range take a direct path
+/// (no reference counting, no error machinery); anything else goes through
+/// [`token_item`], which converts or explains.
+fn list_tokens(list: &Bound<'_, PyList>) -> PyResult<Vec<u32>> {
+    let n = list.len();
+    let mut out = Vec::with_capacity(n);
+    let int_type = std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type);
+    for i in 0..n {
+        // SAFETY: `i < n`, the length read above; the GIL is held and nothing in
+        // this loop's fast path runs Python code, so the list cannot change under
+        // us. The item is a borrowed reference used only in this iteration.
+        let fast = unsafe {
+            let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
+            if !item.is_null() && pyo3::ffi::Py_TYPE(item) == int_type {
+                let v = pyo3::ffi::PyLong_AsLong(item);
+                if v == -1 {
+                    // -1, or an overflow error to drop: the slow path decides.
+                    pyo3::ffi::PyErr_Clear();
+                }
+                u32::try_from(v).ok()
+            } else {
+                None
+            }
+        };
+        match fast {
+            Some(t) => out.push(t),
+            None => out.push(token_item(&list.get_item(i)?)?),
+        }
+    }
+    Ok(out)
+}
+
 /// Token ids from a list, an int NumPy array or any sequence of ints.
 fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     if let Ok(list) = obj.cast::<PyList>() {
-        let mut out = Vec::with_capacity(list.len());
-        for item in list.iter() {
-            out.push(token_item(&item)?);
-        }
-        return Ok(out);
+        return list_tokens(list);
     }
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
         return a.as_slice()?.iter().map(|&v| token_from_i64(v)).collect();
@@ -115,6 +143,62 @@ fn counts(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     }
     let v: Vec<i64> = obj.extract()?;
     v.into_iter().map(|x| count(name, x)).collect()
+}
+
+/// The requests of a batch call: a sequence of ids, or handles (a list of ints
+/// or an integer NumPy array) as `add_request` returned them.
+enum BatchIds {
+    Names(Vec<PyBackedStr>),
+    Handles(Vec<u64>),
+}
+
+impl BatchIds {
+    fn extract(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+            // A negative value is no handle: it maps to one that is never live.
+            return Ok(Self::Handles(
+                a.as_slice()?.iter().map(|&h| h as u64).collect(),
+            ));
+        }
+        if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u64>>() {
+            return Ok(Self::Handles(a.as_slice()?.to_vec()));
+        }
+        if let Ok(list) = obj.cast::<PyList>() {
+            let first_is_int = match list.len() {
+                0 => false,
+                _ => list.get_item(0)?.is_instance_of::<pyo3::types::PyInt>(),
+            };
+            if first_is_int {
+                return list
+                    .iter()
+                    .map(|h| {
+                        h.extract::<u64>().map_err(|_| {
+                            PyTypeError::new_err(
+                                "request handles must be ints returned by add_request",
+                            )
+                        })
+                    })
+                    .collect::<PyResult<Vec<u64>>>()
+                    .map(Self::Handles);
+            }
+        }
+        if obj.is_instance_of::<pyo3::types::PyString>() {
+            return Err(PyTypeError::new_err(
+                "request_ids must be a sequence of ids, not one string",
+            ));
+        }
+        Ok(Self::Names(obj.extract()?))
+    }
+
+    fn with_refs<T>(&self, f: impl FnOnce(core::RequestRefs<'_>) -> T) -> T {
+        match self {
+            Self::Names(v) => {
+                let ids: Vec<&str> = v.iter().map(|s| &**s).collect();
+                f(core::RequestRefs::Ids(&ids))
+            }
+            Self::Handles(h) => f(core::RequestRefs::Handles(h)),
+        }
+    }
 }
 
 fn ids_array<'py>(py: Python<'py>, ids: &[u32]) -> Bound<'py, PyArray1<i32>> {
@@ -296,7 +380,8 @@ impl PyManager {
     #[pyo3(signature = (num_blocks, groups, max_model_len, *, enable_caching = true,
         hash_algo = "sha256_cbor", hash_seed = None, hash_block_size = None, use_eagle = false,
         log_stats = false, enable_kv_cache_events = false, watermark = 0.0,
-        max_in_flight_tokens = None, prefix_cache_retention_interval = None))]
+        max_in_flight_tokens = None, prefix_cache_retention_interval = None,
+        verify_cached_tokens = false, hash_truncate_bytes = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -313,7 +398,19 @@ impl PyManager {
         watermark: f64,
         max_in_flight_tokens: Option<i64>,
         prefix_cache_retention_interval: Option<i64>,
+        verify_cached_tokens: bool,
+        hash_truncate_bytes: Option<i64>,
     ) -> PyResult<Self> {
+        let hash_truncate_bytes = hash_truncate_bytes
+            .map(|n| {
+                u8::try_from(n)
+                    .ok()
+                    .filter(|b| (1..=32).contains(b))
+                    .ok_or_else(|| {
+                        cfg_err(format!("hash_truncate_bytes must be in 1..=32, got {n}"))
+                    })
+            })
+            .transpose()?;
         let num_blocks = u32::try_from(num_blocks)
             .ok()
             .filter(|&n| n > 0 && n < i32::MAX as u32)
@@ -356,6 +453,8 @@ impl PyManager {
             watermark,
             max_in_flight_tokens,
             prefix_cache_retention_interval,
+            verify_cached_tokens,
+            hash_truncate_bytes,
         };
         let inner = core::KvCacheManager::new(cfg).map_err(err)?;
         let n = inner.num_groups();
@@ -365,6 +464,13 @@ impl PyManager {
             empty,
             batch: BatchAllocation::default(),
         })
+    }
+
+    /// Prefix hits cut short by `verify_cached_tokens`: a cached block whose
+    /// tokens or context did not match the request (a hash collision caught).
+    #[getter]
+    fn verification_failures(&self) -> u64 {
+        self.inner.verification_failures()
     }
 
     /// Blocks in the free queue (evictable cached blocks included).
@@ -429,7 +535,7 @@ impl PyManager {
         mm_features: Option<Vec<(String, i64, i64)>>,
         prompt_embeds: Option<Vec<u8>>,
         skip_reading_prefix_cache: bool,
-    ) -> PyResult<()> {
+    ) -> PyResult<u64> {
         let prompt = tokens(prompt_token_ids)?;
         let lora = match (lora_name, lora_path, lora_id) {
             (None, None, None) => None,
@@ -473,12 +579,20 @@ impl PyManager {
     /// `request_ids[i]` (one crossing for a whole step's outputs).
     fn append_token_ids_batch(
         &mut self,
-        request_ids: Vec<PyBackedStr>,
+        request_ids: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let ids: Vec<&str> = request_ids.iter().map(|s| &**s).collect();
+        let ids = BatchIds::extract(request_ids)?;
         let t = tokens(token_ids)?;
-        self.inner.append_token_ids_batch(&ids, &t).map_err(err)
+        let inner = &mut self.inner;
+        ids.with_refs(|r| inner.append_token_ids_batch_refs(r, &t))
+            .map_err(err)
+    }
+
+    /// The handle of a known request (what `add_request` returned): batch calls
+    /// accept handles in place of ids and skip the id lookup.
+    fn request_handle(&self, request_id: &str) -> PyResult<u64> {
+        self.inner.request_handle(request_id).map_err(err)
     }
 
     fn free(&mut self, request_id: &str) -> PyResult<()> {
@@ -562,13 +676,16 @@ impl PyManager {
     fn allocate_slots_batch<'py>(
         &mut self,
         py: Python<'py>,
-        request_ids: Vec<PyBackedStr>,
+        request_ids: &Bound<'py, PyAny>,
         num_new_tokens: &Bound<'py, PyAny>,
         num_computed_tokens: &Bound<'py, PyAny>,
         num_lookahead_tokens: i64,
     ) -> PyResult<(usize, Bound<'py, PyTuple>)> {
-        let ids: Vec<&str> = request_ids.iter().map(|s| &**s).collect();
-        let n = ids.len();
+        let ids = BatchIds::extract(request_ids)?;
+        let n = match &ids {
+            BatchIds::Names(v) => v.len(),
+            BatchIds::Handles(v) => v.len(),
+        };
         let new = if let Ok(v) = num_new_tokens.extract::<i64>() {
             vec![count("num_new_tokens", v)?; n]
         } else {
@@ -576,8 +693,8 @@ impl PyManager {
         };
         let computed = counts("num_computed_tokens", num_computed_tokens)?;
         let look = count("num_lookahead_tokens", num_lookahead_tokens)?;
-        self.inner
-            .allocate_slots_batch(&ids, &new, &computed, look, &mut self.batch)
+        let (inner, batch) = (&mut self.inner, &mut self.batch);
+        ids.with_refs(|r| inner.allocate_slots_batch_refs(r, &new, &computed, look, batch))
             .map_err(err)?;
         let b = &self.batch;
         let per_group = PyTuple::new(
@@ -660,7 +777,21 @@ impl PyManager {
     /// block_size, lora_id, lora_name, extra_keys, group_idx, spec_kind,
     /// sliding_window)`, `("BlockRemoved", hashes, group_idx)`, `("AllBlocksCleared",)`.
     /// Hashes are vLLM's integer form.
-    fn _take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    /// Drains the events as tuples; hashes as vLLM's 64-bit ints, or with
+    /// `raw_hashes` as the full digest bytes.
+    #[pyo3(signature = (raw_hashes = false))]
+    fn _take_events<'py>(
+        &mut self,
+        py: Python<'py>,
+        raw_hashes: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let hv = |h: &BlockHash| -> PyResult<Bound<'py, PyAny>> {
+            if raw_hashes {
+                Ok(PyBytes::new(py, h.as_bytes()).into_any())
+            } else {
+                Ok(hash_int(h).into_pyobject(py)?.into_any())
+            }
+        };
         let evs = self.inner.take_events();
         let out = PyList::empty(py);
         for ev in evs {
@@ -677,8 +808,11 @@ impl PyManager {
                     };
                     (
                         "BlockStored",
-                        s.block_hashes.iter().map(hash_int).collect::<Vec<_>>(),
-                        s.parent_block_hash.as_ref().map(hash_int),
+                        s.block_hashes
+                            .iter()
+                            .map(hv)
+                            .collect::<PyResult<Vec<_>>>()?,
+                        s.parent_block_hash.as_ref().map(hv).transpose()?,
                         s.token_ids,
                         s.block_size,
                         s.lora_id,
@@ -695,7 +829,7 @@ impl PyManager {
                     group_idx,
                 } => (
                     "BlockRemoved",
-                    block_hashes.iter().map(hash_int).collect::<Vec<_>>(),
+                    block_hashes.iter().map(hv).collect::<PyResult<Vec<_>>>()?,
                     group_idx,
                 )
                     .into_pyobject(py)?,

@@ -1,0 +1,123 @@
+"""Request handles: ``add_request`` returns an int that batch calls accept in place
+of the request id (skipping the id lookup). Calls by handle and by id give the same
+results; a removed request's handle is refused (never taken for the request that
+reuses its slot) and leaves the manager unchanged. Also the token-list fast path:
+exact ints take it, everything else still converts or is refused as before."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import numpy as np
+import pagedkv as pk
+import pytest
+from _util import as_lists, make_manager, snapshot
+from pagedkv.errors import InvalidArgumentError, UnknownRequestError
+
+
+def _admit_all(mgr: pk.KVCacheManager, n: int, prompt_len: int) -> list[int]:
+    handles = []
+    for i in range(n):
+        h = mgr.add_request(f"r{i}", [i * 1000 + t for t in range(prompt_len)])
+        assert isinstance(h, int)
+        assert mgr.request_handle(f"r{i}") == h
+        hit = mgr.get_computed_blocks(f"r{i}")
+        assert mgr.allocate_slots(f"r{i}", prompt_len - hit.num_computed_tokens,
+                                  num_computed_tokens=0, new_computed_blocks=hit) is not None
+        handles.append(h)
+    return handles
+
+
+@pytest.mark.parametrize("form", ["list", "int64", "uint64"])
+def test_batch_by_handle_equals_batch_by_id(form: str) -> None:
+    by_id, by_handle = make_manager(4, 64), make_manager(4, 64)
+    ids = [f"r{i}" for i in range(5)]
+    _admit_all(by_id, 5, 6)
+    handles = _admit_all(by_handle, 5, 6)
+    refs: Any = {"list": handles, "int64": np.array(handles, dtype=np.int64),
+                 "uint64": np.array(handles, dtype=np.uint64)}[form]
+    for step in range(9):
+        computed = np.full(5, 6 + step, dtype=np.int64)
+        a = by_id.allocate_slots_batch(ids, 1, computed)
+        b = by_handle.allocate_slots_batch(refs, 1, computed)
+        assert a[0] == b[0]
+        for (ia, oa), (ib, ob) in zip(a[1], b[1], strict=True):
+            assert ia.tolist() == ib.tolist() and oa.tolist() == ob.tolist()
+        toks = [7 * step + i for i in range(5)]
+        by_id.append_token_ids_batch(ids, toks)
+        by_handle.append_token_ids_batch(refs, toks)
+    assert snapshot(by_id, ids) == snapshot(by_handle, ids)
+    by_handle.check_invariants()
+
+
+def test_removed_handle_is_refused_even_when_its_slot_is_reused() -> None:
+    mgr = make_manager(4, 64)
+    (old,) = _admit_all(mgr, 1, 6)
+    mgr.remove_request("r0")
+    new = mgr.add_request("n", list(range(6)))
+    assert new != old
+    assert new & 0xFFFFFFFF == old & 0xFFFFFFFF  # the slot is reused, the handle is not
+    mgr.allocate_slots("n", 6, num_computed_tokens=0)
+    before = snapshot(mgr, ["n"])
+    for bad in ([new, old], np.array([new, -1], dtype=np.int64), [new, 2**63]):
+        with pytest.raises(UnknownRequestError):
+            mgr.allocate_slots_batch(bad, 1, [6, 6])
+        with pytest.raises(UnknownRequestError):
+            mgr.append_token_ids_batch(bad, [1, 2])
+    assert snapshot(mgr, ["n"]) == before
+    with pytest.raises(UnknownRequestError):
+        mgr.request_handle("r0")
+    with pytest.raises(TypeError):
+        mgr.allocate_slots_batch([new, -1], 1, [6, 6])
+    with pytest.raises(TypeError):
+        mgr.allocate_slots_batch("n", 1, [6])
+    assert snapshot(mgr, ["n"]) == before
+    mgr.check_invariants()
+
+
+class _Tok(enum.IntEnum):
+    A = 5
+
+
+@pytest.mark.parametrize(
+    ("tokens", "expected"),
+    [
+        ([0, 1, 2**32 - 1, 17], [0, 1, 2**32 - 1, 17]),
+        ([_Tok.A, np.int64(9), np.uint32(3)], [5, 9, 3]),  # not exact ints: the slow path
+    ],
+)
+def test_token_list_conversion(tokens: list[Any], expected: list[int]) -> None:
+    a, b = make_manager(2, 16), make_manager(2, 16)
+    a.add_request("r", tokens)
+    b.add_request("r", np.array(expected, dtype=np.uint32))
+    assert a.block_hashes("r") == b.block_hashes("r")
+    assert a.num_tokens("r") == len(expected)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ([1, -1], InvalidArgumentError),
+        ([1, 2**32], InvalidArgumentError),
+        ([1, 2**64], InvalidArgumentError),
+        ([1, -(2**70)], InvalidArgumentError),
+        ([1, True], TypeError),
+        ([1, 2.0], TypeError),
+        ([1, "2"], TypeError),
+        ([1, None], TypeError),
+    ],
+)
+def test_bad_token_in_list_is_refused_without_change(bad: list[Any], error: type) -> None:
+    mgr = make_manager(2, 16)
+    mgr.add_request("ok", [1, 2, 3])
+    before = snapshot(mgr, ["ok"])
+    with pytest.raises(error):
+        mgr.add_request("r", bad)
+    with pytest.raises(error):
+        mgr.append_token_ids("ok", bad)
+    with pytest.raises(error):
+        mgr.append_token_ids_batch(["ok", "ok"], bad)
+    assert snapshot(mgr, ["ok"]) == before
+    assert as_lists(mgr.get_block_ids("ok")) == ([],)
+    mgr.check_invariants()

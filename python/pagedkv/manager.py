@@ -34,12 +34,29 @@ def _embed_bytes(prompt_embeds: Any) -> bytes:
 
 
 def _mm_tuple(item: Any) -> tuple[str, int, int]:
+    """``(identifier, offset, length)`` of a multimodal item: a 3-tuple, or vLLM's
+    ``MultiModalFeatureSpec`` (``identifier`` + ``mm_position.offset/length``)."""
     if isinstance(item, tuple | list):
+        if len(item) != 3:
+            raise TypeError(
+                f"a multimodal item is (identifier, offset, length), got {item!r}")
         identifier, offset, length = item
-        return str(identifier), int(offset), int(length)
-    # vLLM's MultiModalFeatureSpec (identifier + mm_position.offset/length)
-    pos = getattr(item, "mm_position", item)
-    return str(item.identifier), int(pos.offset), int(pos.length)
+    elif hasattr(item, "identifier"):
+        pos = getattr(item, "mm_position", item)
+        identifier = item.identifier
+        offset = getattr(pos, "offset", None)
+        length = getattr(pos, "length", None)
+    else:
+        raise TypeError(
+            "mm_features items must be (identifier, offset, length) tuples or "
+            f"MultiModalFeatureSpec objects, got {item!r}")
+    if not isinstance(identifier, str):
+        raise TypeError(f"a multimodal identifier must be a str, got {identifier!r}")
+    for name, v in (("offset", offset), ("length", length)):
+        # Exact ints (NumPy integers too), not bools or floats.
+        if isinstance(v, bool) or not hasattr(v, "__index__"):
+            raise TypeError(f"a multimodal {name} must be an int, got {v!r}")
+    return identifier, offset.__index__(), length.__index__()
 
 
 class KVCacheManager(_core.KVCacheManager):
@@ -112,6 +129,8 @@ class KVCacheManager(_core.KVCacheManager):
                   for g in kv_cache_config.kv_cache_groups]
         if hash_seed is None:
             hash_seed = os.environ.get("PYTHONHASHSEED")
+        elif isinstance(hash_seed, bool) or not isinstance(hash_seed, str | int):
+            raise TypeError(f"hash_seed must be a str or an int, got {hash_seed!r}")
         self = super().__new__(
             cls,
             kv_cache_config.num_blocks,

@@ -1138,9 +1138,16 @@ impl KvCacheManager {
     /// chunks); a no-op for full attention.
     ///
     /// # Errors
-    /// Unknown request.
+    /// Unknown request, or more tokens than the request has.
     pub fn remove_skipped_blocks(&mut self, id: &str, total_computed_tokens: u64) -> Result<()> {
         let slot = self.slot(id)?;
+        let n = self.req(slot).num_tokens();
+        if total_computed_tokens > n as u64 {
+            // Blocks the request still needs would be released.
+            return Err(invalid(format!(
+                "total_computed_tokens {total_computed_tokens} exceeds the request's {n} tokens"
+            )));
+        }
         self.remove_skipped(slot, total_computed_tokens);
         Ok(())
     }

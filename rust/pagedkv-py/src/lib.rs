@@ -367,6 +367,15 @@ impl PyComputedBlocks {
 
 /// The Rust KV-cache manager. Use `pagedkv.KVCacheManager`, which builds it from a
 /// `KVCacheConfig`.
+/// The manager, mutably borrowed for a call whose arguments are converted.
+fn borrow<'py>(slf: &Bound<'py, PyManager>) -> PyResult<PyRefMut<'py, PyManager>> {
+    slf.try_borrow_mut().map_err(|_| {
+        pyo3::exceptions::PyRuntimeError::new_err(
+            "the KVCacheManager is in use by another call (called back from inside a call)",
+        )
+    })
+}
+
 #[pyclass(module = "pagedkv._core", name = "KVCacheManager", subclass)]
 struct PyManager {
     inner: core::KvCacheManager,
@@ -524,8 +533,7 @@ impl PyManager {
         skip_reading_prefix_cache = false))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
-        &mut self,
-        py: Python<'_>,
+        slf: &Bound<'_, Self>,
         request_id: &str,
         prompt_token_ids: &Bound<'_, PyAny>,
         lora_name: Option<String>,
@@ -561,30 +569,38 @@ impl PyManager {
             prompt_embeds,
             skip_reading_prefix_cache,
         };
-        let inner = &mut self.inner;
-        if spec.prompt_token_ids.len() > 8192 {
-            py.detach(|| inner.add_request(request_id, spec))
-                .map_err(err)
-        } else {
-            inner.add_request(request_id, spec).map_err(err)
-        }
+        // Arguments are converted before the manager is borrowed, so Python code
+        // they run (an iterator calling back into the manager) finds it free. The
+        // GIL stays held: calls from other threads wait instead of failing.
+        borrow(slf)?
+            .inner
+            .add_request(request_id, spec)
+            .map_err(err)
     }
 
-    fn append_token_ids(&mut self, request_id: &str, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn append_token_ids(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let t = tokens(token_ids)?;
-        self.inner.append_token_ids(request_id, &t).map_err(err)
+        borrow(slf)?
+            .inner
+            .append_token_ids(request_id, &t)
+            .map_err(err)
     }
 
     /// Appends one sampled token to each request: `token_ids[i]` to
     /// `request_ids[i]` (one crossing for a whole step's outputs).
     fn append_token_ids_batch(
-        &mut self,
+        slf: &Bound<'_, Self>,
         request_ids: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let ids = BatchIds::extract(request_ids)?;
         let t = tokens(token_ids)?;
-        let inner = &mut self.inner;
+        let mut this = borrow(slf)?;
+        let inner = &mut this.inner;
         ids.with_refs(|r| inner.append_token_ids_batch_refs(r, &t))
             .map_err(err)
     }
@@ -674,8 +690,7 @@ impl PyManager {
     /// `i`'s new blocks are `block_ids[offsets[i]:offsets[i+1]]`.
     #[pyo3(signature = (request_ids, num_new_tokens, num_computed_tokens, *, num_lookahead_tokens = 0))]
     fn allocate_slots_batch<'py>(
-        &mut self,
-        py: Python<'py>,
+        slf: &Bound<'py, Self>,
         request_ids: &Bound<'py, PyAny>,
         num_new_tokens: &Bound<'py, PyAny>,
         num_computed_tokens: &Bound<'py, PyAny>,
@@ -686,17 +701,20 @@ impl PyManager {
             BatchIds::Names(v) => v.len(),
             BatchIds::Handles(v) => v.len(),
         };
-        let new = if let Ok(v) = num_new_tokens.extract::<i64>() {
-            vec![count("num_new_tokens", v)?; n]
+        let new = if num_new_tokens.is_instance_of::<pyo3::types::PyInt>() {
+            vec![count("num_new_tokens", num_new_tokens.extract::<i64>()?)?; n]
         } else {
             counts("num_new_tokens", num_new_tokens)?
         };
         let computed = counts("num_computed_tokens", num_computed_tokens)?;
         let look = count("num_lookahead_tokens", num_lookahead_tokens)?;
-        let (inner, batch) = (&mut self.inner, &mut self.batch);
+        let py = slf.py();
+        let mut this = borrow(slf)?;
+        let this = &mut *this;
+        let (inner, batch) = (&mut this.inner, &mut this.batch);
         ids.with_refs(|r| inner.allocate_slots_batch_refs(r, &new, &computed, look, batch))
             .map_err(err)?;
-        let b = &self.batch;
+        let b = &this.batch;
         let per_group = PyTuple::new(
             py,
             b.block_ids.iter().zip(&b.offsets).map(|(ids, off)| {
@@ -753,7 +771,7 @@ impl PyManager {
             .map_err(err)
     }
 
-    fn evict_blocks(&mut self, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn evict_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = counts(
             "block id",
             &PyList::new(
@@ -762,7 +780,7 @@ impl PyManager {
             )?
             .into_any(),
         )?;
-        self.inner.evict_blocks(&ids).map_err(err)
+        borrow(slf)?.inner.evict_blocks(&ids).map_err(err)
     }
 
     fn reset_prefix_cache(&mut self) -> bool {

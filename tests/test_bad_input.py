@@ -20,7 +20,9 @@ tests at the end of the file, each with its reason.
 from __future__ import annotations
 
 import math
+import os
 import random
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -953,3 +955,43 @@ def test_reentrant_call_raises_a_documented_error() -> None:
     it = ReentrantTokens(mgr, lambda m: m.free("run"))
     mgr.add_request("new", it)
     assert isinstance(it.inner, PagedKVError)
+
+
+MAMBA_HUGE_COUNT = """
+import pagedkv as pk
+full = pk.FullAttentionSpec(4, 1, 1, "float32")
+mamba = pk.MambaSpec(block_size=8, shapes=((1,),), dtypes=("float32",),
+                     mamba_cache_mode="align")
+groups = [pk.KVCacheGroupSpec(["a"], full), pk.KVCacheGroupSpec(["m"], mamba)]
+mgr = pk.KVCacheManager(pk.KVCacheConfig(num_blocks=64, kv_cache_groups=groups),
+                        max_model_len=64)
+mgr.add_request("r", list(range(10)))
+hit = mgr.get_computed_blocks("r")
+try:
+    mgr.allocate_slots("r", 2**40, num_computed_tokens=0, new_computed_blocks=hit)
+except pk.PagedKVError:
+    pass
+mgr.check_invariants()
+print("survived")
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "a Mamba 'align' group sizes the block list by num_computed_tokens + num_new_tokens "
+        "without the max_model_len cap: allocate_slots(num_new_tokens=2**40) on a "
+        "full-attention + Mamba-align model aborts the process (allocation of 512 GiB)"
+    ),
+)
+def test_huge_count_on_a_mamba_align_model_does_not_abort() -> None:
+    # In a child process: the abort would take the test runner down with it.
+    env = {**os.environ, "RUST_BACKTRACE": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-c", MAMBA_HUGE_COUNT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0 and "survived" in proc.stdout, proc.stderr[:300]

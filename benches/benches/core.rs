@@ -167,5 +167,32 @@ fn coordinator(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, free_queue, hashing, lookup, allocate, coordinator);
+/// A whole trace replayed through the scheduler loop (the pure-Rust floor of
+/// `benches/drive_bench.py`): the oracle's trace cut to 200 requests.
+fn trace_replay(c: &mut Criterion) {
+    let reqs = pagedkv_benches::trace::generate(0, 200);
+    let mut g = c.benchmark_group("trace_replay");
+    g.sample_size(10);
+    g.bench_function("200_requests_4096_blocks", |b| {
+        b.iter(|| {
+            let mut cfg = pagedkv_core::ManagerConfig::full_attention(4096, 16, 16384);
+            cfg.max_in_flight_tokens = Some(8192);
+            let Ok(mut kv) = pagedkv_core::KvCacheManager::new(cfg) else {
+                return;
+            };
+            black_box(pagedkv_benches::drive::run(&mut kv, &reqs, false));
+        });
+    });
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    free_queue,
+    hashing,
+    lookup,
+    allocate,
+    coordinator,
+    trace_replay
+);
 criterion_main!(benches);

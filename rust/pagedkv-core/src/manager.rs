@@ -965,7 +965,9 @@ impl KvCacheManager {
         let admitting = hit.is_some() || !req.holds_blocks();
         let local = a.num_computed_tokens + num_new_computed;
         let total_computed = (local + a.num_external_computed_tokens).min(max_len);
-        let main_model = total_computed + a.num_new_tokens;
+        // Capped like the slot count: a count past max_model_len must not size
+        // block lists (Mamba "align" pads them with null blocks up to it).
+        let main_model = (total_computed + a.num_new_tokens).min(max_len);
         let need_slot = (main_model + a.num_lookahead_tokens).min(max_len);
 
         let empty: Vec<Vec<BlockId>> = Vec::new();

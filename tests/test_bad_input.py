@@ -976,14 +976,6 @@ print("survived")
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a Mamba 'align' group sizes the block list by num_computed_tokens + num_new_tokens "
-        "without the max_model_len cap: allocate_slots(num_new_tokens=2**40) on a "
-        "full-attention + Mamba-align model aborts the process (allocation of 512 GiB)"
-    ),
-)
 def test_huge_count_on_a_mamba_align_model_does_not_abort() -> None:
     # In a child process: the abort would take the test runner down with it.
     env = {**os.environ, "RUST_BACKTRACE": "0"}

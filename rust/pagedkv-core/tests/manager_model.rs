@@ -684,12 +684,12 @@ impl Model {
         // Adopt the hit in every group, then fresh blocks for the connector's
         // tokens (held, but not reported as new blocks).
         if (hit.is_some() || ext > 0) && !r.running() {
-            for g in 0..ng {
+            for (g, hb) in hit_blocks.iter().enumerate().take(ng) {
                 if self.cfg.caching {
-                    self.touch(&hit_blocks[g]);
+                    self.touch(hb);
                 }
                 let rm = self.req(id);
-                rm.blocks[g].extend_from_slice(&hit_blocks[g]);
+                rm.blocks[g].extend_from_slice(hb);
                 rm.num_cached[g] = rm.blocks[g].len();
             }
             if ext > 0 {

@@ -53,9 +53,13 @@ class SimRequest:
     """A request of the workload: its prompt and the tokens it will sample."""
 
     request_id: str
-    prompt: Sequence[int]
+    prompt: Sequence[int] | np.ndarray
     output: Sequence[int]
     arrival_step: int = 0
+    #: extra keys of the request's block hashes (vLLM's LoRA and cache-salt keys)
+    lora_name: str | None = None
+    lora_path: str | None = None
+    cache_salt: str | None = None
     # scheduler state
     num_computed_tokens: int = 0
     num_output_tokens: int = 0
@@ -80,6 +84,10 @@ class StepStats:
     finished: int = 0
     hit_tokens: int = 0
     query_tokens: int = 0
+    #: the same, for admissions of requests never preempted (vLLM's prefix-cache
+    #: hit-rate metric leaves re-admissions after a preemption out)
+    first_hit_tokens: int = 0
+    first_query_tokens: int = 0
     peak_running: int = 0
     manager_calls: int = 0
     #: nanoseconds inside manager calls, per API
@@ -119,7 +127,11 @@ class Scheduler:
     def add_request(self, req: SimRequest) -> None:
         """Registers the request with the manager (hashing its prompt) and queues it."""
         t = self._clock()
-        handle = self.kv.add_request(req.request_id, req.prompt)
+        if req.lora_name is None and req.cache_salt is None:
+            handle = self.kv.add_request(req.request_id, req.prompt)
+        else:
+            handle = self.kv.add_request(req.request_id, req.prompt, lora_name=req.lora_name,
+                                         lora_path=req.lora_path, cache_salt=req.cache_salt)
         self.stats.timed("add_request", self._clock() - t)
         req.handle = handle if isinstance(handle, int) else req.request_id
         self.waiting.append(req)
@@ -225,6 +237,9 @@ class Scheduler:
             st.admissions += 1
             st.hit_tokens += num_hit
             st.query_tokens += req.num_tokens
+            if req.num_preemptions == 0:
+                st.first_hit_tokens += num_hit
+                st.first_query_tokens += req.num_tokens
             scheduled.append((req, n))
             budget -= n
 

@@ -1,0 +1,427 @@
+"""The ``pagedkv`` command line. ``pagedkv simulate --help`` explains the simulator."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from . import __version__, presets
+from .errors import PagedKVError
+from .manager import HASH_ALGOS
+from .sim import runner
+from .sim.runner import EngineUnavailableError, SimConfig, SimResult
+from .sim.tracefile import TraceFormatError, read_trace, write_trace
+from .sim.workloads import ARRIVALS, WORKLOADS, Workload, WorkloadOptions, generate
+
+__all__ = ["main"]
+
+SIMULATE_HELP = """\
+Replay a serving workload through a vLLM-style continuous-batching scheduler
+(FCFS admission with get_computed_blocks + allocate_slots, chunked prefill under a
+token budget, batched decode, preemption by recompute) over pagedkv's real
+KV-cache manager, and report what a deployment would see: prefix-hit rate,
+preemptions, KV-cache usage over time and the manager's own cost per step.
+
+With no arguments: the 'chat' workload on llama-3.1-8b with 8 GiB of KV cache.
+"""
+
+SIMULATE_EPILOG = """\
+workloads (--workload, deterministic from --seed):
+{workloads}
+  or --trace FILE: a JSONL trace (format in docs/simulate.md; --step-ms maps
+  arrival seconds to steps)
+
+model presets (--model): {models}
+
+--compare AXIS=V1,V2,... runs one simulation per value (repeat for a grid).
+  axes: caching (on,off), block-size, hash ({hashes}), memory (GiB),
+        num-blocks, model, workload, max-num-seqs; '--compare caching' = on,off
+
+examples:
+  pagedkv simulate
+  pagedkv simulate --workload agentic --memory 8 --plot agentic.png
+  pagedkv simulate --workload tenants --compare workload=tenants,tenants-salted
+  pagedkv simulate --compare caching --compare memory=2,4,8 --json
+  pagedkv simulate --engine vllm --vllm-python /path/to/venv-with-vllm/bin/python
+
+exit status: 0 ok, 2 bad arguments or input, 3 the requested engine is unavailable.
+"""
+
+_AXES = (
+    "caching",
+    "block-size",
+    "hash",
+    "memory",
+    "num-blocks",
+    "model",
+    "workload",
+    "max-num-seqs",
+)
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {s}")
+    return v
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
+    return v
+
+
+def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
+    workloads = "\n".join(f"  {n:<16}{d}" for n, (_, d) in WORKLOADS.items())
+    p: argparse.ArgumentParser = sub.add_parser(
+        "simulate",
+        help="simulate a serving workload over the manager",
+        description=SIMULATE_HELP,
+        epilog=SIMULATE_EPILOG.format(
+            workloads=workloads, models=", ".join(presets.names()), hashes=", ".join(HASH_ALGOS)
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = p.add_argument_group("workload")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument(
+        "--workload",
+        "-w",
+        default="chat",
+        choices=list(WORKLOADS),
+        metavar="NAME",
+        help="built-in workload (default: chat)",
+    )
+    src.add_argument("--trace", metavar="FILE", help="replay a JSONL trace instead")
+    g.add_argument(
+        "--requests",
+        "-n",
+        type=_positive_int,
+        metavar="N",
+        help="number of requests (default: the workload's, 500-1000)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    g.add_argument(
+        "--arrival",
+        choices=ARRIVALS,
+        default="poisson",
+        help="arrival process of requests / session starts (default poisson)",
+    )
+    g.add_argument(
+        "--rate",
+        type=_positive_float,
+        metavar="R",
+        help="mean arrivals per scheduler step (default: the workload's)",
+    )
+    g.add_argument(
+        "--tenants",
+        type=_positive_int,
+        default=8,
+        metavar="N",
+        help="tenants behind the requests (default 8)",
+    )
+    g.add_argument("--cache-salt", action="store_true", help="give each tenant its own cache salt")
+    g.add_argument(
+        "--loras",
+        type=int,
+        default=0,
+        metavar="N",
+        help="LoRA adapters, tenant t uses adapter t %% N (default 0: none)",
+    )
+    g.add_argument(
+        "--step-ms",
+        type=_positive_float,
+        default=50.0,
+        metavar="MS",
+        help="milliseconds per step, for trace arrival times (default 50)",
+    )
+    g.add_argument("--save-trace", metavar="FILE", help="also write the workload as a JSONL trace")
+    g = p.add_argument_group("model and memory")
+    g.add_argument(
+        "--model",
+        "-m",
+        default="llama-3.1-8b",
+        metavar="PRESET",
+        help="model preset (default llama-3.1-8b)",
+    )
+    mem = g.add_mutually_exclusive_group()
+    mem.add_argument(
+        "--memory",
+        type=_positive_float,
+        default=8.0,
+        metavar="GIB",
+        help="GPU memory for the KV cache, GiB (default 8)",
+    )
+    mem.add_argument(
+        "--num-blocks",
+        type=_positive_int,
+        metavar="N",
+        help="a fixed number of blocks instead of --memory",
+    )
+    g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block")
+    g.add_argument("--kv-dtype", default="bfloat16", help="KV-cache dtype (default bfloat16)")
+    g.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        metavar="N",
+        help="default: 16384, or the longest request if longer",
+    )
+    g = p.add_argument_group("manager and scheduler")
+    g.add_argument("--no-caching", action="store_true", help="turn prefix caching off")
+    g.add_argument(
+        "--hash", choices=HASH_ALGOS, default="sha256_cbor", help="block hash (default sha256_cbor)"
+    )
+    g.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
+    g.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="AXIS=V1,V2",
+        help="run variants side by side (see below)",
+    )
+    g.add_argument(
+        "--engine",
+        choices=("pagedkv", "vllm"),
+        default="pagedkv",
+        help="vllm: also run vLLM's own KVCacheManager and compare",
+    )
+    g.add_argument(
+        "--vllm-python", metavar="PATH", help="a Python with vllm installed, for --engine vllm"
+    )
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print the results as JSON only")
+    g.add_argument("--series", action="store_true", help="with --json: include the per-step series")
+    g.add_argument(
+        "--plot", metavar="FILE.png", help="KV usage, running requests and hit rate over steps"
+    )
+    g.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    return p
+
+
+def _parse_compare(specs: Sequence[str]) -> list[tuple[str, list[str]]]:
+    axes: list[tuple[str, list[str]]] = []
+    for spec in specs:
+        axis, _, values = spec.partition("=")
+        axis = axis.strip()
+        if axis not in _AXES:
+            raise _UsageError(f"--compare: unknown axis {axis!r} (axes: {', '.join(_AXES)})")
+        vals = [v.strip() for v in values.split(",") if v.strip()] if values else []
+        if not vals:
+            if axis != "caching":
+                raise _UsageError(f"--compare {axis}=V1,V2,...: give the values")
+            vals = ["on", "off"]
+        if any(a == axis for a, _ in axes):
+            raise _UsageError(f"--compare: axis {axis!r} given twice")
+        axes.append((axis, vals))
+    return axes
+
+
+def _apply(axis: str, value: str, cfg: SimConfig, workload: str) -> tuple[SimConfig, str]:
+    try:
+        if axis == "caching":
+            if value not in ("on", "off"):
+                raise ValueError("caching is on or off")
+            return replace(cfg, enable_caching=value == "on"), workload
+        if axis == "block-size":
+            return replace(cfg, block_size=_positive_int(value)), workload
+        if axis == "hash":
+            if value not in HASH_ALGOS:
+                raise ValueError(f"hash is one of {', '.join(HASH_ALGOS)}")
+            return replace(cfg, hash_algo=value), workload
+        if axis == "memory":
+            return replace(cfg, memory_gib=_positive_float(value), num_blocks=None), workload
+        if axis == "num-blocks":
+            return replace(cfg, num_blocks=_positive_int(value)), workload
+        if axis == "model":
+            return replace(cfg, model=value), workload
+        if axis == "max-num-seqs":
+            return replace(cfg, max_num_seqs=_positive_int(value)), workload
+        if value not in WORKLOADS:
+            raise ValueError(f"built-in workloads: {', '.join(WORKLOADS)}")
+        return cfg, value
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        raise _UsageError(f"--compare {axis}={value}: {e}") from None
+
+
+def _progress(console: Any, enabled: bool) -> Any:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("step {task.fields[step]:,}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not enabled,
+    )
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .sim import report
+
+    out = Console(soft_wrap=True)
+    err = Console(stderr=True)
+    axes = _parse_compare(args.compare)
+    if args.engine == "vllm" and axes:
+        raise _UsageError(
+            "--engine vllm compares the two managers on one configuration; drop --compare"
+        )
+    if args.vllm_python and args.engine != "vllm":
+        raise _UsageError("--vllm-python goes with --engine vllm")
+    if args.trace and any(a == "workload" for a, _ in axes):
+        raise _UsageError("--compare workload=... uses built-in workloads, not --trace")
+    if args.series and not args.json:
+        raise _UsageError("--series goes with --json")
+    if args.loras < 0:
+        raise _UsageError("--loras must be >= 0")
+
+    base = SimConfig(
+        model=args.model,
+        memory_gib=args.memory,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        kv_dtype=args.kv_dtype,
+        max_model_len=args.max_model_len,
+        enable_caching=not args.no_caching,
+        hash_algo=args.hash,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    variants: list[tuple[str, SimConfig, str]] = []
+    for combo in itertools.product(*[[(a, v) for v in vals] for a, vals in axes]):
+        cfg, wname = base, args.workload
+        for axis, value in combo:
+            cfg, wname = _apply(axis, value, cfg, wname)
+        variants.append((", ".join(f"{a}={v}" for a, v in combo) or "pagedkv", cfg, wname))
+
+    opts = WorkloadOptions(
+        seed=args.seed,
+        num_requests=args.requests,
+        rate=args.rate,
+        arrival=args.arrival,
+        num_tenants=args.tenants,
+        cache_salt=args.cache_salt,
+        num_loras=args.loras,
+        max_context=args.max_model_len or runner.DEFAULT_MAX_MODEL_LEN,
+    )
+    cache: dict[str, Workload] = {}
+
+    def workload_for(name: str) -> Workload:
+        if name not in cache:
+            cache[name] = (
+                read_trace(args.trace, step_ms=args.step_ms) if args.trace else generate(name, opts)
+            )
+        return cache[name]
+
+    if args.save_trace:
+        write_trace(workload_for(variants[0][2]), args.save_trace)
+
+    results: list[SimResult] = []
+    summaries: list[dict[str, Any]] = []
+    show = not args.quiet and err.is_terminal
+    with _progress(err, show) as bar:
+        for label, cfg, wname in variants:
+            w = workload_for(wname)
+            task = bar.add_task(label, total=len(w.requests), step=0)
+
+            def tick(clock: int, finished: int, task: Any = task) -> None:
+                bar.update(task, completed=finished, step=clock)
+
+            runs: list[Callable[[], SimResult]] = [
+                functools.partial(runner.run_pagedkv, w, cfg, label=label, progress=tick)
+            ]
+            if args.engine == "vllm":
+                runs.append(
+                    functools.partial(
+                        runner.run_vllm,
+                        w,
+                        cfg,
+                        label="vllm",
+                        vllm_python=args.vllm_python,
+                        progress=tick,
+                    )
+                )
+            for i, run in enumerate(runs):
+                if i:
+                    bar.reset(task, description="vLLM (its import takes ~10 s)", step=0)
+                results.append(run())
+                summaries.append(w.summary())
+            bar.remove_task(task)
+
+    ratio = None
+    if args.engine == "vllm" and results[0].us_per_step > 0:
+        ratio = results[1].us_per_step / results[0].us_per_step
+    if args.plot:
+        from .sim.plot import plot_results
+
+        plot_results(
+            [r for r in results if r.series],
+            args.plot,
+            title=f"pagedkv simulate: {summaries[0]['name']} on {base.model}",
+        )
+    if args.json:
+        doc = report.to_json_obj(summaries, results, ratio=ratio, series=args.series)
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    else:
+        report.print_summary(out, summaries, results, ratio=ratio)
+        if args.plot:
+            out.print(f"plot written to {args.plot}")
+        if args.save_trace:
+            out.print(f"trace written to {args.save_trace}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pagedkv`` argument parser."""
+    p = argparse.ArgumentParser(
+        prog="pagedkv", description="pagedkv: a KV-cache block manager for LLM serving."
+    )
+    p.add_argument("--version", action="version", version=f"pagedkv {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    _simulate_parser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``pagedkv`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    prog = f"pagedkv {args.command}"
+    try:
+        return _simulate(args)
+    except EngineUnavailableError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 3
+    except (_UsageError, TraceFormatError, PagedKVError, ValueError, OSError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Tables and JSON of simulation results."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .runner import SimResult
+
+__all__ = ["print_summary", "to_json_obj"]
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _rows(r: SimResult) -> list[tuple[str, str]]:
+    c = r.config
+    return [
+        ("engine", r.engine),
+        ("model", f"{c['model']} ({', '.join(c['kv_cache_groups'])})"),
+        (
+            "KV cache",
+            f"{r.num_blocks:,} blocks of {c['block_size']} tokens, {c['kv_cache_gib']:.2f} GiB",
+        ),
+        ("prefix caching", f"{'on' if c['enable_caching'] else 'off'}, {c['hash_algo']}"),
+        ("requests finished", f"{r.finished:,} / {r.requests:,}"),
+        ("scheduler steps", f"{r.steps:,}"),
+        ("prompt / output tokens", f"{r.prompt_tokens:,} / {r.output_tokens:,}"),
+        (
+            "prefix hit rate (tokens)",
+            f"{_pct(r.hit_rate)}  ({r.hit_tokens:,} / {r.query_tokens:,})",
+        ),
+        (
+            "  incl. re-admissions",
+            _pct(r.hit_tokens_all / r.query_tokens_all if r.query_tokens_all else 0.0),
+        ),
+        ("preemptions", f"{r.preemptions:,}"),
+        ("peak running requests", f"{r.peak_running:,}"),
+        ("KV usage peak / mean", f"{_pct(r.peak_usage)} / {_pct(r.mean_usage)}"),
+        ("manager time", f"{r.manager_ns / 1e6:,.1f} ms"),
+        ("  per step", f"{r.us_per_step:,.2f} µs"),
+        ("  per call", f"{r.us_per_call:,.3f} µs  ({r.manager_calls:,} calls)"),
+        ("simulation wall time", f"{r.wall_s:.2f} s"),
+    ]
+
+
+def print_summary(
+    console: Console,
+    workload_summaries: Sequence[dict[str, Any]],
+    results: Sequence[SimResult],
+    *,
+    per_api: bool = True,
+    ratio: float | None = None,
+) -> None:
+    """One column per result; then each result's per-API times."""
+    for w in {w["name"]: w for w in workload_summaries}.values():
+        sessions = f", {w['sessions']:,} sessions" if w["sessions"] else ""
+        console.print(
+            f"[bold]workload[/bold] {w['name']}: {w['requests']:,} requests"
+            f"{sessions}, "
+            f"mean prompt {w['mean_prompt_tokens']:,.0f} tokens, longest request "
+            f"{w['max_request_tokens']:,} tokens, last arrival at step "
+            f"{w['last_arrival_step']:,}"
+        )
+    table = Table(title="pagedkv simulate", title_justify="left")
+    table.add_column("")
+    for r in results:
+        table.add_column(r.label, justify="right")
+    columns = [_rows(r) for r in results]
+    for i, (name, _) in enumerate(columns[0]):
+        table.add_row(name, *(col[i][1] for col in columns))
+    if len({r.alloc_checksum for r in results}) > 1 and {r.engine for r in results} == {
+        "pagedkv",
+        "vllm",
+    }:
+        table.add_row("alloc checksum", *(r.alloc_checksum for r in results))
+    console.print(table)
+    if ratio is not None:
+        same = len({r.alloc_checksum for r in results}) == 1
+        console.print(
+            f"vLLM / pagedkv manager time per step: [bold]{ratio:,.1f}x[/bold]; "
+            f"allocations {'identical' if same else 'DIFFERENT'} "
+            f"(alloc checksum {results[0].alloc_checksum})"
+        )
+    if not per_api:
+        return
+    for r in results:
+        t = Table(title=f"{r.label}: time inside the manager, per API", title_justify="left")
+        for col in ("API", "calls", "total ms", "µs/call"):
+            t.add_column(col, justify="left" if col == "API" else "right")
+        for api, (calls, ns) in sorted(r.per_api.items(), key=lambda kv: -kv[1][1]):
+            t.add_row(
+                api, f"{calls:,}", f"{ns / 1e6:,.1f}", f"{ns / 1e3 / calls:,.2f}" if calls else "-"
+            )
+        console.print(t)
+
+
+def to_json_obj(
+    workload_summaries: Sequence[dict[str, Any]],
+    results: Sequence[SimResult],
+    *,
+    ratio: float | None = None,
+    series: bool = False,
+) -> dict[str, Any]:
+    """The ``--json`` document: ``workloads`` and one entry of ``runs`` per result."""
+    runs = []
+    for r, w in zip(results, workload_summaries, strict=True):
+        d = r.to_dict()
+        d["workload"] = w["name"]
+        if series:
+            d["series"] = r.series
+        runs.append(d)
+    out: dict[str, Any] = {
+        "workloads": list({w["name"]: w for w in workload_summaries}.values()),
+        "runs": runs,
+    }
+    if ratio is not None:
+        out["vllm_over_pagedkv_manager_time_per_step"] = round(ratio, 3)
+        out["identical_allocations"] = len({r.alloc_checksum for r in results}) == 1
+    return out

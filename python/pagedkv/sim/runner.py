@@ -1,0 +1,458 @@
+"""Runs a workload through pagedkv's manager (and, on request, vLLM's).
+
+:func:`build_config` turns a model preset and a memory budget into a
+``KVCacheConfig`` through the config builder; :func:`run_pagedkv` drives
+:class:`pagedkv.scheduler.Scheduler` over it with the simulation clock of
+:mod:`pagedkv.sim._loop`; :func:`run_vllm` does the same with vLLM's own
+``KVCacheManager`` (in this interpreter, or in ``vllm_python`` through a
+subprocess).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .. import presets
+from ..config_builder import get_kv_cache_config
+from ..manager import KVCacheManager
+from ..scheduler import Scheduler, SchedulerConfig, SimRequest
+from ..specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from . import _loop, vllm_engine
+from .workloads import Workload
+
+__all__ = [
+    "DEFAULT_MAX_MODEL_LEN",
+    "EngineUnavailableError",
+    "SimConfig",
+    "SimResult",
+    "build_config",
+    "run_pagedkv",
+    "run_vllm",
+]
+
+GIB = 1 << 30
+DEFAULT_MAX_MODEL_LEN = 16384
+
+#: ``progress(clock, num_finished)``, called after every step
+ProgressFn = Callable[[int, int], None]
+
+
+class EngineUnavailableError(RuntimeError):
+    """The requested engine cannot run here (the message says why and what to do)."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Model, KV-cache memory and scheduler of one simulation."""
+
+    model: str = "llama-3.1-8b"
+    #: GiB of GPU memory for the KV cache (turned into blocks by the config builder)
+    memory_gib: float = 8.0
+    #: fixed block count instead of ``memory_gib``
+    num_blocks: int | None = None
+    block_size: int = 16
+    kv_dtype: str = "bfloat16"
+    #: None: 16384, or the longest request when longer (at most the model's)
+    max_model_len: int | None = None
+    enable_caching: bool = True
+    hash_algo: str = "sha256_cbor"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    full_sequence_must_fit: bool = True
+
+
+@dataclass
+class SimResult:
+    """Figures of one run (``to_dict`` for JSON; ``series`` for plots)."""
+
+    label: str
+    engine: str
+    config: dict[str, Any]
+    steps: int
+    requests: int
+    finished: int
+    prompt_tokens: int
+    output_tokens: int
+    #: prefix-cache hits and lookups of first admissions (vLLM's hit-rate metric)
+    hit_tokens: int
+    query_tokens: int
+    #: the same including re-admissions after a preemption
+    hit_tokens_all: int
+    query_tokens_all: int
+    preemptions: int
+    admissions: int
+    peak_running: int
+    peak_usage: float
+    mean_usage: float
+    num_blocks: int
+    usable_blocks: int
+    free_blocks_at_end: int
+    manager_ns: int
+    manager_calls: int
+    per_api: dict[str, tuple[int, int]]
+    alloc_checksum: str
+    wall_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+    #: per step: KV usage, running requests, waiting requests, cumulative hit rate
+    series: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def us_per_step(self) -> float:
+        return self.manager_ns / 1e3 / self.steps if self.steps else 0.0
+
+    @property
+    def us_per_call(self) -> float:
+        return self.manager_ns / 1e3 / self.manager_calls if self.manager_calls else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k not in ("series", "per_api", "extra")}
+        d.update(self.extra)
+        d["hit_rate"] = round(self.hit_rate, 6)
+        d["hit_rate_all"] = round(
+            self.hit_tokens_all / self.query_tokens_all if self.query_tokens_all else 0.0, 6
+        )
+        d["peak_usage"] = round(self.peak_usage, 6)
+        d["mean_usage"] = round(self.mean_usage, 6)
+        d["manager_ms"] = round(self.manager_ns / 1e6, 3)
+        d["manager_us_per_step"] = round(self.us_per_step, 3)
+        d["manager_us_per_call"] = round(self.us_per_call, 3)
+        d["wall_s"] = round(self.wall_s, 3)
+        d["per_api"] = {
+            api: {
+                "calls": c,
+                "ms": round(ns / 1e6, 3),
+                "us_per_call": round(ns / 1e3 / c, 3) if c else 0.0,
+            }
+            for api, (c, ns) in sorted(self.per_api.items())
+        }
+        return d
+
+
+def _max_model_len(cfg: SimConfig, workload: Workload, preset: presets.ModelPreset) -> int:
+    longest = workload.max_request_tokens
+    if cfg.max_model_len is not None:
+        if longest > cfg.max_model_len:
+            raise ValueError(
+                f"the workload has a request of {longest} tokens (prompt + "
+                f"output), longer than --max-model-len {cfg.max_model_len}"
+            )
+        return cfg.max_model_len
+    if longest > preset.max_model_len:
+        raise ValueError(
+            f"the workload has a request of {longest} tokens, longer than "
+            f"{preset.name}'s context ({preset.max_model_len})"
+        )
+    return min(preset.max_model_len, max(DEFAULT_MAX_MODEL_LEN, -(-longest // 1024) * 1024))
+
+
+def build_config(cfg: SimConfig, workload: Workload) -> tuple[KVCacheConfig, int]:
+    """(KV-cache config, max_model_len) of the model preset in the memory budget.
+    Raises ValueError for unknown presets or requests longer than the model, and
+    ``NotEnoughKVCacheMemoryError`` when the memory cannot hold one request."""
+    if cfg.model not in presets.names():
+        raise ValueError(
+            f"unknown model preset {cfg.model!r}; presets: {', '.join(presets.names())}"
+        )
+    preset = presets.get(cfg.model)
+    max_model_len = _max_model_len(cfg, workload, preset)
+    specs = preset.layer_specs(cfg.block_size, dtype=cfg.kv_dtype, max_model_len=max_model_len)
+    if cfg.memory_gib <= 0 and cfg.num_blocks is None:
+        raise ValueError(f"memory must be positive, got {cfg.memory_gib} GiB")
+    config = get_kv_cache_config(
+        specs,
+        int(cfg.memory_gib * GIB),
+        max_model_len=max_model_len,
+        max_in_flight_tokens=cfg.max_num_batched_tokens,
+        max_num_encoder_input_tokens=preset.max_num_encoder_input_tokens,
+        num_gpu_blocks_override=cfg.num_blocks,
+    )
+    return config, max_model_len
+
+
+def kv_cache_bytes(config: KVCacheConfig) -> int:
+    """Bytes of GPU memory the config's tensors take."""
+    return sum(t.size for t in config.kv_cache_tensors)
+
+
+def _config_dict(cfg: SimConfig, config: KVCacheConfig, max_model_len: int) -> dict[str, Any]:
+    d = asdict(cfg)
+    d["max_model_len"] = max_model_len
+    d["kv_cache_gib"] = round(kv_cache_bytes(config) / GIB, 3)
+    d["kv_cache_groups"] = [
+        f"{type(g.kv_cache_spec).__name__}x{len(g.layer_names)}" for g in config.kv_cache_groups
+    ]
+    return d
+
+
+def run_pagedkv(
+    workload: Workload,
+    cfg: SimConfig,
+    *,
+    label: str = "pagedkv",
+    progress: ProgressFn | None = None,
+) -> SimResult:
+    """Simulates ``workload`` on pagedkv's manager."""
+    config, max_model_len = build_config(cfg, workload)
+    kv = KVCacheManager(
+        config,
+        max_model_len,
+        enable_caching=cfg.enable_caching,
+        hash_algo=cfg.hash_algo,
+        max_in_flight_tokens=cfg.max_num_batched_tokens,
+        prefix_cache_retention_interval=0,
+    )
+    sched = Scheduler(
+        kv,
+        SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            full_sequence_must_fit=cfg.full_sequence_must_fit,
+        ),
+    )
+    reqs = workload.requests
+    usage, running, waiting, hit = array("d"), array("d"), array("d"), array("d")
+    st = sched.stats
+
+    def make(i: int) -> SimRequest:
+        r = reqs[i]
+        return SimRequest(
+            r.request_id,
+            r.prompt,
+            r.output,
+            r.arrival_step,
+            lora_name=r.lora_name,
+            lora_path=r.lora_path,
+            cache_salt=r.cache_salt,
+        )
+
+    def on_step(clock: int, finished: int) -> None:
+        usage.append(kv.usage)
+        running.append(len(sched.running))
+        waiting.append(len(sched.waiting))
+        q = st.first_query_tokens
+        hit.append(st.first_hit_tokens / q if q else 0.0)
+        if progress is not None:
+            progress(clock, finished)
+
+    t0 = time.perf_counter()
+    _loop.drive(sched, reqs, make, on_step)
+    wall = time.perf_counter() - t0
+    kv.check_invariants()
+    per_api = {api: (st.calls[api], ns) for api, ns in st.ns.items()}
+    # Logical calls, as vLLM's manager would count them: one add per request and
+    # one append per sampled token besides the scheduler's calls.
+    calls = st.manager_calls + len(reqs) + workload.output_tokens
+    return SimResult(
+        label=label,
+        engine="pagedkv",
+        config=_config_dict(cfg, config, max_model_len),
+        steps=st.steps,
+        requests=len(reqs),
+        finished=st.finished,
+        prompt_tokens=workload.prompt_tokens,
+        output_tokens=workload.output_tokens,
+        hit_tokens=st.first_hit_tokens,
+        query_tokens=st.first_query_tokens,
+        hit_tokens_all=st.hit_tokens,
+        query_tokens_all=st.query_tokens,
+        preemptions=st.preemptions,
+        admissions=st.admissions,
+        peak_running=st.peak_running,
+        peak_usage=max(usage, default=0.0),
+        mean_usage=sum(usage) / len(usage) if usage else 0.0,
+        num_blocks=config.num_blocks,
+        usable_blocks=config.num_blocks - 1,
+        free_blocks_at_end=kv.num_free_blocks,
+        manager_ns=st.manager_ns,
+        manager_calls=calls,
+        per_api=per_api,
+        alloc_checksum=f"{st.alloc_checksum:016x}",
+        wall_s=wall,
+        series={
+            "usage": usage.tolist(),
+            "running": running.tolist(),
+            "waiting": waiting.tolist(),
+            "hit_rate": hit.tolist(),
+        },
+    )
+
+
+# ------------------------------------------------------------------------ vLLM engine
+
+
+def _vllm_groups(config: KVCacheConfig) -> list[dict[str, Any]]:
+    groups = []
+    for g in config.kv_cache_groups:
+        s = g.kv_cache_spec
+        kind = getattr(s, "kind", type(s).__name__)
+        if (
+            not isinstance(s, FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec)
+            or kind not in vllm_engine.SUPPORTED_SPECS
+        ):
+            raise EngineUnavailableError(
+                f"--engine vllm supports attention-only models (full, MLA, sliding window, "
+                f"chunked local); this model has a {type(s).__name__} group"
+            )
+        d: dict[str, Any] = {
+            "kind": kind,
+            "layer_names": list(g.layer_names),
+            "block_size": s.block_size,
+            "num_kv_heads": s.num_kv_heads,
+            "head_size": s.head_size,
+            "dtype": str(s.dtype).split(".")[-1],
+        }
+        if isinstance(s, SlidingWindowSpec):
+            d["sliding_window"] = s.sliding_window
+        if isinstance(s, ChunkedLocalAttentionSpec):
+            d["attention_chunk_size"] = s.attention_chunk_size
+        if isinstance(s, MLAAttentionSpec):
+            d["kind"] = "mla_attention"
+        groups.append(d)
+    if len({g["block_size"] for g in groups}) != 1:
+        raise EngineUnavailableError("--engine vllm needs one block size across groups")
+    return groups
+
+
+def vllm_payload(workload: Workload, cfg: SimConfig) -> dict[str, Any]:
+    """The JSON-able input of :func:`pagedkv.sim.vllm_engine.run`."""
+    config, max_model_len = build_config(cfg, workload)
+    if cfg.hash_algo not in ("sha256_cbor", "xxhash_cbor"):
+        raise EngineUnavailableError(
+            f"--engine vllm: vLLM has no {cfg.hash_algo!r} hash (use sha256_cbor or xxhash_cbor)"
+        )
+    groups = _vllm_groups(config)
+    loras: dict[str, int] = {}
+    reqs = []
+    for r in workload.requests:
+        rec: dict[str, Any] = {
+            "id": r.request_id,
+            "prompt": r.prompt.tolist(),
+            "output": list(r.output),
+            "arrival_step": r.arrival_step,
+            "session": r.session,
+            "pause": r.pause,
+            "salt": r.cache_salt,
+        }
+        if r.lora_name is not None:
+            lora_id = loras.setdefault(r.lora_name, len(loras) + 1)
+            rec["lora"] = [r.lora_name, lora_id, r.lora_path or ""]
+        reqs.append(rec)
+    return {
+        "manager": {
+            "num_blocks": config.num_blocks,
+            "max_model_len": max_model_len,
+            "block_size": groups[0]["block_size"],
+            "groups": groups,
+            "enable_caching": cfg.enable_caching,
+            "hash_algo": cfg.hash_algo,
+            "max_in_flight_tokens": cfg.max_num_batched_tokens,
+            "prefix_cache_retention_interval": 0,
+        },
+        "scheduler": {
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "full_sequence_must_fit": cfg.full_sequence_must_fit,
+        },
+        "requests": reqs,
+    }
+
+
+NOT_AVAILABLE = (
+    "--engine vllm runs vLLM's own KVCacheManager, but vLLM is not importable in this "
+    "Python ({python}). Install vllm here, or pass --vllm-python PATH: a Python that has "
+    "vllm installed (for instance the venv made by tools/vllm_oracle/setup.sh)."
+)
+
+
+def run_vllm(
+    workload: Workload,
+    cfg: SimConfig,
+    *,
+    vllm_python: str | None = None,
+    label: str = "vllm",
+    progress: ProgressFn | None = None,
+) -> SimResult:
+    """Simulates ``workload`` on vLLM's manager: in this interpreter when vLLM is
+    importable here and ``vllm_python`` is None, else as a subprocess of
+    ``vllm_python``. Raises :class:`EngineUnavailableError` when neither works."""
+    payload = vllm_payload(workload, cfg)
+    if vllm_python is None:
+        if not vllm_engine.vllm_available():
+            raise EngineUnavailableError(NOT_AVAILABLE.format(python=sys.executable))
+        out = vllm_engine.run(payload, progress)
+    else:
+        out = _run_subprocess(payload, vllm_python)
+    config, max_model_len = build_config(cfg, workload)
+    per_api = {k: (int(v[0]), int(v[1])) for k, v in out["per_api"].items()}
+    return SimResult(
+        label=label,
+        engine="vllm",
+        config=_config_dict(cfg, config, max_model_len),
+        steps=out["steps"],
+        requests=len(workload.requests),
+        finished=out["finished"],
+        prompt_tokens=workload.prompt_tokens,
+        output_tokens=workload.output_tokens,
+        hit_tokens=out["first_hit_tokens"],
+        query_tokens=out["first_query_tokens"],
+        hit_tokens_all=out["hit_tokens"],
+        query_tokens_all=out["query_tokens"],
+        preemptions=out["preemptions"],
+        admissions=out["admissions"],
+        peak_running=out["peak_running"],
+        peak_usage=out["peak_usage"],
+        mean_usage=out["mean_usage"],
+        num_blocks=config.num_blocks,
+        usable_blocks=out["usable_blocks"],
+        free_blocks_at_end=out["free_blocks_at_end"],
+        manager_ns=out["manager_ns"],
+        manager_calls=out["manager_calls"],
+        per_api=per_api,
+        alloc_checksum=out["alloc_checksum"],
+        wall_s=out["wall_s"],
+        extra={"vllm_version": out["version"], "vllm_import_s": out["import_s"]},
+    )
+
+
+def _run_subprocess(payload: dict[str, Any], vllm_python: str) -> dict[str, Any]:
+    if not (os.path.isfile(vllm_python) and os.access(vllm_python, os.X_OK)):
+        raise EngineUnavailableError(f"--vllm-python {vllm_python}: not an executable file")
+    script = vllm_engine.__file__
+    with tempfile.TemporaryDirectory(prefix="pagedkv-sim-") as tmp:
+        path = os.path.join(tmp, "payload.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(payload, f)
+        proc = subprocess.run(
+            [vllm_python, script, path], capture_output=True, text=True, cwd=tmp, check=False
+        )
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
+        if "No module named 'vllm'" in proc.stderr:
+            raise EngineUnavailableError(
+                f"--vllm-python {vllm_python}: that Python cannot import vllm"
+            )
+        raise EngineUnavailableError(f"the vLLM engine failed ({vllm_python}):\n{tail}")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        raise EngineUnavailableError(f"the vLLM engine printed no result ({vllm_python})")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result

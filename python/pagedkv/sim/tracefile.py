@@ -1,0 +1,225 @@
+"""The JSONL trace format of ``pagedkv simulate --trace FILE`` (see docs/simulate.md).
+
+One JSON object per line; blank lines and lines starting with ``#`` are skipped.
+
+``{"type": "header", "format": "pagedkv-trace", "version": 1, "seed": 0, "vocab_size": 32000}``
+    optional, first line: the seed of the random tokens drawn for ``prompt_len`` /
+    ``output_len`` and their vocabulary.
+``{"type": "prefix", "id": "sys", "len": 1500}`` or ``{"type": "prefix", "id": "sys",
+"tokens": [...]}``
+    a shared prefix (a system prompt, a document), referenced by id.
+a request (``"type": "request"`` or no type)::
+
+    {"id": "r7", "arrival": 1.25, "prefix": ["sys", "doc3"], "prompt_len": 120,
+     "output_len": 64, "session": "u1", "history": true, "pause": 2.0,
+     "salt": "tenant-a", "lora": "adapter-1"}
+
+    id          optional, default "r<n>" (n = index of the request); unique
+    arrival     arrival time in seconds (step = floor(arrival * 1000 / step_ms)),
+                or arrival_step: the step itself; default 0
+    prefix      a prefix id or a list of them, placed first, in order
+    prompt      the prompt's token ids (after the prefixes), or
+    prompt_len  that many random token ids instead
+    output      the token ids to sample, or output_len: that many random ones (>= 1)
+    session     turns of one session run one after the other, in file order
+    history     true: the prompt starts with the session's previous turn
+                (its prompt and output), then prefixes and prompt
+    pause       seconds (or pause_steps: steps) between the end of the session's
+                previous turn and this one's arrival (no earlier than ``arrival``)
+    salt        cache salt; lora: LoRA adapter name (lora_path optional)
+
+Random tokens are drawn from NumPy's PCG64 seeded with (seed, line number), so a
+trace file always gives the same requests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .workloads import Workload, WorkloadRequest
+
+__all__ = ["TraceFormatError", "read_trace", "write_trace"]
+
+FORMAT = "pagedkv-trace"
+VERSION = 1
+_REQUEST_KEYS = {
+    "type",
+    "id",
+    "arrival",
+    "arrival_step",
+    "prefix",
+    "prompt",
+    "prompt_len",
+    "output",
+    "output_len",
+    "session",
+    "history",
+    "pause",
+    "pause_steps",
+    "salt",
+    "lora",
+    "lora_path",
+}
+
+
+class TraceFormatError(ValueError):
+    """A trace file that does not follow the format (the message names the line)."""
+
+
+def _int_list(v: Any, what: str) -> np.ndarray:
+    if not isinstance(v, list) or not all(isinstance(t, int) and 0 <= t < 2**32 for t in v):
+        raise ValueError(f"{what} must be a list of token ids (0 <= id < 2**32)")
+    return np.asarray(v, dtype=np.uint32).astype(np.int64)
+
+
+def _count(v: Any, what: str, minimum: int = 0) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _steps(rec: dict[str, Any], seconds_key: str, steps_key: str, step_ms: float) -> int:
+    if steps_key in rec:
+        return _count(rec[steps_key], steps_key)
+    v = rec.get(seconds_key, 0)
+    if not isinstance(v, int | float) or isinstance(v, bool) or v < 0 or not math.isfinite(v):
+        raise ValueError(f"{seconds_key} must be a number of seconds >= 0, got {v!r}")
+    return math.floor(v * 1000.0 / step_ms + 1e-9)
+
+
+def read_trace(path: str | Path, *, step_ms: float = 50.0) -> Workload:
+    """Reads a trace file into a :class:`Workload`; ``step_ms``: milliseconds per
+    scheduler step, to turn seconds into steps. Raises :class:`TraceFormatError`."""
+    if step_ms <= 0:
+        raise ValueError("step_ms must be positive")
+    seed, vocab = 0, 32000
+    prefixes: dict[str, np.ndarray] = {}
+    reqs: list[WorkloadRequest] = []
+    ids: set[str] = set()
+    last_turn: dict[str, WorkloadRequest] = {}
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            try:
+                rec = json.loads(line)
+                if not isinstance(rec, dict):
+                    raise ValueError("each line must be a JSON object")
+                kind = rec.get("type", "request")
+                rng = np.random.Generator(np.random.PCG64([seed, lineno]))
+                if kind == "header":
+                    if rec.get("format", FORMAT) != FORMAT or rec.get("version", 1) != VERSION:
+                        raise ValueError(f"not a {FORMAT} v{VERSION} file")
+                    seed = _count(rec.get("seed", 0), "seed")
+                    vocab = _count(rec.get("vocab_size", vocab), "vocab_size", 2)
+                elif kind == "prefix":
+                    pid = str(rec["id"])
+                    if "tokens" in rec:
+                        prefixes[pid] = _int_list(rec["tokens"], "tokens")
+                    else:
+                        prefixes[pid] = rng.integers(0, vocab, _count(rec["len"], "len"))
+                elif kind == "request":
+                    req = _request(rec, len(reqs), rng, vocab, prefixes, last_turn, step_ms)
+                    if req.request_id in ids:
+                        raise ValueError(f"duplicate request id {req.request_id!r}")
+                    ids.add(req.request_id)
+                    reqs.append(req)
+                else:
+                    raise ValueError(f"unknown record type {kind!r}")
+            except (ValueError, KeyError, TypeError) as e:
+                msg = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+                raise TraceFormatError(f"{path}:{lineno}: {msg}") from None
+    if not reqs:
+        raise TraceFormatError(f"{path}: no request")
+    return Workload(Path(path).name, reqs, {"trace": str(path), "step_ms": step_ms})
+
+
+def _request(
+    rec: dict[str, Any],
+    index: int,
+    rng: np.random.Generator,
+    vocab: int,
+    prefixes: dict[str, np.ndarray],
+    last_turn: dict[str, WorkloadRequest],
+    step_ms: float,
+) -> WorkloadRequest:
+    unknown = set(rec) - _REQUEST_KEYS
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}")
+    session = None if rec.get("session") is None else str(rec["session"])
+    parts: list[np.ndarray] = []
+    if rec.get("history"):
+        if session is None or session not in last_turn:
+            raise ValueError("history needs an earlier turn of the same session")
+        prev = last_turn[session]
+        parts += [prev.prompt.astype(np.int64), np.asarray(prev.output, dtype=np.int64)]
+    pref = rec.get("prefix", [])
+    for pid in [pref] if isinstance(pref, str) else pref:
+        if str(pid) not in prefixes:
+            raise ValueError(f"unknown prefix {pid!r} (declare it on an earlier line)")
+        parts.append(prefixes[str(pid)])
+    if "prompt" in rec:
+        parts.append(_int_list(rec["prompt"], "prompt"))
+    elif "prompt_len" in rec:
+        parts.append(rng.integers(0, vocab, _count(rec["prompt_len"], "prompt_len")))
+    prompt = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    if len(prompt) == 0:
+        raise ValueError("empty prompt (give prompt, prompt_len, prefix or history)")
+    if "output" in rec:
+        output = _int_list(rec["output"], "output").tolist()
+        if not output:
+            raise ValueError("output must hold at least one token")
+    else:
+        output = rng.integers(0, vocab, _count(rec["output_len"], "output_len", 1)).tolist()
+    lora = rec.get("lora")
+    req = WorkloadRequest(
+        request_id=str(rec.get("id", f"r{index}")),
+        prompt=prompt,
+        output=output,
+        arrival_step=_steps(rec, "arrival", "arrival_step", step_ms),
+        session=session,
+        pause=_steps(rec, "pause", "pause_steps", step_ms),
+        cache_salt=None if rec.get("salt") is None else str(rec["salt"]),
+        lora_name=None if lora is None else str(lora),
+        lora_path=None if lora is None else str(rec.get("lora_path", f"/adapters/{lora}")),
+    )
+    if session is not None:
+        last_turn[session] = req
+    return req
+
+
+def write_trace(workload: Workload, path: str | Path) -> None:
+    """Writes ``workload`` as a trace file (steps, explicit token ids; a turn that
+    extends its session's previous turn is written with ``history``)."""
+    last: dict[str, WorkloadRequest] = {}
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"type": "header", "format": FORMAT, "version": VERSION}) + "\n")
+        for r in workload.requests:
+            rec: dict[str, Any] = {"id": r.request_id, "arrival_step": r.arrival_step}
+            prompt = r.prompt
+            if r.session is not None:
+                rec["session"] = r.session
+                prev = last.get(r.session)
+                if prev is not None:
+                    head = np.concatenate([prev.prompt, np.asarray(prev.output)])
+                    if len(head) <= len(prompt) and np.array_equal(prompt[: len(head)], head):
+                        rec["history"] = True
+                        prompt = prompt[len(head) :]
+                    if r.pause:
+                        rec["pause_steps"] = r.pause
+                last[r.session] = r
+            rec["prompt"] = [int(t) for t in prompt]
+            rec["output"] = [int(t) for t in r.output]
+            if r.cache_salt is not None:
+                rec["salt"] = r.cache_salt
+            if r.lora_name is not None:
+                rec["lora"] = r.lora_name
+                if r.lora_path is not None:
+                    rec["lora_path"] = r.lora_path
+            f.write(json.dumps(rec, separators=(",", ":")) + "\n")

@@ -176,7 +176,8 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
         "--max-model-len",
         type=_positive_int,
         metavar="N",
-        help="default: 16384, or the longest request if longer",
+        help="default: the longest request rounded up to 1024; also caps the built-in "
+        "workloads' requests (default 16384)",
     )
     g = p.add_argument_group("manager and scheduler")
     g.add_argument("--no-caching", action="store_true", help="turn prefix caching off")
@@ -325,7 +326,7 @@ def _simulate(args: argparse.Namespace) -> int:
         num_tenants=args.tenants,
         cache_salt=args.cache_salt,
         num_loras=args.loras,
-        max_context=args.max_model_len or runner.DEFAULT_MAX_MODEL_LEN,
+        max_context=args.max_model_len or runner.DEFAULT_MAX_CONTEXT,
     )
     cache: dict[str, Workload] = {}
 

@@ -36,7 +36,7 @@ from . import _loop, vllm_engine
 from .workloads import Workload
 
 __all__ = [
-    "DEFAULT_MAX_MODEL_LEN",
+    "DEFAULT_MAX_CONTEXT",
     "EngineUnavailableError",
     "SimConfig",
     "SimResult",
@@ -46,7 +46,8 @@ __all__ = [
 ]
 
 GIB = 1 << 30
-DEFAULT_MAX_MODEL_LEN = 16384
+#: the longest request built-in workloads make unless --max-model-len says otherwise
+DEFAULT_MAX_CONTEXT = 16384
 
 #: ``progress(clock, num_finished)``, called after every step
 ProgressFn = Callable[[int, int], None]
@@ -67,7 +68,7 @@ class SimConfig:
     num_blocks: int | None = None
     block_size: int = 16
     kv_dtype: str = "bfloat16"
-    #: None: 16384, or the longest request when longer (at most the model's)
+    #: None: the longest request, rounded up to a multiple of 1024 (at most the model's)
     max_model_len: int | None = None
     enable_caching: bool = True
     hash_algo: str = "sha256_cbor"
@@ -161,7 +162,7 @@ def _max_model_len(cfg: SimConfig, workload: Workload, preset: presets.ModelPres
             f"the workload has a request of {longest} tokens, longer than "
             f"{preset.name}'s context ({preset.max_model_len})"
         )
-    return min(preset.max_model_len, max(DEFAULT_MAX_MODEL_LEN, -(-longest // 1024) * 1024))
+    return min(preset.max_model_len, max(1024, -(-longest // 1024) * 1024))
 
 
 def build_config(cfg: SimConfig, workload: Workload) -> tuple[KVCacheConfig, int]:

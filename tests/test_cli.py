@@ -84,7 +84,7 @@ def test_table_output(capsys: pytest.CaptureFixture[str]) -> None:
         "30 / 30",
         "prefix hit rate (tokens)",
         "preemptions",
-        "KV usage peak / mean",
+        "KV usage peak",
         "per step",
         "per call",
         "allocate_slots_batch",

@@ -284,6 +284,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from .sim import report
 
     out = Console(soft_wrap=True)
+    if not out.is_terminal:  # files and pipes: room for a few variants side by side
+        out.width = max(out.width, 120)
     err = Console(stderr=True)
     axes = _parse_compare(args.compare)
     if args.engine == "vllm" and axes:

@@ -19,33 +19,38 @@ def _pct(x: float) -> str:
 
 def _rows(r: SimResult) -> list[tuple[str, str]]:
     c = r.config
-    return [
+    groups: dict[str, int] = {}
+    for g in c["kv_cache_groups"]:
+        kind, _, n = g.rpartition("x")
+        groups[kind] = groups.get(kind, 0) + int(n)
+    rows = [
         ("engine", r.engine),
-        ("model", f"{c['model']} ({', '.join(c['kv_cache_groups'])})"),
-        (
-            "KV cache",
-            f"{r.num_blocks:,} blocks of {c['block_size']} tokens, {c['kv_cache_gib']:.2f} GiB",
-        ),
+        ("model", c["model"]),
+        ("KV-cache layers", ", ".join(f"{n} {k}" for k, n in groups.items())),
+        ("KV-cache blocks", f"{r.num_blocks:,} x {c['block_size']} tokens"),
+        ("KV-cache memory", f"{c['kv_cache_gib']:.2f} GiB"),
         ("prefix caching", f"{'on' if c['enable_caching'] else 'off'}, {c['hash_algo']}"),
         ("requests finished", f"{r.finished:,} / {r.requests:,}"),
         ("scheduler steps", f"{r.steps:,}"),
-        ("prompt / output tokens", f"{r.prompt_tokens:,} / {r.output_tokens:,}"),
-        (
-            "prefix hit rate (tokens)",
-            f"{_pct(r.hit_rate)}  ({r.hit_tokens:,} / {r.query_tokens:,})",
-        ),
+        ("prompt tokens", f"{r.prompt_tokens:,}"),
+        ("output tokens", f"{r.output_tokens:,}"),
+        ("prefix hit rate (tokens)", _pct(r.hit_rate)),
+        ("  hit / looked-up tokens", f"{r.hit_tokens:,} / {r.query_tokens:,}"),
         (
             "  incl. re-admissions",
             _pct(r.hit_tokens_all / r.query_tokens_all if r.query_tokens_all else 0.0),
         ),
         ("preemptions", f"{r.preemptions:,}"),
         ("peak running requests", f"{r.peak_running:,}"),
-        ("KV usage peak / mean", f"{_pct(r.peak_usage)} / {_pct(r.mean_usage)}"),
+        ("KV usage peak", _pct(r.peak_usage)),
+        ("KV usage mean", _pct(r.mean_usage)),
         ("manager time", f"{r.manager_ns / 1e6:,.1f} ms"),
         ("  per step", f"{r.us_per_step:,.2f} µs"),
-        ("  per call", f"{r.us_per_call:,.3f} µs  ({r.manager_calls:,} calls)"),
+        ("  per call", f"{r.us_per_call:,.3f} µs"),
+        ("  calls", f"{r.manager_calls:,}"),
         ("simulation wall time", f"{r.wall_s:.2f} s"),
     ]
+    return rows
 
 
 def print_summary(

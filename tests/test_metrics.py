@@ -152,6 +152,21 @@ def test_metered_manager_counts_what_the_manager_reports() -> None:
     assert mgr.metrics.residency.block_metrics == {}
 
 
+def test_blocks_for_connector_tokens_are_sampled_too() -> None:
+    # Blocks allocated for tokens computed elsewhere (num_external_computed_tokens)
+    # are held by the request but not returned as new blocks: residency sampling
+    # (rate 1) still starts for every block the request holds.
+    mgr = _metered(kv_cache_metrics=True, kv_cache_metrics_sample=1.0)
+    mgr.add_request("r", list(range(20)))
+    new = mgr.allocate_slots("r", 4, num_computed_tokens=0, num_external_computed_tokens=16)
+    assert new is not None
+    held = [int(b) for b in mgr.get_block_ids("r")[0]]
+    returned = [int(b) for b in new[0]]
+    assert len(held) == 5 and len(returned) < len(held)  # the connector's blocks exist
+    assert mgr.metrics.residency is not None
+    assert set(mgr.metrics.residency.block_metrics) == set(held)
+
+
 def test_prometheus_endpoint_matches_the_managers_stats() -> None:
     pytest.importorskip("prometheus_client")
     from pagedkv.metrics import PrometheusExporter

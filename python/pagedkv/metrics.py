@@ -331,14 +331,22 @@ class MeteredKVCacheManager(KVCacheManager):
             col.on_block_allocated(bid)
 
     def allocate_slots(self, request_id: str, num_new_tokens: int, **kwargs: Any) -> Any:
-        result = super().allocate_slots(request_id, num_new_tokens, **kwargs)
         col = self.metrics.residency
+        # Blocks for tokens computed elsewhere (a KV connector) are taken from the
+        # pool but not returned as new blocks: find them in the request's blocks.
+        external = col is not None and kwargs.get("num_external_computed_tokens", 0) > 0
+        held_before = set(_ids(self.get_block_ids(request_id))) if external else set()
+        result = super().allocate_slots(request_id, num_new_tokens, **kwargs)
         if result is not None and col is not None:
             hit = kwargs.get("new_computed_blocks")
-            if hit is not None:
-                for bid in _ids(hit.block_ids):
-                    col.on_block_accessed(bid)
-            self._on_new_blocks(_ids(result))
+            hit_ids = _ids(hit.block_ids) if hit is not None else []
+            for bid in hit_ids:
+                col.on_block_accessed(bid)
+            new = _ids(result)
+            if external:
+                seen = held_before | set(new) | set(hit_ids)
+                new += [b for b in _ids(self.get_block_ids(request_id)) if b not in seen]
+            self._on_new_blocks(new)
         return result
 
     def allocate_slots_batch(self, *args: Any, **kwargs: Any) -> Any:

@@ -219,3 +219,13 @@ def test_vllm_metric_names_by_prefix() -> None:
         "vllm:kv_block_lifetime_seconds_count",
     ):
         assert name in text
+
+
+def test_residency_histograms_use_vllms_buckets() -> None:
+    from pagedkv.metrics import RESIDENCY_BUCKETS
+
+    # vLLM 0.33's `kv_cache_residency` bucket family (vllm/v1/metrics/buckets.py).
+    assert RESIDENCY_BUCKETS == (
+        0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120,
+        300, 600, 1200, 1800,
+    )  # fmt: skip

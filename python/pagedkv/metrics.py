@@ -387,9 +387,11 @@ class MeteredKVCacheManager(KVCacheManager):
         return stats
 
 
-# Residency histogram buckets, in seconds (from milliseconds to an hour).
+# Residency histogram buckets, in seconds: vLLM 0.33's `kv_cache_residency` family
+# (millisecond reuse gaps up to 30-minute lifetimes).
 RESIDENCY_BUCKETS = (
-    0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0,
+    60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0,
 )  # fmt: skip
 
 

@@ -7,7 +7,14 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import Self, disjoint_base
 
-__all__ = ["ComputedBlocks", "KVCacheManager", "__version__", "hash_block_tokens", "none_hash"]
+__all__ = [
+    "ComputedBlocks",
+    "KVCacheManager",
+    "PrefixIndex",
+    "__version__",
+    "hash_block_tokens",
+    "none_hash",
+]
 __version__: str
 
 _IdArray = npt.NDArray[np.int32]

@@ -66,4 +66,6 @@ def from_core(raw: tuple[Any, ...]) -> KVCacheEvent:
         )
     if tag == "BlockRemoved":
         return BlockRemoved(block_hashes=raw[1], medium="GPU", group_idx=raw[2])
-    return AllBlocksCleared()
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise ValueError(f"unknown event tag {tag!r}")

@@ -26,6 +26,7 @@ import msgspec
 from .events import AllBlocksCleared as _AllBlocksCleared
 from .events import BlockRemoved as _BlockRemoved
 from .events import BlockStored as _BlockStored
+from .events import from_core
 
 __all__ = [
     "MEDIUM_GPU",
@@ -116,8 +117,8 @@ def _hash(h: ExternalBlockHash, fmt: HashFormat) -> ExternalBlockHash:
         return hash_to_int(h)
     if isinstance(h, int):
         raise ValueError(
-            "hash_format='bytes' needs events carrying raw digests; "
-            "KVCacheManager events carry vLLM's integer form only"
+            "hash_format='bytes' needs events carrying raw digests "
+            "(KVCacheManager.take_events(raw_hashes=True))"
         )
     return bytes(h)
 
@@ -136,29 +137,8 @@ def to_wire(event: Any, hash_format: HashFormat = "int") -> WireEvent:
     ``hash_format``).
     """
     if isinstance(event, tuple):
-        tag = event[0]
-        if tag == "BlockStored":
-            _, hashes, parent, tokens, bs, lora_id, lora_name, extra, group, kind, window = event
-            return BlockStored(
-                block_hashes=_hashes(hashes, hash_format),
-                parent_block_hash=None if parent is None else _hash(parent, hash_format),
-                token_ids=tokens,
-                block_size=bs,
-                lora_id=lora_id,
-                medium=MEDIUM_GPU,
-                lora_name=lora_name,
-                extra_keys=extra,
-                group_idx=group,
-                kv_cache_spec_kind=kind,
-                kv_cache_spec_sliding_window=window,
-            )
-        if tag == "BlockRemoved":
-            return BlockRemoved(
-                block_hashes=_hashes(event[1], hash_format), medium=MEDIUM_GPU, group_idx=event[2]
-            )
-        if tag == "AllBlocksCleared":
-            return AllBlocksCleared()
-        raise ValueError(f"unknown event tag {tag!r}")
+        # The core's tuple form: decoded once, by pagedkv.events.
+        event = from_core(event)
     if isinstance(event, _BlockStored | BlockStored):
         parent = event.parent_block_hash
         return BlockStored(

@@ -9,10 +9,7 @@ fn main() {
     for (i, id) in ids.iter().enumerate() {
         assert!(admit(&mut mgr, id, &tokens(i as u64, 1000, 32000)));
     }
-    let steps: u64 = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2000);
+    let steps: u64 = pagedkv_benches::arg(1, 2000);
     for step in 0..steps {
         for id in &ids {
             if step % 16 == 0 {

@@ -6,18 +6,12 @@
 //! `cargo run --release -p pagedkv-benches --example drive_floor [requests] [blocks]`
 use std::time::Instant;
 
-use pagedkv_benches::{drive, trace};
+use pagedkv_benches::{arg, drive, trace};
 use pagedkv_core::{KvCacheManager, ManagerConfig};
 
 fn main() {
-    let arg = |i: usize, d: usize| {
-        std::env::args()
-            .nth(i)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(d)
-    };
-    let reqs = trace::generate(0, arg(1, 2000));
-    let mut cfg = ManagerConfig::full_attention(arg(2, 4096) as u32, 16, 16384);
+    let reqs = trace::generate(0, arg(1, 2000usize));
+    let mut cfg = ManagerConfig::full_attention(arg(2, 4096u32), 16, 16384);
     cfg.max_in_flight_tokens = Some(8192);
     let Ok(mut kv) = KvCacheManager::new(cfg) else {
         return;

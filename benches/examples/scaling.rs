@@ -10,7 +10,7 @@
 //! `cargo run --release -p pagedkv-benches --example scaling [rounds] [cycles]`
 use std::time::{Duration, Instant};
 
-use pagedkv_benches::{admit, manager, tokens};
+use pagedkv_benches::{admit, arg, manager, tokens};
 use pagedkv_core::{AllocateArgs, KvCacheManager};
 
 const LIVE: usize = 16;
@@ -58,13 +58,7 @@ fn round(mgr: &mut KvCacheManager, ids: &[String], seed: u64, cycles: usize) -> 
 }
 
 fn main() {
-    let arg = |i: usize, d: usize| {
-        std::env::args()
-            .nth(i)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(d)
-    };
-    let (rounds, cycles) = (arg(1, 7), arg(2, 20));
+    let (rounds, cycles): (usize, usize) = (arg(1, 7), arg(2, 20));
     let mut pools = Vec::new();
     for exp in 3..=7u32 {
         let n = 10u32.pow(exp);

@@ -18,10 +18,7 @@ fn rss_kib() -> u64 {
 }
 
 fn main() {
-    let total: u64 = std::env::args()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(10_000_000);
+    let total: u64 = pagedkv_benches::arg(1, 10_000_000);
     let mut mgr = manager(1 << 14);
     let mut ops = 0u64;
     let mut next = 0u64;

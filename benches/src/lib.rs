@@ -17,6 +17,15 @@ pub fn tokens(seed: u64, n: usize, vocab: u32) -> Vec<u32> {
         .collect()
 }
 
+/// The example's `i`-th command-line argument parsed, or `default`.
+#[must_use]
+pub fn arg<T: std::str::FromStr>(i: usize, default: T) -> T {
+    std::env::args()
+        .nth(i)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
 /// A full-attention manager with block size 16.
 #[must_use]
 pub fn manager(num_blocks: u32) -> KvCacheManager {

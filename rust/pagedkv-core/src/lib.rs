@@ -26,7 +26,9 @@
 //! mgr.check_invariants().unwrap();
 //! ```
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
+mod coordinator;
 pub mod error;
 pub mod events;
 pub mod hash;
@@ -34,9 +36,11 @@ pub mod manager;
 pub mod pool;
 pub mod prefix_index;
 pub mod request;
+pub mod request_table;
 pub mod single_type;
 pub mod spec;
 pub mod stats;
+mod verify;
 
 pub use error::{Error, Result};
 pub use events::{BlockStored, EventExtraKey, KvEvent};

@@ -1,0 +1,711 @@
+//! The coordinator (vLLM's `KVCacheCoordinator`): owns the block pool and one
+//! single-type manager per KV-cache group, and reconciles the groups — the
+//! prefix-hit search (one group, or vLLM's fixed point across several), the
+//! blocks a step needs, allocation of hit and fresh blocks, caching with its
+//! `BlockStored` events, freeing and skipped-block removal.
+//!
+//! It works on request state handed to it by the manager and never sees request
+//! ids or handles.
+
+use crate::error::{Error, Result};
+use crate::events::{BlockStored, KvEvent};
+use crate::hash::BlockHash;
+use crate::pool::{BlockId, BlockPool, NULL_BLOCK};
+use crate::request::Request;
+use crate::single_type::{GroupManager, GroupParams, Lookup, Need, Retention};
+use crate::spec::{AttentionKind, ManagerConfig};
+use crate::verify::Verifier;
+
+/// Groups with equal specs, looked up together (vLLM's `SpecGroup`).
+#[derive(Clone, Debug)]
+struct AttnGroup {
+    group_ids: Vec<u32>,
+    is_full: bool,
+    is_mamba: bool,
+    use_eagle: bool,
+}
+
+/// How prefix hits are reconciled across groups.
+#[derive(Clone, Debug)]
+enum Mode {
+    /// Caching off: no lookups.
+    NoPrefixCache,
+    /// One group.
+    Unitary,
+    /// Several groups: a fixed-point search, full attention first.
+    Hybrid { attn: Vec<AttnGroup>, simple: bool },
+}
+
+/// A prefix-cache hit before it is handed out.
+pub(crate) struct Hit {
+    /// Hit blocks per group (null blocks pad skipped positions).
+    pub block_ids: Vec<Vec<BlockId>>,
+    /// Tokens covered, reconciled across groups.
+    pub len: usize,
+    /// How much longer the longest single-group hit was (an uncached shared
+    /// prefix).
+    pub uncached: usize,
+}
+
+/// The pool, the group managers and the reconciliation mode.
+#[derive(Debug)]
+pub(crate) struct Coordinator {
+    pool: BlockPool,
+    groups: Vec<GroupManager>,
+    mode: Mode,
+    hash_block_size: usize,
+    scheduler_block_size: u64,
+    use_eagle: bool,
+    retention_interval: Option<u64>,
+    /// Some group frees blocks outside its attention window (sliding window,
+    /// chunked local, Mamba).
+    any_skipping: bool,
+    verifier: Verifier,
+    /// The blocks the last allocation took, per group.
+    new_blocks: Vec<Vec<BlockId>>,
+}
+
+impl Coordinator {
+    /// Builds the pool and the group managers of a validated configuration whose
+    /// hash block size is `hbs`.
+    pub(crate) fn new(cfg: &ManagerConfig, hbs: u32) -> Result<Self> {
+        let pool = BlockPool::new(
+            cfg.num_blocks,
+            cfg.enable_caching,
+            cfg.enable_kv_cache_events,
+        );
+        let sbs = cfg.scheduler_block_size();
+        let single = cfg.groups.len() == 1;
+        let groups: Vec<GroupManager> = cfg
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                // EAGLE applies to the groups whose hits are searched.
+                let searched = single || g.kind != AttentionKind::CrossAttention;
+                let p = GroupParams {
+                    hash_block_size: hbs,
+                    alignment: sbs,
+                    max_in_flight_tokens: cfg.max_in_flight_tokens.unwrap_or(cfg.max_model_len),
+                    max_model_len: cfg.max_model_len,
+                    num_gpu_blocks: cfg.num_blocks,
+                    use_eagle: cfg.enable_caching && cfg.use_eagle && searched,
+                };
+                GroupManager::new(g.clone(), i as u32, &p)
+            })
+            .collect();
+        let mode = if !cfg.enable_caching {
+            Mode::NoPrefixCache
+        } else if single {
+            Mode::Unitary
+        } else {
+            let mut attn: Vec<AttnGroup> = Vec::new();
+            for (i, g) in cfg.groups.iter().enumerate() {
+                if !groups[i].prefix_cacheable() {
+                    continue;
+                }
+                match attn
+                    .iter_mut()
+                    .find(|a| cfg.groups[a.group_ids[0] as usize] == *g)
+                {
+                    Some(a) => a.group_ids.push(i as u32),
+                    None => attn.push(AttnGroup {
+                        group_ids: vec![i as u32],
+                        is_full: g.kind.is_full_attention(),
+                        is_mamba: matches!(g.kind, AttentionKind::Mamba { .. }),
+                        use_eagle: cfg.use_eagle,
+                    }),
+                }
+            }
+            if attn.is_empty() {
+                return Err(Error::InvalidConfig(
+                    "prefix caching needs at least one cacheable KV-cache group".into(),
+                ));
+            }
+            // Full attention first: the cheapest scan gives the tightest bound.
+            attn.sort_by_key(|a| !a.is_full);
+            let simple = attn.len() == 2 && attn[0].is_full;
+            Mode::Hybrid { attn, simple }
+        };
+        Ok(Self {
+            pool,
+            new_blocks: vec![Vec::new(); groups.len()],
+            groups,
+            mode,
+            hash_block_size: hbs as usize,
+            scheduler_block_size: sbs,
+            use_eagle: cfg.use_eagle,
+            retention_interval: cfg.prefix_cache_retention_interval,
+            any_skipping: cfg
+                .groups
+                .iter()
+                .any(|g| !g.kind.is_full_attention() && g.kind != AttentionKind::CrossAttention),
+            verifier: Verifier::new(cfg.verify_cached_tokens, cfg.num_blocks),
+        })
+    }
+
+    // ---- accessors --------------------------------------------------------
+
+    /// The block pool.
+    pub(crate) fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// The block pool, mutably (cache maintenance: eviction, reset).
+    pub(crate) fn pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.pool
+    }
+
+    /// The group managers, by group id.
+    pub(crate) fn groups(&self) -> &[GroupManager] {
+        &self.groups
+    }
+
+    /// The blocks the last successful allocation took, per group.
+    pub(crate) fn new_blocks(&self) -> &[Vec<BlockId>] {
+        &self.new_blocks
+    }
+
+    /// Whether some group releases blocks that fall out of its window.
+    pub(crate) fn any_skipping(&self) -> bool {
+        self.any_skipping
+    }
+
+    /// Prefix hits cut short by hit verification.
+    pub(crate) fn verification_failures(&self) -> u64 {
+        self.verifier.failures()
+    }
+
+    // ---- lookup -----------------------------------------------------------
+
+    /// The request's longest cached prefix of at most `max_len` tokens; with
+    /// verification, cut at the first block that does not match the request.
+    pub(crate) fn find_longest_cache_hit(&mut self, req: &Request, max_len: usize) -> Hit {
+        let mut hit = self.search(&req.hashes, max_len);
+        if req.verify {
+            // A block that does not match the request ends the hit at its start;
+            // search again below it (each round lowers the limit).
+            let hbs = self.hash_block_size;
+            while let Some(p) = self.verifier.first_unverified(
+                &self.pool,
+                req,
+                &hit.block_ids,
+                |g| self.groups[g].block_size() as usize,
+                hit.len,
+                hbs,
+            ) {
+                self.verifier.count_failure();
+                hit = self.search(&req.hashes, p);
+            }
+        }
+        hit
+    }
+
+    fn search(&self, hashes: &[BlockHash], max_len: usize) -> Hit {
+        let mut out = vec![Vec::new(); self.groups.len()];
+        match &self.mode {
+            Mode::NoPrefixCache => Hit {
+                block_ids: out,
+                len: 0,
+                uncached: 0,
+            },
+            Mode::Unitary => {
+                let gm = &self.groups[0];
+                let q = Lookup {
+                    hashes,
+                    max_len,
+                    drop_eagle_block: gm.use_eagle(),
+                    alignment: gm.block_size() as usize,
+                };
+                let len = gm.find_longest_cache_hit(&self.pool, &q, &[0], &mut out);
+                Hit {
+                    block_ids: out,
+                    len,
+                    uncached: 0,
+                }
+            }
+            Mode::Hybrid { attn, simple } => self.find_hybrid(attn, *simple, hashes, max_len, out),
+        }
+    }
+
+    /// vLLM's fixed-point search: each attention group accepts the candidate
+    /// length or lowers it; repeat until no group lowers it (one pass for a
+    /// simple full-attention + one-other-type hybrid).
+    fn find_hybrid(
+        &self,
+        attn: &[AttnGroup],
+        simple: bool,
+        hashes: &[BlockHash],
+        max_len: usize,
+        mut out: Vec<Vec<BlockId>>,
+    ) -> Hit {
+        let n = self.groups.len();
+        let sbs = self.scheduler_block_size as usize;
+        let mut hit_length = max_len;
+        let mut longest = 0usize;
+        let mut searched = vec![false; n];
+        let mut hit_by_group = vec![0usize; n];
+        let mut eagle_verified = vec![false; attn.len()];
+        loop {
+            let mut curr = hit_length;
+            for (idx, ag) in attn.iter().enumerate() {
+                let first = ag.group_ids[0] as usize;
+                if ag.is_full && searched[first] {
+                    // Full attention is downward closed: just trim.
+                    curr = curr.min(hit_by_group[first]);
+                    continue;
+                }
+                let gm = &self.groups[first];
+                let drop = ag.use_eagle && !eagle_verified[idx];
+                let mut max_length = curr;
+                if drop && !ag.is_mamba {
+                    // Match one block past the candidate, then drop it.
+                    max_length =
+                        (curr + gm.block_size() as usize).min(hashes.len() * self.hash_block_size);
+                }
+                let q = Lookup {
+                    hashes,
+                    max_len: max_length,
+                    drop_eagle_block: drop,
+                    alignment: sbs,
+                };
+                let new_hit = gm.find_longest_cache_hit(&self.pool, &q, &ag.group_ids, &mut out);
+                if drop {
+                    eagle_verified[idx] = true;
+                } else if new_hit < curr {
+                    eagle_verified.iter_mut().for_each(|v| *v = false);
+                }
+                curr = new_hit;
+                for &g in &ag.group_ids {
+                    searched[g as usize] = true;
+                    hit_by_group[g as usize] = new_hit;
+                }
+                longest = longest.max(curr);
+            }
+            if curr >= hit_length {
+                break;
+            }
+            hit_length = curr;
+            if simple {
+                break;
+            }
+        }
+        for ag in attn.iter().filter(|a| a.is_full) {
+            for &g in &ag.group_ids {
+                let bs = self.groups[g as usize].block_size() as usize;
+                out[g as usize].truncate(hit_length.div_ceil(bs));
+            }
+        }
+        Hit {
+            block_ids: out,
+            len: hit_length,
+            uncached: longest.saturating_sub(hit_length),
+        }
+    }
+
+    /// The first hit block no longer cached under the request's own hash at its
+    /// position (it was evicted or reused since the lookup), if any.
+    pub(crate) fn first_stale_hit_block(
+        &self,
+        req: &Request,
+        hit: &[Vec<BlockId>],
+    ) -> Option<BlockId> {
+        for (g, ids) in hit.iter().enumerate() {
+            let gm = &self.groups[g];
+            for (i, &b) in ids.iter().enumerate() {
+                if b == NULL_BLOCK {
+                    continue;
+                }
+                let expect = gm.key_for(&req.hashes, i);
+                if expect.is_none() || self.pool.block_key(b) != expect {
+                    return Some(b);
+                }
+            }
+        }
+        None
+    }
+
+    // ---- allocation -------------------------------------------------------
+
+    /// vLLM's `get_num_blocks_to_allocate`; the flag says a Mamba hit was cached
+    /// this very step (a transient refusal, not a capacity problem).
+    pub(crate) fn num_blocks_to_allocate(
+        &self,
+        req: &Request,
+        n: &Need,
+        hit: &[Vec<BlockId>],
+        num_encoder_tokens: u64,
+    ) -> (i64, bool) {
+        let mut total = 0i64;
+        let mut blocked = false;
+        for (g, gm) in self.groups.iter().enumerate() {
+            let blocks = hit.get(g).map_or(&[][..], Vec::as_slice);
+            let need = if gm.prefix_cacheable() {
+                gm.num_blocks_to_allocate(&self.pool, &req.groups[g], blocks, n)
+            } else {
+                let enc = Need {
+                    num_tokens: num_encoder_tokens,
+                    total_computed: 0,
+                    main_model: num_encoder_tokens,
+                    cap: n.cap,
+                };
+                gm.num_blocks_to_allocate(&self.pool, &req.groups[g], &[], &enc)
+            };
+            blocked |= gm.hit_cached_this_step(&self.pool, blocks);
+            total += need;
+        }
+        (total, blocked)
+    }
+
+    /// For the can-it-ever-fit check: the blocks the request keeps holding once
+    /// skipped blocks are released, and the hit blocks other requests hold (not
+    /// counted in the need, but this request's too once admitted).
+    pub(crate) fn held_and_shared_hits(
+        &self,
+        req: &Request,
+        hit: &[Vec<BlockId>],
+        total_computed: u64,
+    ) -> (i64, i64) {
+        let mut held = 0i64;
+        let mut shared_hits = 0i64;
+        for (g, gm) in self.groups.iter().enumerate() {
+            let gb = &req.groups[g];
+            let real = gb.blocks.iter().filter(|&&b| b != NULL_BLOCK).count();
+            held += (real - gm.num_skippable_blocks(gb, total_computed).min(real)) as i64;
+            if let Some(h) = hit.get(g) {
+                let skip =
+                    (gm.num_skipped_tokens(total_computed) / u64::from(gm.block_size())) as usize;
+                shared_hits += h
+                    .iter()
+                    .skip(skip)
+                    .filter(|&&b| b != NULL_BLOCK && !self.pool.is_evictable(b))
+                    .count() as i64;
+            }
+        }
+        (held, shared_hits)
+    }
+
+    /// Releases the request's blocks that fell out of every attention window.
+    pub(crate) fn remove_skipped_blocks(&mut self, req: &mut Request, total_computed: u64) {
+        for (g, gm) in self.groups.iter().enumerate() {
+            gm.remove_skipped_blocks(&mut self.pool, &mut req.groups[g], total_computed);
+        }
+    }
+
+    /// Adopts a prefix hit at admission, in two phases: every group's hit blocks
+    /// are touched before any group takes blocks for externally computed tokens.
+    pub(crate) fn add_computed_blocks(
+        &mut self,
+        req: &mut Request,
+        hit: &[Vec<BlockId>],
+        num_local: u64,
+        num_external: u64,
+    ) {
+        for (g, gm) in self.groups.iter().enumerate() {
+            let blocks = hit.get(g).map_or(&[][..], Vec::as_slice);
+            gm.add_local_computed_blocks(
+                &mut self.pool,
+                &mut req.groups[g],
+                blocks,
+                num_local,
+                num_external,
+            );
+        }
+        if num_external > 0 {
+            for (g, gm) in self.groups.iter().enumerate() {
+                gm.allocate_external_computed_blocks(
+                    &mut self.pool,
+                    &mut req.groups[g],
+                    num_local,
+                    num_external,
+                );
+            }
+        }
+    }
+
+    /// Fresh blocks up to `num_tokens` (`main_model` without lookahead); cross
+    /// attention gets one allocation for the `num_encoder_tokens` of the encoder
+    /// output. The new ids are in [`Self::new_blocks`].
+    pub(crate) fn allocate_new_blocks(
+        &mut self,
+        req: &mut Request,
+        num_tokens: u64,
+        main_model: u64,
+        num_encoder_tokens: u64,
+    ) {
+        for (g, gm) in self.groups.iter().enumerate() {
+            let out = &mut self.new_blocks[g];
+            out.clear();
+            let (n, main) = if gm.prefix_cacheable() {
+                (num_tokens, main_model)
+            } else {
+                (num_encoder_tokens, num_encoder_tokens)
+            };
+            gm.allocate_new_blocks(&mut self.pool, &mut req.groups[g], n, main, out);
+        }
+    }
+
+    /// Releases every block of the request, tail first.
+    pub(crate) fn free(&mut self, req: &mut Request) {
+        for (g, gm) in self.groups.iter().enumerate() {
+            gm.free(&mut self.pool, &mut req.groups[g]);
+        }
+    }
+
+    // ---- caching ----------------------------------------------------------
+
+    /// Publishes the request's full blocks covering `num_tokens` into the prefix
+    /// cache, with their `BlockStored` events and provenance records.
+    pub(crate) fn cache_blocks(&mut self, req: &mut Request, num_tokens: usize) {
+        let hbs = self.hash_block_size;
+        let sbs = self.scheduler_block_size as usize;
+        let hybrid = matches!(self.mode, Mode::Hybrid { .. });
+        // Most decode steps fill no block: nothing new to publish in any group.
+        let hashed = req.hashes.len() * hbs;
+        if !hybrid
+            && self.groups.iter().zip(&req.groups).all(|(gm, gb)| {
+                gm.blocks_floor(num_tokens.min(hashed) as u64) as usize
+                    <= gb.num_cached.unwrap_or(0)
+            })
+        {
+            return;
+        }
+        let (boundaries, nb) =
+            replay_boundaries(req.num_prompt_tokens as u64, sbs as u64, self.use_eagle);
+        let retention = Retention {
+            interval: self.retention_interval,
+            boundaries: &boundaries[..nb],
+        };
+        for (g, gm) in self.groups.iter_mut().enumerate() {
+            let cached_before = req.groups[g].num_cached.unwrap_or(0);
+            // Nothing past the last aligned boundary can ever be hit in a hybrid
+            // model (EAGLE groups keep one block past it).
+            let n = if hybrid {
+                let aligned = num_tokens / sbs * sbs;
+                if gm.use_eagle() && aligned > 0 {
+                    num_tokens.min(aligned + gm.block_size() as usize)
+                } else {
+                    aligned
+                }
+            } else {
+                num_tokens
+            };
+            if let Some((from, to, mask)) =
+                gm.cache_blocks(&mut self.pool, req, g, n, hbs, &retention)
+            {
+                if self.pool.events_enabled() {
+                    let ev = stored_event(gm, req, g, from, to, mask.as_deref());
+                    self.pool.push_event(KvEvent::BlockStored(ev));
+                }
+            }
+            // Partial prompt-tail entries exist where vLLM allows a hash block
+            // below the group block size: hybrid models. (A single group with a
+            // finer hash is pagedkv's extension; it caches whole blocks only.)
+            let partial = if hybrid {
+                gm.cache_partial_tail(&mut self.pool, req, g, n, hbs)
+            } else {
+                None
+            };
+            if let Some(boundary) = partial {
+                if self.pool.events_enabled() {
+                    let ev = partial_stored_event(req, g, boundary, hbs);
+                    self.pool.push_event(KvEvent::BlockStored(ev));
+                }
+            }
+            if req.verify {
+                let bs = gm.block_size() as usize;
+                let cached_after = req.groups[g].num_cached.unwrap_or(0);
+                // The block before may have been cached partially (a prompt
+                // tail); the one after may carry a partial entry now.
+                let from = cached_before.saturating_sub(1);
+                let to = (cached_after + 1).min(req.groups[g].blocks.len());
+                for i in from..to {
+                    self.verifier.record(&self.pool, req, g, i, bs, hbs);
+                }
+            }
+        }
+    }
+
+    /// Drains the pool's KV events, annotated with each group's spec kind.
+    pub(crate) fn take_events(&mut self) -> Vec<KvEvent> {
+        let mut evs = self.pool.take_events();
+        for ev in &mut evs {
+            if let KvEvent::BlockStored(s) = ev {
+                if let Some(gm) = self.groups.get(s.group_idx as usize) {
+                    s.kv_cache_spec_kind = Some(gm.spec().kind.spec_kind());
+                    s.kv_cache_spec_sliding_window = gm.spec().kind.sliding_window();
+                }
+            }
+        }
+        evs
+    }
+
+    /// Per-step notification (Mamba "align" groups reset per-step state).
+    pub(crate) fn new_step_starts(&mut self) {
+        for gm in &mut self.groups {
+            gm.new_step_starts();
+        }
+    }
+
+    // ---- inspection -------------------------------------------------------
+
+    /// Per group, the request's leading blocks held by all `num_running`
+    /// requests that hold blocks (vLLM 0.32's meaning; full attention only).
+    pub(crate) fn num_common_prefix_blocks(&self, req: &Request, num_running: usize) -> Vec<u32> {
+        self.groups
+            .iter()
+            .enumerate()
+            .map(|(g, gm)| {
+                if !gm.spec().kind.is_full_attention() {
+                    return 0;
+                }
+                req.groups[g]
+                    .blocks
+                    .iter()
+                    .take_while(|&&b| self.pool.ref_cnt(b) as usize == num_running)
+                    .count() as u32
+            })
+            .collect()
+    }
+
+    /// Checks one request's blocks (range, one group per block, cached blocks
+    /// under the request's own hashes) and adds them to the per-block reference
+    /// counts `refs` and owners `owner_group`.
+    pub(crate) fn check_request(
+        &self,
+        req: &Request,
+        refs: &mut [u32],
+        owner_group: &mut [u32],
+    ) -> Result<()> {
+        let n = refs.len();
+        let violation = |m: String| Err(Error::InvariantViolation(m));
+        for (g, gb) in req.groups.iter().enumerate() {
+            for &b in &gb.blocks {
+                let i = b as usize;
+                if i >= n {
+                    return violation(format!("request {:?} holds out-of-range block {b}", req.id));
+                }
+                if b == NULL_BLOCK {
+                    continue;
+                }
+                refs[i] += 1;
+                if owner_group[i] != u32::MAX && owner_group[i] != g as u32 {
+                    return violation(format!(
+                        "block {b} is held by groups {} and {g}",
+                        owner_group[i]
+                    ));
+                }
+                owner_group[i] = g as u32;
+            }
+            let Some(c) = gb.num_cached else {
+                continue;
+            };
+            if c > gb.blocks.len() {
+                return violation(format!(
+                    "request {:?} marks {c} cached blocks of {}",
+                    req.id,
+                    gb.blocks.len()
+                ));
+            }
+            let gm = &self.groups[g];
+            for (i, &b) in gb.blocks[..c].iter().enumerate() {
+                if b == NULL_BLOCK || !self.pool.enable_caching() {
+                    continue;
+                }
+                // A full block carries its own key; a partial prompt-tail entry
+                // (re-registered after an eviction) is the other case.
+                let full_tokens = ((i + 1) * gm.block_size() as usize) as u32;
+                let partial = self.pool.primary_tokens(b).is_some_and(|t| t < full_tokens);
+                if let Some(k) = self.pool.block_key(b).filter(|_| !partial) {
+                    if Some(k) != gm.key_for(&req.hashes, i) {
+                        return violation(format!(
+                            "block {b} of request {:?} is cached under another hash",
+                            req.id
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Tokens a later request replaying this prompt can resume at (vLLM's
+/// `replay_boundaries`): the resend cap `P - 1`, or with EAGLE the aligned
+/// positions one block below the resend and the extension. Returns the
+/// positions and how many of the two slots are used.
+fn replay_boundaries(num_prompt_tokens: u64, sbs: u64, use_eagle: bool) -> ([u64; 2], usize) {
+    if !use_eagle {
+        return ([num_prompt_tokens.saturating_sub(1), 0], 1);
+    }
+    let resend = num_prompt_tokens.saturating_sub(1) / sbs * sbs;
+    let extension = num_prompt_tokens / sbs * sbs;
+    let (a, b) = (resend.saturating_sub(sbs), extension.saturating_sub(sbs));
+    if a == b {
+        ([a, 0], 1)
+    } else {
+        ([a.min(b), a.max(b)], 2)
+    }
+}
+
+/// The `BlockStored` of a partial prompt-tail entry: the one hash block ending at
+/// `boundary`.
+fn partial_stored_event(req: &Request, g: usize, boundary: usize, hbs: usize) -> BlockStored {
+    let n = boundary / hbs;
+    let start = boundary - hbs;
+    BlockStored {
+        block_hashes: vec![req.hashes[n - 1]],
+        parent_block_hash: (n > 1).then(|| req.hashes[n - 2]),
+        token_ids: req.tokens[start..boundary].to_vec(),
+        block_size: hbs as u32,
+        lora_id: req.lora.as_ref().and_then(|l| l.id),
+        lora_name: req.lora.as_ref().map(|l| l.name.clone()),
+        extra_keys: Some(vec![req.event_extra_keys(start, boundary)]),
+        group_idx: g as u32,
+        kv_cache_spec_kind: None,
+        kv_cache_spec_sliding_window: None,
+    }
+}
+
+/// The `BlockStored` of blocks `[from, to)` of group `g` (those `mask` keeps).
+fn stored_event(
+    gm: &GroupManager,
+    req: &Request,
+    g: usize,
+    from: usize,
+    to: usize,
+    mask: Option<&[bool]>,
+) -> BlockStored {
+    let bs = gm.block_size() as usize;
+    let blocks = &req.groups[g].blocks;
+    let mut hashes = Vec::new();
+    let mut extra = Vec::new();
+    for (i, &b) in blocks.iter().enumerate().take(to).skip(from) {
+        if b == NULL_BLOCK || mask.is_some_and(|m| !m[i - from]) {
+            continue;
+        }
+        if let Some(k) = gm.key_for(&req.hashes, i) {
+            hashes.push(k.hash);
+        }
+        extra.push(req.event_extra_keys(i * bs, (i + 1) * bs));
+    }
+    let parent = if from == 0 {
+        None
+    } else {
+        gm.key_for(&req.hashes, from - 1).map(|k| k.hash)
+    };
+    BlockStored {
+        block_hashes: hashes,
+        parent_block_hash: parent,
+        token_ids: req.tokens[from * bs..to * bs].to_vec(),
+        block_size: bs as u32,
+        lora_id: req.lora.as_ref().and_then(|l| l.id),
+        lora_name: req.lora.as_ref().map(|l| l.name.clone()),
+        // vLLM publishes one entry per stored block (None entries included) and
+        // None only when no block was stored.
+        extra_keys: (!extra.is_empty()).then_some(extra),
+        group_idx: g as u32,
+        kv_cache_spec_kind: None,
+        kv_cache_spec_sliding_window: None,
+    }
+}

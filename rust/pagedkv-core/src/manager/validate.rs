@@ -1,0 +1,173 @@
+//! Argument checks of `allocate_slots` and its batch form: everything is
+//! checked before anything changes, so a refused call leaves the manager as
+//! it was.
+
+use super::{AllocateArgs, ComputedBlocks, KvCacheManager};
+use crate::error::{Error, Result, invalid};
+use crate::pool::BlockId;
+use crate::single_type::Need;
+
+impl KvCacheManager {
+    /// A lookup result applies to this request on this manager, fits the
+    /// request's admission and is still cached.
+    pub(super) fn validate_hit(
+        &self,
+        slot: u32,
+        hit: &ComputedBlocks,
+        num_new_computed: u64,
+    ) -> Result<()> {
+        let req = self.table.get(slot);
+        if hit.manager_uid != self.uid || hit.request_uid != req.uid {
+            return Err(Error::StaleComputedBlocks(format!(
+                "the computed blocks were not looked up for request {:?} on this manager",
+                req.id
+            )));
+        }
+        let groups = self.coord.groups();
+        if hit.block_ids.len() != groups.len() {
+            return Err(invalid("computed blocks have the wrong number of groups"));
+        }
+        if req.holds_blocks() && !hit.is_empty() {
+            return Err(invalid(format!(
+                "request {:?} already holds blocks; a prefix hit only applies at admission",
+                req.id
+            )));
+        }
+        for (g, ids) in hit.block_ids.iter().enumerate() {
+            if !groups[g].prefix_cacheable() {
+                continue; // cross attention never hits
+            }
+            let bs = u64::from(groups[g].block_size());
+            if (ids.len() as u64) * bs < num_new_computed {
+                return Err(invalid(format!(
+                    "num_new_computed_tokens {num_new_computed} exceeds the hit of group {g} \
+                     ({} blocks of {bs} tokens)",
+                    ids.len()
+                )));
+            }
+        }
+        if hit.epoch == self.coord.pool().epoch() {
+            return Ok(());
+        }
+        // Blocks were evicted since the lookup: every hit block must still be
+        // cached under the request's own hash at its position.
+        match self.coord.first_stale_hit_block(req, &hit.block_ids) {
+            None => Ok(()),
+            Some(b) => Err(Error::StaleComputedBlocks(format!(
+                "block {b} of the prefix hit was evicted or reused since \
+                 get_computed_blocks; look the request up again"
+            ))),
+        }
+    }
+
+    /// Counts consistent with the request and the blocks it holds.
+    pub(super) fn validate_args(&self, slot: u32, a: &AllocateArgs) -> Result<()> {
+        let req = self.table.get(slot);
+        if a.num_new_tokens == 0
+            && a.num_external_computed_tokens == 0
+            && a.num_new_computed_tokens == 0
+        {
+            return Err(invalid(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
+            ));
+        }
+        let local = a
+            .num_computed_tokens
+            .checked_add(a.num_new_computed_tokens)
+            .ok_or_else(|| invalid("token counts overflow"))?;
+        let total = local
+            .checked_add(a.num_external_computed_tokens)
+            .ok_or_else(|| invalid("token counts overflow"))?;
+        if total > req.num_tokens() as u64 {
+            return Err(invalid(format!(
+                "num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens \
+                 = {total} exceeds the request's {} tokens",
+                req.num_tokens()
+            )));
+        }
+        for x in [
+            a.num_new_tokens,
+            a.num_lookahead_tokens,
+            a.num_encoder_tokens,
+            a.reserved_blocks,
+        ] {
+            if x > (1 << 40) {
+                return Err(invalid(format!("count {x} is out of range")));
+            }
+        }
+        for (g, gm) in self.coord.groups().iter().enumerate() {
+            if !gm.prefix_cacheable() {
+                continue; // cross attention: its blocks cover encoder tokens
+            }
+            let have = req.groups[g].blocks.len() as u64 * u64::from(gm.block_size());
+            if a.num_computed_tokens > have {
+                return Err(invalid(format!(
+                    "num_computed_tokens {} but request {:?} holds blocks for only {have} tokens",
+                    a.num_computed_tokens, req.id
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses a request that can never be scheduled: the blocks it would hold
+    /// after this call (fresh blocks plus every prefix-hit block, evictable or
+    /// held by others) exceed all usable blocks minus those it keeps holding
+    /// once skipped blocks are released. Only called when the need exceeds the
+    /// free blocks.
+    pub(super) fn check_ever_fits(
+        &self,
+        slot: u32,
+        need: i64,
+        hit: &[Vec<BlockId>],
+        total_computed: u64,
+    ) -> Result<()> {
+        let req = self.table.get(slot);
+        let (held, shared_hits) = self.coord.held_and_shared_hits(req, hit, total_computed);
+        let num_blocks = self.coord.pool().num_blocks();
+        let capacity = i64::from(num_blocks) - 1 - held;
+        if need + shared_hits > capacity {
+            return Err(Error::CannotFit(format!(
+                "request {:?} needs {} more blocks but the pool can never give it more \
+                 than {capacity} ({} usable blocks, {held} held by the request)",
+                req.id,
+                need + shared_hits,
+                num_blocks - 1
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks every entry of a batch (after slot resolution) before anything
+    /// changes.
+    pub(super) fn validate_batch(
+        &self,
+        slots: &[u32],
+        num_new_tokens: &[u64],
+        num_computed_tokens: &[u64],
+        num_lookahead_tokens: u64,
+    ) -> Result<()> {
+        let free_at_start = i64::from(self.coord.pool().num_free_blocks());
+        let max_len = self.cfg.max_model_len;
+        for (i, &slot) in slots.iter().enumerate() {
+            let args = AllocateArgs {
+                num_lookahead_tokens,
+                ..AllocateArgs::step(num_new_tokens[i], num_computed_tokens[i])
+            };
+            self.validate_args(slot, &args)?;
+            let need_args = Need {
+                num_tokens: (num_computed_tokens[i] + num_new_tokens[i] + num_lookahead_tokens)
+                    .min(max_len),
+                total_computed: num_computed_tokens[i],
+                main_model: (num_computed_tokens[i] + num_new_tokens[i]).min(max_len),
+                cap: false,
+            };
+            let req = self.table.get(slot);
+            let (need, blocked) = self.coord.num_blocks_to_allocate(req, &need_args, &[], 0);
+            if need > free_at_start && !blocked {
+                self.check_ever_fits(slot, need, &[], num_computed_tokens[i].min(max_len))?;
+            }
+        }
+        Ok(())
+    }
+}

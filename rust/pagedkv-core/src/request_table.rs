@@ -1,0 +1,260 @@
+//! The request table: a slab of requests with generations, the id index and
+//! request handles.
+//!
+//! A handle packs, from the low bit up: the request's slot (32 bits), the
+//! slot's generation (19 bits, bumped when the slot is vacated) and the tag of
+//! the manager that issued it (12 bits); the top bit is clear, so handles fit
+//! an `int64` array. A removed request's handle is refused until its slot was
+//! reused 2^19 times; a handle of another manager is refused unless 4,096
+//! managers were built between the two.
+
+use rustc_hash::FxHashMap;
+
+use crate::error::{Error, Result, invalid};
+use crate::request::Request;
+
+/// A request's handle: returned by [`crate::KvCacheManager::add_request`],
+/// valid until the request is removed. Batch calls take handles to skip the id
+/// lookup.
+pub type RequestHandle = u64;
+
+/// The requests of a batch call, named by ids or by handles.
+#[derive(Clone, Copy, Debug)]
+pub enum RequestRefs<'a> {
+    /// Request ids.
+    Ids(&'a [&'a str]),
+    /// Handles from [`crate::KvCacheManager::add_request`].
+    Handles(&'a [RequestHandle]),
+}
+
+impl RequestRefs<'_> {
+    /// Number of requests named.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Ids(v) => v.len(),
+            Self::Handles(v) => v.len(),
+        }
+    }
+
+    /// No request named.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+const SLOT_BITS: u32 = 32;
+const GEN_BITS: u32 = 19;
+const TAG_BITS: u32 = 12;
+const GEN_MASK: u64 = (1 << GEN_BITS) - 1;
+const TAG_MASK: u64 = (1 << TAG_BITS) - 1;
+const TAG_SHIFT: u32 = SLOT_BITS + GEN_BITS;
+
+/// Requests by slot, with the id index and handle resolution.
+#[derive(Debug)]
+pub(crate) struct RequestTable {
+    reqs: Vec<Option<Request>>,
+    /// Generation of each slot, bumped when the slot is vacated, so a handle of
+    /// a removed request never names its successor.
+    slot_gen: Vec<u32>,
+    free_slots: Vec<u32>,
+    index: FxHashMap<String, u32>,
+    /// Identity of the owning manager, carried by every handle.
+    tag: u64,
+    next_uid: u64,
+}
+
+impl RequestTable {
+    /// An empty table for the manager whose unique id is `manager_uid`.
+    pub(crate) fn new(manager_uid: u64) -> Self {
+        Self {
+            reqs: Vec::new(),
+            slot_gen: Vec::new(),
+            free_slots: Vec::new(),
+            index: FxHashMap::default(),
+            tag: manager_uid & TAG_MASK,
+            next_uid: 1,
+        }
+    }
+
+    /// Number of known requests.
+    pub(crate) fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Whether a request id is known.
+    pub(crate) fn contains(&self, id: &str) -> bool {
+        self.index.contains_key(id)
+    }
+
+    /// The unique id the next inserted request gets (never reused).
+    pub(crate) fn next_uid(&self) -> u64 {
+        self.next_uid
+    }
+
+    /// The slot of a known request.
+    pub(crate) fn slot(&self, id: &str) -> Result<u32> {
+        self.index
+            .get(id)
+            .copied()
+            .ok_or_else(|| Error::UnknownRequest(id.to_owned()))
+    }
+
+    /// The handle of the request in `slot`.
+    pub(crate) fn handle_of(&self, slot: u32) -> RequestHandle {
+        (self.tag << TAG_SHIFT)
+            | ((u64::from(self.slot_gen[slot as usize]) & GEN_MASK) << SLOT_BITS)
+            | u64::from(slot)
+    }
+
+    /// The slot a handle names, if it names a live request of this table.
+    pub(crate) fn slot_of_handle(&self, handle: RequestHandle) -> Result<u32> {
+        let issued_here = handle >> 63 == 0 && (handle >> TAG_SHIFT) & TAG_MASK == self.tag;
+        if !issued_here {
+            let whose = if handle >> 63 == 0 {
+                "issued by another manager"
+            } else {
+                "never issued"
+            };
+            return Err(Error::UnknownRequest(format!(
+                "handle {handle:#x}, {whose}"
+            )));
+        }
+        let slot = (handle & u64::from(u32::MAX)) as u32;
+        let live = self.reqs.get(slot as usize).is_some_and(Option::is_some)
+            && u64::from(self.slot_gen[slot as usize]) & GEN_MASK
+                == (handle >> SLOT_BITS) & GEN_MASK;
+        if live {
+            Ok(slot)
+        } else {
+            Err(Error::UnknownRequest(format!("handle {handle:#x}")))
+        }
+    }
+
+    /// Resolves request references to slots (into `out`, cleared first).
+    pub(crate) fn resolve(&self, refs: RequestRefs<'_>, out: &mut Vec<u32>) -> Result<()> {
+        out.clear();
+        match refs {
+            RequestRefs::Ids(ids) => {
+                out.reserve(ids.len());
+                for id in ids {
+                    out.push(self.slot(id)?);
+                }
+            }
+            RequestRefs::Handles(hs) => {
+                out.reserve(hs.len());
+                for &h in hs {
+                    out.push(self.slot_of_handle(h)?);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The request in an occupied slot.
+    pub(crate) fn get(&self, slot: u32) -> &Request {
+        match &self.reqs[slot as usize] {
+            Some(r) => r,
+            None => unreachable_slot(),
+        }
+    }
+
+    /// The request in an occupied slot, mutably.
+    pub(crate) fn get_mut(&mut self, slot: u32) -> &mut Request {
+        match &mut self.reqs[slot as usize] {
+            Some(r) => r,
+            None => unreachable_slot(),
+        }
+    }
+
+    /// Adds a request under `id` (not known yet); returns its slot.
+    pub(crate) fn insert(&mut self, id: &str, req: Request) -> Result<u32> {
+        let slot = match self.free_slots.pop() {
+            Some(s) => {
+                self.reqs[s as usize] = Some(req);
+                s
+            }
+            None => {
+                let s = u32::try_from(self.reqs.len())
+                    .map_err(|_| invalid("the request table is full (2**32 requests)"))?;
+                self.reqs.push(Some(req));
+                self.slot_gen.push(0);
+                s
+            }
+        };
+        self.next_uid += 1;
+        self.index.insert(id.to_owned(), slot);
+        Ok(slot)
+    }
+
+    /// Forgets the request in `slot` (named `id`); its handle dies with it.
+    pub(crate) fn remove(&mut self, id: &str, slot: u32) {
+        self.index.remove(id);
+        self.reqs[slot as usize] = None;
+        self.slot_gen[slot as usize] = self.slot_gen[slot as usize].wrapping_add(1);
+        self.free_slots.push(slot);
+    }
+
+    /// Every live request.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &Request> {
+        self.reqs.iter().flatten()
+    }
+}
+
+#[cold]
+fn unreachable_slot() -> ! {
+    // The index maps ids only to occupied slots and handles are checked before
+    // use; reaching this is a bug in the manager, not misuse.
+    unreachable!("request slot without a request")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::RequestSpec;
+
+    fn request(uid: u64) -> Request {
+        let spec = RequestSpec {
+            prompt_token_ids: vec![1, 2, 3],
+            ..RequestSpec::default()
+        };
+        Request::new(format!("r{uid}"), uid, spec, 1, 16).expect("valid request")
+    }
+
+    #[test]
+    fn another_managers_handle_is_refused_even_for_the_same_slot() {
+        let (mut a, mut b) = (RequestTable::new(7), RequestTable::new(8));
+        let sa = a.insert("x", request(1)).expect("insert");
+        let sb = b.insert("x", request(1)).expect("insert");
+        assert_eq!(sa, sb);
+        let ha = a.handle_of(sa);
+        assert_eq!(a.slot_of_handle(ha), Ok(sa));
+        let err = b.slot_of_handle(ha).expect_err("foreign handle");
+        assert!(err.to_string().contains("another manager"), "{err}");
+    }
+
+    #[test]
+    fn handles_keep_the_top_bit_clear_and_the_slot_in_the_low_word() {
+        let mut t = RequestTable::new(u64::MAX);
+        let s = t.insert("x", request(1)).expect("insert");
+        let h = t.handle_of(s);
+        assert_eq!(h >> 63, 0);
+        assert_eq!(h & u64::from(u32::MAX), u64::from(s));
+        assert!(t.slot_of_handle(h | 1 << 63).is_err());
+    }
+
+    #[test]
+    fn a_vacated_slot_gets_a_new_generation() {
+        let mut t = RequestTable::new(1);
+        let s = t.insert("x", request(1)).expect("insert");
+        let old = t.handle_of(s);
+        t.remove("x", s);
+        assert!(t.slot_of_handle(old).is_err());
+        let s2 = t.insert("y", request(2)).expect("insert");
+        assert_eq!(s, s2);
+        assert_ne!(t.handle_of(s2), old);
+        assert!(t.slot_of_handle(old).is_err());
+        assert_eq!(t.next_uid(), 3);
+    }
+}

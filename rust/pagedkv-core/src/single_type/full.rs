@@ -1,0 +1,73 @@
+//! Full attention (also MLA and attention sinks): a hit is the longest run of
+//! cached blocks from the first one; no block ever falls out of use. A block
+//! spanning several hash blocks also registers the prompt's last hash boundary
+//! inside it as a partial entry (hybrid models).
+
+use super::{GroupManager, Lookup};
+use crate::pool::{BlockId, BlockPool, CacheKey};
+use crate::request::Request;
+
+impl GroupManager {
+    pub(super) fn find_full(
+        &self,
+        pool: &BlockPool,
+        q: &Lookup<'_>,
+        group_ids: &[u32],
+        out: &mut [Vec<BlockId>],
+    ) -> usize {
+        let bs = self.block_size as usize;
+        let mut found = Vec::with_capacity(group_ids.len());
+        let mut n = 0usize;
+        for i in 0..q.max_len / bs {
+            let Some(hash) = self.hash_at(q.hashes, i) else {
+                break;
+            };
+            if !Self::lookup_all(pool, hash, group_ids, &mut found) {
+                break;
+            }
+            Self::push_all(out, group_ids, &found);
+            n += 1;
+        }
+        let mut hit = n * bs;
+        if q.drop_eagle_block && hit > 0 {
+            hit -= q.alignment.min(bs);
+        }
+        hit -= hit % q.alignment;
+        Self::truncate_all(out, group_ids, hit.div_ceil(bs));
+        hit
+    }
+
+    /// vLLM's `_cache_partial_tail_block` (full-attention groups whose block spans
+    /// several hash blocks): registers the prompt's last hash boundary inside a
+    /// block as a partial entry of that block. Returns the boundary (tokens) when
+    /// the entry is new, for its `BlockStored` event.
+    pub(crate) fn cache_partial_tail(
+        &self,
+        pool: &mut BlockPool,
+        req: &Request,
+        g: usize,
+        num_tokens: usize,
+        hash_block_size: usize,
+    ) -> Option<usize> {
+        if self.scale <= 1 || !self.spec.kind.is_full_attention() {
+            return None;
+        }
+        let limit = if self.use_eagle {
+            req.num_prompt_tokens
+        } else {
+            req.num_prompt_tokens.saturating_sub(1)
+        };
+        let boundary = (limit / hash_block_size).min(req.hashes.len()) * hash_block_size;
+        let bs = self.block_size as usize;
+        if boundary == 0 || boundary > num_tokens || boundary % bs == 0 {
+            return None;
+        }
+        let &block = req.groups[g].blocks.get(boundary / bs)?;
+        let key = CacheKey {
+            hash: req.hashes[boundary / hash_block_size - 1],
+            group: self.group_id,
+        };
+        pool.cache_partial_block(block, key, boundary as u32)
+            .then_some(boundary)
+    }
+}

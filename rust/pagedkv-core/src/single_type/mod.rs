@@ -1,0 +1,551 @@
+//! Single-type managers: one attention type's rules for one KV-cache group — what
+//! a prefix hit is, which blocks fall out of use, how many blocks a step needs.
+//!
+//! | type | hit search | skipped tokens after `n` computed |
+//! |---|---|---|
+//! | full / MLA / sink | left to right, stop at the first miss | none |
+//! | sliding window `w` | right to left, a contiguous run of `cdiv(w-1, bs)` | `n - w + 1` |
+//! | chunked local `c` | nulls before the current chunk, then left to right | `n / c * c` |
+//! | Mamba | right to left, the first aligned hit | `n - 1` |
+//! | cross attention | never cached | none |
+//!
+//! `GroupManager` keeps one enum dispatch over [`AttentionKind`]; each kind's
+//! rules live in its own file (`full`, `sliding_window`, `chunked_local`,
+//! `mamba`). Cross attention needs no file: its blocks hold the encoder output,
+//! are allocated once per request and never enter the prefix cache.
+
+mod chunked_local;
+mod full;
+mod mamba;
+mod sliding_window;
+
+use rustc_hash::FxHashSet;
+
+use crate::hash::BlockHash;
+use crate::pool::{BlockId, BlockPool, CacheKey, NULL_BLOCK};
+use crate::request::{GroupBlocks, Request};
+use crate::spec::{AttentionKind, GroupSpec, MambaCacheMode};
+
+/// Lookup inputs shared by all groups of one coordinator.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Lookup<'a> {
+    pub hashes: &'a [BlockHash],
+    pub max_len: usize,
+    pub drop_eagle_block: bool,
+    /// Hits must end on a multiple of this many tokens.
+    pub alignment: usize,
+}
+
+/// Token counts of one `get_num_blocks_to_allocate` question.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Need {
+    pub num_tokens: u64,
+    pub total_computed: u64,
+    pub main_model: u64,
+    /// Apply the recycling-aware admission cap (full-sequence gate only).
+    pub cap: bool,
+}
+
+/// What `cache_blocks` needs beyond the request: sparse-retention settings.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Retention<'a> {
+    /// `None` = dense, `Some(0)` = replay boundary only, `Some(r)` = one tail per
+    /// `r`-token segment.
+    pub interval: Option<u64>,
+    /// Token positions whose reachable tail must be kept.
+    pub boundaries: &'a [u64],
+}
+
+/// The manager of one KV-cache group.
+#[derive(Clone, Debug)]
+pub struct GroupManager {
+    spec: GroupSpec,
+    group_id: u32,
+    block_size: u32,
+    /// Hash blocks per group block (`block_size / hash_block_size`).
+    scale: usize,
+    /// Tokens a hit must be aligned to (the scheduler block size).
+    alignment: u64,
+    /// EAGLE: hits of this group drop their last block; caching keeps one block
+    /// past the aligned boundary.
+    use_eagle: bool,
+    /// Recycling-aware per-request block cap (sliding window, chunked local).
+    admission_cap: Option<u64>,
+    /// Mamba: state blocks cached this step (a hit on one cannot be used yet).
+    cached_this_step: FxHashSet<CacheKey>,
+    num_gpu_blocks: u32,
+    /// `log2(block_size)` for power-of-two block sizes (divisions on the hot path
+    /// become shifts), `None` otherwise.
+    shift: Option<u32>,
+}
+
+/// What every group manager of one coordinator shares.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GroupParams {
+    /// Token granularity of the request's block hashes.
+    pub hash_block_size: u32,
+    /// Tokens a hit must be aligned to (the scheduler block size).
+    pub alignment: u64,
+    /// Tokens one request may have in flight (bounds windowed admission).
+    pub max_in_flight_tokens: u64,
+    pub max_model_len: u64,
+    pub num_gpu_blocks: u32,
+    /// EAGLE applies to this group (prefix-cached groups of an EAGLE model).
+    pub use_eagle: bool,
+}
+
+impl GroupManager {
+    pub(crate) fn new(spec: GroupSpec, group_id: u32, p: &GroupParams) -> Self {
+        let GroupParams {
+            hash_block_size,
+            alignment,
+            max_in_flight_tokens,
+            max_model_len,
+            num_gpu_blocks,
+            use_eagle,
+        } = *p;
+        let block_size = spec.block_size;
+        let bs = u64::from(block_size);
+        let admission_cap = match spec.kind {
+            AttentionKind::SlidingWindow { window } => {
+                let n = (u64::from(window) - 1 + max_in_flight_tokens).min(max_model_len);
+                Some(n.div_ceil(bs) + 1)
+            }
+            AttentionKind::ChunkedLocal { chunk } => {
+                let n = (u64::from(chunk) + max_in_flight_tokens).min(max_model_len);
+                Some(n.div_ceil(bs))
+            }
+            _ => None,
+        };
+        Self {
+            scale: (block_size / hash_block_size) as usize,
+            spec,
+            group_id,
+            block_size,
+            alignment,
+            use_eagle,
+            admission_cap,
+            cached_this_step: FxHashSet::default(),
+            num_gpu_blocks,
+            shift: block_size
+                .is_power_of_two()
+                .then(|| block_size.trailing_zeros()),
+        }
+    }
+
+    /// The group's spec.
+    #[must_use]
+    pub fn spec(&self) -> &GroupSpec {
+        &self.spec
+    }
+
+    /// Whether EAGLE applies to this group.
+    #[must_use]
+    pub fn use_eagle(&self) -> bool {
+        self.use_eagle
+    }
+
+    /// Tokens per block.
+    #[must_use]
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Whole blocks in `n` tokens.
+    #[inline]
+    pub(crate) fn blocks_floor(&self, n: u64) -> u64 {
+        match self.shift {
+            Some(s) => n >> s,
+            None => n / u64::from(self.block_size),
+        }
+    }
+
+    /// Blocks needed for `n` tokens.
+    #[inline]
+    pub(crate) fn blocks_ceil(&self, n: u64) -> u64 {
+        match self.shift {
+            Some(s) => (n + u64::from(self.block_size) - 1) >> s,
+            None => n.div_ceil(u64::from(self.block_size)),
+        }
+    }
+
+    fn kind(&self) -> &AttentionKind {
+        &self.spec.kind
+    }
+
+    fn mamba_align(&self) -> Option<u64> {
+        match self.spec.kind {
+            AttentionKind::Mamba {
+                mode: MambaCacheMode::Align,
+                num_speculative_blocks,
+            } => Some(u64::from(num_speculative_blocks)),
+            _ => None,
+        }
+    }
+
+    /// Whether blocks of this group enter the prefix cache.
+    #[must_use]
+    pub fn prefix_cacheable(&self) -> bool {
+        !matches!(self.spec.kind, AttentionKind::CrossAttention)
+    }
+
+    /// Cache key of the request's `i`-th block of this group. A block spanning
+    /// several hash blocks is keyed by its last hash block's hash: vLLM keys it by
+    /// the concatenation of the spanned hashes, and since each hash chains over all
+    /// before it, the last one identifies the concatenation. Events publish the
+    /// last 8 bytes, which are the same either way.
+    #[must_use]
+    pub fn key_for(&self, hashes: &[BlockHash], i: usize) -> Option<CacheKey> {
+        let j = (i + 1) * self.scale;
+        (j <= hashes.len()).then(|| CacheKey {
+            hash: hashes[j - 1],
+            group: self.group_id,
+        })
+    }
+
+    /// Tokens that attention no longer reads once `n` tokens are computed.
+    pub(crate) fn num_skipped_tokens(&self, n: u64) -> u64 {
+        match *self.kind() {
+            AttentionKind::FullAttention
+            | AttentionKind::MlaAttention
+            | AttentionKind::SinkFullAttention { .. }
+            | AttentionKind::CrossAttention => 0,
+            AttentionKind::SlidingWindow { window } => (n + 1).saturating_sub(u64::from(window)),
+            AttentionKind::ChunkedLocal { chunk } => n / u64::from(chunk) * u64::from(chunk),
+            AttentionKind::Mamba { .. } => n.saturating_sub(1),
+        }
+    }
+
+    /// Blocks one cached block of every group in `group_ids` under `hash`, or
+    /// `None` when any group misses.
+    fn lookup_all(
+        pool: &BlockPool,
+        hash: BlockHash,
+        group_ids: &[u32],
+        found: &mut Vec<BlockId>,
+    ) -> bool {
+        found.clear();
+        for &g in group_ids {
+            match pool.cached_block(&CacheKey { hash, group: g }) {
+                Some(b) => found.push(b),
+                None => return false,
+            }
+        }
+        true
+    }
+
+    fn hash_at(&self, hashes: &[BlockHash], i: usize) -> Option<BlockHash> {
+        hashes.get((i + 1) * self.scale - 1).copied()
+    }
+
+    /// Longest cached prefix for the groups `group_ids` (all with this spec) within
+    /// `q.max_len` tokens; writes one list per group into `out` (indexed by group
+    /// id, skipped positions as null blocks) and returns the hit length in tokens.
+    pub(crate) fn find_longest_cache_hit(
+        &self,
+        pool: &BlockPool,
+        q: &Lookup<'_>,
+        group_ids: &[u32],
+        out: &mut [Vec<BlockId>],
+    ) -> usize {
+        for &g in group_ids {
+            out[g as usize].clear();
+        }
+        match *self.kind() {
+            AttentionKind::FullAttention
+            | AttentionKind::MlaAttention
+            | AttentionKind::SinkFullAttention { .. } => self.find_full(pool, q, group_ids, out),
+            AttentionKind::SlidingWindow { window } => {
+                self.find_sliding(pool, q, window, group_ids, out)
+            }
+            AttentionKind::ChunkedLocal { chunk } => {
+                self.find_chunked(pool, q, chunk, group_ids, out)
+            }
+            AttentionKind::Mamba { .. } => self.find_mamba(pool, q, group_ids, out),
+            AttentionKind::CrossAttention => 0,
+        }
+    }
+
+    fn push_all(out: &mut [Vec<BlockId>], group_ids: &[u32], found: &[BlockId]) {
+        for (&g, &b) in group_ids.iter().zip(found) {
+            out[g as usize].push(b);
+        }
+    }
+
+    fn truncate_all(out: &mut [Vec<BlockId>], group_ids: &[u32], n: usize) {
+        for &g in group_ids {
+            out[g as usize].truncate(n);
+        }
+    }
+
+    /// Blocks this step takes from the free queue: fresh blocks plus prefix-hit
+    /// blocks that are eviction candidates (touching pulls them out of the queue).
+    /// May be negative for Mamba "align" (vLLM's arithmetic, kept as is).
+    pub(crate) fn num_blocks_to_allocate(
+        &self,
+        pool: &BlockPool,
+        gb: &GroupBlocks,
+        hit: &[BlockId],
+        n: &Need,
+    ) -> i64 {
+        let (mut num_tokens, total_computed, num_tokens_main_model, apply_admission_cap) =
+            (n.num_tokens, n.total_computed, n.main_model, n.cap);
+        let bs = u64::from(self.block_size);
+        let evictable =
+            |blocks: &[BlockId]| blocks.iter().filter(|&&b| pool.is_evictable(b)).count() as i64;
+        if let AttentionKind::Mamba {
+            num_speculative_blocks,
+            mode,
+        } = self.spec.kind
+        {
+            if self.hit_cached_this_step(pool, hit) {
+                // The state is written at the end of the step that cached it and
+                // cannot be read yet: vLLM makes the request not fit this step.
+                return i64::from(self.num_gpu_blocks) + 1;
+            }
+            if mode == MambaCacheMode::Align {
+                let spec = u64::from(num_speculative_blocks);
+                let required = num_tokens_main_model.div_ceil(bs) + spec;
+                let mut new = required as i64 - hit.len() as i64 - gb.blocks.len() as i64;
+                if new > 0 {
+                    let cap = 1 + if gb.mamba_allocated { 0 } else { spec };
+                    new = new.min(cap as i64);
+                }
+                return new + evictable(hit);
+            }
+            num_tokens += bs * u64::from(num_speculative_blocks);
+        }
+        let mut required = self.blocks_ceil(num_tokens);
+        if apply_admission_cap {
+            if let Some(cap) = self.admission_cap {
+                required = required.min(cap);
+            }
+        }
+        let have = gb.blocks.len() as u64;
+        if gb.num_cached.is_some() {
+            return required.saturating_sub(have) as i64;
+        }
+        let skipped_blocks = self.blocks_floor(self.num_skipped_tokens(total_computed));
+        let local = hit.len() as u64 + have;
+        let fresh = required.saturating_sub(skipped_blocks.max(local));
+        let skip_hits = (skipped_blocks.saturating_sub(have) as usize).min(hit.len());
+        fresh as i64 + evictable(&hit[skip_hits..])
+    }
+
+    /// Adopts the prefix hit at admission: touches the hit blocks, pads skipped
+    /// positions with the null block, marks them cached.
+    pub(crate) fn add_local_computed_blocks(
+        &self,
+        pool: &mut BlockPool,
+        gb: &mut GroupBlocks,
+        hit: &[BlockId],
+        num_local: u64,
+        num_external: u64,
+    ) {
+        if matches!(self.kind(), AttentionKind::CrossAttention) {
+            return;
+        }
+        let bs = u64::from(self.block_size);
+        let skipped_blocks = (self.num_skipped_tokens(num_local + num_external) / bs) as usize;
+        let hit = &hit[skipped_blocks.min(hit.len())..];
+        if pool.enable_caching() {
+            pool.touch(hit);
+        }
+        gb.blocks
+            .extend(std::iter::repeat_n(NULL_BLOCK, skipped_blocks));
+        gb.blocks.extend_from_slice(hit);
+        gb.num_cached = Some(gb.blocks.len());
+    }
+
+    /// Fresh blocks for tokens whose KV an external connector supplies.
+    pub(crate) fn allocate_external_computed_blocks(
+        &self,
+        pool: &mut BlockPool,
+        gb: &mut GroupBlocks,
+        num_local: u64,
+        num_external: u64,
+    ) {
+        if matches!(self.kind(), AttentionKind::CrossAttention) {
+            return;
+        }
+        let total = num_local + num_external;
+        let skipped = self.num_skipped_tokens(total);
+        let ext = if skipped > 0 {
+            (total - skipped).min(num_external)
+        } else {
+            num_external
+        };
+        if ext == 0 {
+            return;
+        }
+        let need = total
+            .div_ceil(u64::from(self.block_size))
+            .saturating_sub(gb.blocks.len() as u64);
+        // Capacity was checked by the caller.
+        let _ = pool.get_new_blocks(need as u32, &mut gb.blocks);
+    }
+
+    /// Grows the block list to cover `num_tokens`, returning the new ids in `out`.
+    pub(crate) fn allocate_new_blocks(
+        &self,
+        pool: &mut BlockPool,
+        gb: &mut GroupBlocks,
+        mut num_tokens: u64,
+        num_tokens_main_model: u64,
+        out: &mut Vec<BlockId>,
+    ) {
+        let bs = u64::from(self.block_size);
+        if let AttentionKind::Mamba {
+            mode,
+            num_speculative_blocks,
+        } = self.spec.kind
+        {
+            if mode == MambaCacheMode::Align {
+                self.allocate_mamba_align(
+                    pool,
+                    gb,
+                    num_tokens_main_model,
+                    num_speculative_blocks,
+                    out,
+                );
+                return;
+            }
+            num_tokens += bs * u64::from(num_speculative_blocks);
+        }
+        let required = self.blocks_ceil(num_tokens);
+        let have = gb.blocks.len() as u64;
+        if required <= have {
+            return;
+        }
+        // Capacity was checked by the caller.
+        let _ = pool.get_new_blocks((required - have) as u32, out);
+        gb.blocks.extend_from_slice(out);
+    }
+
+    /// Caches the request's newly full blocks covering `num_tokens`; returns the
+    /// block range `[from, to)` that was published, if any, with the mask of
+    /// blocks kept (`None` = all).
+    pub(crate) fn cache_blocks(
+        &mut self,
+        pool: &mut BlockPool,
+        req: &mut Request,
+        g: usize,
+        num_tokens: usize,
+        hash_block_size: usize,
+        retention: &Retention<'_>,
+    ) -> Option<(usize, usize, Option<Vec<bool>>)> {
+        if !self.prefix_cacheable() {
+            return None;
+        }
+        let shared = req.shared_prefix_boundary;
+        let gb = &mut req.groups[g];
+        let cached = gb.num_cached.unwrap_or(0);
+        let hashed_tokens = req.hashes.len() * hash_block_size;
+        let full =
+            (self.blocks_floor(num_tokens.min(hashed_tokens) as u64) as usize).min(gb.blocks.len());
+        if cached >= full {
+            return None;
+        }
+        let mask = if self.spec.kind.is_sparse_retention() {
+            // The replay boundaries plus a pinned shared-prefix junction.
+            let mut b = [0u64; 4];
+            let mut nb = retention.boundaries.len().min(2);
+            b[..nb].copy_from_slice(&retention.boundaries[..nb]);
+            if shared > 0 {
+                b[nb] = shared;
+                nb += 1;
+                if self.use_eagle {
+                    b[nb] = shared.saturating_sub(u64::from(self.block_size));
+                    nb += 1;
+                }
+            }
+            match *self.kind() {
+                AttentionKind::SlidingWindow { window } => {
+                    self.sliding_reachable_mask(window, cached, full, retention.interval, &b[..nb])
+                }
+                AttentionKind::Mamba { .. } => {
+                    self.mamba_reachable_mask(cached, full, retention.interval, &b[..nb])
+                }
+                _ => None,
+            }
+        } else {
+            None
+        };
+        for i in cached..full {
+            let b = gb.blocks[i];
+            if b == NULL_BLOCK || mask.as_ref().is_some_and(|m| !m[i - cached]) {
+                continue;
+            }
+            if let Some(key) = self.key_for(&req.hashes, i) {
+                pool.cache_full_block(b, key, ((i + 1) * self.block_size as usize) as u32);
+                if matches!(self.kind(), AttentionKind::Mamba { .. }) {
+                    self.cached_this_step.insert(key);
+                }
+            }
+        }
+        gb.num_cached = Some(full);
+        Some((cached, full, mask))
+    }
+
+    /// Releases every block of the request, tail first.
+    pub(crate) fn free(&self, pool: &mut BlockPool, gb: &mut GroupBlocks) {
+        pool.free_blocks(gb.blocks.iter().rev().copied());
+        gb.blocks.clear();
+        gb.num_cached = None;
+        gb.mamba_allocated = false;
+        gb.mamba_last_state = None;
+        gb.mamba_retired = 0;
+    }
+
+    /// Blocks `remove_skipped_blocks(total_computed)` would release (dry run).
+    pub(crate) fn num_skippable_blocks(&self, gb: &GroupBlocks, total_computed: u64) -> usize {
+        let skipped = self.num_skipped_tokens(total_computed);
+        if skipped == 0 {
+            return 0;
+        }
+        let n = ((skipped / u64::from(self.block_size)) as usize).min(gb.blocks.len());
+        if self.mamba_align().is_some() {
+            return self.mamba_align_num_skippable(gb, n, total_computed);
+        }
+        gb.blocks[..n]
+            .iter()
+            .rev()
+            .take_while(|&&b| b != NULL_BLOCK)
+            .count()
+    }
+
+    /// Replaces blocks outside the attention window with the null block, freeing
+    /// the deeper ones first.
+    pub(crate) fn remove_skipped_blocks(
+        &self,
+        pool: &mut BlockPool,
+        gb: &mut GroupBlocks,
+        total_computed: u64,
+    ) {
+        if self.mamba_align().is_some() {
+            self.mamba_align_remove_skipped(pool, gb, total_computed);
+            return;
+        }
+        let skipped = self.num_skipped_tokens(total_computed);
+        if skipped > 0 {
+            let n = ((skipped / u64::from(self.block_size)) as usize).min(gb.blocks.len());
+            let mut freed = Vec::new();
+            for i in (0..n).rev() {
+                if gb.blocks[i] == NULL_BLOCK {
+                    break;
+                }
+                freed.push(gb.blocks[i]);
+                gb.blocks[i] = NULL_BLOCK;
+            }
+            pool.free_blocks(freed);
+        }
+    }
+
+    /// Per-step reset (Mamba forgets which states were cached this step).
+    pub(crate) fn new_step_starts(&mut self) {
+        self.cached_this_step.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,122 @@
+//! Sliding window `w`: a hit is a contiguous run of `cdiv(w - 1, bs)` cached
+//! blocks ending the prefix, searched right to left; after `n` computed tokens
+//! the first `n - w + 1` fall out of the window. With sparse retention only the
+//! blocks that can end such a run are cached.
+
+use super::{GroupManager, Lookup};
+use crate::pool::{BlockId, BlockPool, NULL_BLOCK};
+
+impl GroupManager {
+    pub(super) fn find_sliding(
+        &self,
+        pool: &BlockPool,
+        q: &Lookup<'_>,
+        window: u32,
+        group_ids: &[u32],
+        out: &mut [Vec<BlockId>],
+    ) -> usize {
+        let bs = self.block_size as usize;
+        let need = contiguous_blocks_for_hit(window, self.block_size, q.drop_eagle_block);
+        let max_blocks = q.max_len / bs;
+        for &g in group_ids {
+            out[g as usize].resize(max_blocks, NULL_BLOCK);
+        }
+        let mut found = Vec::with_capacity(group_ids.len());
+        let mut run = 0usize;
+        let mut matched = false;
+        for i in (0..max_blocks).rev() {
+            let hit = self
+                .hash_at(q.hashes, i)
+                .is_some_and(|h| Self::lookup_all(pool, h, group_ids, &mut found));
+            if !hit {
+                run = 0;
+                continue;
+            }
+            if run == 0 && bs != q.alignment {
+                let post_pop = if q.drop_eagle_block { i } else { i + 1 };
+                if (post_pop * bs) % q.alignment != 0 {
+                    continue;
+                }
+            }
+            for (&g, &b) in group_ids.iter().zip(&found) {
+                out[g as usize][i] = b;
+            }
+            run += 1;
+            if run >= need {
+                Self::truncate_all(out, group_ids, i + run);
+                matched = true;
+                break;
+            }
+        }
+        let len_of = |out: &[Vec<BlockId>]| out[group_ids[0] as usize].len();
+        if !matched {
+            // A run touching position 0 is a hit even if shorter than the window.
+            Self::truncate_all(out, group_ids, run);
+            while bs != q.alignment && (len_of(out) * bs) % q.alignment != 0 {
+                let l = len_of(out) - 1;
+                Self::truncate_all(out, group_ids, l);
+            }
+        }
+        if q.drop_eagle_block && len_of(out) > 0 {
+            let l = len_of(out) - 1;
+            Self::truncate_all(out, group_ids, l);
+            while bs != q.alignment && (len_of(out) * bs) % q.alignment != 0 {
+                let l = len_of(out) - 1;
+                Self::truncate_all(out, group_ids, l);
+            }
+        }
+        len_of(out) * bs
+    }
+
+    /// Sliding window: which of blocks `[start, end)` can ever serve a hit
+    /// (vLLM's `reachable_block_mask`); `None` = all of them.
+    pub(super) fn sliding_reachable_mask(
+        &self,
+        window: u32,
+        start: usize,
+        end: usize,
+        interval: Option<u64>,
+        boundaries: &[u64],
+    ) -> Option<Vec<bool>> {
+        let bs = u64::from(self.block_size);
+        let align = self.alignment;
+        if align % bs != 0 {
+            return None;
+        }
+        let need = contiguous_blocks_for_hit(window, self.block_size, self.use_eagle);
+        let shift = usize::from(self.use_eagle);
+        let mut mask = vec![false; end - start];
+        let segment = match interval {
+            None => Some(align),
+            Some(0) => None,
+            Some(r) => Some(r),
+        };
+        if let Some(seg) = segment {
+            let per = (seg / bs) as usize;
+            if need >= per {
+                return None;
+            }
+            for i in start..end {
+                if i >= shift && (i - shift) % per >= per - need {
+                    mask[i - start] = true;
+                }
+            }
+        }
+        if interval.is_some() {
+            for &b in boundaries {
+                let aligned = b / align * align;
+                let e = (aligned / bs) as usize + shift;
+                for j in start.max(e.saturating_sub(need))..end.min(e) {
+                    mask[j - start] = true;
+                }
+            }
+        }
+        Some(mask)
+    }
+}
+
+/// Contiguous blocks a sliding-window hit needs: `cdiv(window - 1, bs)`, plus one
+/// with EAGLE (the last matched block is dropped).
+pub(super) fn contiguous_blocks_for_hit(window: u32, block_size: u32, use_eagle: bool) -> usize {
+    ((window - 1).div_ceil(block_size) as usize) + usize::from(use_eagle)
+}

@@ -76,6 +76,23 @@ def test_removed_handle_is_refused_even_when_its_slot_is_reused() -> None:
     mgr.check_invariants()
 
 
+def test_another_managers_handle_is_refused() -> None:
+    # Two managers with the same history issue handles for the same slot; each
+    # handle names its manager, so the other one refuses it and changes nothing.
+    a, b = make_manager(4, 64), make_manager(4, 64)
+    (ha,) = _admit_all(a, 1, 6)
+    (hb,) = _admit_all(b, 1, 6)
+    assert ha != hb
+    before = snapshot(b, ["r0"])
+    with pytest.raises(UnknownRequestError, match="another manager"):
+        b.allocate_slots_batch([ha], 1, [6])
+    with pytest.raises(UnknownRequestError, match="another manager"):
+        b.append_token_ids_batch(np.array([ha], dtype=np.int64), [1])
+    assert snapshot(b, ["r0"]) == before
+    assert b.allocate_slots_batch([hb], 1, [6]) is not None
+    b.check_invariants()
+
+
 class _Tok(enum.IntEnum):
     A = 5
 

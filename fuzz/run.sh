@@ -7,7 +7,7 @@
 # a stable one it sets RUSTC_BOOTSTRAP=1 for the sanitizer flags. The corpus grows
 # in fuzz/corpus/ops (kept between runs, not in git); a crash input lands in
 # fuzz/artifacts/ops and makes this script exit non-zero. Turn a crash into a test
-# in rust/pagedkv-core/tests/fuzz_regressions.rs.
+# in rust/pagedkv-fuzz-driver/tests/regressions.rs.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 

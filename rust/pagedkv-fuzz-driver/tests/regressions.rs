@@ -10,9 +10,7 @@
 //!   states the intended behaviour (a refusal or a capped allocation, never a
 //!   panic or an abort).
 
-#[path = "../../../fuzz/src/driver.rs"]
-#[allow(dead_code)]
-mod driver;
+use pagedkv_fuzz_driver as driver;
 
 use std::path::Path;
 

@@ -16,8 +16,8 @@
 //! - once every request is removed, every usable block is free again, and a
 //!   prefix-cache reset then empties the map.
 //!
-//! Shared by the cargo-fuzz target (`fuzz_targets/ops.rs`) and the regression
-//! test that replays saved inputs (`rust/pagedkv-core/tests/fuzz_regressions.rs`).
+//! Shared by the cargo-fuzz target (`fuzz/fuzz_targets/ops.rs`) and the
+//! regression tests that replay saved inputs (`tests/regressions.rs`).
 
 use std::collections::HashMap;
 

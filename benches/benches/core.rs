@@ -73,7 +73,7 @@ fn lookup(c: &mut Criterion) {
                 mgr.get_computed_blocks("hit")
                     .map(|h| h.num_computed_tokens),
             )
-        })
+        });
     });
     g.bench_function("miss", |b| {
         b.iter(|| {
@@ -81,7 +81,7 @@ fn lookup(c: &mut Criterion) {
                 mgr.get_computed_blocks("miss")
                     .map(|h| h.num_computed_tokens),
             )
-        })
+        });
     });
     g.finish();
 }

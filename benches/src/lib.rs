@@ -2,7 +2,7 @@
 
 use pagedkv_core::{AllocateArgs, KvCacheManager, ManagerConfig, RequestSpec};
 
-/// Deterministic token ids (SplitMix64), so benches need no RNG crate.
+/// Deterministic token ids (`SplitMix64`), so benches need no RNG crate.
 #[must_use]
 pub fn tokens(seed: u64, n: usize, vocab: u32) -> Vec<u32> {
     let mut s = seed;
@@ -27,6 +27,9 @@ pub fn arg<T: std::str::FromStr>(i: usize, default: T) -> T {
 }
 
 /// A full-attention manager with block size 16.
+///
+/// # Panics
+/// If the pool is too small for the configuration.
 #[must_use]
 pub fn manager(num_blocks: u32) -> KvCacheManager {
     match KvCacheManager::new(ManagerConfig::full_attention(num_blocks, 16, 1 << 20)) {
@@ -36,6 +39,9 @@ pub fn manager(num_blocks: u32) -> KvCacheManager {
 }
 
 /// Adds `id` with `prompt`, looks it up and admits it; returns whether it fit.
+///
+/// # Panics
+/// If the manager refuses the request as misuse (a bug in the bench).
 pub fn admit(mgr: &mut KvCacheManager, id: &str, prompt: &[u32]) -> bool {
     let spec = RequestSpec {
         prompt_token_ids: prompt.to_vec(),
@@ -59,7 +65,8 @@ pub fn admit(mgr: &mut KvCacheManager, id: &str, prompt: &[u32]) -> bool {
 /// The oracle's synthetic shared-prefix trace (format "vllm-oracle-trace" v1),
 /// generated exactly as `pagedkv.trace.generate` does.
 pub mod trace {
-    /// SplitMix64.
+    /// `SplitMix64`.
+    #[derive(Debug)]
     pub struct Rng(u64);
 
     impl Rng {
@@ -79,6 +86,7 @@ pub mod trace {
     }
 
     /// One request: its prompt, the tokens it samples, its arrival step.
+    #[derive(Debug)]
     pub struct Req {
         pub id: String,
         pub prompt: Vec<u32>,
@@ -254,16 +262,13 @@ pub mod drive {
                         has_scheduled_reqs: !running.is_empty(),
                         ..AllocateArgs::step(n, 0)
                     };
-                    match kv.allocate_slots(id, &args, Some(&hit)) {
-                        Ok(Some(g)) => {
-                            feed(1);
-                            feed(g[0].len() as u64);
-                            g[0].iter().for_each(|&b| feed(u64::from(b)));
-                        }
-                        _ => {
-                            feed(u64::MAX);
-                            break;
-                        }
+                    if let Ok(Some(g)) = kv.allocate_slots(id, &args, Some(&hit)) {
+                        feed(1);
+                        feed(g[0].len() as u64);
+                        g[0].iter().for_each(|&b| feed(u64::from(b)));
+                    } else {
+                        feed(u64::MAX);
+                        break;
                     }
                     if let Some(r) = waiting.pop_front() {
                         running.push(r); // like the reference loop: hits are computed again

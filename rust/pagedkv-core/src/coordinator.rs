@@ -273,7 +273,7 @@ impl Coordinator {
                 if drop {
                     eagle_verified[idx] = true;
                 } else if new_hit < curr {
-                    eagle_verified.iter_mut().for_each(|v| *v = false);
+                    eagle_verified.fill(false);
                 }
                 curr = new_hit;
                 for &g in &ag.group_ids {
@@ -447,8 +447,9 @@ impl Coordinator {
 
     /// Releases every block of the request, tail first.
     pub(crate) fn free(&mut self, req: &mut Request) {
-        for (g, gm) in self.groups.iter().enumerate() {
-            gm.free(&mut self.pool, &mut req.groups[g]);
+        // Group order, each group's blocks tail first.
+        for gb in &mut req.groups {
+            GroupManager::free(&mut self.pool, gb);
         }
     }
 

@@ -156,11 +156,18 @@ fn digest128(v: u128) -> BlockHash {
 pub enum ExtraKey<'a> {
     /// `("lora", lora_name, lora_path)`.
     Lora {
+        /// Adapter name.
         name: &'a str,
+        /// Adapter path, when it takes part in the key.
         path: Option<&'a str>,
     },
     /// `("mm", identifier, item offset - block start)`.
-    Mm { identifier: &'a str, offset: i64 },
+    Mm {
+        /// The item's identifier (its content hash).
+        identifier: &'a str,
+        /// Item offset minus block start (negative when it began earlier).
+        offset: i64,
+    },
     /// `("cache_salt", salt)`, first block only.
     CacheSalt(&'a str),
     /// `("prompt_embeds", sha256 digest of the block's embedding bytes)`.
@@ -171,11 +178,17 @@ pub enum ExtraKey<'a> {
 /// vectors and callers reproducing older vLLM key formats).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CborValue {
+    /// `None`.
     Null,
+    /// A bool.
     Bool(bool),
+    /// An integer (CBOR's range: -2**64 ..= 2**64 - 1).
     Int(i128),
+    /// A text string.
     Text(String),
+    /// A byte string.
     Bytes(Vec<u8>),
+    /// An array (a Python tuple or list).
     Array(Vec<CborValue>),
 }
 
@@ -183,16 +196,16 @@ fn cbor_head(buf: &mut Vec<u8>, major: u8, v: u64) {
     let m = major << 5;
     if v < 24 {
         buf.push(m | v as u8);
-    } else if v <= u64::from(u8::MAX) {
-        buf.extend_from_slice(&[m | 24, v as u8]);
-    } else if v <= u64::from(u16::MAX) {
-        buf.push(m | 25);
+    } else if u8::try_from(v).is_ok() {
+        buf.extend_from_slice(&[m | 0x18, v as u8]);
+    } else if u16::try_from(v).is_ok() {
+        buf.push(m | 0x19);
         buf.extend_from_slice(&(v as u16).to_be_bytes());
-    } else if v <= u64::from(u32::MAX) {
-        buf.push(m | 26);
+    } else if u32::try_from(v).is_ok() {
+        buf.push(m | 0x1a);
         buf.extend_from_slice(&(v as u32).to_be_bytes());
     } else {
-        buf.push(m | 27);
+        buf.push(m | 0x1b);
         buf.extend_from_slice(&v.to_be_bytes());
     }
 }

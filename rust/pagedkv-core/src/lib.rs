@@ -26,7 +26,7 @@
 //! mgr.check_invariants().unwrap();
 //! ```
 #![forbid(unsafe_code)]
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod coordinator;
 pub mod error;

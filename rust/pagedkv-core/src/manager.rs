@@ -436,19 +436,16 @@ impl KvCacheManager {
         a: &AllocateArgs,
         hit: Option<&ComputedBlocks>,
     ) -> Result<bool> {
-        let num_new_computed = match hit {
-            Some(h) => {
-                self.validate_hit(slot, h, a.num_new_computed_tokens)?;
-                a.num_new_computed_tokens
+        let num_new_computed = if let Some(h) = hit {
+            self.validate_hit(slot, h, a.num_new_computed_tokens)?;
+            a.num_new_computed_tokens
+        } else {
+            if a.num_new_computed_tokens > 0 {
+                return Err(invalid(
+                    "num_new_computed_tokens > 0 needs the new_computed_blocks it came from",
+                ));
             }
-            None => {
-                if a.num_new_computed_tokens > 0 {
-                    return Err(invalid(
-                        "num_new_computed_tokens > 0 needs the new_computed_blocks it came from",
-                    ));
-                }
-                0
-            }
+            0
         };
         let max_len = self.cfg.max_model_len;
         let req = self.table.get(slot);

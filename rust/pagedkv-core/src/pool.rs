@@ -35,7 +35,9 @@ struct Block {
 /// `BlockHashWithGroupId`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CacheKey {
+    /// The block's hash.
     pub hash: BlockHash,
+    /// Its KV-cache group.
     pub group: u32,
 }
 
@@ -387,12 +389,11 @@ impl BlockPool {
     /// Removes `(key, id)` from the map; whether it was there.
     fn map_pop(&mut self, key: &CacheKey, id: BlockId) -> bool {
         match self.map.get_mut(key) {
-            None => false,
             Some(Entry::One(x)) if *x == id => {
                 self.map.remove(key);
                 true
             }
-            Some(Entry::One(_)) => false,
+            None | Some(Entry::One(_)) => false,
             Some(Entry::Many(ids)) => match ids.iter().position(|&x| x == id) {
                 Some(pos) => {
                     ids.remove(pos);
@@ -430,19 +431,16 @@ impl BlockPool {
             return false;
         }
         if self.blocks[id as usize].key == NIL {
-            let slot = match self.free_keys.pop() {
-                Some(s) => {
-                    self.keys[s as usize] = key;
-                    self.key_tokens[s as usize] = tokens;
-                    self.key_stamps[s as usize] = self.next_stamp;
-                    s
-                }
-                None => {
-                    self.keys.push(key);
-                    self.key_tokens.push(tokens);
-                    self.key_stamps.push(self.next_stamp);
-                    (self.keys.len() - 1) as u32
-                }
+            let slot = if let Some(s) = self.free_keys.pop() {
+                self.keys[s as usize] = key;
+                self.key_tokens[s as usize] = tokens;
+                self.key_stamps[s as usize] = self.next_stamp;
+                s
+            } else {
+                self.keys.push(key);
+                self.key_tokens.push(tokens);
+                self.key_stamps.push(self.next_stamp);
+                (self.keys.len() - 1) as u32
             };
             self.blocks[id as usize].key = slot;
             self.next_stamp += 1;

@@ -83,18 +83,23 @@ struct Replica {
 /// The replica holding the longest prefix, and its length in blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PrefixMatch {
+    /// The replica.
     pub replica: ReplicaId,
+    /// Leading blocks of the query it holds.
     pub num_blocks: usize,
 }
 
 /// Counters of what the index was fed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct IndexStats {
+    /// Block hashes stored (`BlockStored`, one per hash).
     pub blocks_stored: u64,
+    /// Block hashes removed (`BlockRemoved`, one per hash).
     pub blocks_removed: u64,
     /// `BlockRemoved` hashes the replica was not known to hold (events missed,
     /// or a removal of a block stored before the index started).
     pub unknown_removals: u64,
+    /// `AllBlocksCleared` events.
     pub clears: u64,
 }
 

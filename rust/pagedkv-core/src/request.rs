@@ -6,28 +6,38 @@ use crate::events::EventExtraKey;
 use crate::hash::{BlockHash, BlockHasher, ExtraKey, sha256_bytes};
 use crate::pool::BlockId;
 
-/// LoRA adapter of a request (`lora_id` only travels in events).
+/// `LoRA` adapter of a request (`lora_id` only travels in events).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Lora {
+    /// Adapter name (part of every block's hash).
     pub name: String,
+    /// Adapter path (part of the hash when given).
     pub path: Option<String>,
+    /// Adapter id, published in events only.
     pub id: Option<i64>,
 }
 
 /// A multimodal item's placeholder span in the prompt.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MmFeature {
+    /// The item's identifier (its content hash).
     pub identifier: String,
+    /// First placeholder token of the item in the prompt.
     pub offset: u64,
+    /// Placeholder tokens of the item.
     pub length: u64,
 }
 
 /// Everything `add_request` takes besides the id.
 #[derive(Clone, Debug, Default)]
 pub struct RequestSpec {
+    /// The prompt.
     pub prompt_token_ids: Vec<u32>,
+    /// The request's `LoRA` adapter.
     pub lora: Option<Lora>,
+    /// Isolates the request's cached prefix (part of the first block's hash).
     pub cache_salt: Option<String>,
+    /// Multimodal items, by offset.
     pub mm_features: Vec<MmFeature>,
     /// Raw bytes of the prompt embeddings, row-major, one row per prompt token.
     pub prompt_embeds: Option<Vec<u8>>,
@@ -169,7 +179,7 @@ impl Request {
         self.groups.iter().any(|g| !g.blocks.is_empty())
     }
 
-    /// vLLM 0.33's extra keys of the block `[start, end)`, in order: LoRA,
+    /// vLLM 0.33's extra keys of the block `[start, end)`, in order: `LoRA`,
     /// multimodal items overlapping the block, cache salt (block 0), embeddings.
     pub fn extra_keys<'a>(&'a self, start: usize, end: usize, out: &mut Vec<ExtraKey<'a>>) {
         out.clear();

@@ -170,18 +170,15 @@ impl RequestTable {
 
     /// Adds a request under `id` (not known yet); returns its slot.
     pub(crate) fn insert(&mut self, id: &str, req: Request) -> Result<u32> {
-        let slot = match self.free_slots.pop() {
-            Some(s) => {
-                self.reqs[s as usize] = Some(req);
-                s
-            }
-            None => {
-                let s = u32::try_from(self.reqs.len())
-                    .map_err(|_| invalid("the request table is full (2**32 requests)"))?;
-                self.reqs.push(Some(req));
-                self.slot_gen.push(0);
-                s
-            }
+        let slot = if let Some(s) = self.free_slots.pop() {
+            self.reqs[s as usize] = Some(req);
+            s
+        } else {
+            let s = u32::try_from(self.reqs.len())
+                .map_err(|_| invalid("the request table is full (2**32 requests)"))?;
+            self.reqs.push(Some(req));
+            self.slot_gen.push(0);
+            s
         };
         self.next_uid += 1;
         self.index.insert(id.to_owned(), slot);

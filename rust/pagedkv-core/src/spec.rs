@@ -36,19 +36,30 @@ pub enum AttentionKind {
     /// Multi-head latent attention: managed exactly like full attention.
     MlaAttention,
     /// Sliding-window attention over the last `window` tokens.
-    SlidingWindow { window: u32 },
+    SlidingWindow {
+        /// Tokens each token attends to (itself included).
+        window: u32,
+    },
     /// Chunked local attention (Llama 4): attention within `chunk`-token chunks.
-    ChunkedLocal { chunk: u32 },
+    ChunkedLocal {
+        /// Tokens per chunk.
+        chunk: u32,
+    },
     /// Mamba / linear-attention state.
     Mamba {
+        /// How states are cached.
         mode: MambaCacheMode,
+        /// Extra state blocks for speculative decoding.
         num_speculative_blocks: u32,
     },
     /// Encoder-decoder cross attention: blocks for the encoder output, allocated
     /// once per request, never cached.
     CrossAttention,
     /// Full attention with attention sinks (`sink_len` tokens).
-    SinkFullAttention { sink_len: u32 },
+    SinkFullAttention {
+        /// Sink tokens.
+        sink_len: u32,
+    },
 }
 
 impl AttentionKind {
@@ -96,6 +107,7 @@ impl AttentionKind {
 /// One KV-cache group as the manager sees it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct GroupSpec {
+    /// The attention type.
     pub kind: AttentionKind,
     /// Tokens per block.
     pub block_size: u32,
@@ -126,9 +138,13 @@ fn gcd(a: u64, b: u64) -> u64 {
 pub struct ManagerConfig {
     /// Blocks in the pool, the null block included.
     pub num_blocks: u32,
+    /// The KV-cache groups, by group id.
     pub groups: Vec<GroupSpec>,
+    /// Longest request in tokens.
     pub max_model_len: u64,
+    /// Prefix caching on.
     pub enable_caching: bool,
+    /// Block-hash algorithm.
     pub hash_algo: HashAlgo,
     /// Seed of `NONE_HASH` (vLLM reads `PYTHONHASHSEED`). `None`: vLLM's fixed
     /// default for `sha256_cbor`; a random per-manager seed for the
@@ -139,7 +155,9 @@ pub struct ManagerConfig {
     pub hash_block_size: Option<u32>,
     /// EAGLE / MTP: drop the last matched block of every hit.
     pub use_eagle: bool,
+    /// Gather prefix-cache stats.
     pub log_stats: bool,
+    /// Record KV events (`take_events`).
     pub enable_kv_cache_events: bool,
     /// Fraction of `num_blocks` kept free when admitting waiting requests.
     pub watermark: f64,
@@ -247,16 +265,15 @@ impl ManagerConfig {
             }
         }
         // Hashes are computed at the GCD of the cacheable groups' block sizes.
-        let hbs = match self.hash_block_size {
-            Some(h) => h,
-            None => {
-                let sizes = self
-                    .groups
-                    .iter()
-                    .filter(|g| g.kind != AttentionKind::CrossAttention)
-                    .map(|g| u64::from(g.block_size));
-                u32::try_from(sizes.fold(0, gcd)).unwrap_or(1).max(1)
-            }
+        let hbs = if let Some(h) = self.hash_block_size {
+            h
+        } else {
+            let sizes = self
+                .groups
+                .iter()
+                .filter(|g| g.kind != AttentionKind::CrossAttention)
+                .map(|g| u64::from(g.block_size));
+            u32::try_from(sizes.fold(0, gcd)).unwrap_or(1).max(1)
         };
         if hbs == 0 {
             return bad("hash_block_size must be positive".into());

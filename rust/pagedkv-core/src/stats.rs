@@ -7,11 +7,17 @@
 pub struct PrefixCacheStats {
     /// `reset_prefix_cache` succeeded since the last snapshot.
     pub reset: bool,
+    /// Requests admitted after a lookup (never preempted before).
     pub requests: u64,
+    /// Tokens those requests looked up.
     pub queries: u64,
+    /// Tokens served from the cache.
     pub hits: u64,
+    /// Admitted requests that had been preempted before.
     pub preempted_requests: u64,
+    /// Tokens they looked up.
     pub preempted_queries: u64,
+    /// Tokens they were served from the cache.
     pub preempted_hits: u64,
 }
 

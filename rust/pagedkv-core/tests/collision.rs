@@ -2,11 +2,13 @@
 //! byte), prefix hits without verification serve blocks computed for other
 //! tokens; with it, no hit ever covers a token that differs from what the block
 //! was computed for. With an honest hash, verification changes nothing.
+// Short names (`m`, `g`, `b`, `i`, `n`) follow the model's notation.
+#![allow(clippy::many_single_char_names)]
 use pagedkv_core::{
     AllocateArgs, AttentionKind, GroupSpec, HashAlgo, KvCacheManager, ManagerConfig, RequestSpec,
 };
 
-/// SplitMix64.
+/// `SplitMix64`.
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> u64 {
@@ -60,7 +62,8 @@ fn run(cfg: ManagerConfig, seed: u64, n: usize) -> Outcome {
     let mut rng = Rng(seed);
     // What each block was last computed for: (group, block) -> tokens of its span
     // and the whole prefix before it.
-    let mut written: std::collections::HashMap<(usize, u32), Vec<u32>> = Default::default();
+    let mut written: std::collections::HashMap<(usize, u32), Vec<u32>> =
+        std::collections::HashMap::default();
     let mut live: Vec<(String, Vec<u32>)> = Vec::new();
     let mut out = Outcome {
         hits: Vec::new(),

@@ -23,8 +23,14 @@
 //! allocate for it), batched decode, `cache_blocks`, preemption, removal,
 //! `evict_blocks`, `reset_prefix_cache`, stats snapshots, and refused calls (which
 //! must change nothing).
+// proptest's `Index` is taken by reference as its strategies hand it out.
+#![allow(clippy::trivially_copy_pass_by_ref)]
 
-use std::collections::{HashMap, HashSet, VecDeque};
+mod common;
+
+use std::collections::{HashMap, HashSet};
+
+use common::RefPool;
 
 use pagedkv_core::{
     AllocateArgs, AttentionKind, BatchAllocation, BlockHash, CacheKey, ComputedBlocks, Error,
@@ -425,11 +431,8 @@ struct Model {
     n: usize,
     /// Block size per group.
     bss: Vec<usize>,
-    queue: VecDeque<u32>,
-    refs: Vec<u32>,
-    key: Vec<Option<MKey>>,
-    /// Key -> blocks in insertion order (the first one is handed out).
-    map: HashMap<MKey, Vec<u32>>,
+    /// The reference pool, keyed by (group, token prefix).
+    pool: RefPool<MKey>,
     reqs: Vec<MReq>,
     events: Vec<MEvent>,
     stats: PrefixCacheStats,
@@ -443,10 +446,7 @@ impl Model {
             cfg: cfg.clone(),
             n,
             bss: cfg.block_sizes.iter().map(|&b| b as usize).collect(),
-            queue: (1..n as u32).collect(),
-            refs: vec![0; n],
-            key: vec![None; n],
-            map: HashMap::new(),
+            pool: RefPool::new(cfg.num_blocks, cfg.caching),
             reqs: Vec::new(),
             events: Vec::new(),
             stats: PrefixCacheStats::default(),
@@ -473,68 +473,24 @@ impl Model {
             .clone()
     }
 
+    /// Turns the pool's evictions into `Removed` events.
+    fn publish_evictions(&mut self) {
+        for (group, prefix) in self.pool.evicted.drain(..) {
+            if self.cfg.events {
+                self.events.push(MEvent::Removed(group, prefix));
+            }
+        }
+    }
+
     fn evict(&mut self, b: u32) {
-        let Some(k) = self.key[b as usize].take() else {
-            return;
-        };
-        let list = self.map.get_mut(&k).expect("keyed block is listed");
-        list.retain(|&x| x != b);
-        if list.is_empty() {
-            self.map.remove(&k);
-        }
-        if self.cfg.events {
-            self.events.push(MEvent::Removed(k.0, k.1));
-        }
+        self.pool.evict(b);
+        self.publish_evictions();
     }
 
     fn pop_new(&mut self, count: usize) -> Vec<u32> {
-        let mut out = Vec::new();
-        for _ in 0..count {
-            let b = self.queue.pop_front().expect("capacity checked");
-            if self.cfg.caching {
-                self.evict(b);
-            }
-            self.refs[b as usize] = 1;
-            out.push(b);
-        }
+        let out = self.pool.get_new(count).expect("capacity checked");
+        self.publish_evictions();
         out
-    }
-
-    fn touch(&mut self, ids: &[u32]) {
-        for &b in ids {
-            if b == 0 {
-                continue;
-            }
-            if self.refs[b as usize] == 0 {
-                self.queue.retain(|&x| x != b);
-            }
-            self.refs[b as usize] += 1;
-        }
-    }
-
-    /// vLLM's `free_blocks`: drop one reference each, in the given order; blocks
-    /// reaching 0 go to the front (unhashed, or caching off) as one run, or to
-    /// the back (hashed).
-    fn free_blocks(&mut self, ordered: &[u32]) {
-        let mut first = Vec::new();
-        let mut last = Vec::new();
-        for &b in ordered {
-            if b == 0 {
-                continue;
-            }
-            self.refs[b as usize] -= 1;
-            if self.refs[b as usize] == 0 {
-                if self.key[b as usize].is_none() || !self.cfg.caching {
-                    first.push(b);
-                } else {
-                    last.push(b);
-                }
-            }
-        }
-        for &b in first.iter().rev() {
-            self.queue.push_front(b);
-        }
-        self.queue.extend(last);
     }
 
     /// Frees the request's blocks, each group's list tail first (one
@@ -549,7 +505,7 @@ impl Model {
         r.admitted = false;
         for g in blocks {
             let rev: Vec<u32> = g.into_iter().rev().collect();
-            self.free_blocks(&rev);
+            self.pool.free(&rev);
         }
     }
 
@@ -579,7 +535,10 @@ impl Model {
         'blocks: for i in 0..max_len / bs {
             let mut found = Vec::new();
             for g in 0..ng {
-                match self.prefix_key(&r, g, i).and_then(|k| self.map.get(&k)) {
+                match self
+                    .prefix_key(&r, g, i)
+                    .and_then(|k| self.pool.map.get(&k))
+                {
                     Some(list) => found.push(list[0]),
                     None => break 'blocks,
                 }
@@ -589,9 +548,9 @@ impl Model {
             }
         }
         if self.cfg.eagle && !hit[0].is_empty() {
-            hit.iter_mut().for_each(|h| {
+            for h in &mut hit {
                 h.pop();
-            });
+            }
         }
         self.req(id).pending_lookup = true;
         let t = (hit[0].len() * bs) as u64;
@@ -613,7 +572,7 @@ impl Model {
         if let Some(h) = hit {
             for (g, blocks) in h.iter().enumerate() {
                 for (i, &b) in blocks.iter().enumerate() {
-                    if b != 0 && self.key[b as usize] != self.prefix_key(r, g, i) {
+                    if b != 0 && self.pool.key[b as usize] != self.prefix_key(r, g, i) {
                         return Err(ErrKind::Stale);
                     }
                 }
@@ -660,7 +619,7 @@ impl Model {
                         .saturating_sub(r.blocks[g].len() + hit_blocks[g].len());
                     let evictable = hit_blocks[g]
                         .iter()
-                        .filter(|&&b| b != 0 && self.refs[b as usize] == 0)
+                        .filter(|&&b| b != 0 && self.pool.refs[b as usize] == 0)
                         .count();
                     fresh + evictable
                 })
@@ -671,7 +630,7 @@ impl Model {
         } else {
             0
         };
-        let free = self.queue.len();
+        let free = self.pool.queue.len();
         if a.full_sequence_must_fit {
             let full = (r.tokens.len() as u64).min(self.cfg.max_model_len);
             if need(full) + watermark > free {
@@ -686,7 +645,7 @@ impl Model {
         if (hit.is_some() || ext > 0) && !r.running() {
             for (g, hb) in hit_blocks.iter().enumerate().take(ng) {
                 if self.cfg.caching {
-                    self.touch(hb);
+                    self.pool.touch(hb);
                 }
                 let rm = self.req(id);
                 rm.blocks[g].extend_from_slice(hb);
@@ -741,10 +700,7 @@ impl Model {
             let prefix = |i: usize| rm.tokens[..(i + 1) * bs].to_vec();
             for i in from..full {
                 let b = rm.blocks[g][i];
-                if b != 0 && self.key[b as usize].is_none() {
-                    self.key[b as usize] = Some((g as u32, prefix(i)));
-                    self.map.entry((g as u32, prefix(i))).or_default().push(b);
-                }
+                if b != 0 && self.pool.cache(b, (g as u32, prefix(i))) {}
             }
             if self.cfg.events {
                 self.events.push(MEvent::Stored {
@@ -769,11 +725,9 @@ impl Model {
     }
 
     fn reset(&mut self) -> bool {
-        if self.queue.len() != self.n - 1 {
+        if !self.pool.reset() {
             return false;
         }
-        self.map.clear();
-        self.key.iter_mut().for_each(|k| *k = None);
         if self.cfg.events {
             self.events.push(MEvent::Cleared);
         }
@@ -829,18 +783,18 @@ fn check_all(
     let n = m.n;
     prop_assert_eq!(
         pool.free_queue(),
-        m.queue.iter().copied().collect::<Vec<_>>(),
+        m.pool.queue.iter().copied().collect::<Vec<_>>(),
         "{}: free queue",
         ctx
     );
     prop_assert_eq!(
         mgr.num_free_blocks() as usize,
-        m.queue.len(),
+        m.pool.queue.len(),
         "{}: num_free",
         ctx
     );
     let usage = if n > 1 {
-        1.0 - m.queue.len() as f64 / (n - 1) as f64
+        1.0 - m.pool.queue.len() as f64 / (n - 1) as f64
     } else {
         0.0
     };
@@ -848,7 +802,7 @@ fn check_all(
     for b in 1..n as u32 {
         prop_assert_eq!(
             pool.ref_cnt(b),
-            m.refs[b as usize],
+            m.pool.refs[b as usize],
             "{}: ref_cnt of block {}",
             ctx,
             b
@@ -878,13 +832,13 @@ fn check_all(
         };
         prop_assert_eq!(
             got,
-            m.key[b as usize].clone(),
+            m.pool.key[b as usize].clone(),
             "{}: key of block {}",
             ctx,
             b
         );
     }
-    for ((group, prefix), list) in &m.map {
+    for ((group, prefix), list) in &m.pool.map {
         let Some(&h) = bij.to_hash.get(prefix) else {
             return Err(TestCaseError::fail(format!(
                 "{ctx}: model key of unknown hash"
@@ -904,7 +858,7 @@ fn check_all(
     }
     prop_assert_eq!(
         pool.num_cached_keys(),
-        m.map.len(),
+        m.pool.map.len(),
         "{}: cached key count",
         ctx
     );
@@ -943,7 +897,7 @@ fn check_all(
             held.extend(got.iter().copied().filter(|&b| b != 0));
             common.push(
                 got.iter()
-                    .take_while(|&&b| m.refs[b as usize] as usize == num_running)
+                    .take_while(|&&b| m.pool.refs[b as usize] as usize == num_running)
                     .count() as u32,
             );
         }
@@ -1742,8 +1696,8 @@ fn plain_cfg(num_blocks: u32, block_size: u32) -> Cfg {
     }
 }
 
-fn model_admit(m: &mut Model, id: &str, tokens: Vec<u32>) -> Option<Vec<u32>> {
-    m.reqs.push(MReq::new(id, tokens.clone(), 1, false));
+fn model_admit(m: &mut Model, id: &str, tokens: &[u32]) -> Option<Vec<u32>> {
+    m.reqs.push(MReq::new(id, tokens.to_vec(), 1, false));
     let (hit, t) = m.lookup(id);
     let a = AllocateArgs {
         num_new_computed_tokens: t,
@@ -1763,27 +1717,27 @@ fn reference_model_reproduces_vllm_test_prefill_ids() {
     let with =
         |tail: std::ops::Range<u32>| common.iter().copied().chain(tail).collect::<Vec<u32>>();
     assert_eq!(
-        model_admit(&mut m, "r0", with(100..107)),
+        model_admit(&mut m, "r0", &with(100..107)),
         Some(vec![1, 2, 3, 4])
     );
-    assert_eq!(model_admit(&mut m, "r1", with(200..205)), Some(vec![5]));
+    assert_eq!(model_admit(&mut m, "r1", &with(200..205)), Some(vec![5]));
     assert_eq!(m.req("r1").blocks, vec![vec![1, 2, 3, 5]]);
     m.release("r0");
     m.release("r1");
     assert_eq!(
-        m.queue.iter().copied().collect::<Vec<_>>(),
+        m.pool.queue.iter().copied().collect::<Vec<_>>(),
         vec![5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
     );
-    assert_eq!(model_admit(&mut m, "r2", with(300..306)), Some(vec![5]));
+    assert_eq!(model_admit(&mut m, "r2", &with(300..306)), Some(vec![5]));
     m.release("r2");
     let miss: Vec<u32> = (1000..1160).collect();
     assert_eq!(
-        model_admit(&mut m, "r3", miss),
+        model_admit(&mut m, "r3", &miss),
         Some(vec![5, 4, 6, 7, 8, 9, 10, 3, 2, 1])
     );
     // The shared prefix was evicted on reuse; only r3's ten full blocks are cached.
-    assert_eq!(m.map.len(), 10);
-    assert!(m.key[1].as_ref().is_some_and(|k| k.1.len() == 160));
+    assert_eq!(m.pool.map.len(), 10);
+    assert!(m.pool.key[1].as_ref().is_some_and(|k| k.1.len() == 160));
 }
 
 fn admit(

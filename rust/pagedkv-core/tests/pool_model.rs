@@ -1,17 +1,17 @@
 //! State-machine property test of `BlockPool` against a naive reference model.
 //!
-//! The model is deliberately simple: a `VecDeque` free queue, a `Vec` of reference
-//! counts, a per-block optional key and a key -> blocks map kept in insertion
-//! order. It encodes vLLM 0.33's `BlockPool` / `FreeKVCacheBlockQueue` semantics:
-//! allocation pops from the head and (with caching) lazily evicts, `touch` pulls
-//! ref-0 blocks out of the queue, `free_blocks` releases in the given order with
-//! unhashed blocks prepended as one run and hashed ones appended (caching off:
-//! everything prepended), one key may map to several blocks (first inserted wins).
+//! The model is the shared reference pool (`common/mod.rs`) plus the events the
+//! real pool publishes: vLLM 0.33's `BlockPool` / `FreeKVCacheBlockQueue`
+//! semantics, written as plainly as possible.
 //!
 //! Random op sequences are interpreted against the model state (indices are taken
 //! modulo what exists), so every generated sequence is valid and shrinks well.
+// Short names (`m`, `n`, `k`, `b`) follow the model's notation.
+#![allow(clippy::many_single_char_names)]
 
-use std::collections::{HashMap, VecDeque};
+mod common;
+
+use common::RefPool;
 
 use pagedkv_core::{BlockHash, BlockPool, CacheKey, KvEvent};
 use proptest::prelude::*;
@@ -62,174 +62,90 @@ fn op_strategy() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// The naive reference pool.
+/// The reference pool with the events the real pool publishes for it.
 #[derive(Debug)]
 struct Model {
-    n: usize,
-    caching: bool,
+    pool: RefPool<CacheKey>,
     events_on: bool,
-    queue: VecDeque<u32>,
-    refs: Vec<u32>,
-    key: Vec<Option<CacheKey>>,
-    map: HashMap<CacheKey, Vec<u32>>,
     events: Vec<KvEvent>,
 }
 
 impl Model {
     fn new(num_blocks: u32, caching: bool, events_on: bool) -> Self {
-        let n = num_blocks.max(1) as usize;
         Self {
-            n,
-            caching,
+            pool: RefPool::new(num_blocks, caching),
             events_on,
-            queue: (1..n as u32).collect(),
-            refs: vec![0; n],
-            key: vec![None; n],
-            map: HashMap::new(),
             events: Vec::new(),
         }
     }
 
+    /// Turns the pool's evictions into `BlockRemoved` events.
+    fn publish_evictions(&mut self) {
+        for k in self.pool.evicted.drain(..) {
+            if self.events_on {
+                self.events.push(KvEvent::BlockRemoved {
+                    block_hashes: vec![k.hash],
+                    group_idx: k.group,
+                });
+            }
+        }
+    }
+
     fn evict(&mut self, id: u32) -> bool {
-        let Some(k) = self.key[id as usize] else {
-            return false;
-        };
-        let list = self.map.get_mut(&k).expect("keyed block is listed");
-        let pos = list.iter().position(|&b| b == id).expect("listed");
-        list.remove(pos);
-        if list.is_empty() {
-            self.map.remove(&k);
-        }
-        self.key[id as usize] = None;
-        if self.events_on {
-            self.events.push(KvEvent::BlockRemoved {
-                block_hashes: vec![k.hash],
-                group_idx: k.group,
-            });
-        }
-        true
+        let evicted = self.pool.evict(id);
+        self.publish_evictions();
+        evicted
     }
 
     fn get_new(&mut self, n: u32) -> Option<Vec<u32>> {
-        if n as usize > self.queue.len() {
-            return None;
-        }
-        let mut out = Vec::new();
-        for _ in 0..n {
-            let id = self.queue.pop_front().expect("checked length");
-            if self.caching {
-                self.evict(id);
-            }
-            assert_eq!(
-                self.refs[id as usize], 0,
-                "model: popped a referenced block"
-            );
-            self.refs[id as usize] = 1;
-            out.push(id);
-        }
-        Some(out)
-    }
-
-    fn touch(&mut self, ids: &[u32]) {
-        for &id in ids {
-            if id == 0 {
-                continue;
-            }
-            if self.refs[id as usize] == 0 {
-                let pos = self
-                    .queue
-                    .iter()
-                    .position(|&b| b == id)
-                    .expect("ref-0 block is queued");
-                self.queue.remove(pos);
-            }
-            self.refs[id as usize] += 1;
-        }
-    }
-
-    fn free(&mut self, ordered: &[u32]) {
-        let mut first = Vec::new();
-        let mut last = Vec::new();
-        for &id in ordered {
-            if id == 0 {
-                continue;
-            }
-            self.refs[id as usize] -= 1;
-            if self.refs[id as usize] == 0 {
-                if self.key[id as usize].is_none() || !self.caching {
-                    first.push(id);
-                } else {
-                    last.push(id);
-                }
-            }
-        }
-        for &id in first.iter().rev() {
-            self.queue.push_front(id);
-        }
-        self.queue.extend(last);
-    }
-
-    fn cache(&mut self, id: u32, k: CacheKey) -> bool {
-        if id == 0 || self.key[id as usize].is_some() {
-            return false;
-        }
-        self.key[id as usize] = Some(k);
-        self.map.entry(k).or_default().push(id);
-        true
+        let got = self.pool.get_new(n as usize);
+        self.publish_evictions();
+        got
     }
 
     fn reset(&mut self) -> bool {
-        if self.queue.len() != self.n - 1 {
+        if !self.pool.reset() {
             return false;
         }
-        self.map.clear();
-        self.key.iter_mut().for_each(|k| *k = None);
         if self.events_on {
             self.events.push(KvEvent::AllBlocksCleared);
         }
         true
     }
-
-    /// Every held reference, one entry per reference (block `b` appears `refs[b]` times).
-    fn held_refs(&self) -> Vec<u32> {
-        (1..self.n as u32)
-            .flat_map(|b| std::iter::repeat_n(b, self.refs[b as usize] as usize))
-            .collect()
-    }
 }
 
 fn assert_same(pool: &mut BlockPool, m: &mut Model, ctx: &str) -> Result<(), TestCaseError> {
-    prop_assert_eq!(pool.num_blocks() as usize, m.n, "{}: num_blocks", ctx);
+    prop_assert_eq!(pool.num_blocks() as usize, m.pool.n, "{}: num_blocks", ctx);
     prop_assert_eq!(
         pool.free_queue(),
-        m.queue.iter().copied().collect::<Vec<_>>(),
+        m.pool.queue.iter().copied().collect::<Vec<_>>(),
         "{}: free queue",
         ctx
     );
     prop_assert_eq!(
         pool.num_free_blocks() as usize,
-        m.queue.len(),
+        m.pool.queue.len(),
         "{}: num_free",
         ctx
     );
-    for b in 1..m.n as u32 {
+    for b in 1..m.pool.n as u32 {
         prop_assert_eq!(
             pool.ref_cnt(b),
-            m.refs[b as usize],
+            m.pool.refs[b as usize],
             "{}: ref_cnt of {}",
             ctx,
             b
         );
         prop_assert_eq!(
             pool.block_key(b),
-            m.key[b as usize],
+            m.pool.key[b as usize],
             "{}: key of {}",
             ctx,
             b
         );
         prop_assert_eq!(
             pool.is_evictable(b),
-            m.refs[b as usize] == 0,
+            m.pool.refs[b as usize] == 0,
             "{}: evictable {}",
             ctx,
             b
@@ -238,7 +154,7 @@ fn assert_same(pool: &mut BlockPool, m: &mut Model, ctx: &str) -> Result<(), Tes
     prop_assert_eq!(pool.block_key(0), None, "{}: null block is cached", ctx);
     prop_assert!(!pool.is_evictable(0), "{}: null block evictable", ctx);
     for k in all_keys() {
-        let want = m.map.get(&k).cloned().unwrap_or_default();
+        let want = m.pool.map.get(&k).cloned().unwrap_or_default();
         prop_assert_eq!(
             pool.cached_blocks(&k),
             want.clone(),
@@ -255,18 +171,18 @@ fn assert_same(pool: &mut BlockPool, m: &mut Model, ctx: &str) -> Result<(), Tes
     }
     prop_assert_eq!(
         pool.num_cached_keys(),
-        m.map.len(),
+        m.pool.map.len(),
         "{}: num_cached_keys",
         ctx
     );
-    let total = m.n - 1;
+    let total = m.pool.n - 1;
     let usage = if total == 0 {
         0.0
     } else {
-        1.0 - m.queue.len() as f64 / total as f64
+        1.0 - m.pool.queue.len() as f64 / total as f64
     };
     prop_assert!((pool.usage() - usage).abs() < 1e-12, "{}: usage", ctx);
-    let mut expected_refs = m.refs.clone();
+    let mut expected_refs = m.pool.refs.clone();
     expected_refs[0] = pool.ref_cnt(0);
     if let Err(e) = pool.check_invariants(Some(&expected_refs)) {
         return Err(TestCaseError::fail(format!("{ctx}: check_invariants: {e}")));
@@ -291,10 +207,10 @@ fn run_ops(
     prop_assert_eq!(pool.enable_caching(), caching);
     prop_assert_eq!(pool.events_enabled(), events_on);
     assert_same(&mut pool, &mut m, "fresh pool")?;
-    let n = m.n;
+    let n = m.pool.n;
     for (step, op) in ops.iter().enumerate() {
         let epoch_before = pool.epoch();
-        let keys_before = m.key.iter().filter(|k| k.is_some()).count();
+        let keys_before = m.pool.key.iter().filter(|k| k.is_some()).count();
         let ctx = format!("step {step} {op:?}");
         match op {
             Op::GetNew(k) => {
@@ -316,10 +232,10 @@ fn run_ops(
             Op::Touch(idx) => {
                 let ids: Vec<u32> = idx.iter().map(|i| i.index(n) as u32).collect();
                 pool.touch(&ids);
-                m.touch(&ids);
+                m.pool.touch(&ids);
             }
             Op::Free { picks, with_null } => {
-                let mut held = m.held_refs();
+                let mut held = m.pool.held_refs();
                 let mut ordered = Vec::new();
                 for p in picks {
                     if held.is_empty() {
@@ -332,13 +248,13 @@ fn run_ops(
                     ordered.insert(at, 0);
                 }
                 pool.free_blocks(ordered.iter().copied());
-                m.free(&ordered);
+                m.pool.free(&ordered);
             }
             Op::Cache(i, h, g) => {
                 let id = i.index(n) as u32;
                 let k = key(*h, *g);
                 let got = pool.cache_block(id, k);
-                prop_assert_eq!(got, m.cache(id, k), "{}: cache_block result", ctx);
+                prop_assert_eq!(got, m.pool.cache(id, k), "{}: cache_block result", ctx);
             }
             Op::Evict(i) => {
                 let id = i.index(n) as u32;
@@ -358,7 +274,7 @@ fn run_ops(
                 );
             }
         }
-        let keys_after = m.key.iter().filter(|k| k.is_some()).count();
+        let keys_after = m.pool.key.iter().filter(|k| k.is_some()).count();
         prop_assert!(pool.epoch() >= epoch_before, "{}: epoch went back", ctx);
         // Only cache_block adds keys and no op both adds and drops them, so fewer
         // keyed blocks means one lost its key: earlier lookups must be re-validated.
@@ -372,9 +288,9 @@ fn run_ops(
         assert_same(&mut pool, &mut m, &ctx)?;
     }
     // Releasing every held reference returns the pool to all-free.
-    let held = m.held_refs();
+    let held = m.pool.held_refs();
     pool.free_blocks(held.iter().rev().copied());
-    m.free(&held.iter().rev().copied().collect::<Vec<_>>());
+    m.pool.free(&held.iter().rev().copied().collect::<Vec<_>>());
     assert_same(&mut pool, &mut m, "final release")?;
     prop_assert_eq!(pool.num_free_blocks() as usize, n - 1);
     prop_assert!(pool.reset_prefix_cache());
@@ -416,7 +332,7 @@ fn zero_block_pool_behaves_like_a_pool_of_only_the_null_block() {
     assert!(pool.get_new_blocks(0, &mut out));
     assert!(!pool.get_new_blocks(1, &mut out));
     assert!(out.is_empty());
-    assert_eq!(pool.usage(), 0.0);
+    assert!(pool.usage().abs() < f64::EPSILON);
     assert!(pool.reset_prefix_cache());
     assert!(pool.check_invariants(None).is_ok());
 }

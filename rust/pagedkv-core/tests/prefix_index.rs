@@ -3,6 +3,8 @@
 //! The model keeps a count per (replica, group, hash) and answers a query by
 //! walking the chain for every replica. Random operation sequences are applied
 //! to both; every query and the per-replica contents must agree.
+// A group filter: `None` = any group, `Some(None)` = the default group.
+#![allow(clippy::option_option)]
 
 use std::collections::BTreeMap;
 

@@ -1,4 +1,4 @@
-//! vLLM 0.33's single-group behaviours (tests/v1/core/test_prefix_caching.py),
+//! vLLM 0.33's single-group behaviours (`tests/v1/core/test_prefix_caching.py`),
 //! with vLLM's expected block ids.
 
 use pagedkv_core::{
@@ -133,7 +133,7 @@ fn coarse_blocks_hash_at_a_finer_granularity() {
     cfg.hash_block_size = Some(16);
     let mut m = KvCacheManager::new(cfg).unwrap_or_else(|e| panic!("{e}"));
     add(&mut m, "r0", seq(0, 100));
-    assert_eq!(m.block_hashes("r0").map(<[_]>::len).unwrap_or(0), 6);
+    assert_eq!(m.block_hashes("r0").map_or(0, <[_]>::len), 6);
     assert_eq!(admit(&mut m, "r0").2, Some(vec![1, 2, 3, 4]));
     add(&mut m, "r1", [seq(0, 96), vec![7, 7, 7]].concat());
     assert_eq!(admit(&mut m, "r1").0, vec![1, 2, 3]);

@@ -27,16 +27,19 @@ use pagedkv_core::{
 };
 
 /// Reads the input byte by byte; past the end it yields zeros.
+#[derive(Debug)]
 pub struct Bytes<'a> {
     data: &'a [u8],
     pos: usize,
 }
 
 impl<'a> Bytes<'a> {
+    #[must_use]
     pub fn new(data: &'a [u8]) -> Self {
         Self { data, pos: 0 }
     }
 
+    #[must_use]
     pub fn done(&self) -> bool {
         self.pos >= self.data.len()
     }
@@ -108,6 +111,7 @@ fn mamba(mode: MambaCacheMode, num_speculative_blocks: u32) -> AttentionKind {
 }
 
 /// The KV-cache group layouts the fuzzer picks from.
+#[must_use]
 pub fn layouts() -> Vec<Vec<GroupSpec>> {
     use AttentionKind::{CrossAttention, FullAttention, MlaAttention};
     vec![
@@ -646,7 +650,10 @@ impl Driver {
     }
 }
 
-/// Runs one fuzz input. Panics on any violated property.
+/// Runs one fuzz input.
+///
+/// # Panics
+/// On any violated property (the fuzzer reports the input as a crash).
 pub fn run(data: &[u8]) {
     let mut b = Bytes::new(data);
     let cfg = config(&mut b);

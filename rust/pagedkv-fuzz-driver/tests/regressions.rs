@@ -63,7 +63,7 @@ fn multimodal_item_past_u64_is_refused_not_a_panic() {
     mgr.check_invariants().expect("invariants");
 }
 
-/// Found by the fuzzer: `remove_skipped_blocks` with a count near u64::MAX on a
+/// Found by the fuzzer: `remove_skipped_blocks` with a count near `u64::MAX` on a
 /// sliding-window group panicked (`single_type.rs`, `(n + 1)` in
 /// `num_skipped_tokens`); counts past the request's tokens are now refused. Python cannot reach it (counts are i64 there); the
 /// same count past the request's tokens from Python frees the blocks the window

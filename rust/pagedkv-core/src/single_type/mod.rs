@@ -488,7 +488,7 @@ impl GroupManager {
     }
 
     /// Releases every block of the request, tail first.
-    pub(crate) fn free(&self, pool: &mut BlockPool, gb: &mut GroupBlocks) {
+    pub(crate) fn free(pool: &mut BlockPool, gb: &mut GroupBlocks) {
         pool.free_blocks(gb.blocks.iter().rev().copied());
         gb.blocks.clear();
         gb.num_cached = None;

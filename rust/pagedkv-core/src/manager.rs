@@ -683,9 +683,6 @@ impl KvCacheManager {
                 "request index is out of sync".into(),
             ));
         }
-        self.coord
-            .pool()
-            .check_invariants(Some(&refs))
-            .map_err(Error::InvariantViolation)
+        self.coord.pool().check_invariants(Some(&refs))
     }
 }

@@ -10,6 +10,7 @@ use hashbrown::HashMap;
 use rustc_hash::FxBuildHasher;
 use std::hash::{Hash, Hasher};
 
+use crate::error::{Error, Result};
 use crate::events::KvEvent;
 use crate::hash::BlockHash;
 
@@ -579,7 +580,12 @@ impl BlockPool {
     ///
     /// # Errors
     /// A description of the first violated invariant.
-    pub fn check_invariants(&self, expected_refs: Option<&[u32]>) -> Result<(), String> {
+    pub fn check_invariants(&self, expected_refs: Option<&[u32]>) -> Result<()> {
+        self.first_violation(expected_refs)
+            .map_err(Error::InvariantViolation)
+    }
+
+    fn first_violation(&self, expected_refs: Option<&[u32]>) -> std::result::Result<(), String> {
         let n = self.blocks.len();
         let mut seen = vec![false; n];
         let mut cur = self.head;

@@ -4,6 +4,7 @@ and replay restores its view with nothing lost."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ REPLICA = r"""
 import json, random, sys
 import pagedkv as pk
 from pagedkv.index import request_block_hashes
-from pagedkv.zmq_events import ZmqEventPublisher
+from pagedkv.events.zmq import ZmqEventPublisher
 
 name, target, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 spec = pk.FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype="float32")
@@ -202,3 +203,9 @@ def test_replicas_publish_and_a_restarted_index_replays_everything(tmp_path: Pat
                     p.wait(5)
                 except subprocess.TimeoutExpired:
                     p.kill()
+                    p.wait()
+            # Every pipe is closed here, not left to the garbage collector.
+            for stream in (p.stdin, p.stdout):
+                if stream is not None:
+                    with contextlib.suppress(BrokenPipeError):
+                        stream.close()

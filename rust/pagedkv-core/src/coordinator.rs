@@ -370,7 +370,7 @@ impl Coordinator {
         let mut shared_hits = 0i64;
         for (g, gm) in self.groups.iter().enumerate() {
             let gb = &req.groups[g];
-            let real = gb.blocks.iter().filter(|&&b| b != NULL_BLOCK).count();
+            let real = gb.blocks().iter().filter(|&&b| b != NULL_BLOCK).count();
             held += (real - gm.num_skippable_blocks(gb, total_computed).min(real)) as i64;
             if let Some(h) = hit.get(g) {
                 let skip =
@@ -466,7 +466,7 @@ impl Coordinator {
         if !hybrid
             && self.groups.iter().zip(&req.groups).all(|(gm, gb)| {
                 gm.blocks_floor(num_tokens.min(hashed) as u64) as usize
-                    <= gb.num_cached.unwrap_or(0)
+                    <= gb.num_cached().unwrap_or(0)
             })
         {
             return;
@@ -478,7 +478,7 @@ impl Coordinator {
             boundaries: &boundaries[..nb],
         };
         for (g, gm) in self.groups.iter_mut().enumerate() {
-            let cached_before = req.groups[g].num_cached.unwrap_or(0);
+            let cached_before = req.groups[g].num_cached().unwrap_or(0);
             // Nothing past the last aligned boundary can ever be hit in a hybrid
             // model (EAGLE groups keep one block past it).
             let n = if hybrid {
@@ -515,11 +515,11 @@ impl Coordinator {
             }
             if req.verify {
                 let bs = gm.block_size() as usize;
-                let cached_after = req.groups[g].num_cached.unwrap_or(0);
+                let cached_after = req.groups[g].num_cached().unwrap_or(0);
                 // The block before may have been cached partially (a prompt
                 // tail); the one after may carry a partial entry now.
                 let from = cached_before.saturating_sub(1);
-                let to = (cached_after + 1).min(req.groups[g].blocks.len());
+                let to = (cached_after + 1).min(req.groups[g].blocks().len());
                 for i in from..to {
                     self.verifier.record(&self.pool, req, g, i, bs, hbs);
                 }
@@ -561,7 +561,7 @@ impl Coordinator {
                     return 0;
                 }
                 req.groups[g]
-                    .blocks
+                    .blocks()
                     .iter()
                     .take_while(|&&b| self.pool.ref_cnt(b) as usize == num_running)
                     .count() as u32
@@ -581,7 +581,7 @@ impl Coordinator {
         let n = refs.len();
         let violation = |m: String| Err(Error::InvariantViolation(m));
         for (g, gb) in req.groups.iter().enumerate() {
-            for &b in &gb.blocks {
+            for &b in gb.blocks() {
                 let i = b as usize;
                 if i >= n {
                     return violation(format!("request {:?} holds out-of-range block {b}", req.id));
@@ -598,18 +598,18 @@ impl Coordinator {
                 }
                 owner_group[i] = g as u32;
             }
-            let Some(c) = gb.num_cached else {
+            let Some(c) = gb.num_cached() else {
                 continue;
             };
-            if c > gb.blocks.len() {
+            if c > gb.blocks().len() {
                 return violation(format!(
                     "request {:?} marks {c} cached blocks of {}",
                     req.id,
-                    gb.blocks.len()
+                    gb.blocks().len()
                 ));
             }
             let gm = &self.groups[g];
-            for (i, &b) in gb.blocks[..c].iter().enumerate() {
+            for (i, &b) in gb.blocks()[..c].iter().enumerate() {
                 if b == NULL_BLOCK || !self.pool.enable_caching() {
                     continue;
                 }
@@ -678,7 +678,7 @@ fn stored_event(
     mask: Option<&[bool]>,
 ) -> BlockStored {
     let bs = gm.block_size() as usize;
-    let blocks = &req.groups[g].blocks;
+    let blocks = req.groups[g].blocks();
     let mut hashes = Vec::new();
     let mut extra = Vec::new();
     for (i, &b) in blocks.iter().enumerate().take(to).skip(from) {

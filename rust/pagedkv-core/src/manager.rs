@@ -17,7 +17,7 @@ use crate::pool::{BlockId, BlockPool};
 use crate::request::{Request, RequestSpec};
 use crate::request_table::RequestTable;
 pub use crate::request_table::{RequestHandle, RequestRefs};
-use crate::single_type::Need;
+use crate::single_type::{GroupBlocks, Need};
 use crate::spec::ManagerConfig;
 use crate::stats::PrefixCacheStats;
 
@@ -261,7 +261,7 @@ impl KvCacheManager {
     /// Unknown request.
     pub fn block_ids(&self, id: &str) -> Result<Vec<&[BlockId]>> {
         let r = self.req(id)?;
-        Ok(r.groups.iter().map(|g| g.blocks.as_slice()).collect())
+        Ok(r.groups.iter().map(GroupBlocks::blocks).collect())
     }
 
     /// How many times the request was freed (preempted) while known.
@@ -304,8 +304,8 @@ impl KvCacheManager {
             spec,
             self.num_groups(),
             self.hash_block_size,
+            self.cfg.verify_cached_tokens && self.cfg.enable_caching,
         )?;
-        req.verify = self.cfg.verify_cached_tokens && self.cfg.enable_caching;
         if self.hashing() {
             req.update_hashes(&mut self.hasher, self.hash_block_size);
         }
@@ -319,13 +319,10 @@ impl KvCacheManager {
     /// Unknown request.
     pub fn append_token_ids(&mut self, id: &str, tokens: &[u32]) -> Result<()> {
         let slot = self.table.slot(id)?;
-        let hbs = self.hash_block_size;
-        let hashing = self.hashing();
-        let req = self.table.get_mut(slot);
-        req.tokens.extend_from_slice(tokens);
-        if hashing {
-            req.update_hashes(&mut self.hasher, hbs);
-        }
+        let hasher = self.hashing().then_some(&mut self.hasher);
+        self.table
+            .get_mut(slot)
+            .append_tokens(tokens, hasher, self.hash_block_size);
         Ok(())
     }
 
@@ -337,9 +334,7 @@ impl KvCacheManager {
     /// Unknown request.
     pub fn free(&mut self, id: &str) -> Result<()> {
         let slot = self.table.slot(id)?;
-        if self.release(slot) {
-            self.table.get_mut(slot).num_preemptions += 1;
-        }
+        self.release(slot, true);
         Ok(())
     }
 
@@ -349,21 +344,19 @@ impl KvCacheManager {
     /// Unknown request.
     pub fn remove_request(&mut self, id: &str) -> Result<()> {
         let slot = self.table.slot(id)?;
-        self.release(slot);
+        self.release(slot, false);
         self.table.remove(id, slot);
         Ok(())
     }
 
-    /// Releases the request's blocks; whether it held an allocation.
-    fn release(&mut self, slot: u32) -> bool {
+    /// Releases the request's blocks (a held allocation released by `free`
+    /// counts as a preemption).
+    fn release(&mut self, slot: u32, preempted: bool) {
         let req = self.table.get_mut(slot);
-        let was_admitted = req.admitted;
-        if was_admitted {
-            req.admitted = false;
+        if req.release(preempted) {
             self.num_admitted -= 1;
         }
         self.coord.free(req);
-        was_admitted
     }
 
     // ---- lookup -----------------------------------------------------------
@@ -395,9 +388,7 @@ impl KvCacheManager {
         } else {
             0
         };
-        let r = self.table.get_mut(slot);
-        r.pending_lookup = true;
-        r.shared_prefix_boundary = spb;
+        self.table.get_mut(slot).note_lookup(spb);
         Ok(ComputedBlocks {
             block_ids: hit.block_ids,
             num_computed_tokens: hit.len as u64,
@@ -520,7 +511,7 @@ impl KvCacheManager {
         // Stage 2: adopt the prefix hit (an empty hit is no hit: vLLM returns
         // its shared empty sentinel then).
         let req = self.table.get_mut(slot);
-        let running = req.groups.iter().any(|g| g.num_cached.is_some());
+        let running = req.is_running();
         let has_hit = hit.is_some_and(|h| !h.is_empty());
         if (has_hit || a.num_external_computed_tokens > 0) && !running {
             self.coord
@@ -530,8 +521,7 @@ impl KvCacheManager {
         // Stage 3: fresh blocks for the tokens to compute (+ lookahead).
         self.coord
             .allocate_new_blocks(req, need_slot, main_model, enc);
-        if !req.admitted {
-            req.admitted = true;
+        if req.admit() {
             self.num_admitted += 1;
         }
 
@@ -542,8 +532,7 @@ impl KvCacheManager {
         }
 
         // Stats are recorded at admission, when a lookup preceded it.
-        if admitting && req.pending_lookup {
-            req.pending_lookup = false;
+        if admitting && req.take_pending_lookup() {
             let (n, pre) = (req.num_tokens() as u64, req.num_preemptions > 0);
             if let Some(s) = self.stats.as_mut() {
                 s.record(n, num_new_computed, pre);

@@ -4,7 +4,7 @@
 use crate::error::{Result, invalid};
 use crate::events::EventExtraKey;
 use crate::hash::{BlockHash, BlockHasher, ExtraKey, sha256_bytes};
-use crate::pool::BlockId;
+use crate::single_type::GroupBlocks;
 
 /// `LoRA` adapter of a request (`lora_id` only travels in events).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -45,21 +45,8 @@ pub struct RequestSpec {
     pub skip_reading_prefix_cache: bool,
 }
 
-/// One request's blocks in one KV-cache group.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct GroupBlocks {
-    pub blocks: Vec<BlockId>,
-    /// Number of leading blocks already cached; `Some` once the request is
-    /// running in this group (vLLM's `num_cached_block` entry).
-    pub num_cached: Option<usize>,
-    /// Mamba "align": blocks were allocated since admission.
-    pub mamba_allocated: bool,
-    /// Mamba "align": index of the previous step's state block.
-    pub mamba_last_state: Option<usize>,
-    /// Mamba "align": blocks before this index were already retired.
-    pub mamba_retired: usize,
-}
-
+/// One request's state. Its fields are read across the crate and written only
+/// here and, for the per-group block lists, by the group managers.
 #[derive(Clone, Debug)]
 pub(crate) struct Request {
     pub id: String,
@@ -95,6 +82,7 @@ impl Request {
         spec: RequestSpec,
         num_groups: usize,
         hash_block_size: usize,
+        verify: bool,
     ) -> Result<Self> {
         let RequestSpec {
             prompt_token_ids,
@@ -157,7 +145,7 @@ impl Request {
             num_prompt_tokens: n,
             hashes: Vec::new(),
             ctx: Vec::new(),
-            verify: false,
+            verify,
             lora,
             cache_salt: cache_salt.filter(|s| !s.is_empty()),
             mm: mm_features,
@@ -176,7 +164,67 @@ impl Request {
     }
 
     pub fn holds_blocks(&self) -> bool {
-        self.groups.iter().any(|g| !g.blocks.is_empty())
+        self.groups.iter().any(|g| !g.blocks().is_empty())
+    }
+
+    /// Whether some group runs the request (its prefix hit was adopted).
+    pub fn is_running(&self) -> bool {
+        self.groups.iter().any(|g| g.num_cached().is_some())
+    }
+
+    /// Appends tokens; with a hasher, every newly full hash block is hashed.
+    pub fn append_tokens(
+        &mut self,
+        tokens: &[u32],
+        hasher: Option<&mut BlockHasher>,
+        hash_block_size: usize,
+    ) {
+        self.tokens.extend_from_slice(tokens);
+        if let Some(h) = hasher {
+            self.update_hashes(h, hash_block_size);
+        }
+    }
+
+    /// Appends one token (the decode step's fast path: hashes only when it fills
+    /// a hash block).
+    pub fn push_token(
+        &mut self,
+        token: u32,
+        hasher: Option<&mut BlockHasher>,
+        hash_block_size: usize,
+    ) {
+        self.tokens.push(token);
+        if let Some(h) = hasher {
+            if self.tokens.len() % hash_block_size == 0 {
+                self.update_hashes(h, hash_block_size);
+            }
+        }
+    }
+
+    /// Marks the request as holding an allocation; whether it was not before.
+    pub fn admit(&mut self) -> bool {
+        !std::mem::replace(&mut self.admitted, true)
+    }
+
+    /// Marks the request's allocation released; whether it held one. With
+    /// `preempted`, a released allocation counts as a preemption.
+    pub fn release(&mut self, preempted: bool) -> bool {
+        let was = std::mem::replace(&mut self.admitted, false);
+        if was && preempted {
+            self.num_preemptions += 1;
+        }
+        was
+    }
+
+    /// Records a prefix-cache lookup and the shared-prefix boundary it found.
+    pub fn note_lookup(&mut self, shared_prefix_boundary: u64) {
+        self.pending_lookup = true;
+        self.shared_prefix_boundary = shared_prefix_boundary;
+    }
+
+    /// Whether a lookup preceded this admission (consumed: stats count it once).
+    pub fn take_pending_lookup(&mut self) -> bool {
+        std::mem::take(&mut self.pending_lookup)
     }
 
     /// vLLM 0.33's extra keys of the block `[start, end)`, in order: `LoRA`,
@@ -294,7 +342,7 @@ mod tests {
             ],
             ..RequestSpec::default()
         };
-        let r = Request::new("r".into(), 0, spec, 1, 16).unwrap_or_else(|e| panic!("{e}"));
+        let r = Request::new("r".into(), 0, spec, 1, 16, false).unwrap_or_else(|e| panic!("{e}"));
         let mut k = Vec::new();
         r.extra_keys(0, 5, &mut k);
         assert_eq!(
@@ -348,6 +396,6 @@ mod tests {
             ],
             ..RequestSpec::default()
         };
-        assert!(Request::new("r".into(), 0, spec, 1, 16).is_err());
+        assert!(Request::new("r".into(), 0, spec, 1, 16, false).is_err());
     }
 }

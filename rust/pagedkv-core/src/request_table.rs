@@ -216,7 +216,7 @@ mod tests {
             prompt_token_ids: vec![1, 2, 3],
             ..RequestSpec::default()
         };
-        Request::new(format!("r{uid}"), uid, spec, 1, 16).expect("valid request")
+        Request::new(format!("r{uid}"), uid, spec, 1, 16, false).expect("valid request")
     }
 
     #[test]

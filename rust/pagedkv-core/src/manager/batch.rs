@@ -35,11 +35,8 @@ impl KvCacheManager {
         let hbs = self.hash_block_size;
         let hashing = self.hashing();
         for (&slot, &t) in slots.iter().zip(tokens) {
-            let req = self.table.get_mut(slot);
-            req.tokens.push(t);
-            if hashing && req.tokens.len() % hbs == 0 {
-                req.update_hashes(&mut self.hasher, hbs);
-            }
+            let hasher = hashing.then_some(&mut self.hasher);
+            self.table.get_mut(slot).push_token(t, hasher, hbs);
         }
         self.scratch_slots = slots;
         Ok(())

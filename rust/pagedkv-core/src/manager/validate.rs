@@ -99,7 +99,7 @@ impl KvCacheManager {
             if !gm.prefix_cacheable() {
                 continue; // cross attention: its blocks cover encoder tokens
             }
-            let have = req.groups[g].blocks.len() as u64 * u64::from(gm.block_size());
+            let have = req.groups[g].blocks().len() as u64 * u64::from(gm.block_size());
             if a.num_computed_tokens > have {
                 return Err(invalid(format!(
                     "num_computed_tokens {} but request {:?} holds blocks for only {have} tokens",

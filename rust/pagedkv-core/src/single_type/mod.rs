@@ -23,8 +23,35 @@ use rustc_hash::FxHashSet;
 
 use crate::hash::BlockHash;
 use crate::pool::{BlockId, BlockPool, CacheKey, NULL_BLOCK};
-use crate::request::{GroupBlocks, Request};
+use crate::request::Request;
 use crate::spec::{AttentionKind, GroupSpec, MambaCacheMode};
+
+/// One request's blocks in one KV-cache group.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct GroupBlocks {
+    blocks: Vec<BlockId>,
+    /// Number of leading blocks already cached; `Some` once the request is
+    /// running in this group (vLLM's `num_cached_block` entry).
+    num_cached: Option<usize>,
+    /// Mamba "align": blocks were allocated since admission.
+    mamba_allocated: bool,
+    /// Mamba "align": index of the previous step's state block.
+    mamba_last_state: Option<usize>,
+    /// Mamba "align": blocks before this index were already retired.
+    mamba_retired: usize,
+}
+
+impl GroupBlocks {
+    /// The block ids, by position (null blocks pad released positions).
+    pub(crate) fn blocks(&self) -> &[BlockId] {
+        &self.blocks
+    }
+
+    /// Leading blocks already cached; `Some` once the request runs in the group.
+    pub(crate) fn num_cached(&self) -> Option<usize> {
+        self.num_cached
+    }
+}
 
 /// Lookup inputs shared by all groups of one coordinator.
 #[derive(Clone, Copy, Debug)]

@@ -16,11 +16,26 @@ Each step:
    next output token, and one with all its output tokens finishes.
 
 The policy makes the decisions; a :class:`Backend` makes the calls: pagedkv's
-manager (:class:`pagedkv.sim.backends.ManagerBackend`, batch crossings), vLLM's
-own ``KVCacheManager`` (``pagedkv.sim.vllm_engine``, one call per request as
-vLLM's scheduler makes them), or the torch engine's manager and model
-(``pagedkv.torch.PagedEngine``). Driven by the same requests, every backend sees
-the same decisions, so equal ``alloc_checksum`` values mean equal block ids.
+manager (:class:`pagedkv.sim.backend.ManagerBackend`, batch crossings), vLLM's
+own ``KVCacheManager`` (``VllmBackend`` in ``pagedkv.sim.vllm_engine``, one call
+per request as vLLM's scheduler makes them), or the torch engine's manager and
+model (``pagedkv.torch.PagedEngine``). Driven by the same requests, every backend
+sees the same decisions, so equal ``alloc_checksum`` values mean equal block ids.
+:func:`drive` is the arrival clock of every caller that replays a workload.
+
+Where callers behave differently, the difference is an explicit option:
+
+- ``SchedulerConfig.hits_count_as_computed=False``: the oracle's reference drive
+  loop (``benches/drive_bench.py``, the vLLM checksum of
+  ``tests/test_scheduler.py``, and the pure-Rust floor in ``benches/src/lib.rs``)
+  computes prefix hits again after admission;
+- ``SchedulerConfig.full_sequence_must_fit=False``: the torch engine admits a
+  request once its first chunk fits, where vLLM's default waits for the whole
+  sequence;
+- :meth:`Backend.preempt` returns the computed tokens a victim keeps: 0 for
+  preemption by recompute, all of them when the torch engine swaps the request to
+  its CPU pool; such a request's :meth:`Backend.lookup` then returns them, and
+  it resumes where it stopped.
 
 Standard library only (besides ``pagedkv._util``, itself standard library only):
 ``sim/vllm_engine.py`` imports this file in an interpreter that has vLLM but not

@@ -1,5 +1,5 @@
 """The scheduler-step benchmark: the oracle's synthetic shared-prefix trace driven
-through a vLLM-style continuous-batching loop (pagedkv.scheduler), timing every
+through the one scheduler policy (pagedkv.sim.policy) over pagedkv's manager, timing every
 manager call, hashing included (``add_request`` / ``append_token_ids`` hash the new
 blocks). With ``--vllm-python`` the oracle's ``drive.py`` runs vLLM 0.33's own
 manager on the same trace in the same invocation; the two ``alloc_checksum`` values
@@ -21,7 +21,7 @@ import time
 
 import pagedkv as pk
 from pagedkv._oracle.trace import TraceConfig, generate
-from pagedkv.scheduler import Scheduler, SchedulerConfig, SimRequest
+from pagedkv.sim import ManagerBackend, Scheduler, SchedulerConfig, drive
 
 
 def run_pagedkv(args: argparse.Namespace) -> dict:
@@ -38,20 +38,11 @@ def run_pagedkv(args: argparse.Namespace) -> dict:
                            prefix_cache_retention_interval=0 if args.hybrid else None)
     # The reference drive loop does not count prefix hits as computed (see
     # SchedulerConfig.hits_count_as_computed): reproduce it so both do the same work.
-    sched = Scheduler(kv, SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192,
-                                          hits_count_as_computed=False))
-    reqs = trace.requests
-    nxt, clock = 0, 0
+    sched = Scheduler(ManagerBackend(kv), SchedulerConfig(
+        max_num_seqs=256, max_num_batched_tokens=8192, hits_count_as_computed=False))
+    reqs = trace.scheduler_requests()
     t0 = time.perf_counter()
-    while nxt < len(reqs) or sched.has_unfinished:
-        if not sched.has_unfinished and nxt < len(reqs):
-            clock = max(clock, reqs[nxt].arrival_step)
-        while nxt < len(reqs) and reqs[nxt].arrival_step <= clock:
-            r = reqs[nxt]
-            sched.add_request(SimRequest(r.req_id, trace.prompt(r.idx), r.output, r.arrival_step))
-            nxt += 1
-        sched.step()
-        clock += 1
+    drive(sched, reqs)
     wall = time.perf_counter() - t0
     st = sched.stats
     hashing = st.ns.get("add_request", 0) + st.ns.get("append_token_ids_batch", 0)

@@ -4,14 +4,16 @@ the process RSS and the free-block count at intervals.
     python benches/soak.py --seconds 300            # full-attention pool
     python benches/soak.py --seconds 300 --hybrid   # full attention + sliding window
 
-The workload is a continuous-batching loop: requests arrive with prompts that
-share prefixes (so the prefix cache hits and evicts), are admitted through
-``get_computed_blocks`` + ``allocate_slots``, decode one token per step, are
-preempted when the pool is full, and finish after a random output length; cached
-blocks are occasionally evicted and the prefix cache reset when idle. Every
-sample runs ``check_invariants``. At the end every request is removed and the
-cache reset: all usable blocks must be free again and the map empty. The RSS
-after warm-up (the second sample) is compared with the final one.
+The workload runs through the scheduler policy (``pagedkv.sim.policy``) over the
+manager: requests arrive at random with prompts that share prefixes (so the
+prefix cache hits and evicts), are admitted through ``get_computed_blocks`` +
+``allocate_slots``, decode one token per step, are preempted when the pool is
+full, and finish after a random output length. After every step the soak adds
+what a scheduler does not: cached blocks are occasionally evicted, the prefix
+cache is reset when idle, sliding-window blocks are released, events and stats
+are drained. Every sample runs ``check_invariants``. At the end every request is
+removed and the cache reset: all usable blocks must be free again and the map
+empty. The RSS after warm-up (the second sample) is compared with the final one.
 
 Exit status 1 when blocks do not come back, or when RSS grows by more than
 ``--max-rss-growth-mb`` after warm-up.
@@ -29,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pagedkv as pk
+from pagedkv.sim import ManagerBackend, Request, Scheduler, SchedulerConfig
 
 
 def rss_mb() -> float:
@@ -123,27 +126,31 @@ def run(
     when given)."""
     rng = random.Random(seed)
     mgr = make_manager(num_blocks, block_size, hybrid)
+    sched = Scheduler(ManagerBackend(mgr), SchedulerConfig(max_num_seqs=max_batch))
+    st = sched.stats
     prefixes = [[rng.randrange(32000) for _ in range(rng.choice([16, 64, 200]))] for _ in range(24)]
-    waiting: list[str] = []
-    running: dict[str, int] = {}  # request -> computed tokens
-    budget: dict[str, int] = {}  # request -> output tokens still to generate
     res = SoakResult(
         num_blocks=num_blocks, hybrid=hybrid, seconds=0.0, ops=0, steps=0, finished=0, preemptions=0
     )
     next_id = 0
     start = time.perf_counter()
     next_sample = start
-    ops = 0
+    other_ops = 0  # manager calls the policy does not make
+
+    def ops() -> int:
+        # the policy's calls, one per request (add_request, each batch crossing once)
+        added = st.calls.get("add_request", 0) + st.calls.get("append_token_ids_batch", 0)
+        return st.manager_calls + added + other_ops
 
     def sample() -> None:
         mgr.check_invariants()
         s = Sample(
             seconds=round(time.perf_counter() - start, 2),
-            ops=ops,
+            ops=ops(),
             rss_mb=round(rss_mb(), 2),
             free_blocks=mgr.num_free_blocks,
-            running=len(running),
-            waiting=len(waiting),
+            running=len(sched.running),
+            waiting=len(sched.waiting),
             cached_hashes=mgr.num_cached_block_hashes,
         )
         res.samples.append(s)
@@ -152,83 +159,43 @@ def run(
 
     while True:
         now = time.perf_counter()
-        if now >= next_sample or (sample_steps and res.steps % sample_steps == 0):
+        if now >= next_sample or (sample_steps and st.steps % sample_steps == 0):
             sample()
             next_sample = now + interval
-        if now - start >= seconds or (max_ops is not None and ops >= max_ops):
+        if now - start >= seconds or (max_ops is not None and ops() >= max_ops):
             break
-        res.steps += 1
         # Arrivals.
         for _ in range(rng.randrange(4)):
-            if len(waiting) + len(running) >= 2 * max_batch:
+            if len(sched.waiting) + len(sched.running) >= 2 * max_batch:
                 break
-            rid = f"q{next_id}"
-            next_id += 1
             prompt = list(rng.choice(prefixes))[: rng.randrange(1, 220)]
             prompt += [rng.randrange(32000) for _ in range(rng.randrange(1, 100))]
-            mgr.add_request(rid, prompt)
-            ops += 1
-            waiting.append(rid)
-            budget[rid] = rng.randrange(1, 200)
-        # Admission (FCFS), chunked to the whole prompt.
-        while waiting and len(running) < max_batch:
-            rid = waiting[0]
-            hit = mgr.get_computed_blocks(rid)
-            n = mgr.num_tokens(rid)
-            new = mgr.allocate_slots(
-                rid, n - hit.num_computed_tokens, num_computed_tokens=0, new_computed_blocks=hit
-            )
-            ops += 2
-            if new is None:
-                break
-            waiting.pop(0)
-            running[rid] = n
-        # Decode: one token each; preempt the newest when out of blocks.
-        for rid in list(running):
-            if rid not in running:
-                continue
-            mgr.append_token_ids(rid, [rng.randrange(32000)])
-            ops += 1
-            while mgr.allocate_slots(rid, 1, num_computed_tokens=running[rid]) is None:
-                ops += 1
-                victim = next(reversed(running))
-                mgr.free(victim)
-                ops += 1
-                del running[victim]
-                waiting.insert(0, victim)
-                res.preemptions += 1
-                if victim == rid:
-                    break
-            else:
-                ops += 1
-                running[rid] += 1
-                budget[rid] -= 1
-                if budget[rid] <= 0 or mgr.num_tokens(rid) >= 4000:
-                    mgr.remove_request(rid)
-                    ops += 1
-                    del running[rid], budget[rid]
-                    res.finished += 1
+            output = [rng.randrange(32000) for _ in range(rng.randrange(1, 200))]
+            sched.add_request(Request(f"q{next_id}", prompt, output))
+            next_id += 1
+        # One scheduler step: admission, prefill, decode, preemption, finishing.
+        sched.step()
         # Maintenance.
         if hybrid:
-            for rid, done in running.items():
-                mgr.remove_skipped_blocks(rid, done)
-                ops += 1
+            for req in sched.running:
+                mgr.remove_skipped_blocks(req.request_id, req.num_computed_tokens)
+                other_ops += 1
         if rng.random() < 0.02:
             mgr.evict_blocks([rng.randrange(1, num_blocks) for _ in range(4)])
-            ops += 1
-        if not running and rng.random() < 0.5:
+            other_ops += 1
+        if not sched.running and rng.random() < 0.5:
             mgr.reset_prefix_cache()
-            ops += 1
+            other_ops += 1
         mgr.take_events()
         mgr.make_prefix_cache_stats()
-        mgr.new_step_starts()
-        ops += 3
+        other_ops += 2
 
-    for rid in [*running, *waiting]:
-        mgr.remove_request(rid)
+    for req in [*sched.running, *sched.waiting]:
+        mgr.remove_request(req.request_id)
     mgr.check_invariants()
     res.seconds = round(time.perf_counter() - start, 2)
-    res.ops = ops
+    res.ops = ops()
+    res.steps, res.finished, res.preemptions = st.steps, st.finished, st.preemptions
     res.final_free_blocks = mgr.num_free_blocks
     res.reset_ok = mgr.reset_prefix_cache()
     res.final_cached_hashes = mgr.num_cached_block_hashes

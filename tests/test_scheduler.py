@@ -1,6 +1,6 @@
-"""The scheduler loop makes exactly the manager calls vLLM's scheduler makes: on the
-recorded 300-request workload its allocations hash to the checksum vLLM 0.33's own
-manager produced (FNV-1a over every allocate_slots result)."""
+"""The scheduler policy makes exactly the manager calls vLLM's scheduler makes: on
+the recorded 300-request workload its allocations hash to the checksum vLLM 0.33's
+own manager produced (FNV-1a over every allocate_slots result)."""
 
 from __future__ import annotations
 
@@ -10,29 +10,20 @@ from pathlib import Path
 
 import pagedkv as pk
 from pagedkv._oracle.trace import TraceConfig, generate
-from pagedkv.scheduler import Scheduler, SchedulerConfig, SimRequest
+from pagedkv.sim import ManagerBackend, Request, Scheduler, SchedulerConfig, drive
 
 DUMP = Path(__file__).parent / "vectors" / "ops_small.jsonl.gz"
 
 
-def _drive(cfg: SchedulerConfig) -> Scheduler:
+def _drive(cfg: SchedulerConfig) -> Scheduler[Request]:
     with gzip.open(DUMP, "rt") as f:
         header = json.loads(f.readline())
     trace = generate(TraceConfig(**header["trace_config"]))
     spec = pk.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")
     config = pk.KVCacheConfig(num_blocks=2048, kv_cache_groups=[pk.KVCacheGroupSpec(["l"], spec)])
     kv = pk.KVCacheManager(config, max_model_len=16384, max_in_flight_tokens=8192)
-    sched = Scheduler(kv, cfg)
-    reqs, nxt, clock = trace.requests, 0, 0
-    while nxt < len(reqs) or sched.has_unfinished:
-        if not sched.has_unfinished:
-            clock = max(clock, reqs[nxt].arrival_step)
-        while nxt < len(reqs) and reqs[nxt].arrival_step <= clock:
-            r = reqs[nxt]
-            sched.add_request(SimRequest(r.req_id, trace.prompt(r.idx), r.output))
-            nxt += 1
-        sched.step()
-        clock += 1
+    sched = Scheduler(ManagerBackend(kv), cfg)
+    drive(sched, trace.scheduler_requests())
     kv.check_invariants()
     assert kv.num_free_blocks == 2047
     return sched

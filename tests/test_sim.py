@@ -12,13 +12,14 @@ import pytest
 from pagedkv.sim import (
     WORKLOADS,
     EngineUnavailableError,
+    Request,
     SimConfig,
     TraceFormatError,
     Workload,
     WorkloadOptions,
-    WorkloadRequest,
-    _loop,
+    drive,
     generate,
+    policy,
     read_trace,
     run_pagedkv,
     run_vllm,
@@ -47,10 +48,10 @@ def test_workloads_are_deterministic_from_the_seed(name: str) -> None:
 @pytest.mark.parametrize("name", ["chat", "agentic"])
 def test_session_turns_resend_the_whole_history(name: str) -> None:
     w = generate(name, WorkloadOptions(num_requests=60, max_context=8192))
-    last: dict[str, WorkloadRequest] = {}
+    last: dict[str, Request] = {}
     turns = 0
     for r in w.requests:
-        assert r.session is not None and r.num_tokens <= 8192
+        assert r.session is not None and r.max_num_tokens <= 8192
         prev = last.get(r.session)
         if prev is not None:
             head = np.concatenate([prev.prompt, np.asarray(prev.output)])
@@ -99,8 +100,8 @@ def _twice(**keys: Any) -> Workload:
     return Workload(
         "twice",
         [
-            WorkloadRequest("a", prompt, [1, 2], session="s", **{k: v[0] for k, v in keys.items()}),
-            WorkloadRequest("b", prompt.copy(), [3], session="s", pause=1, **second),
+            Request("a", prompt, [1, 2], session="s", **{k: v[0] for k, v in keys.items()}),
+            Request("b", prompt.copy(), [3], session="s", pause=1, **second),
         ],
     )
 
@@ -138,33 +139,33 @@ class _FakeScheduler:
     def has_unfinished(self) -> bool:
         return bool(self.active)
 
-    def add_request(self, req: WorkloadRequest) -> None:
+    def add_request(self, req: Request) -> None:
         self.active[req.request_id] = self.length[req.request_id]
 
-    def step(self) -> list[WorkloadRequest]:
+    def step(self) -> list[Request]:
         done = []
         for rid in list(self.active):
             self.active[rid] -= 1
             if self.active[rid] == 0:
                 del self.active[rid]
-                done.append(WorkloadRequest(rid, np.zeros(1), [0]))
+                done.append(Request(rid, np.zeros(1), [0]))
         return done
 
 
 def test_clock_starts_next_turns_after_the_pause_and_skips_idle_time() -> None:
     p = np.zeros(1, dtype=np.int32)
     items = [
-        WorkloadRequest("s0", p, [0], arrival_step=0, session="s"),
-        WorkloadRequest("x", p, [0], arrival_step=2),
-        WorkloadRequest("s1", p, [0], arrival_step=0, session="s", pause=10),
-        WorkloadRequest("s2", p, [0], arrival_step=100, session="s", pause=1),
+        Request("s0", p, [0], arrival_step=0, session="s"),
+        Request("x", p, [0], arrival_step=2),
+        Request("s1", p, [0], arrival_step=0, session="s", pause=10),
+        Request("s2", p, [0], arrival_step=100, session="s", pause=1),
     ]
     sched = _FakeScheduler({"s0": 5, "x": 1, "s1": 2, "s2": 1})
     added: list[tuple[str, int]] = []
     pending: list[str] = []
     steps: list[int] = []
 
-    def make(i: int) -> WorkloadRequest:
+    def make(i: int) -> Request:
         pending.append(items[i].request_id)
         return items[i]
 
@@ -173,7 +174,7 @@ def test_clock_starts_next_turns_after_the_pause_and_skips_idle_time() -> None:
         added.extend((rid, clock) for rid in pending)
         pending.clear()
 
-    end = _loop.drive(sched, items, make, on_step)
+    end = drive(sched, items, make, on_step)
     # s0 runs steps 0-4 and finishes at 4: s1 is ready at 4 + 1 + 10 = 15 (idle steps
     # 5-14 skipped); s1 finishes at 16; s2 waits for its arrival at step 100.
     assert added == [("s0", 0), ("x", 2), ("s1", 15), ("s2", 100)]
@@ -297,9 +298,10 @@ def test_vllm_engine_refuses_what_vllm_cannot_run() -> None:
 
 
 def test_vllm_engine_script_runs_its_scheduler_loop_without_pagedkv() -> None:
-    # The script's scheduler over a stand-in manager: it must load the clock by
-    # path and make the same calls as pagedkv's scheduler (checked against vLLM by
-    # hand, see docs/simulate.md); here only that the module imports standalone.
+    # The script drives vLLM's manager through the one scheduler policy; it must
+    # find the policy outside the package (checked against vLLM by hand, see
+    # docs/simulate.md); here only that the module imports standalone, its policy
+    # from the same files under a private name.
     import importlib.util
     import sys
 
@@ -309,6 +311,23 @@ def test_vllm_engine_script_runs_its_scheduler_loop_without_pagedkv() -> None:
     sys.modules["standalone_vllm_engine"] = mod
     try:
         spec.loader.exec_module(mod)
-        assert mod._load_loop().drive.__name__ == "drive"
+        assert mod.policy.__name__ == "_pagedkv_src.sim.policy"
+        assert mod.policy.__file__ == policy.__file__
+        assert issubclass(mod.VllmBackend, mod.policy.Backend)
     finally:
+        for name in [n for n in sys.modules if n.startswith("_pagedkv_src")]:
+            del sys.modules[name]
         del sys.modules["standalone_vllm_engine"]
+
+
+def test_vllm_engine_script_needs_no_pagedkv() -> None:
+    # Without site-packages (so without pagedkv, its compiled core and NumPy) the
+    # script still loads; with no payload it prints its usage.
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-S", vllm_engine.__file__], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "usage: vllm_engine.py PAYLOAD.json" in proc.stderr

@@ -167,8 +167,9 @@ fn coordinator(c: &mut Criterion) {
     g.finish();
 }
 
-/// A whole trace replayed through the scheduler loop (the pure-Rust floor of
-/// `benches/drive_bench.py`): the oracle's trace cut to 200 requests.
+/// A whole trace replayed through the pure-Rust floor of the scheduler loop
+/// (`pagedkv_benches::floor`, the loop of `benches/drive_bench.py` without Python):
+/// the oracle's trace cut to 200 requests.
 fn trace_replay(c: &mut Criterion) {
     let reqs = pagedkv_benches::trace::generate(0, 200);
     let mut g = c.benchmark_group("trace_replay");
@@ -180,7 +181,7 @@ fn trace_replay(c: &mut Criterion) {
             let Ok(mut kv) = pagedkv_core::KvCacheManager::new(cfg) else {
                 return;
             };
-            black_box(pagedkv_benches::drive::run(&mut kv, &reqs, false));
+            black_box(pagedkv_benches::floor::run(&mut kv, &reqs, false));
         });
     });
     g.finish();

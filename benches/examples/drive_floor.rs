@@ -1,12 +1,13 @@
-//! The scheduler-step benchmark in pure Rust: the same trace and the same loop as
-//! `benches/drive_bench.py` (which drives pagedkv from Python), so the difference
-//! is the cost of the Python boundary. Prints the allocation checksum (equal to
+//! The scheduler-step benchmark in pure Rust (the floor, `pagedkv_benches::floor`):
+//! the same trace and the same policy as `benches/drive_bench.py` (which drives
+//! pagedkv through `pagedkv.sim.policy` from Python), so the difference is the cost
+//! of the Python boundary. Prints the allocation checksum (equal to
 //! vLLM's `aea7f22d7e6432be` on the default trace) and manager time per step.
 //!
 //! `cargo run --release -p pagedkv-benches --example drive_floor [requests] [blocks]`
 use std::time::Instant;
 
-use pagedkv_benches::{arg, drive, trace};
+use pagedkv_benches::{arg, floor, trace};
 use pagedkv_core::{KvCacheManager, ManagerConfig};
 
 fn main() {
@@ -18,7 +19,7 @@ fn main() {
     };
     let dbg = std::env::var_os("DRIVE_DEBUG").is_some();
     let t0 = Instant::now();
-    let s = drive::run(&mut kv, &reqs, dbg);
+    let s = floor::run(&mut kv, &reqs, dbg);
     let el = t0.elapsed();
     println!(
         "steps {}, preemptions {}, alloc_checksum {:016x}, \

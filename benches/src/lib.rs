@@ -1,4 +1,5 @@
-//! Shared helpers of pagedkv's criterion benches.
+//! Shared helpers of pagedkv's criterion benches, and the pure-Rust floor of the
+//! scheduler loop ([`floor`]).
 
 use pagedkv_core::{AllocateArgs, KvCacheManager, ManagerConfig, RequestSpec};
 
@@ -144,12 +145,19 @@ pub mod trace {
     }
 }
 
-/// The scheduler loop of `benches/drive_bench.py` in Rust (the pure-Rust floor):
+/// The floor: the scheduler policy in pure Rust, to measure what a step costs with
+/// no Python at all.
+///
+/// The policy itself lives once, in Python (`pagedkv.sim.policy`), and drives the
+/// simulator, vLLM's manager, the torch engine and `benches/drive_bench.py`. This
+/// module is a deliberate second copy of it, fixed to the bench's configuration:
 /// FCFS continuous batching with chunked prefill under an 8,192-token budget, at
 /// most 256 running requests, preemption of the newest request when one does not
-/// fit, and (as the reference loop does) prefix hits computed again after
-/// admission. One `allocate_slots_batch` and one `append_token_ids_batch` per step.
-pub mod drive {
+/// fit, and prefix hits computed again after admission (the oracle's reference
+/// loop; `SchedulerConfig(hits_count_as_computed=False)` in Python). One
+/// `allocate_slots_batch` and one `append_token_ids_batch` per step. A test pins it
+/// to vLLM's checksum, so the two copies cannot drift apart unnoticed.
+pub mod floor {
     use std::collections::VecDeque;
 
     use pagedkv_core::{AllocateArgs, BatchAllocation, KvCacheManager, RequestSpec};
@@ -325,7 +333,7 @@ mod tests {
         let mut cfg = ManagerConfig::full_attention(4096, 16, 16384);
         cfg.max_in_flight_tokens = Some(8192);
         let mut kv = KvCacheManager::new(cfg).expect("config");
-        let s = crate::drive::run(&mut kv, &reqs, false);
+        let s = crate::floor::run(&mut kv, &reqs, false);
         assert_eq!((s.steps, s.preemptions), (2602, 330));
         assert_eq!(s.alloc_checksum, 0xaea7_f22d_7e64_32be);
         kv.check_invariants().expect("invariants");

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .._util import FNV_OFFSET_BASIS, SplitMix64, fnv1a64
+from ..sim.policy import Request
 
 __all__ = ["Trace", "TraceConfig", "TraceRequest", "generate"]
 
@@ -38,6 +39,10 @@ class TraceConfig:
 
 @dataclass
 class TraceRequest:
+    """How the generator describes a request (the format's record: a prefix or a
+    parent turn, then a suffix); :meth:`Trace.scheduler_requests` gives requests
+    for the scheduler policy."""
+
     idx: int
     req_id: str
     arrival_step: int
@@ -72,6 +77,12 @@ class Trace:
         for p in reversed(parts):
             out.extend(p)
         return out
+
+    def scheduler_requests(self) -> list[Request]:
+        """Every request as the scheduler policy takes it: id, prompt, the output
+        tokens it samples, arrival step."""
+        return [Request(r.req_id, self.prompt(r.idx), r.output, r.arrival_step)
+                for r in self.requests]
 
     def checksum(self) -> int:
         """FNV-1a-64 over the trace's exact content."""

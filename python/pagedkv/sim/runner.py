@@ -1,11 +1,11 @@
 """Runs a workload through pagedkv's manager (and, on request, vLLM's).
 
 :func:`build_config` turns a model preset and a memory budget into a
-``KVCacheConfig`` through the config builder; :func:`run_pagedkv` drives
-:class:`pagedkv.scheduler.Scheduler` over it with the simulation clock of
-:mod:`pagedkv.sim._loop`; :func:`run_vllm` does the same with vLLM's own
-``KVCacheManager`` (in this interpreter, or in ``vllm_python`` through a
-subprocess).
+``KVCacheConfig`` through the config builder; :func:`run_pagedkv` drives the
+scheduler policy of :mod:`pagedkv.sim.policy` over it (its clock, its loop, the
+:class:`~pagedkv.sim.backend.ManagerBackend`); :func:`run_vllm` does the same with
+vLLM's own ``KVCacheManager`` behind the policy (in this interpreter, or in
+``vllm_python`` through a subprocess).
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .. import presets
 from ..config_builder import get_kv_cache_config
 from ..manager import KVCacheManager
-from ..scheduler import Scheduler, SchedulerConfig, SimRequest
 from ..specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -32,7 +33,9 @@ from ..specs import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from . import _loop, vllm_engine
+from . import vllm_engine
+from .backend import ManagerBackend
+from .policy import Scheduler, SchedulerConfig, drive
 from .workloads import Workload
 
 __all__ = [
@@ -222,7 +225,7 @@ def run_pagedkv(
         prefix_cache_retention_interval=0,
     )
     sched = Scheduler(
-        kv,
+        ManagerBackend(kv),
         SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -232,18 +235,6 @@ def run_pagedkv(
     reqs = workload.requests
     usage, running, waiting, hit = array("d"), array("d"), array("d"), array("d")
     st = sched.stats
-
-    def make(i: int) -> SimRequest:
-        r = reqs[i]
-        return SimRequest(
-            r.request_id,
-            r.prompt,
-            r.output,
-            r.arrival_step,
-            lora_name=r.lora_name,
-            lora_path=r.lora_path,
-            cache_salt=r.cache_salt,
-        )
 
     def on_step(clock: int, finished: int) -> None:
         usage.append(kv.usage)
@@ -255,7 +246,7 @@ def run_pagedkv(
             progress(clock, finished)
 
     t0 = time.perf_counter()
-    _loop.drive(sched, reqs, make, on_step)
+    drive(sched, reqs, lambda i: reqs[i].fresh(), on_step)
     wall = time.perf_counter() - t0
     kv.check_invariants()
     per_api = {api: (st.calls[api], ns) for api, ns in st.ns.items()}
@@ -346,7 +337,7 @@ def vllm_payload(workload: Workload, cfg: SimConfig) -> dict[str, Any]:
     for r in workload.requests:
         rec: dict[str, Any] = {
             "id": r.request_id,
-            "prompt": r.prompt.tolist(),
+            "prompt": np.asarray(r.prompt).tolist(),
             "output": list(r.output),
             "arrival_step": r.arrival_step,
             "session": r.session,

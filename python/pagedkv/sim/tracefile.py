@@ -41,7 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from .workloads import Workload, WorkloadRequest
+from .policy import Request
+from .workloads import Workload
 
 __all__ = ["TraceFormatError", "read_trace", "write_trace"]
 
@@ -99,9 +100,9 @@ def read_trace(path: str | Path, *, step_ms: float = 50.0) -> Workload:
         raise ValueError("step_ms must be positive")
     seed, vocab = 0, 32000
     prefixes: dict[str, np.ndarray] = {}
-    reqs: list[WorkloadRequest] = []
+    reqs: list[Request] = []
     ids: set[str] = set()
-    last_turn: dict[str, WorkloadRequest] = {}
+    last_turn: dict[str, Request] = {}
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
@@ -146,9 +147,9 @@ def _request(
     rng: np.random.Generator,
     vocab: int,
     prefixes: dict[str, np.ndarray],
-    last_turn: dict[str, WorkloadRequest],
+    last_turn: dict[str, Request],
     step_ms: float,
-) -> WorkloadRequest:
+) -> Request:
     unknown = set(rec) - _REQUEST_KEYS
     if unknown:
         raise ValueError(f"unknown field(s) {', '.join(sorted(unknown))}")
@@ -158,7 +159,7 @@ def _request(
         if session is None or session not in last_turn:
             raise ValueError("history needs an earlier turn of the same session")
         prev = last_turn[session]
-        parts += [prev.prompt.astype(np.int64), np.asarray(prev.output, dtype=np.int64)]
+        parts += [np.asarray(prev.prompt, dtype=np.int64), np.asarray(prev.output, dtype=np.int64)]
     pref = rec.get("prefix", [])
     for pid in [pref] if isinstance(pref, str) else pref:
         if str(pid) not in prefixes:
@@ -178,7 +179,7 @@ def _request(
     else:
         output = rng.integers(0, vocab, _count(rec["output_len"], "output_len", 1)).tolist()
     lora = rec.get("lora")
-    req = WorkloadRequest(
+    req = Request(
         request_id=str(rec.get("id", f"r{index}")),
         prompt=prompt,
         output=output,
@@ -197,7 +198,7 @@ def _request(
 def write_trace(workload: Workload, path: str | Path) -> None:
     """Writes ``workload`` as a trace file (steps, explicit token ids; a turn that
     extends its session's previous turn is written with ``history``)."""
-    last: dict[str, WorkloadRequest] = {}
+    last: dict[str, Request] = {}
     with open(path, "w", encoding="utf-8") as f:
         f.write(json.dumps({"type": "header", "format": FORMAT, "version": VERSION}) + "\n")
         for r in workload.requests:

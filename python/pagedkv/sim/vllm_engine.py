@@ -1,16 +1,19 @@
 """``pagedkv simulate --engine vllm``: the same simulation over vLLM's own
 ``KVCacheManager`` (vLLM 0.33, ``vllm.v1.core.kv_cache_manager``).
 
-This module imports only the standard library and, when it runs, vLLM. It runs
-either in the current interpreter (when vLLM is importable there) or as a script
-under another interpreter that has vLLM (``--vllm-python PATH``): it then reads a
-JSON payload (manager, scheduler, requests) from the file named on its command
-line and prints one JSON result on stdout. Its scheduler makes the same
-decisions as :class:`pagedkv.scheduler.Scheduler` (FCFS, chunked prefill under a
-token budget, preemption by recompute), one manager call per request, as vLLM's
-scheduler calls its manager; ``alloc_checksum`` (FNV-1a-64 over every
-``allocate_slots`` result) is computed the same way, so equal checksums mean
-both managers handed out the same block ids.
+The scheduler is the one policy of :mod:`pagedkv.sim.policy`; :class:`VllmBackend`
+adapts it to vLLM's manager API: one manager call per request, on vLLM's own
+``Request`` objects, as vLLM's scheduler calls its manager. ``alloc_checksum``
+(FNV-1a-64 over every ``allocate_slots`` result) is computed the same way as for
+pagedkv's manager, so equal checksums mean both managers handed out the same
+block ids.
+
+This module imports only the standard library, the policy (itself standard
+library only) and, when it runs, vLLM. It runs either in the current interpreter
+(when vLLM is importable there) or as a script under another interpreter that
+has vLLM but need not have pagedkv (``--vllm-python PATH``): it then reads a JSON
+payload (manager, scheduler, requests) from the file named on its command line
+and prints one JSON result on stdout.
 """
 
 from __future__ import annotations
@@ -20,12 +23,11 @@ import json
 import os
 import sys
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["run", "vllm_available"]
+__all__ = ["VllmBackend", "run", "vllm_available"]
 
 SUPPORTED_SPECS = ("full_attention", "sliding_window", "chunked_local_attention", "mla_attention")
 
@@ -38,212 +40,146 @@ def vllm_available() -> bool:
         return False
 
 
-def _load_by_path(name: str, *relpath: str) -> ModuleType:
-    """Loads a pagedkv file relative to this one, when this runs as a script."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), *relpath)
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def _import_policy() -> ModuleType:
+    """:mod:`pagedkv.sim.policy`. Run as a script, in an interpreter that need not
+    have pagedkv, the same file is imported from the files around this one under a
+    private package name (the package ``__init__`` files, which need pagedkv's
+    compiled core, do not run, and an installed pagedkv is left alone)."""
+    if __package__:
+        from . import policy
+
+        return policy
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name, path in (("_pagedkv_src", root), ("_pagedkv_src.sim", os.path.join(root, "sim"))):
+        if name not in sys.modules:
+            pkg = ModuleType(name)
+            pkg.__path__ = [path]
+            sys.modules[name] = pkg
+    return importlib.import_module("_pagedkv_src.sim.policy")
 
 
-def _load_loop() -> ModuleType:
-    try:
-        from . import _loop
-
-        return _loop
-    except ImportError:  # run as a script: load the sibling file by path
-        return _load_by_path("pagedkv_sim_loop", "_loop.py")
+if TYPE_CHECKING:
+    from . import policy
+else:
+    policy = _import_policy()
 
 
-try:
-    from .._util import FNV_OFFSET_BASIS, MASK64, fnv1a64
-except ImportError:  # run as a script: load pagedkv/_util.py by path
-    _util = _load_by_path("pagedkv_util", os.pardir, "_util.py")
-    FNV_OFFSET_BASIS, MASK64, fnv1a64 = _util.FNV_OFFSET_BASIS, _util.MASK64, _util.fnv1a64
+class VllmBackend(policy.Backend[policy.Request]):
+    """The policy's calls on vLLM's ``KVCacheManager``.
 
+    Each policy request's ``handle`` is the vLLM ``Request`` that ``make_request``
+    builds when it arrives (vLLM hashes its prompt blocks then). The adapter keeps
+    vLLM's request in step with the policy's: ``num_computed_tokens`` before each
+    manager call, the sampled output tokens, ``status`` and ``num_preemptions``.
+    ``status`` is vLLM's ``RequestStatus``.
+    """
 
-class _Item:
-    __slots__ = (
-        "arrival_step",
-        "cache_salt",
-        "lora",
-        "output",
-        "pause",
-        "prompt",
-        "request_id",
-        "session",
-    )
-
-    def __init__(self, rec: dict[str, Any]) -> None:
-        self.request_id: str = rec["id"]
-        self.prompt: list[int] = rec["prompt"]
-        self.output: list[int] = rec["output"]
-        self.arrival_step: int = rec["arrival_step"]
-        self.session: str | None = rec.get("session")
-        self.pause: int = rec.get("pause", 0)
-        self.cache_salt: str | None = rec.get("salt")
-        lora = rec.get("lora")
-        self.lora: tuple[str, int, str] | None = (
-            None if lora is None else (str(lora[0]), int(lora[1]), str(lora[2]))
-        )
-
-
-class _Req:
-    """A vLLM ``Request`` plus the output tokens it will sample."""
-
-    __slots__ = ("output", "req", "request_id")
-
-    def __init__(self, req: Any, output: list[int]) -> None:
-        self.req = req
-        self.request_id: str = req.request_id
-        self.output = output
-
-
-class _Stats:
-    def __init__(self) -> None:
-        self.ns: dict[str, int] = {}
-        self.calls: dict[str, int] = {}
-        self.alloc_checksum = FNV_OFFSET_BASIS
-        self.steps = self.preemptions = self.admissions = self.finished = 0
-        self.hit_tokens = self.query_tokens = self.peak_running = 0
-        self.first_hit_tokens = self.first_query_tokens = 0
-
-    def timed(self, api: str, ns: int) -> None:
-        self.ns[api] = self.ns.get(api, 0) + ns
-        self.calls[api] = self.calls.get(api, 0) + 1
-
-    def feed(self, words: list[int]) -> None:
-        self.alloc_checksum = fnv1a64(words, self.alloc_checksum)
-
-
-class _VllmScheduler:
-    """pagedkv.scheduler.Scheduler's loop, calling vLLM's manager per request."""
-
-    def __init__(self, kv: Any, sched: dict[str, Any], status: Any) -> None:
+    def __init__(
+        self, kv: Any, make_request: Callable[[policy.Request], Any], status: Any
+    ) -> None:
+        super().__init__()
         self.kv = kv
-        self.max_num_seqs: int = sched["max_num_seqs"]
-        self.budget0: int = sched["max_num_batched_tokens"]
-        self.must_fit: bool = sched["full_sequence_must_fit"]
-        self.hits_computed: bool = sched.get("hits_count_as_computed", True)
+        self.make_request = make_request
         self.status = status
-        self.waiting: deque[_Req] = deque()
-        self.running: list[_Req] = []
-        self.st = _Stats()
-        self.clock = time.perf_counter_ns
+        self._clock = time.perf_counter_ns
+        self._hit: Any = None
 
-    @property
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def add_request(self, r: _Req) -> None:
-        self.waiting.append(r)
+    def _timed_free(self, req: policy.Request, api: str) -> None:
+        t = self._clock()
+        self.kv.free(req.handle)
+        self.stats.timed(api, self._clock() - t)
 
     def _feed(self, res: Any) -> None:
-        if res is None:
-            self.st.feed([MASK64])
-            return
-        ids = res.get_block_ids()
-        words = [len(ids)]
-        for g in ids:
-            words.append(len(g))
-            words.extend(g)
-        self.st.feed(words)
+        self.stats.feed_allocation(None if res is None else res.get_block_ids())
 
-    def _free(self, r: _Req, api: str) -> None:
-        t = self.clock()
-        self.kv.free(r.req)
-        self.st.timed(api, self.clock() - t)
+    def add_request(self, req: policy.Request) -> None:
+        req.handle = self.make_request(req)
 
-    def step(self) -> list[_Req]:
-        st, kv, clock = self.st, self.kv, self.clock
-        t = clock()
-        kv.new_step_starts()
-        st.timed("new_step_starts", clock() - t)
-        budget = self.budget0
-        scheduled: list[tuple[_Req, int]] = []
-        preempted = False
-        ri = 0
-        while ri < len(self.running) and budget > 0:
-            r = self.running[ri]
-            n = min(r.req.num_tokens - r.req.num_computed_tokens, budget)
-            while True:
-                t = clock()
-                res = kv.allocate_slots(r.req, n)
-                st.timed("allocate_slots", clock() - t)
-                self._feed(res)
-                if res is not None:
-                    break
-                victim = self.running.pop()
-                self._free(victim, "free(preempt)")
-                victim.req.status = self.status.PREEMPTED
-                victim.req.num_computed_tokens = 0
-                victim.req.num_preemptions += 1
-                self.waiting.appendleft(victim)
-                st.preemptions += 1
-                preempted = True
-                if victim is r:
-                    break
+    def new_step(self) -> None:
+        t = self._clock()
+        self.kv.new_step_starts()
+        self.stats.timed("new_step_starts", self._clock() - t)
+
+    def allocate(self, reqs: Sequence[policy.Request], num_new_tokens: Sequence[int]) -> int:
+        st, kv, clock = self.stats, self.kv, self._clock
+        for i, (r, n) in enumerate(zip(reqs, num_new_tokens, strict=True)):
+            vreq = r.handle
+            vreq.num_computed_tokens = r.num_computed_tokens
+            t = clock()
+            res = kv.allocate_slots(vreq, n)
+            st.timed("allocate_slots", clock() - t)
+            self._feed(res)
             if res is None:
-                break
-            scheduled.append((r, n))
-            budget -= n
-            ri += 1
-        if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                r = self.waiting[0]
-                t = clock()
-                blocks, num_hit, r.req.shared_prefix_boundary = kv.get_computed_blocks(r.req)
-                st.timed("get_computed_blocks", clock() - t)
-                n = min(r.req.num_tokens - num_hit, budget)
-                t = clock()
-                res = kv.allocate_slots(
-                    r.req,
-                    n,
-                    num_hit,
-                    blocks,
-                    full_sequence_must_fit=self.must_fit,
-                    has_scheduled_reqs=bool(self.running),
-                )
-                st.timed("allocate_slots(admit)", clock() - t)
-                self._feed(res)
-                if res is None:
-                    if not self.running:
-                        raise RuntimeError(f"request {r.request_id} can never be admitted")
-                    break
-                self.waiting.popleft()
-                r.req.status = self.status.RUNNING
-                if self.hits_computed:
-                    r.req.num_computed_tokens = num_hit
-                self.running.append(r)
-                st.admissions += 1
-                st.hit_tokens += num_hit
-                st.query_tokens += r.req.num_tokens
-                if r.req.num_preemptions == 0:
-                    st.first_hit_tokens += num_hit
-                    st.first_query_tokens += r.req.num_tokens
-                scheduled.append((r, n))
-                budget -= n
-        st.peak_running = max(st.peak_running, len(self.running))
-        done: list[_Req] = []
-        for r, n in scheduled:
-            req = r.req
-            req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens:
-                req.append_output_token_ids(r.output[req.num_output_tokens])
-                if req.num_output_tokens >= len(r.output):
-                    done.append(r)
-        for r in done:
-            r.req.status = self.status.FINISHED_LENGTH_CAPPED
-            self._free(r, "free(finished)")
-            st.finished += 1
-        if done:
-            gone = set(map(id, done))
-            self.running = [r for r in self.running if id(r) not in gone]
-        st.steps += 1
-        return done
+                return i
+        return len(reqs)
+
+    def lookup(self, req: policy.Request) -> int:
+        vreq = req.handle
+        t = self._clock()
+        self._hit, num_hit, vreq.shared_prefix_boundary = self.kv.get_computed_blocks(vreq)
+        self.stats.timed("get_computed_blocks", self._clock() - t)
+        return int(num_hit)
+
+    def admit(
+        self,
+        req: policy.Request,
+        num_new_tokens: int,
+        num_hit_tokens: int,
+        *,
+        full_sequence_must_fit: bool,
+        has_scheduled_reqs: bool,
+    ) -> bool:
+        vreq = req.handle
+        blocks, self._hit = self._hit, None
+        t = self._clock()
+        res = self.kv.allocate_slots(
+            vreq,
+            num_new_tokens,
+            num_hit_tokens,
+            blocks,
+            full_sequence_must_fit=full_sequence_must_fit,
+            has_scheduled_reqs=has_scheduled_reqs,
+        )
+        self.stats.timed("allocate_slots(admit)", self._clock() - t)
+        self._feed(res)
+        if res is None:
+            return False
+        vreq.status = self.status.RUNNING
+        return True
+
+    def preempt(self, req: policy.Request) -> int:
+        self._timed_free(req, "free(preempt)")
+        vreq = req.handle
+        vreq.status = self.status.PREEMPTED
+        vreq.num_computed_tokens = 0
+        vreq.num_preemptions += 1
+        return 0
+
+    def append_tokens(self, reqs: Sequence[policy.Request], tokens: Sequence[int]) -> None:
+        for r, token in zip(reqs, tokens, strict=True):
+            vreq = r.handle
+            vreq.num_computed_tokens = r.num_computed_tokens
+            vreq.append_output_token_ids(token)
+
+    def finish(self, req: policy.Request) -> None:
+        req.handle.status = self.status.FINISHED_LENGTH_CAPPED
+        self._timed_free(req, "free(finished)")
+
+
+def _request(rec: dict[str, Any]) -> policy.Request:
+    """A payload record (see ``pagedkv.sim.runner.vllm_payload``) as a policy request."""
+    lora = rec.get("lora")
+    return policy.Request(
+        rec["id"],
+        rec["prompt"],
+        rec["output"],
+        arrival_step=rec["arrival_step"],
+        session=rec.get("session"),
+        pause=rec.get("pause", 0),
+        cache_salt=rec.get("salt"),
+        lora_name=None if lora is None else str(lora[0]),
+        lora_path=None if lora is None else str(lora[2]),
+    )
 
 
 def _dtype(torch: Any, name: str) -> Any:
@@ -271,7 +207,8 @@ def run(
         get_request_block_hasher,
         init_none_hash,
     )
-    from vllm.v1.request import Request, RequestStatus  # type: ignore[import-not-found, unused-ignore]
+    from vllm.v1.request import Request as VllmRequest  # type: ignore[import-not-found, unused-ignore]
+    from vllm.v1.request import RequestStatus  # type: ignore[import-not-found, unused-ignore]
 
     import_s = time.perf_counter() - t_import
     m = payload["manager"]
@@ -317,8 +254,11 @@ def run(
     hash_fn = get_hash_fn_by_name(m["hash_algo"])
     init_none_hash(hash_fn)
     base_hasher = get_request_block_hasher(bs, hash_fn)
-    sched = _VllmScheduler(kv, payload["scheduler"], RequestStatus)
-    st, clock = sched.st, time.perf_counter_ns
+    items = [_request(rec) for rec in payload["requests"]]
+    lora_ids = {str(rec["lora"][0]): int(rec["lora"][1]) for rec in payload["requests"]
+                if rec.get("lora") is not None}
+    params: dict[int, Any] = {}
+    clock = time.perf_counter_ns
 
     def hasher(req: Any) -> Any:
         t = clock()
@@ -326,25 +266,28 @@ def run(
         st.timed("block_hashing", clock() - t)
         return out
 
-    items = [_Item(rec) for rec in payload["requests"]]
-    params: dict[int, Any] = {}
-
-    def make(i: int) -> _Req:
-        it = items[i]
-        sp = params.get(len(it.output))
+    def make(req: policy.Request) -> Any:
+        """vLLM's request for a policy request (its prompt blocks get hashed)."""
+        sp = params.get(req.max_tokens)
         if sp is None:
-            sp = params[len(it.output)] = SamplingParams(max_tokens=len(it.output))
-        lora = None if it.lora is None else LoRARequest(it.lora[0], it.lora[1], it.lora[2])
-        req = Request(
-            it.request_id,
-            it.prompt,
+            sp = params[req.max_tokens] = SamplingParams(max_tokens=req.max_tokens)
+        lora = None
+        if req.lora_name is not None:
+            lora = LoRARequest(req.lora_name, lora_ids[req.lora_name], req.lora_path or "")
+        return VllmRequest(
+            req.request_id,
+            list(req.prompt),
             sp,
             None,
             lora_request=lora,
-            cache_salt=it.cache_salt,
+            cache_salt=req.cache_salt,
             block_hasher=hasher,
         )
-        return _Req(req, it.output)
+
+    sched = policy.Scheduler(
+        VllmBackend(kv, make, RequestStatus), policy.SchedulerConfig(**payload["scheduler"])
+    )
+    st = sched.stats
 
     usage_sum = 0.0
     peak_usage = 0.0
@@ -358,7 +301,7 @@ def run(
             on_step(clock_now, finished)
 
     t0 = time.perf_counter()
-    _load_loop().drive(sched, items, make, step_hook)
+    policy.drive(sched, items, on_step=step_hook)
     wall = time.perf_counter() - t0
     usable = m["num_blocks"] - 1
     free_end = kv.block_pool.get_num_free_blocks()

@@ -1,6 +1,6 @@
 """Workloads for the simulator: built-in generators, all deterministic from a seed.
 
-A :class:`Workload` is a list of :class:`WorkloadRequest`: prompt token ids, the
+A :class:`Workload` is a list of :class:`~pagedkv.sim.policy.Request`: prompt token ids, the
 output tokens the request will "sample" one per decode step, the step at which
 it arrives, and optionally a session (turns of a session run one after the
 other, each ``pause`` steps after the previous one finished), a cache salt and
@@ -36,12 +36,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .policy import Request
+
 __all__ = [
     "ARRIVALS",
     "WORKLOADS",
     "Workload",
     "WorkloadOptions",
-    "WorkloadRequest",
     "generate",
 ]
 
@@ -49,33 +50,12 @@ ARRIVALS = ("poisson", "bursty", "at-once")
 _BURST_MEAN = 16
 
 
-@dataclass(eq=False)
-class WorkloadRequest:
-    """One request of a workload."""
-
-    request_id: str
-    prompt: np.ndarray
-    output: list[int]
-    arrival_step: int = 0
-    session: str | None = None
-    #: steps between the end of the session's previous turn and this one
-    pause: int = 0
-    cache_salt: str | None = None
-    lora_name: str | None = None
-    lora_path: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        """Prompt plus output tokens: the longest the request gets."""
-        return len(self.prompt) + len(self.output)
-
-
 @dataclass
 class Workload:
     """A named list of requests (``params`` says how it was made)."""
 
     name: str
-    requests: list[WorkloadRequest]
+    requests: list[Request]
     params: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -88,7 +68,7 @@ class Workload:
 
     @property
     def max_request_tokens(self) -> int:
-        return max((r.num_tokens for r in self.requests), default=0)
+        return max((r.max_num_tokens for r in self.requests), default=0)
 
     def summary(self) -> dict[str, object]:
         n = len(self.requests)
@@ -133,7 +113,7 @@ class _Keys:
     lora_name: str | None
     lora_path: str | None
 
-    def on(self, req: WorkloadRequest) -> WorkloadRequest:
+    def on(self, req: Request) -> Request:
         req.cache_salt, req.lora_name, req.lora_path = (
             self.cache_salt,
             self.lora_name,
@@ -202,7 +182,7 @@ def _sessions(
     turns: Callable[[], int],
     pause: Callable[[], int],
     prefix: str,
-) -> Iterator[WorkloadRequest]:
+) -> Iterator[Request]:
     """Sessions whose turns extend the history: prompt(k) = prompt(k-1) +
     output(k-1) + new tokens. A session ends when the next turn would not fit in
     ``max_context``."""
@@ -228,7 +208,7 @@ def _sessions(
                     )
                 break
             yield keys.on(
-                WorkloadRequest(
+                Request(
                     f"{prefix}{s}-t{k}",
                     history,
                     out,
@@ -296,7 +276,7 @@ def tenants(opts: WorkloadOptions) -> Workload:
         prompt = np.concatenate([system, instructions[tenant], g.tokens(g.between(30, 500))])
         out = g.tokens(g.between(20, 250)).tolist()
         prompt = _fit(prompt, out, opts.max_context)
-        req = WorkloadRequest(f"req{i}", prompt, out, arrival_step=g.next_arrival())
+        req = Request(f"req{i}", prompt, out, arrival_step=g.next_arrival())
         reqs.append(g.tenant_keys(tenant).on(req))
     return Workload("tenants", reqs)
 
@@ -330,7 +310,7 @@ def rag(opts: WorkloadOptions) -> Workload:
             picked.pop()
         prompt = _fit(np.concatenate([system, *picked, question]), out, opts.max_context)
         tenant = i % opts.num_tenants
-        req = WorkloadRequest(f"rag{i}", prompt, out, arrival_step=g.next_arrival())
+        req = Request(f"rag{i}", prompt, out, arrival_step=g.next_arrival())
         reqs.append(g.tenant_keys(tenant).on(req))
     return Workload("rag", reqs)
 

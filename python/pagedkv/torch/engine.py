@@ -3,12 +3,15 @@ pagedkv: continuous batching with chunked prefill, prefix caching, preemption by
 recompute or by swapping to a CPU pool, and request forks that copy the partly
 filled last block (copy-on-write).
 
-Each step follows vLLM 0.33's scheduler: running requests first (a request that
-does not fit preempts the newest running one), then, in a step without
-preemption, waiting requests are admitted with a prefix-cache lookup. The
-block-table rows come from the manager (``get_block_ids`` on admission, each
-``allocate_slots`` result afterwards), the slot mappings are computed for the
-whole batch at once, and the model writes and reads K/V only through them.
+Each step is the one scheduler policy of :mod:`pagedkv.sim.policy` (vLLM 0.33's
+scheduler: running requests first, a request that does not fit preempts the
+newest running one, then, in a step without preemption, waiting requests are
+admitted with a prefix-cache lookup), with the engine as its backend: it keeps
+the block-table rows (from ``get_block_ids`` on admission, each
+``allocate_slots`` result afterwards), swaps instead of freeing when asked to,
+runs the model and samples. The slot mappings are computed for the whole batch
+at once, and the model writes and reads K/V only through them. The engine
+admits a request once its first chunk fits (``full_sequence_must_fit=False``).
 
 It exists to prove the mapping end to end (every logit it computes can be
 compared with :meth:`TinyTransformer.forward_dense`), not to be fast.
@@ -27,7 +30,8 @@ import torch
 from .._util import cdiv
 from ..config_builder import get_kv_cache_config
 from ..errors import DuplicateRequestError, InvalidArgumentError, UnknownRequestError
-from ..manager import KVCacheManager
+from ..manager import ComputedBlocks, KVCacheManager
+from ..sim.policy import Backend, Request, Scheduler, SchedulerConfig
 from ..specs import (
     ChunkedLocalAttentionSpec,
     KVCacheConfig,
@@ -47,21 +51,18 @@ _PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass(eq=False)
-class EngineRequest:
-    """A request and what the engine did with it."""
+class EngineRequest(Request):
+    """A request and what the engine did with it. ``output`` holds the tokens
+    sampled so far; the request finishes after ``max_tokens`` of them."""
 
-    request_id: str
     prompt: list[int]
-    max_tokens: int
-    seed: int | None = None
     output: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    seed: int | None = None
     row: int = -1
     #: tokens run through the model for this request (recomputation included)
     num_model_tokens: int = 0
     #: prefix-cache hit tokens, summed over admissions
     num_hit_tokens: int = 0
-    num_preemptions: int = 0
     num_swaps: int = 0
     #: blocks copied from the parent when the request was forked, per group
     copied_blocks: tuple[int, ...] = ()
@@ -73,10 +74,6 @@ class EngineRequest:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.output
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
 
     def computed_logits(self) -> dict[int, torch.Tensor]:
         """Position -> the logits last computed there."""
@@ -178,8 +175,15 @@ class PagedEngine:
         self.poison_free_blocks = poison_free_blocks
         self.record_logits = record_logits
         self.requests: dict[str, EngineRequest] = {}
-        self.waiting: deque[EngineRequest] = deque()
-        self.running: list[EngineRequest] = []
+        self._backend = _EngineBackend(self)
+        self._sched = Scheduler(
+            self._backend,
+            SchedulerConfig(
+                max_num_seqs=max_num_reqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                full_sequence_must_fit=False,
+            ),
+        )
         self._row_owner: list[EngineRequest] = []
         self._windows = [_window(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
         self._block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
@@ -202,15 +206,24 @@ class PagedEngine:
                 f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceed max_model_len "
                 f"({self.max_model_len})"
             )
-        req = EngineRequest(request_id, [int(t) for t in prompt], max_tokens, seed)
-        self.manager.add_request(request_id, req.prompt)
+        req = EngineRequest(request_id, [int(t) for t in prompt], max_tokens=max_tokens, seed=seed)
+        self._sched.add_request(req)
         self.requests[request_id] = req
-        self.waiting.append(req)
         return req
 
     @property
+    def waiting(self) -> deque[EngineRequest]:
+        """Requests waiting for admission (preempted ones first), in order."""
+        return self._sched.waiting
+
+    @property
+    def running(self) -> list[EngineRequest]:
+        """Running requests, oldest admission first."""
+        return self._sched.running
+
+    @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self._sched.has_unfinished
 
     def run(self, max_steps: int = 100_000) -> list[StepOutput]:
         """Steps until every request has finished."""
@@ -240,95 +253,13 @@ class PagedEngine:
             self.block_tables.clear_row(row)
         req.row = -1
 
-    # ------------------------------------------------------------------ scheduling
-
-    def _preempt(self, victim: EngineRequest) -> None:
-        if self.preemption_mode == "swap" and self.swapper is not None:
-            victim.swapped = self.swapper.swap_out(victim.request_id, victim.num_computed_tokens)
-        if victim.swapped is not None:
-            victim.num_swaps += 1
-        else:
-            self.manager.free(victim.request_id)
-            victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        self._release_row(victim)
-        self.waiting.appendleft(victim)
-
-    def _admit(self, budget: int, scheduled: list[tuple[EngineRequest, int]]) -> None:
-        mgr = self.manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_reqs:
-            req = self.waiting[0]
-            rid = req.request_id
-            if req.swapped is not None:
-                assert self.swapper is not None
-                computed = req.swapped.num_computed_tokens
-                n = min(req.num_tokens - computed, budget)
-                res = self.swapper.swap_in(req.swapped, n)
-                if res is None:
-                    if not self.running:
-                        raise RuntimeError(f"swapped request {rid!r} can never be swapped in")
-                    break
-                self.swap_ins.append(res)
-                req.swapped = None
-            else:
-                hit = mgr.get_computed_blocks(rid)
-                computed = hit.num_computed_tokens
-                n = min(req.num_tokens - computed, budget)
-                new = mgr.allocate_slots(
-                    rid,
-                    n,
-                    num_computed_tokens=0,
-                    num_new_computed_tokens=computed,
-                    new_computed_blocks=hit,
-                    has_scheduled_reqs=bool(self.running),
-                )
-                if new is None:
-                    if not self.running:
-                        raise RuntimeError(
-                            f"request {rid!r} ({req.num_tokens} tokens) can never be admitted"
-                        )
-                    break
-                req.num_hit_tokens += computed
-            self.waiting.popleft()
-            req.num_computed_tokens = computed
-            self._acquire_row(req)
-            self.block_tables.add_row(mgr.get_block_ids(rid), req.row)
-            self.running.append(req)
-            scheduled.append((req, n))
-            budget -= n
+    # ------------------------------------------------------------------ steps
 
     def step(self) -> StepOutput:
         """Schedules, runs the model on the scheduled tokens and samples."""
-        mgr = self.manager
-        mgr.new_step_starts()
-        self.num_steps += 1
-        budget = self.max_num_batched_tokens
-        scheduled: list[tuple[EngineRequest, int]] = []
-        preempted: list[str] = []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            new = mgr.allocate_slots(req.request_id, n, num_computed_tokens=req.num_computed_tokens)
-            if new is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is req:
-                    break
-                continue
-            self.block_tables.append_row(new, req.row)
-            scheduled.append((req, n))
-            budget -= n
-            i += 1
-        if not preempted:
-            self._admit(budget, scheduled)
-        out = StepOutput([(r.request_id, n) for r, n in scheduled], preempted, [])
-        if scheduled:
-            self._execute(scheduled, out)
+        out = self._backend.out = StepOutput([], [], [])
+        self._sched.step()
         return out
-
-    # ------------------------------------------------------------------ execution
 
     def _poison(self) -> None:
         mgr = self.manager
@@ -338,7 +269,10 @@ class PagedEngine:
             for t in layer.block_tensors:
                 t[index] = float("nan")
 
-    def _execute(self, scheduled: list[tuple[EngineRequest, int]], out: StepOutput) -> None:
+    def _execute(self, scheduled: Sequence[tuple[EngineRequest, int]], out: StepOutput) -> None:
+        """Runs the model over the scheduled tokens; returns nothing, but records each
+        request's logits (when asked to) and keeps the last position's logits of
+        every request that completes its tokens, for sampling."""
         reqs = [r for r, _ in scheduled]
         ns = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=len(scheduled))
         computed = np.fromiter(
@@ -380,20 +314,14 @@ class PagedEngine:
             metadata,
         )
 
+        last = self._backend.last_logits
         for i, req in enumerate(reqs):
             qs, qe = int(qsl[i]), int(qsl[i + 1])
             if self.record_logits:
                 req.logit_chunks.append((req.num_computed_tokens, logits[qs:qe].cpu()))
             req.num_model_tokens += qe - qs
-            req.num_computed_tokens += qe - qs
-            if req.num_computed_tokens < req.num_tokens:
-                continue
-            token = self._sample(req, logits[qe - 1])
-            req.output.append(token)
-            self.manager.append_token_ids(req.request_id, [token])
-            if len(req.output) >= req.max_tokens:
-                self._finish(req)
-                out.finished.append(req.request_id)
+            if req.num_computed_tokens + (qe - qs) == req.num_tokens:
+                last[req.request_id] = logits[qe - 1]
 
     def _sample(self, req: EngineRequest, logits: torch.Tensor) -> int:
         if req.seed is None:
@@ -401,12 +329,6 @@ class PagedEngine:
         p = torch.softmax(logits.double(), -1).cpu().numpy()
         rng = np.random.default_rng([req.seed, req.num_tokens])
         return int(rng.choice(len(p), p=p / p.sum()))
-
-    def _finish(self, req: EngineRequest) -> None:
-        req.finished = True
-        self.manager.remove_request(req.request_id)
-        self._release_row(req)
-        self.running.remove(req)
 
     # ------------------------------------------------------------------ forks
 
@@ -448,9 +370,9 @@ class PagedEngine:
             mgr.remove_request(child_id)
             return None
         mgr.remove_skipped_blocks(child_id, computed)
-        child = EngineRequest(
-            child_id, tokens, max_tokens, seed, num_computed_tokens=computed, num_hit_tokens=num_hit
-        )
+        child = EngineRequest(child_id, tokens, max_tokens=max_tokens, seed=seed,
+                              num_hit_tokens=num_hit)
+        child.num_computed_tokens = computed
         parent_ids = mgr.get_block_ids(parent_id)
         child_ids = mgr.get_block_ids(child_id)
         copied = []
@@ -484,3 +406,114 @@ class PagedEngine:
         diff = (paged - dense[positions]).abs()
         # A NaN (a read of a poisoned block) counts as an infinite error.
         return float(torch.nan_to_num(diff, nan=float("inf")).max())
+
+
+class _EngineBackend(Backend[EngineRequest]):
+    """The policy's calls for :class:`PagedEngine`: its manager, one call per
+    request; its block-table rows; swapping; its model and sampler."""
+
+    def __init__(self, engine: PagedEngine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.out = StepOutput([], [], [])
+        #: request id -> logits of its last position, for those that sample this step
+        self.last_logits: dict[str, torch.Tensor] = {}
+        self._hit: ComputedBlocks | None = None
+
+    def add_request(self, req: EngineRequest) -> None:
+        self.engine.manager.add_request(req.request_id, req.prompt)
+
+    def new_step(self) -> None:
+        self.engine.manager.new_step_starts()
+        self.engine.num_steps += 1
+
+    def allocate(self, reqs: Sequence[EngineRequest], num_new_tokens: Sequence[int]) -> int:
+        eng = self.engine
+        for i, (req, n) in enumerate(zip(reqs, num_new_tokens, strict=True)):
+            new = eng.manager.allocate_slots(
+                req.request_id, n, num_computed_tokens=req.num_computed_tokens
+            )
+            if new is None:
+                return i
+            eng.block_tables.append_row(new, req.row)
+        return len(reqs)
+
+    def lookup(self, req: EngineRequest) -> int:
+        if req.swapped is not None:
+            return req.swapped.num_computed_tokens
+        self._hit = hit = self.engine.manager.get_computed_blocks(req.request_id)
+        return hit.num_computed_tokens
+
+    def admit(
+        self,
+        req: EngineRequest,
+        num_new_tokens: int,
+        num_hit_tokens: int,
+        *,
+        full_sequence_must_fit: bool,
+        has_scheduled_reqs: bool,
+    ) -> bool:
+        eng = self.engine
+        if req.swapped is not None:
+            assert eng.swapper is not None
+            res = eng.swapper.swap_in(req.swapped, num_new_tokens)
+            if res is None:
+                return False
+            eng.swap_ins.append(res)
+            req.swapped = None
+        else:
+            hit, self._hit = self._hit, None
+            new = eng.manager.allocate_slots(
+                req.request_id,
+                num_new_tokens,
+                num_computed_tokens=0,
+                num_new_computed_tokens=num_hit_tokens,
+                new_computed_blocks=hit,
+                full_sequence_must_fit=full_sequence_must_fit,
+                has_scheduled_reqs=has_scheduled_reqs,
+            )
+            if new is None:
+                return False
+            req.num_hit_tokens += num_hit_tokens
+        eng._acquire_row(req)
+        eng.block_tables.add_row(eng.manager.get_block_ids(req.request_id), req.row)
+        return True
+
+    def preempt(self, req: EngineRequest) -> int:
+        """Swaps the request out in swap mode while the CPU pool has room (it keeps
+        its computed tokens), else frees its blocks (it is recomputed)."""
+        eng = self.engine
+        if eng.preemption_mode == "swap" and eng.swapper is not None:
+            req.swapped = eng.swapper.swap_out(req.request_id, req.num_computed_tokens)
+        kept = 0
+        if req.swapped is not None:
+            req.num_swaps += 1
+            kept = req.num_computed_tokens
+        else:
+            eng.manager.free(req.request_id)
+        eng._release_row(req)
+        self.out.preempted.append(req.request_id)
+        return kept
+
+    def execute(self, scheduled: Sequence[tuple[EngineRequest, int]]) -> None:
+        self.out.scheduled.extend((r.request_id, n) for r, n in scheduled)
+        if scheduled:
+            self.engine._execute(scheduled, self.out)
+
+    def next_tokens(self, reqs: Sequence[EngineRequest]) -> list[int]:
+        tokens = []
+        for req in reqs:
+            token = self.engine._sample(req, self.last_logits.pop(req.request_id))
+            req.output.append(token)
+            tokens.append(token)
+        return tokens
+
+    def append_tokens(self, reqs: Sequence[EngineRequest], tokens: Sequence[int]) -> None:
+        for req, token in zip(reqs, tokens, strict=True):
+            self.engine.manager.append_token_ids(req.request_id, [token])
+
+    def finish(self, req: EngineRequest) -> None:
+        req.finished = True
+        self.engine.manager.remove_request(req.request_id)
+        self.engine._release_row(req)
+        self.out.finished.append(req.request_id)

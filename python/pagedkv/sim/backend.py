@@ -1,0 +1,128 @@
+"""The scheduler policy's backend over pagedkv's own :class:`~pagedkv.KVCacheManager`.
+
+It makes exactly the manager calls vLLM's scheduler makes, crossing the boundary
+as few times as it can: one ``allocate_slots_batch`` per run of running requests
+that fit, one ``append_token_ids_batch`` per step; requests are named by the
+handle ``add_request`` returned. Every call is timed into the policy's
+:class:`~pagedkv.sim.policy.StepStats`; ``manager_calls`` counts them as vLLM's
+scheduler would call its manager (one per request).
+
+>>> import pagedkv as pk
+>>> from pagedkv.sim import ManagerBackend, Request, Scheduler
+>>> spec = pk.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")
+>>> config = pk.KVCacheConfig(num_blocks=64, kv_cache_groups=[pk.KVCacheGroupSpec(["l"], spec)])
+>>> sched = Scheduler(ManagerBackend(pk.KVCacheManager(config, max_model_len=1024)))
+>>> sched.add_request(Request("r1", list(range(40)), [7, 8, 9]))
+>>> while sched.has_unfinished:
+...     done = sched.step()
+>>> (sched.stats.steps, sched.stats.finished)
+(3, 1)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..manager import ComputedBlocks, KVCacheManager
+from .policy import Backend, Request
+
+__all__ = ["ManagerBackend"]
+
+
+class ManagerBackend(Backend[Request]):
+    """The policy's calls on one pagedkv manager (see the module docstring)."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        super().__init__()
+        self.kv = manager
+        self._clock = time.perf_counter_ns
+        self._hit: ComputedBlocks | None = None
+
+    def add_request(self, req: Request) -> None:
+        st, clock = self.stats, self._clock
+        t = clock()
+        if req.lora_name is None and req.cache_salt is None:
+            handle = self.kv.add_request(req.request_id, req.prompt)
+        else:
+            handle = self.kv.add_request(req.request_id, req.prompt, lora_name=req.lora_name,
+                                         lora_path=req.lora_path, cache_salt=req.cache_salt)
+        st.timed("add_request", clock() - t)
+        req.handle = handle if isinstance(handle, int) else req.request_id
+
+    def new_step(self) -> None:
+        st, clock = self.stats, self._clock
+        t = clock()
+        self.kv.new_step_starts()
+        st.timed("new_step_starts", clock() - t)
+        st.manager_calls += 1
+
+    def allocate(self, reqs: Sequence[Request], num_new_tokens: Sequence[int]) -> int:
+        st, clock = self.stats, self._clock
+        refs = [r.handle for r in reqs]  # all handles, or all ids
+        new = np.asarray(num_new_tokens, dtype=np.int64)
+        computed = np.asarray([r.num_computed_tokens for r in reqs], dtype=np.int64)
+        t = clock()
+        n_ok, groups = self.kv.allocate_slots_batch(refs, new, computed)
+        st.timed("allocate_slots_batch", clock() - t)
+        st.calls["allocate_slots"] = st.calls.get("allocate_slots", 0) + n_ok
+        for i in range(n_ok):
+            st.feed_allocation([blocks[offsets[i]:offsets[i + 1]] for blocks, offsets in groups])
+        st.manager_calls += n_ok
+        if n_ok < len(reqs):  # the call for reqs[n_ok] returned None
+            st.manager_calls += 1
+            st.feed_allocation(None)
+        return n_ok
+
+    def lookup(self, req: Request) -> int:
+        st, clock = self.stats, self._clock
+        t = clock()
+        self._hit = hit = self.kv.get_computed_blocks(req.request_id)
+        st.timed("get_computed_blocks", clock() - t)
+        return hit.num_computed_tokens
+
+    def admit(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        num_hit_tokens: int,
+        *,
+        full_sequence_must_fit: bool,
+        has_scheduled_reqs: bool,
+    ) -> bool:
+        st, clock = self.stats, self._clock
+        hit, self._hit = self._hit, None
+        t = clock()
+        res = self.kv.allocate_slots(req.request_id, num_new_tokens, num_computed_tokens=0,
+                                     num_new_computed_tokens=num_hit_tokens,
+                                     new_computed_blocks=hit,
+                                     full_sequence_must_fit=full_sequence_must_fit,
+                                     has_scheduled_reqs=has_scheduled_reqs)
+        st.timed("allocate_slots(admit)", clock() - t)
+        st.manager_calls += 2
+        st.feed_allocation(res)
+        return res is not None
+
+    def preempt(self, req: Request) -> int:
+        st, clock = self.stats, self._clock
+        t = clock()
+        self.kv.free(req.request_id)
+        st.timed("free", clock() - t)
+        st.manager_calls += 1
+        return 0
+
+    def append_tokens(self, reqs: Sequence[Request], tokens: Sequence[int]) -> None:
+        st, clock = self.stats, self._clock
+        refs = [r.handle for r in reqs]
+        t = clock()
+        self.kv.append_token_ids_batch(refs, tokens)
+        st.timed("append_token_ids_batch", clock() - t)
+
+    def finish(self, req: Request) -> None:
+        st, clock = self.stats, self._clock
+        t = clock()
+        self.kv.remove_request(req.request_id)
+        st.timed("remove_request", clock() - t)
+        st.manager_calls += 1

@@ -1,0 +1,421 @@
+"""The scheduler policy: one continuous-batching loop, modelled on vLLM 0.33's
+``Scheduler.schedule()`` + ``update_from_output()`` (FCFS, chunked prefill under a
+token budget, preemption of the newest running request by recompute, no
+speculative decoding, no KV connector), and the simulation clock that feeds it.
+
+Each step:
+
+1. running requests, in order, get ``min(remaining tokens, budget)`` new tokens
+   (chunked prefill and decode alike); one that does not fit preempts the newest
+   running request, which goes back to the front of the waiting queue, and is
+   retried; if it was its own victim the running pass stops;
+2. only in a step without preemption, waiting requests are admitted in FCFS order
+   (prefix-cache lookup, then an allocation) while ``max_num_seqs`` and the budget
+   allow, until the first that does not fit;
+3. the scheduled requests execute; each whose tokens are all computed samples its
+   next output token, and one with all its output tokens finishes.
+
+The policy makes the decisions; a :class:`Backend` makes the calls: pagedkv's
+manager (:class:`pagedkv.sim.backend.ManagerBackend`, batch crossings), vLLM's
+own ``KVCacheManager`` (``VllmBackend`` in ``pagedkv.sim.vllm_engine``, one call
+per request as vLLM's scheduler makes them), or the torch engine's manager and
+model (``pagedkv.torch.PagedEngine``). Driven by the same requests, every backend
+sees the same decisions, so equal ``alloc_checksum`` values mean equal block ids.
+:func:`drive` is the arrival clock of every caller that replays a workload.
+
+Where callers behave differently, the difference is an explicit option:
+
+- ``SchedulerConfig.hits_count_as_computed=False``: the oracle's reference drive
+  loop (``benches/drive_bench.py``, the vLLM checksum of
+  ``tests/test_scheduler.py``, and the pure-Rust floor in ``benches/src/lib.rs``)
+  computes prefix hits again after admission;
+- ``SchedulerConfig.full_sequence_must_fit=False``: the torch engine admits a
+  request once its first chunk fits, where vLLM's default waits for the whole
+  sequence;
+- :meth:`Backend.preempt` returns the computed tokens a victim keeps: 0 for
+  preemption by recompute, all of them when the torch engine swaps the request to
+  its CPU pool; such a request's :meth:`Backend.lookup` then returns them, and
+  it resumes where it stopped.
+
+Standard library only (besides ``pagedkv._util``, itself standard library only):
+``sim/vllm_engine.py`` imports this file in an interpreter that has vLLM but not
+pagedkv.
+"""
+
+from __future__ import annotations
+
+import heapq
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from .._util import FNV_OFFSET_BASIS, MASK64, fnv1a64
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+__all__ = ["Backend", "Request", "Scheduler", "SchedulerConfig", "StepStats", "drive"]
+
+
+@dataclass(eq=False)
+class Request:
+    """A request: what a workload asks for, and where the scheduler has got with it.
+
+    ``output`` holds the output token ids: for a replayed workload all of them up
+    front (the request "samples" them one per decode step, in order), for a live
+    model (the torch engine) those sampled so far.
+    """
+
+    request_id: str
+    prompt: Sequence[int] | NDArray[Any]
+    output: Sequence[int]
+    #: the step at which the request reaches the scheduler
+    arrival_step: int = 0
+    #: turns of one session run one after the other, ``pause`` steps apart
+    session: str | None = None
+    #: steps between the end of the session's previous turn and this one
+    pause: int = 0
+    #: extra keys of the request's block hashes (vLLM's cache-salt and LoRA keys)
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    lora_path: str | None = None
+    #: output tokens after which the request finishes (vLLM's ``max_tokens``);
+    #: 0 on construction: ``len(output)``
+    max_tokens: int = 0
+    # Scheduler state (not constructor arguments: a fresh request has none).
+    num_computed_tokens: int = field(default=0, init=False)
+    num_output_tokens: int = field(default=0, init=False)
+    num_preemptions: int = field(default=0, init=False)
+    #: How the backend names the request: pagedkv's handle from ``add_request`` (or
+    #: the id for managers without handles), vLLM's ``Request`` object.
+    handle: Any = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.max_tokens:
+            self.max_tokens = len(self.output)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt tokens plus the output tokens sampled so far."""
+        return len(self.prompt) + self.num_output_tokens
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Prompt tokens plus ``max_tokens``: the longest the request gets."""
+        return len(self.prompt) + self.max_tokens
+
+    def fresh(self) -> Request:
+        """The same request with no scheduler state (for another run)."""
+        return replace(self)
+
+
+@dataclass
+class SchedulerConfig:
+    """The policy's knobs; the defaults are vLLM's."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    #: Admit a request only when its whole sequence fits (vLLM's default admission
+    #: gate, ``scheduler_reserve_full_isl``); the torch engine admits on the first
+    #: chunk (False).
+    full_sequence_must_fit: bool = True
+    #: After admission a request has computed its prefix hit, as in vLLM's
+    #: scheduler. False reproduces the oracle's reference drive loop (and the
+    #: pure-Rust floor in ``benches/src/lib.rs``), which leaves the hit tokens to
+    #: be computed again in the next step.
+    hits_count_as_computed: bool = True
+
+
+@dataclass
+class StepStats:
+    """What the policy counts, and the backend's time and calls inside the manager."""
+
+    steps: int = 0
+    admissions: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    hit_tokens: int = 0
+    query_tokens: int = 0
+    #: the same, for admissions of requests never preempted (vLLM's prefix-cache
+    #: hit-rate metric leaves re-admissions after a preemption out)
+    first_hit_tokens: int = 0
+    first_query_tokens: int = 0
+    peak_running: int = 0
+    #: manager calls as the backend counts them
+    manager_calls: int = 0
+    #: nanoseconds inside manager calls, per API
+    ns: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    #: FNV-1a-64 over every allocation result (:meth:`feed_allocation`)
+    alloc_checksum: int = FNV_OFFSET_BASIS
+
+    def timed(self, api: str, ns: int, calls: int = 1) -> None:
+        self.ns[api] = self.ns.get(api, 0) + ns
+        self.calls[api] = self.calls.get(api, 0) + calls
+
+    def feed(self, words: Sequence[int]) -> None:
+        self.alloc_checksum = fnv1a64(words, self.alloc_checksum)
+
+    def feed_allocation(self, groups: Sequence[Sequence[int] | NDArray[Any]] | None) -> None:
+        """Folds one ``allocate_slots`` result into ``alloc_checksum``: ``None`` (no
+        room) as one all-ones word, else the number of groups, then each group's
+        length and block ids."""
+        if groups is None:
+            self.feed((MASK64,))
+            return
+        words: list[int] = [len(groups)]
+        for g in groups:
+            words.append(len(g))
+            words.extend(g.tolist() if hasattr(g, "tolist") else g)
+        self.feed(words)
+
+    @property
+    def manager_ns(self) -> int:
+        return sum(self.ns.values())
+
+
+R = TypeVar("R", bound=Request)
+
+
+class Backend(ABC, Generic[R]):
+    """The calls behind the policy's decisions. Each method is one decision's worth
+    of manager calls; a backend also times them into :attr:`stats`."""
+
+    def __init__(self) -> None:
+        self.stats = StepStats()
+
+    @abstractmethod
+    def add_request(self, req: R) -> None:
+        """Registers a request that has just arrived (its prompt gets hashed)."""
+
+    @abstractmethod
+    def new_step(self) -> None:
+        """A step starts."""
+
+    @abstractmethod
+    def allocate(self, reqs: Sequence[R], num_new_tokens: Sequence[int]) -> int:
+        """Slots for running requests, in order, until the first that does not fit;
+        returns how many fit."""
+
+    @abstractmethod
+    def lookup(self, req: R) -> int:
+        """Admission, first half: the tokens a waiting request already has (its
+        prefix-cache hit). The backend keeps what :meth:`admit` needs."""
+
+    @abstractmethod
+    def admit(
+        self,
+        req: R,
+        num_new_tokens: int,
+        num_hit_tokens: int,
+        *,
+        full_sequence_must_fit: bool,
+        has_scheduled_reqs: bool,
+    ) -> bool:
+        """Admission, second half: slots for the looked-up request; False, touching
+        nothing, when they do not fit."""
+
+    @abstractmethod
+    def preempt(self, req: R) -> int:
+        """Takes a running request's blocks away; returns the computed tokens it
+        keeps (0: recomputed on readmission)."""
+
+    def execute(self, scheduled: Sequence[tuple[R, int]]) -> None:
+        """Runs the step's scheduled tokens (a model does; a manager alone has
+        nothing to run)."""
+
+    def next_tokens(self, reqs: Sequence[R]) -> list[int]:
+        """The next output token of each request whose tokens are all computed:
+        by default the workload's next given token."""
+        return [r.output[r.num_output_tokens] for r in reqs]
+
+    @abstractmethod
+    def append_tokens(self, reqs: Sequence[R], tokens: Sequence[int]) -> None:
+        """Gives the sampled tokens to the manager (blocks that fill get hashed)."""
+
+    @abstractmethod
+    def finish(self, req: R) -> None:
+        """A request has all its output tokens: its blocks go back."""
+
+
+class Scheduler(Generic[R]):
+    """The policy (see the module docstring) over one backend."""
+
+    def __init__(self, backend: Backend[R], config: SchedulerConfig | None = None) -> None:
+        self.backend = backend
+        self.cfg = config or SchedulerConfig()
+        self.stats = backend.stats
+        self.waiting: deque[R] = deque()
+        self.running: list[R] = []
+
+    def add_request(self, req: R) -> None:
+        """Registers the request with the backend and queues it."""
+        self.backend.add_request(req)
+        self.waiting.append(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[R]:
+        """Runs one scheduler step; returns the requests that finished."""
+        be, st = self.backend, self.stats
+        be.new_step()
+        scheduled: list[tuple[R, int]] = []
+        budget, preempted = self._schedule_running(self.cfg.max_num_batched_tokens, scheduled)
+        if not preempted:
+            self._admit(budget, scheduled)
+        st.peak_running = max(st.peak_running, len(self.running))
+        be.execute(scheduled)
+        sampling: list[R] = []
+        for req, n in scheduled:
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens:
+                sampling.append(req)
+        done: list[R] = []
+        if sampling:
+            tokens = be.next_tokens(sampling)
+            be.append_tokens(sampling, tokens)
+            for req in sampling:
+                req.num_output_tokens += 1
+                if req.num_output_tokens >= req.max_tokens:
+                    done.append(req)
+        for req in done:
+            be.finish(req)
+            st.finished += 1
+        if done:
+            gone = set(map(id, done))
+            self.running = [r for r in self.running if id(r) not in gone]
+        st.steps += 1
+        return done
+
+    def _schedule_running(
+        self, budget: int, scheduled: list[tuple[R, int]]
+    ) -> tuple[int, bool]:
+        """Running requests in order; a run of them goes to the backend at once."""
+        running = self.running
+        preempted = False
+        ri = 0
+        while ri < len(running) and budget > 0:
+            batch: list[R] = []
+            new: list[int] = []
+            b = budget
+            for req in running[ri:]:
+                if b <= 0:
+                    break
+                n = min(req.num_tokens - req.num_computed_tokens, b)
+                batch.append(req)
+                new.append(n)
+                b -= n
+            n_ok = self.backend.allocate(batch, new)
+            for i in range(n_ok):
+                scheduled.append((batch[i], new[i]))
+                budget -= new[i]
+            ri += n_ok
+            if n_ok == len(batch):
+                continue
+            # running[ri] did not fit: preempt the newest running request, retry.
+            victim = running.pop()
+            self._preempt(victim)
+            preempted = True
+            if victim is batch[n_ok]:
+                break
+        return budget, preempted
+
+    def _preempt(self, victim: R) -> None:
+        victim.num_computed_tokens = self.backend.preempt(victim)
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        self.stats.preemptions += 1
+
+    def _admit(self, budget: int, scheduled: list[tuple[R, int]]) -> None:
+        st, be, cfg = self.stats, self.backend, self.cfg
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            num_hit = be.lookup(req)
+            n = min(req.num_tokens - num_hit, budget)
+            if not be.admit(
+                req,
+                n,
+                num_hit,
+                full_sequence_must_fit=cfg.full_sequence_must_fit,
+                has_scheduled_reqs=bool(self.running),
+            ):
+                if not self.running:
+                    raise RuntimeError(
+                        f"request {req.request_id!r} ({req.num_tokens} tokens) "
+                        "can never be admitted"
+                    )
+                break
+            self.waiting.popleft()
+            if cfg.hits_count_as_computed:
+                req.num_computed_tokens = num_hit
+            self.running.append(req)
+            st.admissions += 1
+            st.hit_tokens += num_hit
+            st.query_tokens += req.num_tokens
+            if req.num_preemptions == 0:
+                st.first_hit_tokens += num_hit
+                st.first_query_tokens += req.num_tokens
+            scheduled.append((req, n))
+            budget -= n
+
+
+# ------------------------------------------------------------------ the clock
+
+
+def drive(
+    sched: Scheduler[R],
+    items: Sequence[R],
+    make_request: Callable[[int], R] | None = None,
+    on_step: Callable[[int, int], None] | None = None,
+) -> int:
+    """Runs ``sched`` until every request of ``items`` has arrived and finished.
+
+    Time is counted in scheduler steps. A request is ready at its ``arrival_step``;
+    one that belongs to a session and is not the session's first turn is ready no
+    earlier than ``pause`` steps after the step in which the session's previous
+    turn finished (a user reading an answer, an agent waiting for a tool call).
+    When nothing is running or waiting, the clock jumps to the next ready request;
+    such idle steps are not scheduler steps.
+
+    ``make_request(i)`` gives the request to add for ``items[i]`` when it becomes
+    ready (default: ``items[i]`` itself; its ``request_id`` must be the item's);
+    ``on_step(clock, num_finished)`` is called after every step. Returns the clock
+    at the end (the step after the last one).
+    """
+    successor: dict[str, int] = {}
+    last_of_session: dict[str, int] = {}
+    ready: list[tuple[int, int]] = []
+    for i, item in enumerate(items):
+        s = item.session
+        if s is not None and s in last_of_session:
+            successor[items[last_of_session[s]].request_id] = i
+        else:
+            ready.append((item.arrival_step, i))
+        if s is not None:
+            last_of_session[s] = i
+    heapq.heapify(ready)
+    clock = 0
+    finished = 0
+    while ready or sched.has_unfinished:
+        if not sched.has_unfinished:
+            clock = max(clock, ready[0][0])
+        while ready and ready[0][0] <= clock:
+            _, i = heapq.heappop(ready)
+            sched.add_request(items[i] if make_request is None else make_request(i))
+        done = sched.step()
+        finished += len(done)
+        for req in done:
+            j = successor.pop(req.request_id, None)
+            if j is not None:
+                nxt = items[j]
+                heapq.heappush(ready, (max(nxt.arrival_step, clock + 1 + nxt.pause), j))
+        if on_step is not None:
+            on_step(clock, finished)
+        clock += 1
+    if finished != len(items):  # pragma: no cover - a scheduler bug, not a user error
+        raise RuntimeError(f"{finished} of {len(items)} requests finished")
+    return clock

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pagedkv as pk
+from pagedkv._util import SplitMix64
 
 ROOT = Path(__file__).resolve().parent.parent
 REQS, STEPS = 256, 2000
@@ -30,16 +31,8 @@ REQS, STEPS = 256, 2000
 
 def tokens(seed: int, n: int, vocab: int) -> list[int]:
     """The same token stream as ``pagedkv_benches::tokens`` (SplitMix64)."""
-    out, s = [], seed
-    mask = (1 << 64) - 1
-    for _ in range(n):
-        s = (s + 0x9E3779B97F4A7C15) & mask
-        z = s
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-        z ^= z >> 31
-        out.append(z % vocab)
-    return out
+    rng = SplitMix64(seed)
+    return [rng.below(vocab) for _ in range(n)]
 
 
 def _setup() -> tuple[pk.KVCacheManager, list[str], list[int]]:

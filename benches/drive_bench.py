@@ -20,8 +20,8 @@ import subprocess
 import time
 
 import pagedkv as pk
+from pagedkv._oracle.trace import TraceConfig, generate
 from pagedkv.scheduler import Scheduler, SchedulerConfig, SimRequest
-from pagedkv.trace import TraceConfig, generate
 
 
 def run_pagedkv(args: argparse.Namespace) -> dict:

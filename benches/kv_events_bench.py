@@ -16,7 +16,8 @@ N_BATCH, PER_BATCH = 4000, 50
 
 
 def bench_index() -> None:
-    from pagedkv import _core, wire
+    from pagedkv import _core
+    from pagedkv.events import wire
     from pagedkv.index import PrefixIndex
 
     rng = np.random.default_rng(0)
@@ -94,7 +95,7 @@ def bench_index() -> None:
 
 
 def subscriber(endpoint: str, replay: str) -> None:
-    from pagedkv.zmq_events import ZmqEventSubscriber
+    from pagedkv.events.zmq import ZmqEventSubscriber
 
     sub = ZmqEventSubscriber(endpoint, replay)
     got = events = 0
@@ -109,7 +110,7 @@ def subscriber(endpoint: str, replay: str) -> None:
 
 
 def bench_zmq() -> None:
-    from pagedkv.zmq_events import ZmqEventPublisher
+    from pagedkv.events.zmq import ZmqEventPublisher
 
     pub = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=N_BATCH)
     assert pub.bound_endpoint and pub.bound_replay_endpoint

@@ -17,7 +17,7 @@ import platform
 import subprocess
 import time
 
-from pagedkv.replay import replay_dump
+from pagedkv._oracle.replay import replay_dump
 
 VLLM_API = {  # pagedkv API -> vLLM replay_ops.py key (it reports these totals only)
     "get_computed_blocks": "get_computed_blocks",

@@ -8,8 +8,8 @@ import gzip
 import json
 from pathlib import Path
 
-from pagedkv.replay import replay_dump
-from pagedkv.trace import TraceConfig, generate
+from pagedkv._oracle.replay import replay_dump
+from pagedkv._oracle.trace import TraceConfig, generate
 
 DUMP = Path(__file__).parent / "vectors" / "ops_small.jsonl.gz"
 

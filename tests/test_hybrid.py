@@ -431,7 +431,7 @@ def test_shared_prefix_boundary_pins_the_junction(interval: int | None) -> None:
 
 
 def test_every_recorded_hybrid_vllm_call_gives_the_same_result() -> None:
-    from pagedkv.replay import replay_dump
+    from pagedkv._oracle.replay import replay_dump
 
     with gzip.open(DUMP, "rt") as f:
         header = json.loads(f.readline())

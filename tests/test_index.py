@@ -119,7 +119,7 @@ def test_bytes_and_int_hashes_are_the_same_key() -> None:
 
 
 def test_wire_batches_apply_directly() -> None:
-    wire = pytest.importorskip("pagedkv.wire")
+    wire = pytest.importorskip("pagedkv.events.wire")
     mgr = make_manager(block_size=4, num_blocks=16, enable_kv_cache_events=True)
     run_request(mgr, "r", list(range(9)))
     payload = wire.KVEventEncoder().encode_events(mgr.take_events())

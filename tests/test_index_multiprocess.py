@@ -26,7 +26,7 @@ REPLICA = r"""
 import json, random, sys
 import pagedkv as pk
 from pagedkv.index import request_block_hashes
-from pagedkv.zmq_events import ZmqEventPublisher
+from pagedkv.events.zmq import ZmqEventPublisher
 
 name, target, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 spec = pk.FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype="float32")

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 import pagedkv as pk
+from pagedkv._oracle.trace import TraceConfig, generate
 from pagedkv.scheduler import Scheduler, SchedulerConfig, SimRequest
-from pagedkv.trace import TraceConfig, generate
 
 DUMP = Path(__file__).parent / "vectors" / "ops_small.jsonl.gz"
 

@@ -39,6 +39,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from pagedkv._util import cdiv
 
 BS = 4
 NUM_BLOCKS = 10  # 9 usable: a request of more than 36 tokens can never fit
@@ -91,10 +92,6 @@ def drawn(**strategies: st.SearchStrategy[Any]) -> Callable[[Any], Any]:
         return rule(data=st.data())(wrapper)
 
     return deco
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # --------------------------------------------------------------------------- model

@@ -10,13 +10,13 @@ msgspec = pytest.importorskip("msgspec")
 
 import pagedkv as pk  # noqa: E402
 from _util import load_vectors, make_manager  # noqa: E402
-from pagedkv import wire  # noqa: E402
+from pagedkv.events import wire  # noqa: E402
 
 VEC = load_vectors("vllm_hashes_default.json")
 CHAIN = [bytes.fromhex(h) for h in VEC["chain_bs4_salt_first_block_sha256_cbor"]["hashes"]]
 
 
-# vLLM-shaped consumer structs, declared independently of pagedkv.wire (what a
+# vLLM-shaped consumer structs, declared independently of pagedkv.events.wire (what a
 # router written against vLLM decodes with).
 class _Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
@@ -72,7 +72,7 @@ def _vector_events() -> list[Any]:
             None,
             None,
         ),
-        wire.BlockStored(
+        wire.WireBlockStored(
             block_hashes=[CHAIN[1]],
             parent_block_hash=None,
             token_ids=[0, 1, 2, 3],
@@ -128,8 +128,15 @@ def test_event_dataclasses_encode_like_vllm() -> None:
 
 def test_struct_fields_are_vllms() -> None:
     fields = VEC["struct_fields"]
-    for name in ("BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEventBatch"):
-        assert list(getattr(wire, name).__struct_fields__) == fields[name]
+    for name, struct in (
+        ("BlockStored", wire.WireBlockStored),
+        ("BlockRemoved", wire.WireBlockRemoved),
+        ("AllBlocksCleared", wire.WireAllBlocksCleared),
+        ("KVEventBatch", wire.KVEventBatch),
+    ):
+        assert list(struct.__struct_fields__) == fields[name]
+        if struct is not wire.KVEventBatch:
+            assert struct.__struct_config__.tag == name  # vLLM's class name on the wire
 
 
 def test_vllm_shaped_structs_decode_the_vectors() -> None:
@@ -144,11 +151,11 @@ def test_vllm_shaped_structs_decode_the_vectors() -> None:
     assert isinstance(c, _Cleared)
     # pagedkv's own decoder agrees.
     ours = wire.decode_batch(bytes.fromhex(VEC["event_batch"]["msgpack_hex"]))
-    assert [type(e).__name__ for e in ours.events] == [
-        "BlockStored",
-        "BlockStored",
-        "BlockRemoved",
-        "AllBlocksCleared",
+    assert [type(e) for e in ours.events] == [
+        wire.WireBlockStored,
+        wire.WireBlockStored,
+        wire.WireBlockRemoved,
+        wire.WireAllBlocksCleared,
     ]
     assert ours.events[1].block_hashes == [CHAIN[1]]
 

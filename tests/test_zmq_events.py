@@ -10,8 +10,8 @@ pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")
 
 from _util import make_manager  # noqa: E402
-from pagedkv import wire  # noqa: E402
-from pagedkv.zmq_events import (  # noqa: E402
+from pagedkv.events import wire  # noqa: E402
+from pagedkv.events.zmq import (  # noqa: E402
     END_SEQ,
     Received,
     ZmqEventPublisher,
@@ -193,5 +193,5 @@ def test_publish_from_manager_takes_and_sends_its_events() -> None:
         with ZmqEventSubscriber(pub.bound_endpoint or "", pub.bound_replay_endpoint) as sub:
             (r,) = _collect(sub, 1)
             (ev,) = r.batch.events
-            assert isinstance(ev, wire.BlockStored)
+            assert isinstance(ev, wire.WireBlockStored)
             assert ev.block_hashes == [wire.hash_to_int(h) for h in mgr.block_hashes("a")]

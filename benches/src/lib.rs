@@ -57,7 +57,7 @@ pub fn admit(mgr: &mut KvCacheManager, id: &str, prompt: &[u32]) -> bool {
 }
 
 /// The oracle's synthetic shared-prefix trace (format "vllm-oracle-trace" v1),
-/// generated exactly as `pagedkv.trace.generate` does.
+/// generated exactly as `pagedkv._oracle.trace.generate` does.
 pub mod trace {
     /// SplitMix64.
     pub struct Rng(u64);

@@ -38,6 +38,7 @@ import itertools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ._util import cdiv
 from .errors import InvalidConfigError
 from .specs import (
     AttentionSpec,
@@ -87,10 +88,6 @@ class NotEnoughKVCacheMemoryError(InvalidConfigError):
         self.needed_memory = needed_memory
         self.available_memory = available_memory
         self.estimated_max_model_len = estimated_max_model_len
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _format_gib(b: int) -> str:
@@ -242,7 +239,7 @@ def _get_kv_cache_groups_uniform_page_size(
     group_size = max_num_layers if max_num_layers < min_num_layers * 1.5 else min_num_layers
     grouped: list[list[str]] = []
     for names in layer_buckets:
-        num_groups = _cdiv(len(names), group_size)
+        num_groups = cdiv(len(names), group_size)
         # Strided, so that pipeline stages stay balanced.
         grouped.extend(names[i::num_groups] for i in range(num_groups))
     return _create_kv_cache_group_specs(kv_cache_specs, grouped)
@@ -346,7 +343,7 @@ def _blocks_per_request(spec: KVCacheSpec, sizing: _Sizing) -> int:
         return spec.max_memory_usage_pages(
             sizing.max_model_len, sizing.max_in_flight_tokens,
             max_num_encoder_input_tokens=sizing.max_num_encoder_input_tokens)
-    return _cdiv(_spec_max_memory(spec, sizing), spec.page_size_bytes)
+    return cdiv(_spec_max_memory(spec, sizing), spec.page_size_bytes)
 
 
 def _max_memory_usage_bytes_from_groups(groups: list[KVCacheGroupSpec], sizing: _Sizing) -> int:
@@ -509,7 +506,7 @@ def get_max_concurrency_for_kv_cache_config(
         raise TypeError(f"expected a KVCacheConfig, got {kv_cache_config!r}")
     sizing = _sizing(max_model_len, max_in_flight_tokens, max_num_encoder_input_tokens)
     blocks_per_request = sum(
-        _cdiv(_spec_max_memory(g.kv_cache_spec, sizing), g.kv_cache_spec.page_size_bytes)
+        cdiv(_spec_max_memory(g.kv_cache_spec, sizing), g.kv_cache_spec.page_size_bytes)
         for g in kv_cache_config.kv_cache_groups)
     return kv_cache_config.num_blocks / blocks_per_request
 

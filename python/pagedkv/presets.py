@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import InvalidConfigError
 from .specs import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -89,7 +90,7 @@ class ModelPreset:
         ``num_speculative_blocks``.
         """
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+            raise InvalidConfigError(f"block_size must be a positive int, got {block_size!r}")
         if max_model_len is None:
             max_model_len = self.max_model_len
         return self._build(_Options(block_size, dtype, mamba_cache_mode,

@@ -28,12 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from ._util import FNV_OFFSET_BASIS, MASK64, fnv1a64
 from .manager import KVCacheManager
 
 __all__ = ["Scheduler", "SchedulerConfig", "SimRequest", "StepStats"]
-
-_MASK = (1 << 64) - 1
-_FNV_PRIME = 0x100000001B3
 
 
 @dataclass
@@ -93,17 +91,14 @@ class StepStats:
     #: nanoseconds inside manager calls, per API
     ns: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
-    alloc_checksum: int = 0xCBF29CE484222325
+    alloc_checksum: int = FNV_OFFSET_BASIS
 
     def timed(self, api: str, ns: int, calls: int = 1) -> None:
         self.ns[api] = self.ns.get(api, 0) + ns
         self.calls[api] = self.calls.get(api, 0) + calls
 
     def feed(self, words: Sequence[int] | np.ndarray) -> None:
-        h = self.alloc_checksum
-        for w in words:
-            h = ((h ^ (int(w) & _MASK)) * _FNV_PRIME) & _MASK
-        self.alloc_checksum = h
+        self.alloc_checksum = fnv1a64(words, self.alloc_checksum)
 
     @property
     def manager_ns(self) -> int:
@@ -145,7 +140,7 @@ class Scheduler:
     def _feed_alloc(self, groups: Sequence[np.ndarray] | None) -> None:
         st = self.stats
         if groups is None:
-            st.feed((_MASK,))
+            st.feed((MASK64,))
         else:
             words: list[int] = [len(groups)]
             for g in groups:

@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, cast
 
+from ._util import cdiv
 from .errors import InvalidConfigError
 
 __all__ = [
@@ -83,10 +84,6 @@ _MAMBA_CACHE_MODES = ("none", "align", "all")
 _SpecT = TypeVar("_SpecT", bound="KVCacheSpec")
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def dtype_size(dtype: Any) -> int:
     """Bytes per element of ``dtype``: a name ("float16", "bfloat16", "float32", "fp8")
     or anything with an ``itemsize`` (``torch.dtype``, ``numpy.dtype``)."""
@@ -94,17 +91,18 @@ def dtype_size(dtype: Any) -> int:
         try:
             return _DTYPE_SIZES[dtype.removeprefix("torch.")]
         except KeyError:
-            raise ValueError(f"unknown dtype {dtype!r}") from None
+            raise InvalidConfigError(f"unknown dtype {dtype!r}") from None
     itemsize = getattr(dtype, "itemsize", None)
     if isinstance(itemsize, int) and not isinstance(itemsize, bool) and itemsize > 0:
         return itemsize
-    raise ValueError(f"unknown dtype {dtype!r}")
+    raise InvalidConfigError(f"unknown dtype {dtype!r}")
 
 
 def _canonical_dtype(dtype: Any) -> Any:
     """The dtype as stored in a spec: a known name stays a name, ``torch.float16`` /
     ``numpy.dtype("float16")`` become ``"float16"``; anything else with an
-    ``itemsize`` is kept as given. Raises ``ValueError`` for an unknown dtype."""
+    ``itemsize`` is kept as given. Raises ``InvalidConfigError`` (a ``ValueError``)
+    for an unknown dtype."""
     dtype_size(dtype)
     if isinstance(dtype, str):
         return dtype.removeprefix("torch.")
@@ -114,12 +112,12 @@ def _canonical_dtype(dtype: Any) -> Any:
 
 def _check_positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        raise InvalidConfigError(f"{name} must be a positive int, got {value!r}")
 
 
 def _check_non_negative_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        raise InvalidConfigError(f"{name} must be a non-negative int, got {value!r}")
 
 
 def _check_sizing(max_model_len: int, max_in_flight_tokens: int | None) -> int:
@@ -157,7 +155,7 @@ class KVCacheSpec:
     ) -> int:
         """Bytes one request of ``max_model_len`` tokens can need in one layer."""
         _check_sizing(max_model_len, max_in_flight_tokens)
-        return _cdiv(max_model_len, self.block_size) * self.page_size_bytes
+        return cdiv(max_model_len, self.block_size) * self.page_size_bytes
 
     def core_spec(self) -> dict[str, Any]:
         """What the Rust manager needs: ``kind``, ``block_size`` and the fields that
@@ -171,11 +169,11 @@ class KVCacheSpec:
     @classmethod
     def merge(cls: type[_SpecT], specs: Sequence[_SpecT]) -> _SpecT:
         """The spec of a group holding layers of ``specs`` (vLLM's ``merge``): they
-        must all be equal. Raises ``ValueError`` when they cannot share a group."""
+        must all be equal. Raises ``InvalidConfigError`` when they cannot share a group."""
         if not specs:
-            raise ValueError("merge needs at least one spec")
+            raise InvalidConfigError("merge needs at least one spec")
         if not all(spec == specs[0] for spec in specs[1:]):
-            raise ValueError("All layers in the same KV cache group must be the same.")
+            raise InvalidConfigError("All layers in the same KV cache group must be the same.")
         return specs[0]
 
 
@@ -205,7 +203,7 @@ class AttentionSpec(KVCacheSpec):
         if self.page_size_padded is not None:
             _check_positive_int("page_size_padded", self.page_size_padded)
             if self.page_size_padded < self.real_page_size_bytes:
-                raise ValueError(
+                raise InvalidConfigError(
                     f"page_size_padded ({self.page_size_padded}) is smaller than the real "
                     f"page size ({self.real_page_size_bytes} bytes)")
 
@@ -250,7 +248,7 @@ class FullAttentionSpec(AttentionSpec):
     ) -> int:
         """``cdiv(max_model_len, block_size) * page_size_bytes``."""
         _check_sizing(max_model_len, max_in_flight_tokens)
-        return _cdiv(max_model_len, self.block_size) * self.page_size_bytes
+        return cdiv(max_model_len, self.block_size) * self.page_size_bytes
 
     @classmethod
     def merge(cls: type[_SpecT], specs: Sequence[_SpecT]) -> _SpecT:
@@ -258,14 +256,15 @@ class FullAttentionSpec(AttentionSpec):
         (sinks included, MLA excluded) with equal attention fields; the result is
         a ``cls`` built from the first spec's attention fields."""
         if not specs:
-            raise ValueError("merge needs at least one spec")
+            raise InvalidConfigError("merge needs at least one spec")
         if not all(isinstance(s, FullAttentionSpec) for s in specs):
-            raise ValueError(
+            raise InvalidConfigError(
                 "All attention layers in the same KV cache group must be FullAttentionSpec.")
         if any(isinstance(s, MLAAttentionSpec) for s in specs):
-            raise ValueError("MLAAttentionSpec layers merge only with MLAAttentionSpec layers.")
+            raise InvalidConfigError(
+                "MLAAttentionSpec layers merge only with MLAAttentionSpec layers.")
         if not AttentionSpec._attention_fields_equal(specs):
-            raise ValueError(
+            raise InvalidConfigError(
                 "All attention layers in the same KV cache group must have the same "
                 "attention spec.")
         return cls(**cast("type[FullAttentionSpec]", cls)._merged_fields(specs))
@@ -290,12 +289,12 @@ class MLAAttentionSpec(FullAttentionSpec):
     @classmethod
     def merge(cls: type[_SpecT], specs: Sequence[_SpecT]) -> _SpecT:
         if not specs:
-            raise ValueError("merge needs at least one spec")
+            raise InvalidConfigError("merge needs at least one spec")
         if not all(isinstance(s, MLAAttentionSpec) for s in specs):
-            raise ValueError(
+            raise InvalidConfigError(
                 "All attention layers in the same KV cache group must be MLAAttentionSpec.")
         if not AttentionSpec._attention_fields_equal(specs):
-            raise ValueError(
+            raise InvalidConfigError(
                 "All attention layers in the same KV cache group must have the same "
                 "attention spec.")
         return specs[0]
@@ -324,7 +323,7 @@ class SinkFullAttentionSpec(FullAttentionSpec):
         fields = super()._merged_fields(specs)
         sink_len = getattr(specs[0], "sink_len", None)
         if sink_len is None:
-            raise ValueError("a SinkFullAttentionSpec group needs a sink_len")
+            raise InvalidConfigError("a SinkFullAttentionSpec group needs a sink_len")
         fields["sink_len"] = sink_len
         return fields
 
@@ -375,7 +374,7 @@ class SlidingWindowSpec(_RecyclingAttentionSpec):
         _check_positive_int("max_in_flight_tokens", max_in_flight_tokens)
         _check_positive_int("max_model_len", max_model_len)
         num_tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
-        return _cdiv(num_tokens, self.block_size) + 1
+        return cdiv(num_tokens, self.block_size) + 1
 
     def core_spec(self) -> dict[str, Any]:
         return {**super().core_spec(), "sliding_window": self.sliding_window}
@@ -403,7 +402,7 @@ class ChunkedLocalAttentionSpec(_RecyclingAttentionSpec):
         _check_positive_int("max_in_flight_tokens", max_in_flight_tokens)
         _check_positive_int("max_model_len", max_model_len)
         num_tokens = min(self.attention_chunk_size + max_in_flight_tokens, max_model_len)
-        return _cdiv(num_tokens, self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def core_spec(self) -> dict[str, Any]:
         return {**super().core_spec(), "attention_chunk_size": self.attention_chunk_size}
@@ -431,16 +430,16 @@ class CrossAttentionSpec(AttentionSpec):
                 "a cross-attention layer is sized by the encoder output length: pass "
                 "max_num_encoder_input_tokens (e.g. 1500 for Whisper)")
         _check_positive_int("max_num_encoder_input_tokens", max_num_encoder_input_tokens)
-        return _cdiv(max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
+        return cdiv(max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
 
 
 def _normalize_shapes(shapes: Any) -> tuple[tuple[int, ...], ...]:
     if isinstance(shapes, (str, bytes)) or not isinstance(shapes, Sequence):
-        raise ValueError(f"shapes must be a sequence of shapes, got {shapes!r}")
+        raise InvalidConfigError(f"shapes must be a sequence of shapes, got {shapes!r}")
     out = []
     for shape in shapes:
         if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
-            raise ValueError(f"each shape must be a sequence of ints, got {shape!r}")
+            raise InvalidConfigError(f"each shape must be a sequence of ints, got {shape!r}")
         for dim in shape:
             _check_non_negative_int("a state dimension", dim)
         out.append(tuple(int(d) for d in shape))
@@ -473,26 +472,26 @@ class MambaSpec(KVCacheSpec):
         super().__post_init__()
         shapes = _normalize_shapes(self.shapes)
         if isinstance(self.dtypes, (str, bytes)) or not isinstance(self.dtypes, Sequence):
-            raise ValueError(f"dtypes must be a sequence of dtypes, got {self.dtypes!r}")
+            raise InvalidConfigError(f"dtypes must be a sequence of dtypes, got {self.dtypes!r}")
         dtypes = tuple(_canonical_dtype(d) for d in self.dtypes)
         if len(shapes) != len(dtypes):
-            raise ValueError(
+            raise InvalidConfigError(
                 f"shapes and dtypes differ in length ({len(shapes)} != {len(dtypes)})")
         if not shapes:
-            raise ValueError("a MambaSpec needs at least one state tensor")
+            raise InvalidConfigError("a MambaSpec needs at least one state tensor")
         object.__setattr__(self, "shapes", shapes)
         object.__setattr__(self, "dtypes", dtypes)
         if self.mamba_cache_mode not in _MAMBA_CACHE_MODES:
-            raise ValueError(
+            raise InvalidConfigError(
                 f"mamba_cache_mode must be one of {_MAMBA_CACHE_MODES}, "
                 f"got {self.mamba_cache_mode!r}")
         _check_non_negative_int("num_speculative_blocks", self.num_speculative_blocks)
         if self.real_page_size_bytes <= 0:
-            raise ValueError("a MambaSpec's state tensors must not be empty")
+            raise InvalidConfigError("a MambaSpec's state tensors must not be empty")
         if self.page_size_padded is not None:
             _check_positive_int("page_size_padded", self.page_size_padded)
             if self.page_size_padded < self.real_page_size_bytes:
-                raise ValueError(
+                raise InvalidConfigError(
                     f"page_size_padded ({self.page_size_padded}) is smaller than the real "
                     f"page size ({self.real_page_size_bytes} bytes)")
 
@@ -522,7 +521,7 @@ class MambaSpec(KVCacheSpec):
         if self.mamba_cache_mode == "align":
             return self.page_size_bytes * (2 + self.num_speculative_blocks)
         if self.mamba_cache_mode == "all":
-            return _cdiv(max_model_len, self.block_size) * self.page_size_bytes
+            return cdiv(max_model_len, self.block_size) * self.page_size_bytes
         return self.page_size_bytes * (1 + self.num_speculative_blocks)
 
     def core_spec(self) -> dict[str, Any]:
@@ -576,16 +575,17 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.kv_cache_specs, Mapping) or not self.kv_cache_specs:
-            raise ValueError("kv_cache_specs must be a non-empty mapping of layer name to spec")
+            raise InvalidConfigError(
+                "kv_cache_specs must be a non-empty mapping of layer name to spec")
         specs = dict(self.kv_cache_specs)
         for name, spec in specs.items():
             if not isinstance(spec, KVCacheSpec) or isinstance(spec, UniformTypeKVCacheSpecs):
                 raise TypeError(f"layer {name!r}: expected a per-layer KVCacheSpec, got {spec!r}")
             if spec.block_size != self.block_size:
-                raise ValueError(
+                raise InvalidConfigError(
                     f"layer {name!r} has block_size {spec.block_size}, expected {self.block_size}")
         if not self.is_uniform_type(specs):
-            raise ValueError("the layers of a UniformTypeKVCacheSpecs must have one type")
+            raise InvalidConfigError("the layers of a UniformTypeKVCacheSpecs must have one type")
         object.__setattr__(self, "kv_cache_specs", specs)
         kinds = {spec.kind for spec in specs.values()}
         if len(kinds) == 1:
@@ -638,7 +638,7 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     ) -> int:
         """Blocks one request needs: the most any layer needs."""
         return max(
-            _cdiv(spec.max_memory_usage_bytes(
+            cdiv(spec.max_memory_usage_bytes(
                 max_model_len, max_in_flight_tokens,
                 max_num_encoder_input_tokens=max_num_encoder_input_tokens),
                 spec.page_size_bytes)
@@ -706,11 +706,11 @@ class KVCacheConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_blocks, int) or self.num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {self.num_blocks!r}")
+            raise InvalidConfigError(f"num_blocks must be a positive int, got {self.num_blocks!r}")
         object.__setattr__(self, "kv_cache_groups", tuple(self.kv_cache_groups))
         object.__setattr__(self, "kv_cache_tensors", tuple(self.kv_cache_tensors))
         if not self.kv_cache_groups:
-            raise ValueError("a KVCacheConfig needs at least one KV-cache group")
+            raise InvalidConfigError("a KVCacheConfig needs at least one KV-cache group")
         for g in self.kv_cache_groups:
             if not isinstance(g, KVCacheGroupSpec):
                 raise TypeError(f"kv_cache_groups must hold KVCacheGroupSpec, got {g!r}")

@@ -27,8 +27,6 @@ from typing import Any
 
 __all__ = ["run", "vllm_available"]
 
-_MASK = (1 << 64) - 1
-_FNV_PRIME = 0x100000001B3
 SUPPORTED_SPECS = ("full_attention", "sliding_window", "chunked_local_attention", "mla_attention")
 
 
@@ -40,19 +38,31 @@ def vllm_available() -> bool:
         return False
 
 
+def _load_by_path(name: str, *relpath: str) -> ModuleType:
+    """Loads a pagedkv file relative to this one, when this runs as a script."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), *relpath)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _load_loop() -> ModuleType:
     try:
         from . import _loop
 
         return _loop
     except ImportError:  # run as a script: load the sibling file by path
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_loop.py")
-        spec = importlib.util.spec_from_file_location("pagedkv_sim_loop", path)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["pagedkv_sim_loop"] = mod
-        spec.loader.exec_module(mod)
-        return mod
+        return _load_by_path("pagedkv_sim_loop", "_loop.py")
+
+
+try:
+    from .._util import FNV_OFFSET_BASIS, MASK64, fnv1a64
+except ImportError:  # run as a script: load pagedkv/_util.py by path
+    _util = _load_by_path("pagedkv_util", os.pardir, "_util.py")
+    FNV_OFFSET_BASIS, MASK64, fnv1a64 = _util.FNV_OFFSET_BASIS, _util.MASK64, _util.fnv1a64
 
 
 class _Item:
@@ -96,7 +106,7 @@ class _Stats:
     def __init__(self) -> None:
         self.ns: dict[str, int] = {}
         self.calls: dict[str, int] = {}
-        self.alloc_checksum = 0xCBF29CE484222325
+        self.alloc_checksum = FNV_OFFSET_BASIS
         self.steps = self.preemptions = self.admissions = self.finished = 0
         self.hit_tokens = self.query_tokens = self.peak_running = 0
         self.first_hit_tokens = self.first_query_tokens = 0
@@ -106,10 +116,7 @@ class _Stats:
         self.calls[api] = self.calls.get(api, 0) + 1
 
     def feed(self, words: list[int]) -> None:
-        h = self.alloc_checksum
-        for w in words:
-            h = ((h ^ (w & _MASK)) * _FNV_PRIME) & _MASK
-        self.alloc_checksum = h
+        self.alloc_checksum = fnv1a64(words, self.alloc_checksum)
 
 
 class _VllmScheduler:
@@ -136,7 +143,7 @@ class _VllmScheduler:
 
     def _feed(self, res: Any) -> None:
         if res is None:
-            self.st.feed([_MASK])
+            self.st.feed([MASK64])
             return
         ids = res.get_block_ids()
         words = [len(ids)]

@@ -23,16 +23,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from .._util import cdiv
 from ..specs import KVCacheConfig
 
 __all__ = ["BlockTable", "MultiGroupBlockTable", "step_positions"]
 
 _I32 = npt.NDArray[np.int32]
 _I64 = npt.NDArray[np.int64]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _positive(name: str, value: Any) -> int:
@@ -267,7 +264,7 @@ class MultiGroupBlockTable:
             BlockTable(
                 bs,
                 max_num_reqs,
-                _cdiv(max_model_len, bs),
+                cdiv(max_model_len, bs),
                 max_num_batched_tokens,
                 device,
                 pin_memory=pin_memory,

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .._util import cdiv
 from ..config_builder import get_kv_cache_config
 from ..errors import DuplicateRequestError, InvalidArgumentError, UnknownRequestError
 from ..manager import KVCacheManager
@@ -109,10 +110,6 @@ def _window(spec: KVCacheSpec) -> tuple[int | None, int | None]:
     if isinstance(spec, ChunkedLocalAttentionSpec):
         return None, spec.attention_chunk_size
     return None, None
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class PagedEngine:
@@ -458,7 +455,7 @@ class PagedEngine:
         child_ids = mgr.get_block_ids(child_id)
         copied = []
         for g, bs in enumerate(self._block_sizes):
-            n = _cdiv(parent.num_computed_tokens, bs)
+            n = cdiv(parent.num_computed_tokens, bs)
             p, c = parent_ids[g][:n], child_ids[g][:n]
             move = (p != c) & (p != 0) & (c != 0)
             copy_blocks(self.kv_cache.group_block_tensors(g), p[move], c[move])

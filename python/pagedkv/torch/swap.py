@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from .._util import cdiv
 from ..errors import InvalidArgumentError
 from ..manager import KVCacheManager
 from .kernels import copy_blocks
@@ -74,10 +75,6 @@ class SwapInResult:
         ]
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class KVSwapper:
     """Moves requests' KV blocks between ``kv_cache`` (on its device) and a CPU
     swap space of ``num_cpu_blocks`` blocks, keeping ``manager`` in step."""
@@ -116,7 +113,7 @@ class KVSwapper:
         block_ids = self.manager.get_block_ids(request_id)
         plans: list[tuple[_I64, _I32]] = []
         for gid, ids in enumerate(block_ids):
-            n = _cdiv(num_computed_tokens, self._block_sizes[gid])
+            n = cdiv(num_computed_tokens, self._block_sizes[gid])
             if n > len(ids):
                 raise InvalidArgumentError(
                     f"{request_id!r} holds {len(ids)} blocks in group {gid}, fewer than its "

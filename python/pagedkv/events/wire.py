@@ -3,10 +3,12 @@
 vLLM publishes ``KVEventBatch`` objects encoded by ``msgspec.msgpack.Encoder``:
 the batch is a msgpack array ``[ts, [events...], data_parallel_rank]`` and each
 event a msgpack map tagged with ``"type"`` (the class name) holding only the
-fields that differ from their defaults. The structs below have vLLM's names,
-field order and options, so ``msgspec`` encodes them exactly as vLLM does and a
-consumer written against vLLM (llm-d, Dynamo, SGLang's router) decodes them
-unchanged.
+fields that differ from their defaults. The structs below have vLLM's tags
+(its class names), field order and options, so ``msgspec`` encodes them exactly
+as vLLM does and a consumer written against vLLM (llm-d, Dynamo, SGLang's router)
+decodes them unchanged. Their Python names carry a ``Wire`` prefix
+(``WireBlockStored`` is vLLM's ``BlockStored`` on the wire) to keep them apart
+from the domain events of :mod:`pagedkv.events`.
 
 Block hashes travel as vLLM's ``ExternalBlockHash``: by default the 64-bit
 integer form (the last 8 bytes of the digest, big-endian), or the raw digest
@@ -23,24 +25,23 @@ from typing import Any, Literal
 
 import msgspec
 
-from .events import AllBlocksCleared as _AllBlocksCleared
-from .events import BlockRemoved as _BlockRemoved
-from .events import BlockStored as _BlockStored
-from .events import from_core
+from . import domain
 
 __all__ = [
     "MEDIUM_GPU",
-    "AllBlocksCleared",
-    "BlockRemoved",
-    "BlockStored",
     "EventBatch",
     "ExternalBlockHash",
     "HashFormat",
-    "KVCacheEvent",
     "KVEventBatch",
     "KVEventEncoder",
+    "WireAllBlocksCleared",
+    "WireBlockRemoved",
+    "WireBlockStored",
+    "WireEvent",
+    "WireKVCacheEvent",
     "decode_batch",
     "hash_to_int",
+    "to_core",
     "to_wire",
 ]
 
@@ -58,12 +59,17 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """Base of the tagged event union (``{"type": "<class name>", ...}``)."""
+class WireKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the tagged event union (``{"type": "<vLLM class name>", ...}``).
+
+    vLLM's ``KVCacheEvent``. The subclasses carry vLLM's class names as explicit
+    tags, so the bytes are vLLM's while the Python names stay apart from the domain
+    events in :mod:`pagedkv.events`.
+    """
 
 
-class BlockStored(KVCacheEvent):
-    """Full blocks entered into the prefix cache."""
+class WireBlockStored(WireKVCacheEvent, tag="BlockStored"):
+    """Full blocks entered into the prefix cache (vLLM's ``BlockStored``)."""
 
     block_hashes: list[ExternalBlockHash]
     parent_block_hash: ExternalBlockHash | None
@@ -82,8 +88,9 @@ class BlockStored(KVCacheEvent):
     lookahead_token_ids: list[int] | None = None
 
 
-class BlockRemoved(KVCacheEvent):
-    """Blocks evicted from the prefix cache (hashes without the group id)."""
+class WireBlockRemoved(WireKVCacheEvent, tag="BlockRemoved"):
+    """Blocks evicted from the prefix cache, hashes without the group id (vLLM's
+    ``BlockRemoved``)."""
 
     block_hashes: list[ExternalBlockHash]
     medium: str | None
@@ -92,17 +99,17 @@ class BlockRemoved(KVCacheEvent):
     ownership: str | None = None
 
 
-class AllBlocksCleared(KVCacheEvent):
-    """The prefix cache was reset."""
+class WireAllBlocksCleared(WireKVCacheEvent, tag="AllBlocksCleared"):
+    """The prefix cache was reset (vLLM's ``AllBlocksCleared``)."""
 
 
 class KVEventBatch(EventBatch):
     """``EventBatch`` with the event union, what publishers send."""
 
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    events: list[WireBlockStored | WireBlockRemoved | WireAllBlocksCleared]
 
 
-WireEvent = BlockStored | BlockRemoved | AllBlocksCleared
+WireEvent = WireBlockStored | WireBlockRemoved | WireAllBlocksCleared
 
 
 def hash_to_int(h: ExternalBlockHash) -> int:
@@ -138,10 +145,10 @@ def to_wire(event: Any, hash_format: HashFormat = "int") -> WireEvent:
     """
     if isinstance(event, tuple):
         # The core's tuple form: decoded once, by pagedkv.events.
-        event = from_core(event)
-    if isinstance(event, _BlockStored | BlockStored):
+        event = domain.from_core(event)
+    if isinstance(event, domain.BlockStored | WireBlockStored):
         parent = event.parent_block_hash
-        return BlockStored(
+        return WireBlockStored(
             block_hashes=_hashes(event.block_hashes, hash_format),
             parent_block_hash=None if parent is None else _hash(parent, hash_format),
             token_ids=list(event.token_ids),
@@ -154,15 +161,39 @@ def to_wire(event: Any, hash_format: HashFormat = "int") -> WireEvent:
             kv_cache_spec_kind=event.kv_cache_spec_kind,
             kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
         )
-    if isinstance(event, _BlockRemoved | BlockRemoved):
-        return BlockRemoved(
+    if isinstance(event, domain.BlockRemoved | WireBlockRemoved):
+        return WireBlockRemoved(
             block_hashes=_hashes(event.block_hashes, hash_format),
             medium=event.medium,
             group_idx=event.group_idx,
         )
-    if isinstance(event, _AllBlocksCleared | AllBlocksCleared):
-        return AllBlocksCleared()
+    if isinstance(event, domain.AllBlocksCleared | WireAllBlocksCleared):
+        return WireAllBlocksCleared()
     raise TypeError(f"not a KV-cache event: {event!r}")
+
+
+def to_core(event: WireEvent) -> tuple[Any, ...]:
+    """The core's tuple form of a wire struct (what :class:`pagedkv.index.PrefixIndex`
+    applies without looking at the Python class)."""
+    if isinstance(event, WireBlockStored):
+        return (
+            "BlockStored",
+            event.block_hashes,
+            event.parent_block_hash,
+            event.token_ids,
+            event.block_size,
+            event.lora_id,
+            event.lora_name,
+            event.extra_keys,
+            event.group_idx,
+            event.kv_cache_spec_kind,
+            event.kv_cache_spec_sliding_window,
+        )
+    if isinstance(event, WireBlockRemoved):
+        return ("BlockRemoved", event.block_hashes, event.group_idx)
+    if isinstance(event, WireAllBlocksCleared):
+        return ("AllBlocksCleared",)
+    raise TypeError(f"not a wire event: {event!r}")
 
 
 class KVEventEncoder:

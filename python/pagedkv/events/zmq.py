@@ -154,7 +154,7 @@ class ZmqEventPublisher:
     # -- scheduler side -------------------------------------------------------------
 
     def publish(self, events: Iterable[Any] | KVEventBatch, ts: float | None = None) -> None:
-        """Queues one batch: events in any form :func:`pagedkv.wire.to_wire` accepts,
+        """Queues one batch: events in any form :func:`pagedkv.events.wire.to_wire` accepts,
         or a ready ``KVEventBatch``. Conversion and encoding happen on the
         publisher thread. Blocks while the queue is full."""
         if not self._running:

@@ -12,38 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SplitMix64", "Trace", "TraceConfig", "TraceRequest", "fnv1a64", "generate"]
+from .._util import FNV_OFFSET_BASIS, SplitMix64, fnv1a64
 
-_MASK = (1 << 64) - 1
-
-
-class SplitMix64:
-    """SplitMix64: ``below(n) = next() % n``, ``between(lo, hi) = lo + below(hi - lo + 1)``."""
-
-    __slots__ = ("state",)
-
-    def __init__(self, seed: int) -> None:
-        self.state = seed & _MASK
-
-    def next(self) -> int:
-        self.state = (self.state + 0x9E3779B97F4A7C15) & _MASK
-        z = self.state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-        return z ^ (z >> 31)
-
-    def below(self, n: int) -> int:
-        return self.next() % n
-
-    def between(self, lo: int, hi: int) -> int:
-        return lo + self.below(hi - lo + 1)
-
-
-def fnv1a64(words: list[int] | tuple[int, ...], h: int = 0xCBF29CE484222325) -> int:
-    """FNV-1a over 64-bit words (negative words taken mod 2**64)."""
-    for w in words:
-        h = ((h ^ (w & _MASK)) * 0x100000001B3) & _MASK
-    return h
+__all__ = ["Trace", "TraceConfig", "TraceRequest", "generate"]
 
 
 @dataclass(frozen=True)
@@ -104,7 +75,7 @@ class Trace:
 
     def checksum(self) -> int:
         """FNV-1a-64 over the trace's exact content."""
-        h = 0xCBF29CE484222325
+        h = FNV_OFFSET_BASIS
         for p in self.prefixes:
             h = fnv1a64([len(p), *p], h)
         for r in self.requests:

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .manager import KVCacheManager
-from .specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+from ..manager import KVCacheManager
+from ..specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from .trace import TraceConfig, generate
 
 __all__ = ["ReplayReport", "manager_for_dump", "replay_dump"]

@@ -209,7 +209,8 @@ impl KvCacheManager {
             cfg.num_blocks,
             cfg.enable_caching,
             cfg.enable_kv_cache_events,
-        );
+        )
+        .with_metrics(cfg.kv_cache_metrics);
         let sbs = cfg.scheduler_block_size();
         let in_flight = cfg.max_in_flight_tokens.unwrap_or(cfg.max_model_len);
         let mut groups = cfg
@@ -1440,6 +1441,11 @@ impl KvCacheManager {
             }
         }
         evs
+    }
+
+    /// Drains the pool's block activity log (`kv_cache_metrics`; empty otherwise).
+    pub fn take_block_activity(&mut self) -> Vec<crate::pool::BlockActivity> {
+        self.pool.take_block_activity()
     }
 
     /// Returns the prefix-cache stats gathered since the last call and starts new

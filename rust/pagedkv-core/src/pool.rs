@@ -10,6 +10,7 @@ use hashbrown::HashMap;
 use rustc_hash::FxBuildHasher;
 use std::hash::{Hash, Hasher};
 
+use crate::error::{self, invalid};
 use crate::events::KvEvent;
 use crate::hash::BlockHash;
 
@@ -222,6 +223,17 @@ impl BlockPool {
     #[must_use]
     pub fn epoch(&self) -> u64 {
         self.epoch
+    }
+
+    /// A block id given from outside (a binding, a test), checked against the pool.
+    ///
+    /// # Errors
+    /// [`error::Error::InvalidArgument`] for an id outside the pool.
+    pub fn block_id(&self, id: i64) -> error::Result<BlockId> {
+        u32::try_from(id)
+            .ok()
+            .filter(|&b| b < self.num_blocks())
+            .ok_or_else(|| invalid(format!("block id {id} is outside the pool")))
     }
 
     /// Reference count of a block.

@@ -4,6 +4,7 @@
 use crate::error::{Result, invalid};
 use crate::events::EventExtraKey;
 use crate::hash::{BlockHash, BlockHasher, ExtraKey, sha256_bytes};
+use crate::manager::{AllocateArgs, ComputedBlocks};
 use crate::pool::BlockId;
 
 /// LoRA adapter of a request (`lora_id` only travels in events).
@@ -12,6 +13,34 @@ pub struct Lora {
     pub name: String,
     pub path: Option<String>,
     pub id: Option<i64>,
+}
+
+impl Lora {
+    /// The adapter of `add_request`'s `lora_name` / `lora_path` / `lora_id`: none
+    /// at all, or a name with an optional path and id.
+    ///
+    /// # Errors
+    /// A path or an id without a name.
+    pub fn from_parts(
+        name: Option<String>,
+        path: Option<String>,
+        id: Option<i64>,
+    ) -> Result<Option<Self>> {
+        match (name, path, id) {
+            (None, None, None) => Ok(None),
+            (Some(name), path, id) => Ok(Some(Self { name, path, id })),
+            _ => Err(invalid("lora_path / lora_id need a lora_name")),
+        }
+    }
+}
+
+impl AllocateArgs {
+    /// `num_new_computed_tokens` as given, or when the caller gave none, the
+    /// tokens of the hit it passes (0 without one): a lookup is adopted whole.
+    #[must_use]
+    pub fn num_new_computed_tokens_or_hit(given: Option<u64>, hit: Option<&ComputedBlocks>) -> u64 {
+        given.unwrap_or_else(|| hit.map_or(0, |h| h.num_computed_tokens))
+    }
 }
 
 /// A multimodal item's placeholder span in the prompt.

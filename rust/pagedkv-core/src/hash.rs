@@ -90,6 +90,9 @@ pub enum HashAlgo {
 }
 
 impl HashAlgo {
+    /// Every algorithm, the vLLM-compatible default first.
+    pub const ALL: [Self; 3] = [Self::Sha256Cbor, Self::XxhashCbor, Self::Xxh3Native];
+
     /// Parses an algorithm name.
     #[must_use]
     pub fn from_name(name: &str) -> Option<Self> {

@@ -2,7 +2,7 @@
 //! hash a request without a manager.
 
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyTuple};
 
 use pagedkv_core::hash::{DEFAULT_NONE_HASH_SEED, event_int};
 use pagedkv_core::{BlockHasher, HashAlgo};
@@ -59,5 +59,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hash_to_int, m)?)?;
     // vLLM's seed of NONE_HASH for the cryptographic algorithms when
     // PYTHONHASHSEED is unset.
-    m.add("DEFAULT_NONE_HASH_SEED", DEFAULT_NONE_HASH_SEED)
+    m.add("DEFAULT_NONE_HASH_SEED", DEFAULT_NONE_HASH_SEED)?;
+    let names = HashAlgo::ALL.map(HashAlgo::name);
+    m.add("HASH_ALGOS", PyTuple::new(m.py(), names)?)
 }

@@ -63,7 +63,7 @@ class BlockStored:
         token_ids: list[int],
         block_size: int,
         lora_id: int | None,
-        medium: str | None = ...,
+        medium: str | None = "GPU",
         lora_name: str | None = None,
         extra_keys: list[tuple[Any, ...] | None] | None = None,
         group_idx: int | None = None,
@@ -102,7 +102,7 @@ class BlockRemoved:
     def __new__(
         cls,
         block_hashes: list[int] | list[bytes],
-        medium: str | None = ...,
+        medium: str | None = "GPU",
         group_idx: int | None = None,
     ) -> Self: ...
     @property

@@ -221,7 +221,13 @@ pub fn cbor_value(obj: &Bound<'_, PyAny>) -> PkResult<CborValue> {
 /// An integer option in the core's type (a value that does not fit it is a bad
 /// configuration; the core checks the range it accepts).
 fn config_int<T: TryFrom<i64>>(name: &str, v: i64) -> PkResult<T> {
-    T::try_from(v).map_err(|_| invalid_config(format!("{name} {v} is out of range")))
+    T::try_from(v).map_err(|_| {
+        invalid_config(if v < 0 {
+            format!("{name} must be non-negative, got {v}")
+        } else {
+            format!("{name} {v} is too large")
+        })
+    })
 }
 
 /// Extracts one `**options` value, naming it in the error as PyO3 names arguments.

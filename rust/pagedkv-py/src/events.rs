@@ -103,7 +103,13 @@ fn none_or(py: Python<'_>, v: Option<Py<PyAny>>) -> Py<PyAny> {
 }
 
 /// Full blocks entered into the prefix cache by one call.
-#[pyclass(module = "pagedkv._core", name = "BlockStored", frozen, get_all)]
+#[pyclass(
+    module = "pagedkv._core",
+    name = "BlockStored",
+    frozen,
+    get_all,
+    freelist = 1024
+)]
 pub struct PyBlockStored {
     pub block_hashes: Py<PyAny>,
     pub parent_block_hash: Py<PyAny>,
@@ -137,7 +143,10 @@ value_object!(
     #[new]
     #[pyo3(signature = (block_hashes, parent_block_hash, token_ids, block_size, lora_id,
         medium = Medium::Gpu, lora_name = None, extra_keys = None, group_idx = None,
-        kv_cache_spec_kind = None, kv_cache_spec_sliding_window = None))]
+        kv_cache_spec_kind = None, kv_cache_spec_sliding_window = None),
+        text_signature = "(block_hashes, parent_block_hash, token_ids, block_size, lora_id, \
+            medium='GPU', lora_name=None, extra_keys=None, group_idx=None, \
+            kv_cache_spec_kind=None, kv_cache_spec_sliding_window=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -170,7 +179,13 @@ value_object!(
 );
 
 /// Blocks evicted from the prefix cache (vLLM emits one event per block).
-#[pyclass(module = "pagedkv._core", name = "BlockRemoved", frozen, get_all)]
+#[pyclass(
+    module = "pagedkv._core",
+    name = "BlockRemoved",
+    frozen,
+    get_all,
+    freelist = 1024
+)]
 pub struct PyBlockRemoved {
     pub block_hashes: Py<PyAny>,
     pub medium: Py<PyAny>,
@@ -182,7 +197,8 @@ value_object!(
     "BlockRemoved",
     [block_hashes, medium, group_idx],
     #[new]
-    #[pyo3(signature = (block_hashes, medium = Medium::Gpu, group_idx = None))]
+    #[pyo3(signature = (block_hashes, medium = Medium::Gpu, group_idx = None),
+        text_signature = "(block_hashes, medium='GPU', group_idx=None)")]
     fn new(
         py: Python<'_>,
         block_hashes: Py<PyAny>,

@@ -314,19 +314,15 @@ impl PyManager {
 
     fn get_computed_blocks(slf: &Bound<'_, Self>, request_id: &str) -> PkResult<PyComputedBlocks> {
         let py = slf.py();
-        let (inner, ids) = {
+        let (inner, groups, empty) = {
             let mut this = borrow_mut(slf)?;
             let inner = this.inner.get_computed_blocks(request_id)?;
-            let ids = if inner.is_empty() {
-                Err(this.empty.clone_ref(py))
-            } else {
-                Ok(groups_i32(&inner.block_ids))
-            };
-            (inner, ids)
+            let groups = (!inner.is_empty()).then(|| groups_i32(&inner.block_ids));
+            (inner, groups, this.empty.clone_ref(py))
         };
-        let block_ids = match ids {
-            Err(empty) => empty,
-            Ok(groups) => groups_tuple(py, groups)?.unbind(),
+        let block_ids = match groups {
+            None => empty,
+            Some(groups) => groups_tuple(py, groups)?.unbind(),
         };
         Ok(PyComputedBlocks { inner, block_ids })
     }

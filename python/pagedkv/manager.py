@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -202,8 +203,10 @@ class KVCacheManager(_core.KVCacheManager):
         ``num_new_tokens`` is one count per request, or one for all. Returns
         ``(num_allocated, ((block_ids, offsets), ...))`` per group, where request
         ``i``'s new blocks are ``block_ids[offsets[i]:offsets[i+1]]``."""
-        if isinstance(num_new_tokens, int):
-            num_new_tokens = np.full(len(request_ids), num_new_tokens, dtype=np.int64)
+        if not isinstance(num_new_tokens, Sequence | np.ndarray):
+            # One count for every request (an int, or a NumPy / torch integer scalar).
+            n = operator.index(num_new_tokens)
+            num_new_tokens = np.full(len(request_ids), n, dtype=np.int64)
         return super().allocate_slots_batch(
             request_ids, num_new_tokens, num_computed_tokens,
             num_lookahead_tokens=num_lookahead_tokens,

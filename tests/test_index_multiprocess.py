@@ -4,6 +4,7 @@ and replay restores its view with nothing lost."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -202,3 +203,9 @@ def test_replicas_publish_and_a_restarted_index_replays_everything(tmp_path: Pat
                     p.wait(5)
                 except subprocess.TimeoutExpired:
                     p.kill()
+                    p.wait()
+            # Every pipe is closed here, not left to the garbage collector.
+            for stream in (p.stdin, p.stdout):
+                if stream is not None:
+                    with contextlib.suppress(BrokenPipeError):
+                        stream.close()

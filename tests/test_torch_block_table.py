@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pagedkv as pk
 import pytest
-import torch
-from pagedkv.torch import BlockTable, MultiGroupBlockTable, step_positions
+
+torch = pytest.importorskip("torch")
+
+from pagedkv.torch import BlockTable, MultiGroupBlockTable, step_positions  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-import torch
+
+torch = pytest.importorskip("torch")
+
 
 torch.set_num_threads(1)
 

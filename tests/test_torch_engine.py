@@ -9,8 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pagedkv as pk
 import pytest
-import torch
-from pagedkv.torch import PagedEngine, TinyConfig, TinyTransformer
+
+torch = pytest.importorskip("torch")
+
+from pagedkv.torch import PagedEngine, TinyConfig, TinyTransformer  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from pagedkv.torch import (
+
+torch = pytest.importorskip("torch")
+
+from pagedkv.torch import (  # noqa: E402
     AttentionMetadata,
     copy_blocks,
     dense_attention,

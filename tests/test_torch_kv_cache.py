@@ -8,8 +8,10 @@ import sys
 
 import pagedkv as pk
 import pytest
-import torch
-from pagedkv.torch import TinyConfig, TinyTransformer, allocate_kv_cache, torch_dtype
+
+torch = pytest.importorskip("torch")
+
+from pagedkv.torch import TinyConfig, TinyTransformer, allocate_kv_cache, torch_dtype  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pagedkv as pk
 import pytest
-import torch
-from pagedkv.torch import KVCache, KVSwapper, TinyConfig, TinyTransformer, allocate_kv_cache
+
+torch = pytest.importorskip("torch")
+
+from pagedkv.torch import KVCache, KVSwapper, TinyConfig, TinyTransformer, allocate_kv_cache  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -1,6 +1,7 @@
-"""Throughput of the prefix index and of KV events over ZMQ (loopback).
+"""Throughput of the KV events path: the manager's events, the prefix index, and
+KV events over ZMQ (loopback).
 
-python benches/kv_events_bench.py          # index + ZMQ
+python benches/kv_events_bench.py          # manager events + index + ZMQ
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 import time
 
 import numpy as np
+from pagedkv.events import BlockRemoved, BlockStored, KVCacheEvent
 
 N_BATCH, PER_BATCH = 4000, 50
 
@@ -63,25 +65,12 @@ def bench_index() -> None:
     print(f"remove: {blocks / dt / 1e6:.2f} M blocks/s; {idx.num_blocks} hashes left")
 
     enc = wire.KVEventEncoder()
-    events: list[tuple[object, ...]] = []
+    events: list[KVCacheEvent] = []
     for c in range(2000):
         h = table[c].tolist()
-        events.append(
-            (
-                "BlockStored",
-                h,
-                None,
-                list(range(depth * 16)),
-                16,
-                None,
-                None,
-                None,
-                0,
-                "full_attention",
-                None,
-            )
-        )
-        events.extend(("BlockRemoved", [x], 0) for x in h[-4:])
+        events.append(BlockStored(h, None, list(range(depth * 16)), 16, None, group_idx=0,
+                                  kv_cache_spec_kind="full_attention"))
+        events.extend(BlockRemoved([x], group_idx=0) for x in h[-4:])
     payloads = [enc.encode_events(events[i : i + 50]) for i in range(0, len(events), 50)]
     pi = PrefixIndex()
     t = time.perf_counter()
@@ -91,6 +80,44 @@ def bench_index() -> None:
     print(
         f"decode + apply: {len(events):,} events in {dt:.3f}s = "
         f"{len(events) / dt / 1e3:.0f} k events/s"
+    )
+
+
+def bench_manager_events() -> None:
+    """``take_events`` (the binding builds one event object per core event) and the
+    wire encoding of what it returns, per event, over a prefix-sharing workload."""
+    import pagedkv as pk
+    from pagedkv.events import wire
+
+    spec = pk.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="float16")
+    config = pk.KVCacheConfig(num_blocks=600, kv_cache_groups=[pk.KVCacheGroupSpec(["l0"], spec)])
+    mgr = pk.KVCacheManager(config, max_model_len=8192, enable_kv_cache_events=True)
+    rng = np.random.default_rng(0)
+    enc = wire.KVEventEncoder()
+    take = encode = 0.0
+    n = stored = 0
+    for step in range(3000):
+        rid = f"r{step}"
+        prompt = rng.integers(0, 50_000, 256 + (step % 7) * 16).tolist()
+        mgr.add_request(rid, prompt, cache_salt="s" if step % 3 == 0 else None)
+        hit = mgr.get_computed_blocks(rid)
+        mgr.allocate_slots(
+            rid, len(prompt) - hit.num_computed_tokens, num_computed_tokens=0,
+            new_computed_blocks=hit,
+        )
+        mgr.remove_request(rid)
+        if step % 4 == 3:
+            t = time.perf_counter()
+            events = mgr.take_events()
+            take += time.perf_counter() - t
+            t = time.perf_counter()
+            enc.encode_events(events, ts=0.0)
+            encode += time.perf_counter() - t
+            n += len(events)
+            stored += sum(isinstance(e, BlockStored) for e in events)
+    print(
+        f"manager events: {n:,} ({stored:,} BlockStored), take_events {take / n * 1e9:.0f} "
+        f"ns/event, wire encoding {encode / n * 1e9:.0f} ns/event"
     )
 
 
@@ -121,23 +148,12 @@ def bench_zmq() -> None:
     )
     time.sleep(1.0)
     half = PER_BATCH // 2
-    batch: list[tuple[object, ...]] = [
-        (
-            "BlockStored",
-            list(range(i * 16, i * 16 + 16)),
-            None,
-            list(range(256)),
-            16,
-            None,
-            None,
-            None,
-            0,
-            "full_attention",
-            None,
-        )
+    batch: list[KVCacheEvent] = [
+        BlockStored(list(range(i * 16, i * 16 + 16)), None, list(range(256)), 16, None,
+                    group_idx=0, kv_cache_spec_kind="full_attention")
         for i in range(half)
     ]
-    batch += [("BlockRemoved", [i], 0) for i in range(PER_BATCH - half)]
+    batch += [BlockRemoved([i], group_idx=0) for i in range(PER_BATCH - half)]
     t = time.perf_counter()
     for _ in range(N_BATCH):
         pub.publish(batch)
@@ -159,5 +175,6 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "sub":
         subscriber(sys.argv[2], sys.argv[3])
     else:
+        bench_manager_events()
         bench_index()
         bench_zmq()

@@ -572,6 +572,18 @@ BAD_CONFIGS: dict[str, tuple[Callable[[], Any], type[BaseException]]] = {
         lambda: pk.KVCacheManager(config(), max_model_len=64, prefix_cache_retention_interval=-1),
         InvalidConfigError,
     ),
+    "option_unknown": (
+        lambda: pk.KVCacheManager(config(), max_model_len=64, enable_cachng=False),  # type: ignore[call-arg]
+        TypeError,
+    ),
+    "option_bool_int": (
+        lambda: pk.KVCacheManager(config(), max_model_len=64, log_stats=1),  # type: ignore[arg-type]
+        TypeError,
+    ),
+    "hash_truncate_bytes_past_u8": (
+        lambda: pk.KVCacheManager(config(), max_model_len=64, hash_truncate_bytes=300),
+        InvalidConfigError,
+    ),
     "retention_without_sparse_group": (
         lambda: pk.KVCacheManager(config(), max_model_len=64, prefix_cache_retention_interval=16),
         InvalidConfigError,
@@ -601,6 +613,8 @@ def test_every_public_method_is_in_the_matrix() -> None:
         "make_prefix_cache_stats",
         "check_invariants",
         "free_block_ids",
+        "block_pool_stats",
+        "take_block_activity",
         # Read-only properties.
         "num_free_blocks",
         "usage",
@@ -615,6 +629,7 @@ def test_every_public_method_is_in_the_matrix() -> None:
         "max_model_len",
         "enable_caching",
         "log_stats",
+        "kv_cache_metrics",
     }
     public = {n for n in dir(pk.KVCacheManager) if not n.startswith("_")}
     assert public - covered == set()
@@ -826,6 +841,90 @@ def test_reentrant_calls_run_first_without_corruption(outer: Callable[..., Any])
     assert it.inner is None
     assert as_lists(mgr.get_block_ids("run")) == ([],)
     assert mgr.num_free_blocks == free_before + 4
+    mgr.check_invariants()
+
+
+class CountCallingBack:
+    """A count whose ``__index__`` (as torch and NumPy scalars have) calls into the
+    manager first."""
+
+    def __init__(self, mgr: pk.KVCacheManager, value: int) -> None:
+        self.mgr, self.value = mgr, value
+        self.seen: int | None = None
+
+    def __index__(self) -> int:
+        self.seen = self.mgr.num_free_blocks
+        self.mgr.new_step_starts()
+        return self.value
+
+
+class CountWaiting:
+    """A count whose ``__index__`` releases the GIL until the test lets it go."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __index__(self) -> int:
+        self.entered.set()
+        assert self.release.wait(30)
+        return self.value
+
+
+# Calls taking a count, each given it as an object with __index__.
+COUNTED: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
+    "allocate_slots": lambda m, n: m.allocate_slots("run", n, num_computed_tokens=55),
+    "allocate_slots_lookahead": lambda m, n: m.allocate_slots(
+        "run", 1, num_computed_tokens=55, num_lookahead_tokens=n
+    ),
+    "allocate_slots_batch": lambda m, n: m.allocate_slots_batch(
+        ["run"], [1], [55], num_lookahead_tokens=n
+    ),
+    "cache_blocks": lambda m, n: m.cache_blocks("run", n),
+    "remove_skipped_blocks": lambda m, n: m.remove_skipped_blocks("run", n),
+    "block_ref_count": lambda m, n: m.block_ref_count(n),
+    "cached_block_hash": lambda m, n: m.cached_block_hash(n),
+}
+COUNT = {"allocate_slots": 1, "allocate_slots_batch": 0, "block_ref_count": 1,
+         "cached_block_hash": 1}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", COUNTED)
+def test_a_count_calling_back_into_the_manager_runs_before_the_call(name: str) -> None:
+    mgr = busy()
+    free = mgr.num_free_blocks
+    n = CountCallingBack(mgr, COUNT.get(name, 0))
+    COUNTED[name](mgr, n)
+    assert n.seen == free  # the manager was free while the argument was converted
+    mgr.check_invariants()
+
+
+@pytest.mark.parametrize("name", COUNTED)
+def test_calls_from_another_thread_wait_while_a_count_is_converted(name: str) -> None:
+    # The converting thread holds no borrow of the manager while the GIL is
+    # released: another thread's calls go through instead of finding it in use.
+    mgr = busy()
+    n = CountWaiting(COUNT.get(name, 0))
+    failed: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            COUNTED[name](mgr, n)
+        except BaseException as e:
+            failed.append(e)
+
+    t = threading.Thread(target=call)
+    t.start()
+    try:
+        assert n.entered.wait(30)
+        assert mgr.num_free_blocks >= 0
+        mgr.add_request("other", [7] * 20)
+        mgr.remove_request("other")
+        mgr.check_invariants()
+    finally:
+        n.release.set()
+        t.join(30)
+    assert not t.is_alive() and failed == []
     mgr.check_invariants()
 
 

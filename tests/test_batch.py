@@ -98,6 +98,20 @@ def test_batch_decode_steps_match_per_request_allocation() -> None:
     assert batch_mgr.num_cached_block_hashes > 10
 
 
+@pytest.mark.parametrize("one", [1, np.int64(1), np.int32(1), True],
+                         ids=["int", "int64", "int32", "bool"])
+def test_one_count_for_every_request_is_broadcast(one: Any) -> None:
+    prompts = {"a": list(range(16)), "b": [3] * 20, "c": list(range(100, 131))}
+    loop_mgr, batch_mgr, ids = twin_managers(admitted(prompts), block_size=16, num_blocks=40)
+    for t in range(20):
+        computed = step((loop_mgr, batch_mgr), ids, {rid: [1000 + t] for rid in ids})
+        expected = loop_allocate(loop_mgr, ids, [1] * len(ids), computed)
+        assert batch_allocate(batch_mgr, ids, one, computed) == expected
+        assert_same_state(loop_mgr, batch_mgr, ids)
+    with pytest.raises(TypeError):
+        batch_mgr.allocate_slots_batch(ids, 1.0, [0] * len(ids))  # type: ignore[arg-type]
+
+
 def test_batch_with_per_request_token_counts_and_lookahead_matches() -> None:
     prompts = {f"r{i}": list(range(50 * i, 50 * i + 5 + 7 * i)) for i in range(6)}
     loop_mgr, batch_mgr, ids = twin_managers(admitted(prompts), block_size=4, num_blocks=200)

@@ -64,7 +64,7 @@ def test_index_routes_to_the_replica_with_the_longest_prefix() -> None:
     run_request(b, "y", [*system, 7, 8])
     index = PrefixIndex()
     index.apply("a", a.take_events())
-    index.apply("b", b._take_events())  # the core's tuples work too
+    index.apply("b", b.take_events(raw_hashes=True))  # raw digests work too
     query = [*system, 9, 9, 9, 9, 9]
     assert index.longest_prefix_for_tokens(query, 4) == PrefixMatch("b", 8)
     assert index.match_lengths(request_block_hashes(query, 4)) == {"a": 3, "b": 8}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import pytest
@@ -57,20 +58,11 @@ class _KVBatch(_Batch):
 
 
 def _vector_events() -> list[Any]:
-    """The events of ``event_vectors`` / ``event_batch`` built from the core's tuple form."""
+    """The events of ``event_vectors`` / ``event_batch``: domain events (what the
+    manager returns) and a wire struct."""
     return [
-        (
-            "BlockStored",
-            [wire.hash_to_int(CHAIN[1])],
-            wire.hash_to_int(CHAIN[0]),
-            [4, 5, 6, 7],
-            4,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
+        pk.BlockStored(
+            [wire.hash_to_int(CHAIN[1])], wire.hash_to_int(CHAIN[0]), [4, 5, 6, 7], 4, None
         ),
         wire.WireBlockStored(
             block_hashes=[CHAIN[1]],
@@ -83,8 +75,8 @@ def _vector_events() -> list[Any]:
             extra_keys=[("salt",)],
             group_idx=0,
         ),
-        ("BlockRemoved", [wire.hash_to_int(CHAIN[0])], None),
-        ("AllBlocksCleared",),
+        pk.BlockRemoved([wire.hash_to_int(CHAIN[0])]),
+        pk.AllBlocksCleared(),
     ]
 
 
@@ -170,9 +162,9 @@ def test_manager_events_round_trip_through_vllm_structs() -> None:
     mgr.add_request("b", list(range(100, 125)))
     hit = mgr.get_computed_blocks("b")
     assert mgr.allocate_slots("b", 25, num_computed_tokens=0, new_computed_blocks=hit) is not None
-    raw = mgr._take_events()
+    events = mgr.take_events()
     enc = wire.KVEventEncoder(data_parallel_rank=3)
-    payload = enc.encode_events(raw, ts=12.5)
+    payload = enc.encode_events(events, ts=12.5)
     batch = msgspec.msgpack.decode(payload, type=_KVBatch)
     assert batch.ts == 12.5 and batch.data_parallel_rank == 3
     first = batch.events[0]
@@ -184,18 +176,15 @@ def test_manager_events_round_trip_through_vllm_structs() -> None:
     # Allocating over the three cached blocks evicts them, tail first.
     removed = [e.block_hashes[0] for e in batch.events if isinstance(e, _Removed)]
     assert removed == hashes[::-1]
-    # The dataclass path encodes to the same bytes as the tuple path.
-    assert (
-        wire.KVEventEncoder(data_parallel_rank=3).encode_events(
-            [pk.events.from_core(r) for r in raw], ts=12.5
-        )
-        == payload
-    )
+    # Events that crossed a process boundary (pickled) encode to the same bytes.
+    copies = pickle.loads(pickle.dumps(events))
+    assert copies == events
+    assert wire.KVEventEncoder(data_parallel_rank=3).encode_events(copies, ts=12.5) == payload
 
 
 def test_bytes_format_rejects_integer_hashes() -> None:
     enc = wire.KVEventEncoder(hash_format="bytes")
     with pytest.raises(ValueError, match="raw digests"):
-        enc.encode_events([("BlockRemoved", [5], 0)])
+        enc.encode_events([pk.BlockRemoved([5], group_idx=0)])
     with pytest.raises(ValueError):
         wire.KVEventEncoder(hash_format="hex")  # type: ignore[arg-type]

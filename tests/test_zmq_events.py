@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")
 
+import pagedkv as pk  # noqa: E402
 from _util import make_manager  # noqa: E402
 from pagedkv.events import wire  # noqa: E402
 from pagedkv.events.zmq import (  # noqa: E402
@@ -22,15 +23,15 @@ from pagedkv.events.zmq import (  # noqa: E402
 LOOPBACK = "tcp://127.0.0.1:*"
 
 
-def _removed(i: int) -> tuple[object, ...]:
-    return ("BlockRemoved", [i], 0)
+def _removed(i: int) -> pk.BlockRemoved:
+    return pk.BlockRemoved([i], group_idx=0)
 
 
 BIG_TOKENS = list(range(100_000, 102_000))  # about 10 kB per message
 
 
-def _big_stored(i: int) -> tuple[object, ...]:
-    return ("BlockStored", [i], None, BIG_TOKENS, 2000, None, None, None, 0, None, None)
+def _big_stored(i: int) -> pk.BlockStored:
+    return pk.BlockStored([i], None, BIG_TOKENS, 2000, None, group_idx=0)
 
 
 def _collect(sub: ZmqEventSubscriber, n: int, timeout: float = 20.0) -> list[Received]:
@@ -62,7 +63,7 @@ def test_messages_have_vllms_three_frames() -> None:
         sub.connect(pub.bound_endpoint)
         time.sleep(0.3)  # the subscription must reach the publisher first
         pub.publish([_removed(7)], ts=1.5)
-        pub.publish([("AllBlocksCleared",)], ts=2.5)
+        pub.publish([pk.AllBlocksCleared()], ts=2.5)
         assert sub.poll(5000)
         topic, seq, payload = sub.recv_multipart()
         assert topic == b"kv@r0" and seq == (0).to_bytes(8, "big")

@@ -35,7 +35,7 @@ from .errors import (
 )
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from .index import PrefixIndex, PrefixMatch
-from .manager import ComputedBlocks, KVCacheManager
+from .manager import ComputedBlocks, KVCacheManager, ManagerOptions
 from .metrics import MeteredKVCacheManager
 from .presets import ModelPreset
 from .specs import (
@@ -78,6 +78,7 @@ __all__ = [
     "KVCacheTensor",
     "MLAAttentionSpec",
     "MambaSpec",
+    "ManagerOptions",
     "MeteredKVCacheManager",
     "ModelPreset",
     "NotEnoughKVCacheMemoryError",

@@ -1,27 +1,50 @@
 """Type stubs of the compiled core (``rust/pagedkv-py``)."""
 
 from collections.abc import Iterable, Sequence
-from typing import Any, final
+from typing import Any, ClassVar, final
 
 import numpy as np
 import numpy.typing as npt
-from typing_extensions import Self, disjoint_base
+from typing_extensions import Self, Unpack, disjoint_base
+
+# The options' types live with the Python API (documented there); adding an
+# option touches ManagerConfig, the binding's manager_config and this TypedDict.
+from pagedkv.manager import ManagerOptions
 
 __all__ = [
+    "BLOCK_ACCESSED",
+    "BLOCK_ALLOCATED",
+    "BLOCK_EVICTED",
+    "BLOCK_RESET",
+    "DEFAULT_NONE_HASH_SEED",
+    "HASH_ALGOS",
+    "AllBlocksCleared",
+    "BlockPoolStats",
+    "BlockRemoved",
+    "BlockStored",
     "ComputedBlocks",
     "KVCacheManager",
     "PrefixIndex",
     "__version__",
     "hash_block_tokens",
+    "hash_to_int",
     "none_hash",
 ]
 __version__: str
+DEFAULT_NONE_HASH_SEED: str
+HASH_ALGOS: tuple[str, ...]
+# Kinds of take_block_activity's entries.
+BLOCK_ALLOCATED: int
+BLOCK_ACCESSED: int
+BLOCK_EVICTED: int
+BLOCK_RESET: int
 
 _IdArray = npt.NDArray[np.int32]
 # Batch calls name requests by id, or by the handle add_request returned.
 _RequestRefs = Sequence[str] | Sequence[int] | npt.NDArray[np.int64] | npt.NDArray[np.uint64]
 
 def none_hash(hash_algo: str, seed: str) -> bytes: ...
+def hash_to_int(digest: bytes) -> int: ...
 def hash_block_tokens(
     hash_algo: str,
     parent_block_hash: bytes | None,
@@ -30,6 +53,87 @@ def hash_block_tokens(
     *,
     none_hash: bytes,
 ) -> bytes: ...
+@final
+class BlockStored:
+    __match_args__: ClassVar[tuple[str, ...]]
+    def __new__(
+        cls,
+        block_hashes: list[int] | list[bytes],
+        parent_block_hash: int | bytes | None,
+        token_ids: list[int],
+        block_size: int,
+        lora_id: int | None,
+        medium: str | None = "GPU",
+        lora_name: str | None = None,
+        extra_keys: list[tuple[Any, ...] | None] | None = None,
+        group_idx: int | None = None,
+        kv_cache_spec_kind: str | None = None,
+        kv_cache_spec_sliding_window: int | None = None,
+    ) -> Self: ...
+    @property
+    def block_hashes(self) -> list[int] | list[bytes]: ...
+    @property
+    def parent_block_hash(self) -> int | bytes | None: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def lora_id(self) -> int | None: ...
+    @property
+    def medium(self) -> str | None: ...
+    @property
+    def lora_name(self) -> str | None: ...
+    @property
+    def extra_keys(self) -> list[tuple[Any, ...] | None] | None: ...
+    @property
+    def group_idx(self) -> int | None: ...
+    @property
+    def kv_cache_spec_kind(self) -> str | None: ...
+    @property
+    def kv_cache_spec_sliding_window(self) -> int | None: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __reduce__(self) -> tuple[type[Self], tuple[Any, ...]]: ...
+
+@final
+class BlockRemoved:
+    __match_args__: ClassVar[tuple[str, ...]]
+    def __new__(
+        cls,
+        block_hashes: list[int] | list[bytes],
+        medium: str | None = "GPU",
+        group_idx: int | None = None,
+    ) -> Self: ...
+    @property
+    def block_hashes(self) -> list[int] | list[bytes]: ...
+    @property
+    def medium(self) -> str | None: ...
+    @property
+    def group_idx(self) -> int | None: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __reduce__(self) -> tuple[type[Self], tuple[Any, ...]]: ...
+
+@final
+class AllBlocksCleared:
+    __match_args__: ClassVar[tuple[str, ...]]
+    def __new__(cls) -> Self: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __reduce__(self) -> tuple[type[Self], tuple[Any, ...]]: ...
+
+@final
+class BlockPoolStats:
+    @property
+    def blocks_allocated(self) -> int: ...
+    @property
+    def blocks_accessed(self) -> int: ...
+    @property
+    def blocks_evicted(self) -> int: ...
+    @property
+    def cache_resets(self) -> int: ...
+
 @final
 class ComputedBlocks:
     @property
@@ -46,20 +150,16 @@ class KVCacheManager:
         num_blocks: int,
         groups: Sequence[dict[str, Any]],
         max_model_len: int,
-        *,
-        enable_caching: bool = True,
-        hash_algo: str = "sha256_cbor",
-        hash_seed: str | None = None,
-        hash_block_size: int | None = None,
-        use_eagle: bool = False,
-        log_stats: bool = False,
-        enable_kv_cache_events: bool = False,
-        watermark: float = 0.0,
-        max_in_flight_tokens: int | None = None,
-        prefix_cache_retention_interval: int | None = None,
-        verify_cached_tokens: bool = False,
-        hash_truncate_bytes: int | None = None,
+        **options: Unpack[ManagerOptions],
     ) -> Self: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def enable_caching(self) -> bool: ...
+    @property
+    def log_stats(self) -> bool: ...
+    @property
+    def kv_cache_metrics(self) -> bool: ...
     @property
     def verification_failures(self) -> int: ...
     @property
@@ -121,7 +221,7 @@ class KVCacheManager:
     def allocate_slots_batch(
         self,
         request_ids: _RequestRefs,
-        num_new_tokens: int | Sequence[int] | npt.NDArray[Any],
+        num_new_tokens: Sequence[int] | npt.NDArray[Any],
         num_computed_tokens: Sequence[int] | npt.NDArray[Any],
         *,
         num_lookahead_tokens: int = 0,
@@ -137,8 +237,12 @@ class KVCacheManager:
     def evict_blocks(self, block_ids: Iterable[int]) -> None: ...
     def reset_prefix_cache(self) -> bool: ...
     def new_step_starts(self) -> None: ...
-    def _take_events(self, raw_hashes: bool = False) -> list[tuple[Any, ...]]: ...
+    def take_events(
+        self, *, raw_hashes: bool = False
+    ) -> list[BlockStored | BlockRemoved | AllBlocksCleared]: ...
     def _make_prefix_cache_stats(self) -> tuple[bool, int, int, int, int, int, int] | None: ...
+    def block_pool_stats(self) -> BlockPoolStats | None: ...
+    def take_block_activity(self) -> tuple[npt.NDArray[np.uint8], _IdArray]: ...
     def check_invariants(self) -> None: ...
     def free_block_ids(self) -> _IdArray: ...
     def block_ref_count(self, block_id: int) -> int: ...

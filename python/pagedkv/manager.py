@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
+
+import numpy as np
+import numpy.typing as npt
 
 from . import _core
-from .events import KVCacheEvent, from_core
 from .specs import KVCacheConfig
 from .stats import PrefixCacheStats
 
-__all__ = ["ComputedBlocks", "KVCacheManager"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["ComputedBlocks", "KVCacheManager", "ManagerOptions"]
 
 ComputedBlocks = _core.ComputedBlocks
 
-HASH_ALGOS = ("sha256_cbor", "xxhash_cbor", "xxh3_native")
+#: The block hash algorithms, by name (the core's).
+HASH_ALGOS: tuple[str, ...] = _core.HASH_ALGOS
 
 
 def _embed_bytes(prompt_embeds: Any) -> bytes:
@@ -59,6 +66,57 @@ def _mm_tuple(item: Any) -> tuple[str, int, int]:
     return identifier, offset.__index__(), length.__index__()
 
 
+class ManagerOptions(TypedDict, total=False):
+    """The options of :class:`KVCacheManager`, as keyword arguments. Unset ones
+    take the core's defaults (``ManagerConfig``), given in brackets.
+
+    - ``enable_caching`` (True): automatic prefix caching.
+    - ``hash_algo`` (``"sha256_cbor"``): also ``"xxhash_cbor"`` (vLLM-compatible)
+      or ``"xxh3_native"`` (pagedkv's fast hash; not shared with vLLM).
+    - ``hash_seed``: seed of ``NONE_HASH``, like ``PYTHONHASHSEED`` (read from the
+      environment when None). Unset: vLLM's fixed default for ``sha256_cbor``, a
+      random per-manager seed for the others.
+    - ``hash_block_size``: hash granularity in tokens (divides every block size;
+      unset: the groups' GCD).
+    - ``use_eagle`` (False): EAGLE/MTP drafting: every hit drops its last block.
+    - ``log_stats`` (False): collect prefix-cache stats (``make_prefix_cache_stats``).
+    - ``enable_kv_cache_events`` (False): record ``BlockStored`` / ``BlockRemoved``
+      / ``AllBlocksCleared`` (``take_events``).
+    - ``watermark`` (0.0): fraction of blocks kept free when admitting requests
+      while others are scheduled.
+    - ``max_in_flight_tokens``: vLLM's admission cap for sliding-window groups
+      (unset: ``max_model_len``).
+    - ``prefix_cache_retention_interval``: vLLM's sparse retention of
+      sliding-window/Mamba checkpoints (unset: dense; 0: the replay boundary).
+    - ``verify_cached_tokens`` (False): collision safety. Every cached block keeps
+      the token ids it was computed for (and a SHA-256 digest of its whole
+      context); every prefix hit is checked against the request's own tokens, and
+      a block that does not match ends the hit there, so a weak or attacked hash
+      never serves another prompt's KV (``verification_failures`` counts the hits
+      cut short). Costs one SHA-256 per hashed block.
+    - ``hash_truncate_bytes``: keep only this many leading bytes (1..32) of every
+      block hash: a deliberately weak hash, for testing collision handling.
+    - ``kv_cache_metrics`` (False): vLLM's ``--kv-cache-metrics``: the pool counts
+      block allocations, hits and evictions (``block_pool_stats``) and logs them
+      for a residency collector (``take_block_activity``; see
+      :class:`~pagedkv.metrics.MeteredKVCacheManager`).
+    """
+
+    enable_caching: bool
+    hash_algo: str
+    hash_seed: str | int | None
+    hash_block_size: int | None
+    use_eagle: bool
+    log_stats: bool
+    enable_kv_cache_events: bool
+    watermark: float
+    max_in_flight_tokens: int | None
+    prefix_cache_retention_interval: int | None
+    verify_cached_tokens: bool
+    hash_truncate_bytes: int | None
+    kv_cache_metrics: bool
+
+
 class KVCacheManager(_core.KVCacheManager):
     """The KV-cache block manager of one model.
 
@@ -71,107 +129,32 @@ class KVCacheManager(_core.KVCacheManager):
         kv_cache_config: the groups and the number of blocks (block 0 is the null
             block: a pool of N blocks has N-1 usable).
         max_model_len: the longest sequence a request may reach.
-        enable_caching: automatic prefix caching.
-        hash_algo: ``"sha256_cbor"`` (vLLM-compatible, default),
-            ``"xxhash_cbor"`` (vLLM-compatible) or ``"xxh3_native"`` (pagedkv's
-            fast hash; not shared with vLLM).
-        hash_seed: seed of ``NONE_HASH``, like ``PYTHONHASHSEED`` (read from the
-            environment when None). Unset: vLLM's fixed default for
-            ``sha256_cbor``, a random per-manager seed for the others.
-        hash_block_size: hash granularity in tokens (divides every block size).
-        use_eagle: EAGLE/MTP drafting: every hit drops its last block.
-        log_stats: collect prefix-cache stats (``make_prefix_cache_stats``).
-        enable_kv_cache_events: record ``BlockStored``/``BlockRemoved``/
-            ``AllBlocksCleared`` (``take_events``).
-        watermark: fraction of blocks kept free when admitting requests while
-            others are scheduled.
-        max_in_flight_tokens: vLLM's admission cap for sliding-window groups.
-        prefix_cache_retention_interval: vLLM's sparse retention of
-            sliding-window/Mamba checkpoints (None = dense; 0 = replay boundary).
-        verify_cached_tokens: collision safety. Every cached block keeps the token
-            ids it was computed for (and a SHA-256 digest of its whole context);
-            every prefix hit is checked against the request's own tokens, and a
-            block that does not match ends the hit there, so a weak or attacked
-            hash never serves another prompt's KV (``verification_failures``
-            counts the hits cut short). Costs one SHA-256 per hashed block.
-        hash_truncate_bytes: keep only this many leading bytes (1..32) of every
-            block hash: a deliberately weak hash, for testing collision handling.
+        **options: :class:`ManagerOptions` (unset ones take the core's defaults).
     """
 
     _kv_cache_config: KVCacheConfig
-    _max_model_len: int
-    _enable_caching: bool
-    _log_stats: bool
-    _max_in_flight_tokens: int
 
     def __new__(
         cls,
         kv_cache_config: KVCacheConfig,
         max_model_len: int,
-        *,
-        enable_caching: bool = True,
-        hash_algo: str = "sha256_cbor",
-        hash_seed: str | int | None = None,
-        hash_block_size: int | None = None,
-        use_eagle: bool = False,
-        log_stats: bool = False,
-        enable_kv_cache_events: bool = False,
-        watermark: float = 0.0,
-        max_in_flight_tokens: int | None = None,
-        prefix_cache_retention_interval: int | None = None,
-        verify_cached_tokens: bool = False,
-        hash_truncate_bytes: int | None = None,
+        **options: Unpack[ManagerOptions],
     ) -> KVCacheManager:
         if not isinstance(kv_cache_config, KVCacheConfig):
             raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
         # Equal specs share lookups: the tag tells specs apart by every field.
         groups = [{**g.kv_cache_spec.core_spec(), "tag": repr(g.kv_cache_spec)}
                   for g in kv_cache_config.kv_cache_groups]
-        if hash_seed is None:
-            hash_seed = os.environ.get("PYTHONHASHSEED")
-        elif isinstance(hash_seed, bool) or not isinstance(hash_seed, str | int):
-            raise TypeError(f"hash_seed must be a str or an int, got {hash_seed!r}")
-        self = super().__new__(
-            cls,
-            kv_cache_config.num_blocks,
-            groups,
-            max_model_len,
-            enable_caching=enable_caching,
-            hash_algo=hash_algo,
-            hash_seed=None if hash_seed is None else str(hash_seed),
-            hash_block_size=hash_block_size,
-            use_eagle=use_eagle,
-            log_stats=log_stats,
-            enable_kv_cache_events=enable_kv_cache_events,
-            watermark=watermark,
-            max_in_flight_tokens=max_in_flight_tokens,
-            prefix_cache_retention_interval=prefix_cache_retention_interval,
-            verify_cached_tokens=verify_cached_tokens,
-            hash_truncate_bytes=hash_truncate_bytes,
-        )
+        if options.get("hash_seed") is None and "PYTHONHASHSEED" in os.environ:
+            options["hash_seed"] = os.environ["PYTHONHASHSEED"]  # as vLLM reads it
+        self = super().__new__(cls, kv_cache_config.num_blocks, groups, max_model_len, **options)
         self._kv_cache_config = kv_cache_config
-        self._max_model_len = max_model_len
-        self._enable_caching = enable_caching
-        self._log_stats = log_stats
-        self._max_in_flight_tokens = max_in_flight_tokens or max_model_len
         return self
 
     @property
     def kv_cache_config(self) -> KVCacheConfig:
         """The configuration the manager was built from."""
         return self._kv_cache_config
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    @property
-    def enable_caching(self) -> bool:
-        return self._enable_caching
-
-    @property
-    def log_stats(self) -> bool:
-        return self._log_stats
 
     def add_request(
         self,
@@ -207,11 +190,27 @@ class KVCacheManager(_core.KVCacheManager):
             skip_reading_prefix_cache=skip_reading_prefix_cache,
         )
 
-    def take_events(self, *, raw_hashes: bool = False) -> list[KVCacheEvent]:
-        """Drains the recorded KV-cache events (empty when events are off). Block
-        hashes are vLLM's 64-bit ints (the digest's last 8 bytes, big-endian), or
-        the full digest bytes with ``raw_hashes``."""
-        return [from_core(raw) for raw in self._take_events(raw_hashes)]
+    def allocate_slots_batch(
+        self,
+        request_ids: Sequence[str] | Sequence[int] | npt.NDArray[Any],
+        num_new_tokens: int | Sequence[int] | npt.NDArray[Any],
+        num_computed_tokens: Sequence[int] | npt.NDArray[Any],
+        *,
+        num_lookahead_tokens: int = 0,
+    ) -> tuple[int, tuple[tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]], ...]]:
+        """One decode step of many running requests in one call: the same result as
+        ``allocate_slots`` for each in order until the first that does not fit.
+        ``num_new_tokens`` is one count per request, or one for all. Returns
+        ``(num_allocated, ((block_ids, offsets), ...))`` per group, where request
+        ``i``'s new blocks are ``block_ids[offsets[i]:offsets[i+1]]``."""
+        if not isinstance(num_new_tokens, Sequence | np.ndarray):
+            # One count for every request (an int, or a NumPy / torch integer scalar).
+            n = operator.index(num_new_tokens)
+            num_new_tokens = np.full(len(request_ids), n, dtype=np.int64)
+        return super().allocate_slots_batch(
+            request_ids, num_new_tokens, num_computed_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+        )
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The prefix-cache stats since the last call (and starts new ones); None

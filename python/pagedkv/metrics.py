@@ -11,14 +11,12 @@
 - :class:`PrometheusExporter`: exports a :class:`KVCacheMetrics` through
   ``prometheus-client`` (an HTTP endpoint or any registry).
 
-Residency is observed from the manager's calls, where vLLM's block pool calls
-its collector: a block returned by ``allocate_slots`` was popped from the free
-queue (vLLM calls ``on_block_evicted`` then ``on_block_allocated`` for each
-popped block, with caching on); the hit blocks passed to a successful
-``allocate_slots`` were touched (``on_block_accessed``); ``evict_blocks`` evicts;
-a successful ``reset_prefix_cache`` resets. Blocks the core allocates without
-returning them (fresh blocks for external, connector-computed tokens) are not
-seen.
+Residency is observed where vLLM observes it, in the block pool: a manager built
+with ``kv_cache_metrics`` logs every block its pool pops from the free queue
+(evicted, then allocated), every prefix-hit block it takes (accessed), every
+eviction and reset, in order, as vLLM's pool calls its collector; the metered
+manager feeds that log to its collector after each call that can add to it
+(blocks allocated for connector-computed tokens included).
 
 ``prometheus-client`` is needed only by :class:`PrometheusExporter` (the
 ``events`` extra).
@@ -30,10 +28,12 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from . import _core
+from .events import BlockRemoved, BlockStored, KVCacheEvent
 from .manager import KVCacheManager
 from .stats import PrefixCacheStats
 
@@ -229,15 +229,15 @@ class KVCacheMetrics:
             self.caching.observe(stats)
 
     def observe_events(self, events: Iterable[Any]) -> None:
-        """Counts events in the core's tuple form or as event objects."""
+        """Counts :mod:`pagedkv.events` objects (or vLLM's, by their class names)."""
         stored = evicted = resets = 0
         for ev in events:
-            tag = ev[0] if isinstance(ev, tuple) else type(ev).__name__
-            if tag == "BlockStored":
-                stored += len(ev[1] if isinstance(ev, tuple) else ev.block_hashes)
-            elif tag == "BlockRemoved":
-                evicted += len(ev[1] if isinstance(ev, tuple) else ev.block_hashes)
-            elif tag == "AllBlocksCleared":
+            name = type(ev).__name__
+            if isinstance(ev, BlockStored) or name == "BlockStored":
+                stored += len(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved) or name == "BlockRemoved":
+                evicted += len(ev.block_hashes)
+            elif name == "AllBlocksCleared":
                 resets += 1
         with self._lock:
             self.blocks_stored += stored
@@ -277,18 +277,13 @@ class KVCacheMetrics:
             }
 
 
-def _ids(groups: Iterable[Any]) -> list[int]:
-    out: list[int] = []
-    for g in groups:
-        out.extend(int(x) for x in g.tolist() if x)  # block 0 is the null block
-    return out
-
-
 class MeteredKVCacheManager(KVCacheManager):
     """A :class:`~pagedkv.KVCacheManager` that keeps :class:`KVCacheMetrics`.
 
     Same constructor, plus ``kv_cache_metrics`` (vLLM's ``--kv-cache-metrics``:
-    sample block residency), ``kv_cache_metrics_sample`` (the sampling rate) and
+    sample block residency; the pool then logs its block activity),
+    ``kv_cache_metrics_sample`` (the sampling rate), ``residency_collector`` (a
+    collector of one's own, which also turns sampling on) and
     ``max_recent_requests`` (the hit-rate window). Prefix-cache counters need
     ``log_stats=True``; eviction counts need ``enable_kv_cache_events=True``.
     The metrics are fed on the calling (scheduler) thread; exporters read
@@ -306,9 +301,10 @@ class MeteredKVCacheManager(KVCacheManager):
         residency_collector: KVCacheMetricsCollector | None = None,
         **kwargs: Any,
     ) -> MeteredKVCacheManager:
-        self = cast(MeteredKVCacheManager, super().__new__(cls, *args, **kwargs))
         if residency_collector is None and kv_cache_metrics:
             residency_collector = KVCacheMetricsCollector(kv_cache_metrics_sample)
+        kwargs["kv_cache_metrics"] = residency_collector is not None
+        self = cast(MeteredKVCacheManager, super().__new__(cls, *args, **kwargs))
         self.metrics = KVCacheMetrics(
             caching=CachingMetrics(max_recent_requests), residency=residency_collector
         )
@@ -320,61 +316,46 @@ class MeteredKVCacheManager(KVCacheManager):
         self.metrics.usage = self.usage
         self.metrics.num_free_blocks = self.num_free_blocks
 
-    def _on_new_blocks(self, block_ids: Sequence[int]) -> None:
+    def _observe_blocks(self) -> None:
+        """Feeds the pool's block activity since the last call to the collector."""
         col = self.metrics.residency
         if col is None:
             return
-        evict = self.enable_caching
-        for bid in block_ids:
-            if evict:
+        kinds, ids = self.take_block_activity()
+        for kind, bid in zip(kinds.tolist(), ids.tolist(), strict=True):
+            if kind == _core.BLOCK_ALLOCATED:
+                col.on_block_allocated(bid)
+            elif kind == _core.BLOCK_ACCESSED:
+                col.on_block_accessed(bid)
+            elif kind == _core.BLOCK_EVICTED:
                 col.on_block_evicted(bid)
-            col.on_block_allocated(bid)
+            else:
+                col.reset()
 
     def allocate_slots(self, request_id: str, num_new_tokens: int, **kwargs: Any) -> Any:
-        col = self.metrics.residency
-        # Blocks for tokens computed elsewhere (a KV connector) are taken from the
-        # pool but not returned as new blocks: find them in the request's blocks.
-        external = col is not None and kwargs.get("num_external_computed_tokens", 0) > 0
-        held_before = set(_ids(self.get_block_ids(request_id))) if external else set()
         result = super().allocate_slots(request_id, num_new_tokens, **kwargs)
-        if result is not None and col is not None:
-            hit = kwargs.get("new_computed_blocks")
-            hit_ids = _ids(hit.block_ids) if hit is not None else []
-            for bid in hit_ids:
-                col.on_block_accessed(bid)
-            new = _ids(result)
-            if external:
-                seen = held_before | set(new) | set(hit_ids)
-                new += [b for b in _ids(self.get_block_ids(request_id)) if b not in seen]
-            self._on_new_blocks(new)
+        self._observe_blocks()
         return result
 
     def allocate_slots_batch(self, *args: Any, **kwargs: Any) -> Any:
         result = super().allocate_slots_batch(*args, **kwargs)
-        if self.metrics.residency is not None:
-            _, groups = result
-            self._on_new_blocks(_ids(block_ids for block_ids, _ in groups))
+        self._observe_blocks()
         return result
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        ids = [int(b) for b in block_ids]
-        super().evict_blocks(ids)
-        col = self.metrics.residency
-        if col is not None:
-            for bid in ids:
-                col.on_block_evicted(bid)
+        super().evict_blocks(block_ids)
+        self._observe_blocks()
 
     def reset_prefix_cache(self) -> bool:
         ok = super().reset_prefix_cache()
-        if ok and self.metrics.residency is not None:
-            self.metrics.residency.reset()
+        self._observe_blocks()
         return ok
 
-    def _take_events(self, raw_hashes: bool = False) -> list[Any]:
-        raw = super()._take_events(raw_hashes)
-        if raw:
-            self.metrics.observe_events(raw)
-        return raw
+    def take_events(self, *, raw_hashes: bool = False) -> list[KVCacheEvent]:
+        events = super().take_events(raw_hashes=raw_hashes)
+        if events:
+            self.metrics.observe_events(events)
+        return events
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The stats since the last call (also added to the metrics), after

@@ -11,6 +11,6 @@
 
 from __future__ import annotations
 
-from .domain import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, from_core
+from .domain import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
-__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent", "from_core"]
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent"]

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from .. import _core
 from . import domain
 
 __all__ = [
@@ -41,7 +42,6 @@ __all__ = [
     "WireKVCacheEvent",
     "decode_batch",
     "hash_to_int",
-    "to_core",
     "to_wire",
 ]
 
@@ -113,10 +113,11 @@ WireEvent = WireBlockStored | WireBlockRemoved | WireAllBlocksCleared
 
 
 def hash_to_int(h: ExternalBlockHash) -> int:
-    """vLLM's integer form of a block hash: the last 8 bytes, big-endian."""
+    """vLLM's integer form of a block hash: the last 8 bytes, big-endian (the
+    core's conversion); an int is taken modulo 2**64."""
     if isinstance(h, int):
         return h & _MASK64
-    return int.from_bytes(h[-8:], "big")
+    return _core.hash_to_int(h if isinstance(h, bytes) else bytes(h))
 
 
 def _hash(h: ExternalBlockHash, fmt: HashFormat) -> ExternalBlockHash:
@@ -139,13 +140,9 @@ def _hashes(hs: Iterable[ExternalBlockHash], fmt: HashFormat) -> list[ExternalBl
 def to_wire(event: Any, hash_format: HashFormat = "int") -> WireEvent:
     """Converts one event to its wire struct.
 
-    Accepts :mod:`pagedkv.events` objects, the core's tuple form (what
-    ``KVCacheManager._take_events`` returns) and wire structs (re-encoded with
-    ``hash_format``).
+    Accepts :mod:`pagedkv.events` objects (what ``KVCacheManager.take_events``
+    returns) and wire structs (re-encoded with ``hash_format``).
     """
-    if isinstance(event, tuple):
-        # The core's tuple form: decoded once, by pagedkv.events.
-        event = domain.from_core(event)
     if isinstance(event, domain.BlockStored | WireBlockStored):
         parent = event.parent_block_hash
         return WireBlockStored(
@@ -170,30 +167,6 @@ def to_wire(event: Any, hash_format: HashFormat = "int") -> WireEvent:
     if isinstance(event, domain.AllBlocksCleared | WireAllBlocksCleared):
         return WireAllBlocksCleared()
     raise TypeError(f"not a KV-cache event: {event!r}")
-
-
-def to_core(event: WireEvent) -> tuple[Any, ...]:
-    """The core's tuple form of a wire struct (what :class:`pagedkv.index.PrefixIndex`
-    applies without looking at the Python class)."""
-    if isinstance(event, WireBlockStored):
-        return (
-            "BlockStored",
-            event.block_hashes,
-            event.parent_block_hash,
-            event.token_ids,
-            event.block_size,
-            event.lora_id,
-            event.lora_name,
-            event.extra_keys,
-            event.group_idx,
-            event.kv_cache_spec_kind,
-            event.kv_cache_spec_sliding_window,
-        )
-    if isinstance(event, WireBlockRemoved):
-        return ("BlockRemoved", event.block_hashes, event.group_idx)
-    if isinstance(event, WireAllBlocksCleared):
-        return ("AllBlocksCleared",)
-    raise TypeError(f"not a wire event: {event!r}")
 
 
 class KVEventEncoder:

@@ -52,7 +52,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class _EventSource(Protocol):
-    def _take_events(self) -> list[Any]: ...
+    def take_events(self) -> list[Any]: ...
 
 
 def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str | None:
@@ -167,10 +167,10 @@ class ZmqEventPublisher:
     def publish_from(self, manager: _EventSource) -> int:
         """Drains a manager's events and queues them as one batch (nothing when
         there are none, as vLLM's scheduler does). Returns the number of events."""
-        raw = manager._take_events()
-        if raw:
-            self.publish(raw)
-        return len(raw)
+        events = manager.take_events()
+        if events:
+            self.publish(events)
+        return len(events)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Waits until every queued batch has been sent; False on timeout."""

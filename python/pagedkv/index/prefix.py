@@ -16,7 +16,6 @@ PrefixMatch(replica='replica-a', num_blocks=3)
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +30,9 @@ __all__ = [
     "request_block_hashes",
 ]
 
-# vLLM's seed of NONE_HASH for the sha256 algorithms when PYTHONHASHSEED is unset.
-VLLM_DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+# vLLM's seed of NONE_HASH for the sha256 algorithms when PYTHONHASHSEED is unset
+# (the core's).
+VLLM_DEFAULT_NONE_HASH_SEED: str = _core.DEFAULT_NONE_HASH_SEED
 
 
 @dataclass(frozen=True)
@@ -147,17 +147,9 @@ class PrefixIndex:
 
     def apply(self, replica: str, events: Iterable[Any]) -> int:
         """Applies one replica's events in order: a ``KVEventBatch``, or event
-        objects (``pagedkv.events.wire`` structs, ``pagedkv.events`` dataclasses,
-        vLLM's own) or the core's tuples. Returns the number applied."""
+        objects (``pagedkv.events`` objects, ``pagedkv.events.wire`` structs,
+        vLLM's own). Returns the number applied."""
         batch_events: Iterable[Any] = getattr(events, "events", events)
-        # The core tells event objects apart by their class name (vLLM's); the wire
-        # structs have other names, so they go in the core's tuple form. A wire
-        # struct can only exist once its module is loaded, and only then is it
-        # looked at (the index itself does not need msgspec).
-        wire = sys.modules.get("pagedkv.events.wire")
-        if wire is not None:
-            wire_type, to_core = wire.WireKVCacheEvent, wire.to_core
-            batch_events = [to_core(e) if isinstance(e, wire_type) else e for e in batch_events]
         return self._index.apply_events(self._id(replica), batch_events)
 
     def match_lengths(

@@ -73,7 +73,8 @@ impl Coordinator {
             cfg.num_blocks,
             cfg.enable_caching,
             cfg.enable_kv_cache_events,
-        );
+        )
+        .with_metrics(cfg.kv_cache_metrics);
         let sbs = cfg.scheduler_block_size();
         let single = cfg.groups.len() == 1;
         let groups: Vec<GroupManager> = cfg

@@ -9,6 +9,8 @@
 //! length-prefixed encoding of the extra keys — no CBOR, no per-token branching.
 
 use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result, invalid};
 use xxhash_rust::xxh3::xxh3_128;
 
 /// The seed vLLM 0.33 derives `NONE_HASH` from when `PYTHONHASHSEED` is unset
@@ -46,12 +48,7 @@ impl BlockHash {
     /// vLLM's integer form for KV events: the last 8 bytes, big-endian.
     #[must_use]
     pub fn to_event_int(&self) -> u64 {
-        let b = self.as_bytes();
-        let mut out = 0u64;
-        for &x in &b[b.len().saturating_sub(8)..] {
-            out = (out << 8) | u64::from(x);
-        }
-        out
+        event_int(self.as_bytes())
     }
 
     /// A cheap 64-bit fingerprint for hash-map bucketing (digests are uniform).
@@ -61,6 +58,15 @@ impl BlockHash {
         w.copy_from_slice(&self.bytes[..8]);
         u64::from_le_bytes(w)
     }
+}
+
+/// vLLM's integer form of a block-hash digest of any length (KV events, routers):
+/// its last 8 bytes, big-endian (all of a shorter digest).
+#[must_use]
+pub fn event_int(digest: &[u8]) -> u64 {
+    digest[digest.len().saturating_sub(8)..]
+        .iter()
+        .fold(0, |acc, &x| (acc << 8) | u64::from(x))
 }
 
 impl std::fmt::Debug for BlockHash {
@@ -84,6 +90,9 @@ pub enum HashAlgo {
 }
 
 impl HashAlgo {
+    /// Every algorithm, the vLLM-compatible default first.
+    pub const ALL: [Self; 3] = [Self::Sha256Cbor, Self::XxhashCbor, Self::Xxh3Native];
+
     /// Parses an algorithm name.
     #[must_use]
     pub fn from_name(name: &str) -> Option<Self> {
@@ -93,6 +102,18 @@ impl HashAlgo {
             "xxh3_native" => Some(Self::Xxh3Native),
             _ => None,
         }
+    }
+
+    /// Parses an algorithm name, explaining a bad one.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for an unknown name.
+    pub fn parse(name: &str) -> Result<Self> {
+        Self::from_name(name).ok_or_else(|| {
+            Error::InvalidConfig(format!(
+                "unknown hash_algo {name:?}; expected 'sha256_cbor', 'xxhash_cbor' or 'xxh3_native'"
+            ))
+        })
     }
 
     /// The algorithm's name.
@@ -235,17 +256,19 @@ impl CborValue {
     /// are not representable without bignum tags and are rejected.
     ///
     /// # Errors
-    /// When an integer does not fit CBOR's major types 0/1.
-    pub fn encode(&self, buf: &mut Vec<u8>) -> Result<(), String> {
+    /// [`Error::InvalidArgument`] when an integer does not fit CBOR's major types 0/1.
+    pub fn encode(&self, buf: &mut Vec<u8>) -> Result<()> {
         match self {
             Self::Null => buf.push(CBOR_NULL),
             Self::Bool(b) => buf.push(if *b { 0xf5 } else { 0xf4 }),
             Self::Int(v) => {
                 if *v >= 0 {
-                    let u = u64::try_from(*v).map_err(|_| format!("integer {v} too large"))?;
+                    let u =
+                        u64::try_from(*v).map_err(|_| invalid(format!("integer {v} too large")))?;
                     cbor_head(buf, 0, u);
                 } else {
-                    let u = u64::try_from(-1 - *v).map_err(|_| format!("integer {v} too small"))?;
+                    let u = u64::try_from(-1 - *v)
+                        .map_err(|_| invalid(format!("integer {v} too small")))?;
                     cbor_head(buf, 1, u);
                 }
             }
@@ -436,17 +459,17 @@ impl BlockHasher {
     /// `xxh3_native` accepts only `None` (it has no generic key form).
     ///
     /// # Errors
-    /// Extra keys for `xxh3_native`, or unencodable values.
+    /// [`Error::InvalidArgument`]: extra keys for `xxh3_native`, or unencodable values.
     pub fn hash_block_generic(
         &mut self,
         parent: Option<&BlockHash>,
         tokens: &[u32],
         extra: Option<&CborValue>,
-    ) -> Result<BlockHash, String> {
+    ) -> Result<BlockHash> {
         if self.algo == HashAlgo::Xxh3Native {
             return match extra {
                 None => Ok(self.hash_block(parent, tokens, &[])),
-                Some(_) => Err("xxh3_native takes typed extra keys only".into()),
+                Some(_) => Err(invalid("xxh3_native takes typed extra keys only")),
             };
         }
         let parent = parent.unwrap_or(&self.none_hash);

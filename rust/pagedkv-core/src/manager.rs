@@ -87,6 +87,13 @@ impl AllocateArgs {
             has_scheduled_reqs: true,
         }
     }
+
+    /// `num_new_computed_tokens` as given, or when the caller gave none, the
+    /// tokens of the hit it passes (0 without one): a lookup is adopted whole.
+    #[must_use]
+    pub fn num_new_computed_tokens_or_hit(given: Option<u64>, hit: Option<&ComputedBlocks>) -> u64 {
+        given.unwrap_or_else(|| hit.map_or(0, |h| h.num_computed_tokens))
+    }
 }
 
 /// Output of [`KvCacheManager::allocate_slots_batch`]: per group, the new block
@@ -622,6 +629,11 @@ impl KvCacheManager {
     /// Drains the KV events, annotated with each group's spec kind.
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         self.coord.take_events()
+    }
+
+    /// Drains the pool's block activity log (`kv_cache_metrics`; empty otherwise).
+    pub fn take_block_activity(&mut self) -> Vec<crate::pool::BlockActivity> {
+        self.coord.pool_mut().take_block_activity()
     }
 
     /// Returns the prefix-cache stats gathered since the last call and starts new

@@ -10,7 +10,7 @@ use hashbrown::HashMap;
 use rustc_hash::FxBuildHasher;
 use std::hash::{Hash, Hasher};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, invalid};
 use crate::events::KvEvent;
 use crate::hash::BlockHash;
 
@@ -57,6 +57,59 @@ enum Entry {
     Many(Vec<BlockId>),
 }
 
+/// What happened to a block, as vLLM's pool reports it to its metrics collector.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum BlockActivityKind {
+    /// Popped from the free queue for a request (`on_block_allocated`).
+    Allocated = 0,
+    /// Taken as a prefix hit (`on_block_accessed`).
+    Accessed = 1,
+    /// Seen by the eviction of its cached content (`on_block_evicted`); vLLM
+    /// reports every block it considers, cached or not.
+    Evicted = 2,
+    /// The prefix cache was reset (`reset`); the block is [`NULL_BLOCK`].
+    Reset = 3,
+}
+
+/// One entry of the pool's block activity log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BlockActivity {
+    /// What happened.
+    pub kind: BlockActivityKind,
+    /// To which block.
+    pub block: BlockId,
+}
+
+/// Cumulative block counters of a pool built [`BlockPool::with_metrics`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockPoolStats {
+    /// Blocks popped from the free queue for requests.
+    pub blocks_allocated: u64,
+    /// Prefix-hit blocks taken by requests.
+    pub blocks_accessed: u64,
+    /// Cached blocks that lost their cache entry to an eviction (a reuse of the
+    /// block, or `evict_blocks`).
+    pub blocks_evicted: u64,
+    /// Successful prefix-cache resets.
+    pub cache_resets: u64,
+}
+
+/// Opt-in metrics of a pool: counters, and the activity a residency collector
+/// samples (vLLM's pool calls its `KVCacheMetricsCollector` at the same points).
+#[derive(Debug, Default)]
+struct PoolMetrics {
+    stats: BlockPoolStats,
+    /// Drained by [`BlockPool::take_block_activity`].
+    activity: Vec<BlockActivity>,
+}
+
+impl PoolMetrics {
+    fn log(&mut self, kind: BlockActivityKind, block: BlockId) {
+        self.activity.push(BlockActivity { kind, block });
+    }
+}
+
 /// Block arena, free queue and prefix map of one KV cache.
 #[derive(Debug)]
 pub struct BlockPool {
@@ -85,6 +138,8 @@ pub struct BlockPool {
     /// Scratch runs of `free_blocks` (kept to avoid allocating per call).
     scratch_first: Vec<BlockId>,
     scratch_last: Vec<BlockId>,
+    /// `Some` when built [`BlockPool::with_metrics`].
+    metrics: Option<Box<PoolMetrics>>,
 }
 
 impl BlockPool {
@@ -127,7 +182,17 @@ impl BlockPool {
             epoch: 0,
             scratch_first: Vec::new(),
             scratch_last: Vec::new(),
+            metrics: None,
         }
+    }
+
+    /// The pool with block metrics on or off: counters ([`BlockPool::stats`]) and
+    /// an activity log ([`BlockPool::take_block_activity`]) recording what vLLM's
+    /// pool reports to its metrics collector. Off costs one branch per block.
+    #[must_use]
+    pub fn with_metrics(mut self, on: bool) -> Self {
+        self.metrics = on.then(Box::default);
+        self
     }
 
     /// Total blocks, the null block included.
@@ -162,6 +227,17 @@ impl BlockPool {
     #[must_use]
     pub fn epoch(&self) -> u64 {
         self.epoch
+    }
+
+    /// A block id given from outside (a binding, a test), checked against the pool.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an id outside the pool.
+    pub fn block_id(&self, id: i64) -> Result<BlockId> {
+        u32::try_from(id)
+            .ok()
+            .filter(|&b| b < self.num_blocks())
+            .ok_or_else(|| invalid(format!("block id {id} is outside the pool")))
     }
 
     /// Reference count of a block.
@@ -299,6 +375,10 @@ impl BlockPool {
                 self.maybe_evict(id);
             }
             self.blocks[id as usize].ref_cnt = 1;
+            if let Some(m) = self.metrics.as_deref_mut() {
+                m.stats.blocks_allocated += 1;
+                m.log(BlockActivityKind::Allocated, id);
+            }
         }
         true
     }
@@ -314,6 +394,10 @@ impl BlockPool {
                 self.unlink(id);
             }
             self.blocks[id as usize].ref_cnt += 1;
+            if let Some(m) = self.metrics.as_deref_mut() {
+                m.stats.blocks_accessed += 1;
+                m.log(BlockActivityKind::Accessed, id);
+            }
         }
     }
 
@@ -528,7 +612,12 @@ impl BlockPool {
     /// Drops a block's keys from the map (vLLM's `_maybe_evict_cached_block`),
     /// emitting `BlockRemoved`. Returns whether it was cached.
     pub fn maybe_evict(&mut self, id: BlockId) -> bool {
-        self.remove_block_hashes(id) > 0
+        let evicted = self.remove_block_hashes(id) > 0;
+        if let Some(m) = self.metrics.as_deref_mut() {
+            m.stats.blocks_evicted += u64::from(evicted);
+            m.log(BlockActivityKind::Evicted, id);
+        }
+        evicted
     }
 
     /// Clears the prefix cache when no block is in use (only the null block);
@@ -549,6 +638,10 @@ impl BlockPool {
         self.epoch += 1;
         if self.events_enabled {
             self.events.push(KvEvent::AllBlocksCleared);
+        }
+        if let Some(m) = self.metrics.as_deref_mut() {
+            m.stats.cache_resets += 1;
+            m.log(BlockActivityKind::Reset, NULL_BLOCK);
         }
         true
     }
@@ -571,6 +664,23 @@ impl BlockPool {
     /// Drains the recorded events.
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         std::mem::take(&mut self.events)
+    }
+
+    // ---- metrics ----------------------------------------------------------
+
+    /// The block counters; `None` unless built [`BlockPool::with_metrics`].
+    #[must_use]
+    pub fn stats(&self) -> Option<BlockPoolStats> {
+        self.metrics.as_ref().map(|m| m.stats)
+    }
+
+    /// Drains the block activity log, oldest first (empty without metrics). It
+    /// grows until drained, like the event queue.
+    pub fn take_block_activity(&mut self) -> Vec<BlockActivity> {
+        self.metrics
+            .as_deref_mut()
+            .map(|m| std::mem::take(&mut m.activity))
+            .unwrap_or_default()
     }
 
     // ---- invariants -------------------------------------------------------
@@ -767,6 +877,61 @@ mod tests {
             p.take_events().last(),
             Some(KvEvent::AllBlocksCleared)
         ));
+    }
+
+    #[test]
+    fn pool_without_metrics_logs_nothing() {
+        let mut p = BlockPool::new(4, true, false);
+        let mut out = Vec::new();
+        assert!(p.get_new_blocks(2, &mut out));
+        assert_eq!(p.stats(), None);
+        assert!(p.take_block_activity().is_empty());
+    }
+
+    #[test]
+    fn metrics_log_what_vllms_pool_reports_to_its_collector() {
+        use BlockActivityKind::{Accessed, Allocated, Evicted, Reset};
+        let act = |kind, block| BlockActivity { kind, block };
+        let mut p = BlockPool::new(4, true, false).with_metrics(true);
+        let mut out = Vec::new();
+        assert!(p.get_new_blocks(2, &mut out));
+        assert!(p.cache_block(1, key(1)));
+        p.free_blocks([2, 1]);
+        // Each popped block is evicted (cached or not) before it is allocated.
+        assert_eq!(
+            p.take_block_activity(),
+            vec![
+                act(Evicted, 1),
+                act(Allocated, 1),
+                act(Evicted, 2),
+                act(Allocated, 2)
+            ]
+        );
+        p.touch(&[0, 1]);
+        assert_eq!(p.take_block_activity(), vec![act(Accessed, 1)]);
+        p.free_blocks([1]);
+        out.clear();
+        assert!(p.get_new_blocks(3, &mut out)); // 2, 3, then cached 1
+        assert_eq!(out, vec![2, 3, 1]);
+        assert_eq!(p.take_block_activity().len(), 6);
+        p.free_blocks([1, 2, 3]);
+        assert!(!p.maybe_evict(3));
+        assert!(p.reset_prefix_cache());
+        assert_eq!(
+            p.take_block_activity(),
+            vec![act(Evicted, 3), act(Reset, NULL_BLOCK)]
+        );
+        assert!(p.take_block_activity().is_empty());
+        let stats = p.stats().unwrap_or_default();
+        assert_eq!(
+            stats,
+            BlockPoolStats {
+                blocks_allocated: 5,
+                blocks_accessed: 1,
+                blocks_evicted: 1,
+                cache_resets: 1
+            }
+        );
     }
 
     #[test]

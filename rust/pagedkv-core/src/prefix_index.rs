@@ -103,6 +103,30 @@ pub struct IndexStats {
     pub clears: u64,
 }
 
+/// One KV event of a replica, as the index applies it (vLLM's three events,
+/// hashes in their integer form).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum IndexEvent {
+    /// `BlockStored`: a chain of `hashes`, the first a child of `parent`.
+    Stored {
+        /// The block before the chain (`None` at the start of a prompt).
+        parent: Option<u64>,
+        /// The stored blocks' hashes, in order.
+        hashes: Vec<u64>,
+        /// The KV-cache group (`None`: the default group).
+        group: Option<u32>,
+    },
+    /// `BlockRemoved`: one block per hash.
+    Removed {
+        /// The removed blocks' hashes.
+        hashes: Vec<u64>,
+        /// The KV-cache group (`None`: the default group).
+        group: Option<u32>,
+    },
+    /// `AllBlocksCleared`.
+    Cleared,
+}
+
 /// Which replica holds which cached blocks; see the module docs.
 #[derive(Clone, Debug, Default)]
 pub struct PrefixIndex {
@@ -182,6 +206,23 @@ impl PrefixIndex {
                 "replica id {} is not registered",
                 replica.0
             )))
+        }
+    }
+
+    /// Applies one event of `replica` ([`PrefixIndex::store`],
+    /// [`PrefixIndex::remove`] or [`PrefixIndex::clear`]).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for an unregistered replica (nothing changes).
+    pub fn apply(&mut self, replica: ReplicaId, event: &IndexEvent) -> Result<()> {
+        match event {
+            IndexEvent::Stored {
+                parent,
+                hashes,
+                group,
+            } => self.store(replica, *parent, hashes, *group),
+            IndexEvent::Removed { hashes, group } => self.remove(replica, hashes, *group),
+            IndexEvent::Cleared => self.clear(replica),
         }
     }
 

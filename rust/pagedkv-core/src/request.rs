@@ -17,6 +17,25 @@ pub struct Lora {
     pub id: Option<i64>,
 }
 
+impl Lora {
+    /// The adapter of `add_request`'s `lora_name` / `lora_path` / `lora_id`: none
+    /// at all, or a name with an optional path and id.
+    ///
+    /// # Errors
+    /// A path or an id without a name.
+    pub fn from_parts(
+        name: Option<String>,
+        path: Option<String>,
+        id: Option<i64>,
+    ) -> Result<Option<Self>> {
+        match (name, path, id) {
+            (None, None, None) => Ok(None),
+            (Some(name), path, id) => Ok(Some(Self { name, path, id })),
+            _ => Err(invalid("lora_path / lora_id need a lora_name")),
+        }
+    }
+}
+
 /// A multimodal item's placeholder span in the prompt.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MmFeature {

@@ -176,15 +176,24 @@ pub struct ManagerConfig {
     /// Keep only this many leading bytes of every block hash (1..=32). A
     /// deliberately weak hash, for testing collision handling. `None`: all.
     pub hash_truncate_bytes: Option<u8>,
+    /// vLLM's `kv_cache_metrics`: the pool counts block allocations, hits and
+    /// evictions and logs them for a residency collector, as vLLM's pool calls
+    /// its `KVCacheMetricsCollector` (see [`crate::BlockPool::with_metrics`]).
+    pub kv_cache_metrics: bool,
 }
 
+/// Largest `max_model_len` / `max_in_flight_tokens`: token counts stay far from
+/// overflowing the `i64` arithmetic of capacity checks.
+pub const MAX_TOKENS: u64 = 1 << 40;
+
 impl ManagerConfig {
-    /// A single full-attention group with defaults everywhere else.
+    /// A configuration of these groups with every option at its default (vLLM's
+    /// defaults: caching on, `sha256_cbor`, no stats, no events).
     #[must_use]
-    pub fn full_attention(num_blocks: u32, block_size: u32, max_model_len: u64) -> Self {
+    pub fn new(num_blocks: u32, groups: Vec<GroupSpec>, max_model_len: u64) -> Self {
         Self {
             num_blocks,
-            groups: vec![GroupSpec::new(AttentionKind::FullAttention, block_size)],
+            groups,
             max_model_len,
             enable_caching: true,
             hash_algo: HashAlgo::Sha256Cbor,
@@ -198,7 +207,18 @@ impl ManagerConfig {
             prefix_cache_retention_interval: None,
             verify_cached_tokens: false,
             hash_truncate_bytes: None,
+            kv_cache_metrics: false,
         }
+    }
+
+    /// A single full-attention group with defaults everywhere else.
+    #[must_use]
+    pub fn full_attention(num_blocks: u32, block_size: u32, max_model_len: u64) -> Self {
+        Self::new(
+            num_blocks,
+            vec![GroupSpec::new(AttentionKind::FullAttention, block_size)],
+            max_model_len,
+        )
     }
 
     /// The scheduler block size: the LCM of every group's block size.
@@ -221,8 +241,11 @@ impl ManagerConfig {
         if self.groups.is_empty() {
             return bad("at least one KV-cache group is required".into());
         }
-        if self.max_model_len == 0 {
-            return bad("max_model_len must be positive".into());
+        if self.max_model_len == 0 || self.max_model_len >= MAX_TOKENS {
+            return bad(format!(
+                "max_model_len must be in 1..2**40, got {}",
+                self.max_model_len
+            ));
         }
         if let Some(n) = self.hash_truncate_bytes {
             if !(1..=32).contains(&n) {
@@ -306,8 +329,10 @@ impl ManagerConfig {
                 ));
             }
         }
-        if self.max_in_flight_tokens == Some(0) {
-            return bad("max_in_flight_tokens must be positive".into());
+        if let Some(n) = self.max_in_flight_tokens {
+            if n == 0 || n >= MAX_TOKENS {
+                return bad(format!("max_in_flight_tokens must be in 1..2**40, got {n}"));
+            }
         }
         Ok(hbs)
     }

@@ -1,51 +1,37 @@
 //! Binding of the router-side prefix index (`pagedkv_core::prefix_index`):
-//! conversion and error mapping only.
+//! conversion only. Like the manager, every call converts its arguments (events
+//! included) before it borrows the index.
 
 use numpy::PyReadonlyArray1;
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyInt, PyList, PyString};
 
-use pagedkv_core::Error;
-use pagedkv_core::prefix_index::{PrefixIndex, ReplicaId};
+use pagedkv_core::hash::event_int;
+use pagedkv_core::prefix_index::{IndexEvent, PrefixIndex, ReplicaId};
 
-mod errors {
-    pyo3::import_exception!(pagedkv.errors, InvalidArgumentError);
-    pyo3::import_exception!(pagedkv.errors, InvariantViolationError);
-}
-
-fn err(e: Error) -> PyErr {
-    let msg = e.to_string();
-    match e {
-        Error::InvariantViolation(_) => errors::InvariantViolationError::new_err(msg),
-        _ => errors::InvalidArgumentError::new_err(msg),
-    }
-}
+use crate::errors::{PkResult, invalid_arg, type_error};
+use crate::events::{PyAllBlocksCleared, PyBlockRemoved, PyBlockStored};
 
 /// vLLM's event form of one hash: an int in 0..2**64 as is, a digest by its
 /// last 8 bytes (big-endian).
-fn hash_item(item: &Bound<'_, PyAny>) -> PyResult<u64> {
+fn hash_item(item: &Bound<'_, PyAny>) -> PkResult<u64> {
     if let Ok(b) = item.cast::<PyBytes>() {
         let d = b.as_bytes();
         if d.is_empty() {
-            return Err(errors::InvalidArgumentError::new_err("empty block hash"));
+            return Err(invalid_arg("empty block hash"));
         }
-        let mut out = 0u64;
-        for &x in &d[d.len().saturating_sub(8)..] {
-            out = (out << 8) | u64::from(x);
-        }
-        return Ok(out);
+        return Ok(event_int(d));
     }
     if item.is_instance_of::<PyInt>() {
-        return item.extract::<u64>().map_err(|_| {
-            errors::InvalidArgumentError::new_err("block hash ints must be in 0..2**64")
-        });
+        return item
+            .extract::<u64>()
+            .map_err(|_| invalid_arg("block hash ints must be in 0..2**64"));
     }
-    Err(PyTypeError::new_err("block hashes must be ints or bytes"))
+    Err(type_error("block hashes must be ints or bytes"))
 }
 
-/// A hash chain from a uint64 NumPy array or a sequence of ints / bytes.
-fn hash_list(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+/// A hash chain from a uint64 `NumPy` array or a sequence of ints / bytes.
+fn hash_list(obj: &Bound<'_, PyAny>) -> PkResult<Vec<u64>> {
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u64>>() {
         return Ok(a.as_slice()?.to_vec());
     }
@@ -53,80 +39,86 @@ fn hash_list(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
         return list.iter().map(|x| hash_item(&x)).collect();
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(PyTypeError::new_err("block hashes must be a sequence"));
+        return Err(type_error("block hashes must be a sequence"));
     }
     obj.try_iter()?.map(|x| hash_item(&x?)).collect()
 }
 
-fn opt_hash(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
+fn opt_hash(obj: Option<&Bound<'_, PyAny>>) -> PkResult<Option<u64>> {
     match obj {
         Some(o) if !o.is_none() => hash_item(o).map(Some),
         _ => Ok(None),
     }
 }
 
+/// One event object as the index applies it: `pagedkv.events` objects are read
+/// directly; other objects (the `pagedkv.events.wire` structs, vLLM's own) by
+/// their fields, their kind from their msgspec tag or else their class name.
+fn index_event(ev: &Bound<'_, PyAny>) -> PkResult<IndexEvent> {
+    let py = ev.py();
+    if let Ok(s) = ev.cast::<PyBlockStored>() {
+        let s = s.get();
+        return Ok(IndexEvent::Stored {
+            parent: opt_hash(Some(s.parent_block_hash.bind(py)))?,
+            hashes: hash_list(s.block_hashes.bind(py))?,
+            group: s.group_idx.extract(py)?,
+        });
+    }
+    if let Ok(r) = ev.cast::<PyBlockRemoved>() {
+        let r = r.get();
+        return Ok(IndexEvent::Removed {
+            hashes: hash_list(r.block_hashes.bind(py))?,
+            group: r.group_idx.extract(py)?,
+        });
+    }
+    if ev.is_instance_of::<PyAllBlocksCleared>() {
+        return Ok(IndexEvent::Cleared);
+    }
+    let ty = ev.get_type();
+    let tag = ty
+        .getattr_opt("__struct_config__")?
+        .map(|c| c.getattr("tag"))
+        .transpose()?
+        .filter(pyo3::types::PyAnyMethods::is_instance_of::<PyString>);
+    let kind = match tag {
+        Some(t) => t.extract::<String>()?,
+        None => ty.name()?.to_str()?.to_owned(),
+    };
+    match kind.as_str() {
+        "BlockStored" => Ok(IndexEvent::Stored {
+            parent: opt_hash(Some(&ev.getattr("parent_block_hash")?))?,
+            hashes: hash_list(&ev.getattr("block_hashes")?)?,
+            group: ev.getattr("group_idx")?.extract()?,
+        }),
+        "BlockRemoved" => Ok(IndexEvent::Removed {
+            hashes: hash_list(&ev.getattr("block_hashes")?)?,
+            group: ev.getattr("group_idx")?.extract()?,
+        }),
+        "AllBlocksCleared" => Ok(IndexEvent::Cleared),
+        other => Err(type_error(format!("not a KV-cache event: {other}"))),
+    }
+}
+
 /// Which replica holds which cached blocks, fed by KV events, answering
 /// longest-prefix queries. Replicas are dense ints from `replica(name)`.
 #[pyclass(name = "PrefixIndex", module = "pagedkv._core")]
+#[derive(Debug)]
 pub struct PyPrefixIndex {
     inner: PrefixIndex,
 }
 
-impl PyPrefixIndex {
-    fn id(&self, replica: u32) -> PyResult<ReplicaId> {
-        if (replica as usize) < self.inner.num_replicas() {
-            Ok(ReplicaId(replica))
-        } else {
-            Err(errors::InvalidArgumentError::new_err(format!(
-                "replica id {replica} is not registered"
-            )))
-        }
-    }
+fn borrow_mut<'py>(slf: &Bound<'py, PyPrefixIndex>) -> PyResult<PyRefMut<'py, PyPrefixIndex>> {
+    slf.try_borrow_mut().map_err(|_| in_use())
+}
 
-    fn apply_one(&mut self, r: ReplicaId, ev: &Bound<'_, PyAny>) -> PyResult<()> {
-        // The core's tuple form: ("BlockStored", hashes, parent, tokens, block_size,
-        // lora_id, lora_name, extra_keys, group_idx, ...), ("BlockRemoved", hashes,
-        // group_idx), ("AllBlocksCleared",).
-        if let Ok(t) = ev.cast::<PyTuple>() {
-            let tag: String = t.get_item(0)?.extract()?;
-            return match tag.as_str() {
-                "BlockStored" => {
-                    let hashes = hash_list(&t.get_item(1)?)?;
-                    let parent = opt_hash(Some(&t.get_item(2)?))?;
-                    let group: Option<u32> = t.get_item(8)?.extract()?;
-                    self.inner.store(r, parent, &hashes, group).map_err(err)
-                }
-                "BlockRemoved" => {
-                    let hashes = hash_list(&t.get_item(1)?)?;
-                    let group: Option<u32> = t.get_item(2)?.extract()?;
-                    self.inner.remove(r, &hashes, group).map_err(err)
-                }
-                "AllBlocksCleared" => self.inner.clear(r).map_err(err),
-                other => Err(errors::InvalidArgumentError::new_err(format!(
-                    "unknown event {other:?}"
-                ))),
-            };
-        }
-        // Event objects (pagedkv.wire structs, pagedkv.events dataclasses, vLLM's own).
-        let ty = ev.get_type().name()?;
-        match ty.to_str()? {
-            "BlockStored" => {
-                let hashes = hash_list(&ev.getattr("block_hashes")?)?;
-                let parent = opt_hash(Some(&ev.getattr("parent_block_hash")?))?;
-                let group: Option<u32> = ev.getattr("group_idx")?.extract()?;
-                self.inner.store(r, parent, &hashes, group).map_err(err)
-            }
-            "BlockRemoved" => {
-                let hashes = hash_list(&ev.getattr("block_hashes")?)?;
-                let group: Option<u32> = ev.getattr("group_idx")?.extract()?;
-                self.inner.remove(r, &hashes, group).map_err(err)
-            }
-            "AllBlocksCleared" => self.inner.clear(r).map_err(err),
-            other => Err(PyTypeError::new_err(format!(
-                "not a KV-cache event: {other}"
-            ))),
-        }
-    }
+fn borrow<'py>(slf: &Bound<'py, PyPrefixIndex>) -> PyResult<PyRef<'py, PyPrefixIndex>> {
+    slf.try_borrow().map_err(|_| in_use())
+}
+
+fn in_use() -> PyErr {
+    pyo3::exceptions::PyRuntimeError::new_err(
+        "the PrefixIndex is in use by another call (called back from inside a call)",
+    )
 }
 
 #[pymethods]
@@ -180,89 +172,110 @@ impl PyPrefixIndex {
 
     #[pyo3(signature = (replica, block_hashes, parent_block_hash = None, group_idx = None))]
     fn store(
-        &mut self,
+        slf: &Bound<'_, Self>,
         replica: u32,
         block_hashes: &Bound<'_, PyAny>,
         parent_block_hash: Option<&Bound<'_, PyAny>>,
         group_idx: Option<u32>,
-    ) -> PyResult<()> {
-        let r = self.id(replica)?;
+    ) -> PkResult<()> {
         let hashes = hash_list(block_hashes)?;
         let parent = opt_hash(parent_block_hash)?;
-        self.inner.store(r, parent, &hashes, group_idx).map_err(err)
+        Ok(borrow_mut(slf)?
+            .inner
+            .store(ReplicaId(replica), parent, &hashes, group_idx)?)
     }
 
     #[pyo3(signature = (replica, block_hashes, group_idx = None))]
     fn remove(
-        &mut self,
+        slf: &Bound<'_, Self>,
         replica: u32,
         block_hashes: &Bound<'_, PyAny>,
         group_idx: Option<u32>,
-    ) -> PyResult<()> {
-        let r = self.id(replica)?;
+    ) -> PkResult<()> {
         let hashes = hash_list(block_hashes)?;
-        self.inner.remove(r, &hashes, group_idx).map_err(err)
+        Ok(borrow_mut(slf)?
+            .inner
+            .remove(ReplicaId(replica), &hashes, group_idx)?)
     }
 
-    fn clear(&mut self, replica: u32) -> PyResult<()> {
-        let r = self.id(replica)?;
-        self.inner.clear(r).map_err(err)
+    fn clear(&mut self, replica: u32) -> PkResult<()> {
+        Ok(self.inner.clear(ReplicaId(replica))?)
     }
 
     /// Applies events of one replica in order (one crossing per batch). Returns
     /// how many were applied; on a bad event, those before it stay applied.
-    fn apply_events(&mut self, replica: u32, events: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let r = self.id(replica)?;
-        let mut n = 0;
+    fn apply_events(
+        slf: &Bound<'_, Self>,
+        replica: u32,
+        events: &Bound<'_, PyAny>,
+    ) -> PkResult<usize> {
+        let mut converted = Vec::new();
+        let mut bad = None;
         for ev in events.try_iter()? {
-            self.apply_one(r, &ev?)?;
-            n += 1;
+            match ev.map_err(Into::into).and_then(|ev| index_event(&ev)) {
+                Ok(e) => converted.push(e),
+                Err(e) => {
+                    bad = Some(e);
+                    break;
+                }
+            }
         }
-        Ok(n)
+        let mut this = borrow_mut(slf)?;
+        let r = ReplicaId(replica);
+        for ev in &converted {
+            this.inner.apply(r, ev)?;
+        }
+        match bad {
+            Some(e) => Err(e),
+            None => Ok(converted.len()),
+        }
     }
 
     #[pyo3(signature = (block_hashes, group_idx = None))]
     fn match_lengths(
-        &self,
+        slf: &Bound<'_, Self>,
         block_hashes: &Bound<'_, PyAny>,
         group_idx: Option<u32>,
-    ) -> PyResult<Vec<usize>> {
-        Ok(self
-            .inner
-            .match_lengths(&hash_list(block_hashes)?, group_idx))
+    ) -> PkResult<Vec<usize>> {
+        let hashes = hash_list(block_hashes)?;
+        Ok(borrow(slf)?.inner.match_lengths(&hashes, group_idx))
     }
 
     /// `(replica, num_blocks)` of the longest held prefix, or None.
     #[pyo3(signature = (block_hashes, group_idx = None))]
     fn longest_prefix(
-        &self,
+        slf: &Bound<'_, Self>,
         block_hashes: &Bound<'_, PyAny>,
         group_idx: Option<u32>,
-    ) -> PyResult<Option<(u32, usize)>> {
-        Ok(self
+    ) -> PkResult<Option<(u32, usize)>> {
+        let hashes = hash_list(block_hashes)?;
+        Ok(borrow(slf)?
             .inner
-            .longest_prefix(&hash_list(block_hashes)?, group_idx)
+            .longest_prefix(&hashes, group_idx)
             .map(|m| (m.replica.0, m.num_blocks)))
     }
 
     #[pyo3(signature = (replica, block_hash, group_idx = None))]
     fn contains(
-        &self,
+        slf: &Bound<'_, Self>,
         replica: u32,
         block_hash: &Bound<'_, PyAny>,
         group_idx: Option<u32>,
-    ) -> PyResult<bool> {
-        Ok(self
+    ) -> PkResult<bool> {
+        let h = hash_item(block_hash)?;
+        Ok(borrow(slf)?
             .inner
-            .contains(ReplicaId(replica), hash_item(block_hash)?, group_idx))
+            .contains(ReplicaId(replica), h, group_idx))
     }
 
-    fn parent(&self, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
-        Ok(self.inner.parent(hash_item(block_hash)?))
+    fn parent(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PkResult<Option<u64>> {
+        let h = hash_item(block_hash)?;
+        Ok(borrow(slf)?.inner.parent(h))
     }
 
-    fn chain(&self, block_hash: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
-        Ok(self.inner.chain(hash_item(block_hash)?))
+    fn chain(slf: &Bound<'_, Self>, block_hash: &Bound<'_, PyAny>) -> PkResult<Vec<u64>> {
+        let h = hash_item(block_hash)?;
+        Ok(borrow(slf)?.inner.chain(h))
     }
 
     /// Sorted `(hash, group_idx, count)` entries of one replica.
@@ -270,8 +283,8 @@ impl PyPrefixIndex {
         self.inner.replica_entries(ReplicaId(replica))
     }
 
-    fn check_invariants(&self) -> PyResult<()> {
-        self.inner.check_invariants().map_err(err)
+    fn check_invariants(&self) -> PkResult<()> {
+        Ok(self.inner.check_invariants()?)
     }
 }
 

@@ -1,0 +1,383 @@
+//! Argument conversion: Python objects in, core types out (and block ids back
+//! out as int32 `NumPy` arrays). A value the core's type cannot hold is refused
+//! here; what a value means, and whether it is allowed, is the core's business.
+
+use numpy::{PyArray1, PyReadonlyArray1};
+use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedStr;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
+
+use pagedkv_core::{
+    AttentionKind, BlockHash, BlockId, CborValue, GroupSpec, HashAlgo, MambaCacheMode,
+    ManagerConfig, RequestRefs,
+};
+
+use crate::errors::{PkResult, PyPkError, invalid_arg, invalid_config, type_error};
+
+/// A non-negative count.
+pub fn count(name: &str, v: i64) -> PkResult<u64> {
+    u64::try_from(v).map_err(|_| invalid_arg(format!("{name} must be non-negative, got {v}")))
+}
+
+fn token_from_i64(v: i64) -> PkResult<u32> {
+    u32::try_from(v).map_err(|_| invalid_arg(format!("token id {v} is outside 0..2**32")))
+}
+
+fn token_item(item: &Bound<'_, PyAny>) -> PkResult<u32> {
+    if item.is_instance_of::<PyBool>() {
+        return Err(type_error("token ids must be ints, not bools"));
+    }
+    if let Ok(v) = item.extract::<u32>() {
+        return Ok(v);
+    }
+    let shown = item.repr().map(|r| r.to_string()).unwrap_or_default();
+    if item.is_instance_of::<PyInt>() {
+        Err(invalid_arg(format!("token id {shown} is outside 0..2**32")))
+    } else {
+        Err(type_error(format!("token ids must be ints, got {shown}")))
+    }
+}
+
+/// Token ids from a list of Python ints. Exact ints in range take a direct path
+/// (no reference counting, no error machinery); anything else goes through
+/// [`token_item`], which converts or explains.
+#[allow(unsafe_code)] // the one unsafe block of the workspace: see its SAFETY note
+fn list_tokens(list: &Bound<'_, PyList>) -> PkResult<Vec<u32>> {
+    let n = list.len();
+    let mut out = Vec::with_capacity(n);
+    let int_type = std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type);
+    for i in 0..n {
+        // SAFETY: `i < n`, the length read above; the GIL is held and nothing in
+        // this loop's fast path runs Python code, so the list cannot change under
+        // us. The item is a borrowed reference used only in this iteration.
+        let fast = unsafe {
+            let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
+            if !item.is_null() && pyo3::ffi::Py_TYPE(item) == int_type {
+                let v = pyo3::ffi::PyLong_AsLong(item);
+                if v == -1 {
+                    // -1, or an overflow error to drop: the slow path decides.
+                    pyo3::ffi::PyErr_Clear();
+                }
+                u32::try_from(v).ok()
+            } else {
+                None
+            }
+        };
+        match fast {
+            Some(t) => out.push(t),
+            None => out.push(token_item(&list.get_item(i)?)?),
+        }
+    }
+    Ok(out)
+}
+
+/// Token ids from a list, an int `NumPy` array or any sequence of ints.
+pub fn tokens(obj: &Bound<'_, PyAny>) -> PkResult<Vec<u32>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        return list_tokens(list);
+    }
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+        return a.as_slice()?.iter().map(|&v| token_from_i64(v)).collect();
+    }
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
+        return a
+            .as_slice()?
+            .iter()
+            .map(|&v| token_from_i64(i64::from(v)))
+            .collect();
+    }
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u32>>() {
+        return Ok(a.as_slice()?.to_vec());
+    }
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(type_error("token ids must be a sequence of ints"));
+    }
+    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    for item in obj.try_iter()? {
+        out.push(token_item(&item?)?);
+    }
+    Ok(out)
+}
+
+/// Non-negative counts from an int `NumPy` array or a sequence.
+pub fn counts(name: &str, obj: &Bound<'_, PyAny>) -> PkResult<Vec<u64>> {
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+        return a.as_slice()?.iter().map(|&v| count(name, v)).collect();
+    }
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
+        return a
+            .as_slice()?
+            .iter()
+            .map(|&v| count(name, i64::from(v)))
+            .collect();
+    }
+    let v: Vec<i64> = obj.extract()?;
+    v.into_iter().map(|x| count(name, x)).collect()
+}
+
+/// The requests of a batch call: a sequence of ids, or handles (a list of ints
+/// or an integer `NumPy` array) as `add_request` returned them.
+pub enum BatchIds {
+    Names(Vec<PyBackedStr>),
+    Handles(Vec<u64>),
+}
+
+impl BatchIds {
+    pub fn extract(obj: &Bound<'_, PyAny>) -> PkResult<Self> {
+        if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+            // A negative value is no handle: it maps to one that is never live.
+            return Ok(Self::Handles(
+                a.as_slice()?.iter().map(|&h| h as u64).collect(),
+            ));
+        }
+        if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u64>>() {
+            return Ok(Self::Handles(a.as_slice()?.to_vec()));
+        }
+        if let Ok(list) = obj.cast::<PyList>() {
+            let first_is_int = match list.len() {
+                0 => false,
+                _ => list.get_item(0)?.is_instance_of::<PyInt>(),
+            };
+            if first_is_int {
+                return list
+                    .iter()
+                    .map(|h| {
+                        h.extract::<u64>().map_err(|_| {
+                            type_error("request handles must be ints returned by add_request")
+                        })
+                    })
+                    .collect::<PkResult<Vec<u64>>>()
+                    .map(Self::Handles);
+            }
+        }
+        if obj.is_instance_of::<PyString>() {
+            return Err(type_error(
+                "request_ids must be a sequence of ids, not one string",
+            ));
+        }
+        Ok(Self::Names(obj.extract()?))
+    }
+
+    pub fn with_refs<T>(&self, f: impl FnOnce(RequestRefs<'_>) -> T) -> T {
+        match self {
+            Self::Names(v) => {
+                let ids: Vec<&str> = v.iter().map(|s| &**s).collect();
+                f(RequestRefs::Ids(&ids))
+            }
+            Self::Handles(h) => f(RequestRefs::Handles(h)),
+        }
+    }
+}
+
+/// Block ids as they leave: int32 (the binding caps pools below 2^31 blocks).
+pub fn ids_i32(ids: &[BlockId]) -> Vec<i32> {
+    ids.iter().map(|&x| x as i32).collect()
+}
+
+/// Per-group block ids as int32 vectors (taken while the manager is borrowed;
+/// [`groups_tuple`] makes the arrays once it is released).
+pub fn groups_i32<S: AsRef<[BlockId]>>(groups: &[S]) -> Vec<Vec<i32>> {
+    groups.iter().map(|g| ids_i32(g.as_ref())).collect()
+}
+
+/// A tuple of int32 arrays, one per group (the vectors are moved, not copied).
+pub fn groups_tuple(py: Python<'_>, groups: Vec<Vec<i32>>) -> PyResult<Bound<'_, PyTuple>> {
+    PyTuple::new(py, groups.into_iter().map(|g| PyArray1::from_vec(py, g)))
+}
+
+/// A block-hash digest (1..=32 bytes).
+pub fn block_hash(what: &str, bytes: &[u8]) -> PkResult<BlockHash> {
+    BlockHash::from_slice(bytes).ok_or_else(|| invalid_arg(format!("{what} must be 1..32 bytes")))
+}
+
+/// Extra keys of any CBOR-encodable shape.
+pub fn cbor_value(obj: &Bound<'_, PyAny>) -> PkResult<CborValue> {
+    if obj.is_none() {
+        return Ok(CborValue::Null);
+    }
+    if let Ok(b) = obj.cast::<PyBool>() {
+        return Ok(CborValue::Bool(b.is_true()));
+    }
+    if obj.is_instance_of::<PyInt>() {
+        return Ok(CborValue::Int(obj.extract()?));
+    }
+    if let Ok(s) = obj.extract::<String>() {
+        return Ok(CborValue::Text(s));
+    }
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(CborValue::Bytes(b.as_bytes().to_vec()));
+    }
+    if obj.is_instance_of::<PyTuple>() || obj.is_instance_of::<PyList>() {
+        let items: PkResult<Vec<CborValue>> = obj.try_iter()?.map(|x| cbor_value(&x?)).collect();
+        return Ok(CborValue::Array(items?));
+    }
+    Err(type_error(format!(
+        "extra keys must be None, bool, int, str, bytes, tuple or list, got {}",
+        obj.get_type().name()?
+    )))
+}
+
+// ---- configuration -----------------------------------------------------------
+
+/// An integer option in the core's type (a value that does not fit it is a bad
+/// configuration; the core checks the range it accepts).
+fn config_int<T: TryFrom<i64>>(name: &str, v: i64) -> PkResult<T> {
+    T::try_from(v).map_err(|_| {
+        invalid_config(if v < 0 {
+            format!("{name} must be non-negative, got {v}")
+        } else {
+            format!("{name} {v} is too large")
+        })
+    })
+}
+
+/// Extracts one `**options` value, naming it in the error as `PyO3` names arguments.
+fn option<'py, T>(name: &str, v: &Bound<'py, PyAny>) -> PkResult<T>
+where
+    T: for<'a> FromPyObject<'a, 'py>,
+{
+    v.extract::<T>().map_err(|e| {
+        let e: PyErr = e.into();
+        // Python 3.11+; on 3.10 the note is simply missing.
+        let _ = e
+            .value(v.py())
+            .call_method1("add_note", (format!("while processing '{name}'"),));
+        PyPkError::Python(e)
+    })
+}
+
+/// An optional integer option (`None` stays unset).
+fn option_int<T: TryFrom<i64>>(name: &str, v: &Bound<'_, PyAny>) -> PkResult<Option<T>> {
+    option::<Option<i64>>(name, v)?
+        .map(|x| config_int(name, x))
+        .transpose()
+}
+
+/// `hash_seed`: a str, or an int (its decimal form, as `PYTHONHASHSEED` reads).
+fn hash_seed(v: &Bound<'_, PyAny>) -> PkResult<Option<String>> {
+    if v.is_none() {
+        return Ok(None);
+    }
+    if v.is_instance_of::<PyString>()
+        || (v.is_instance_of::<PyInt>() && !v.is_instance_of::<PyBool>())
+    {
+        return Ok(Some(v.str()?.to_string()));
+    }
+    Err(type_error(format!(
+        "hash_seed must be a str or an int, got {}",
+        v.repr()?
+    )))
+}
+
+/// One group from its spec's `core_spec()` dict (+ `tag`).
+fn group_spec(d: &Bound<'_, PyDict>) -> PkResult<GroupSpec> {
+    let get_u32 = |key: &str| -> PkResult<u32> {
+        let v: i64 = d
+            .get_item(key)?
+            .ok_or_else(|| invalid_config(format!("group spec lacks {key:?}")))?
+            .extract()?;
+        config_int(key, v)
+    };
+    let kind: String = d
+        .get_item("kind")?
+        .ok_or_else(|| invalid_config("group spec lacks \"kind\""))?
+        .extract()?;
+    let kind = match kind.as_str() {
+        "full_attention" => AttentionKind::FullAttention,
+        "mla_attention" => AttentionKind::MlaAttention,
+        "sliding_window" => AttentionKind::SlidingWindow {
+            window: get_u32("sliding_window")?,
+        },
+        "chunked_local_attention" => AttentionKind::ChunkedLocal {
+            chunk: get_u32("attention_chunk_size")?,
+        },
+        "cross_attention" => AttentionKind::CrossAttention,
+        "sink_full_attention" => AttentionKind::SinkFullAttention {
+            sink_len: get_u32("sink_len")?,
+        },
+        "mamba" => {
+            let mode: String = match d.get_item("mamba_cache_mode")? {
+                Some(m) => m.extract()?,
+                None => "none".into(),
+            };
+            let num_speculative_blocks = match d.get_item("num_speculative_blocks")? {
+                Some(v) => config_int("num_speculative_blocks", v.extract()?)?,
+                None => 0,
+            };
+            AttentionKind::Mamba {
+                mode: MambaCacheMode::from_name(&mode).ok_or_else(|| {
+                    invalid_config(format!(
+                        "mamba_cache_mode must be none/align/all, got {mode:?}"
+                    ))
+                })?,
+                num_speculative_blocks,
+            }
+        }
+        other => {
+            return Err(invalid_config(format!(
+                "KV-cache spec kind {other:?} is not supported"
+            )));
+        }
+    };
+    let tag: String = match d.get_item("tag")? {
+        Some(t) => t.extract()?,
+        None => String::new(),
+    };
+    Ok(GroupSpec {
+        kind,
+        block_size: get_u32("block_size")?,
+        tag,
+    })
+}
+
+/// The manager's configuration: the pool and groups, then each `**options` entry
+/// over the core's defaults. The one place an option crosses the boundary.
+pub fn manager_config(
+    num_blocks: i64,
+    groups: &[Bound<'_, PyDict>],
+    max_model_len: i64,
+    options: Option<&Bound<'_, PyDict>>,
+) -> PkResult<ManagerConfig> {
+    // Block ids leave as int32: the pool stays below 2^31 - 1 blocks.
+    let num_blocks = u32::try_from(num_blocks)
+        .ok()
+        .filter(|&n| n < i32::MAX as u32)
+        .ok_or_else(|| {
+            invalid_config(format!(
+                "num_blocks must be below 2**31 - 1 (block ids are int32), got {num_blocks}"
+            ))
+        })?;
+    let groups = groups.iter().map(group_spec).collect::<PkResult<_>>()?;
+    let mut cfg = ManagerConfig::new(
+        num_blocks,
+        groups,
+        config_int("max_model_len", max_model_len)?,
+    );
+    for (key, v) in options.into_iter().flatten() {
+        let key = key.cast_into::<PyString>()?;
+        let name = key.to_str()?;
+        match name {
+            "enable_caching" => cfg.enable_caching = option(name, &v)?,
+            "hash_algo" => cfg.hash_algo = HashAlgo::parse(&option::<PyBackedStr>(name, &v)?)?,
+            "hash_seed" => cfg.hash_seed = hash_seed(&v)?,
+            "hash_block_size" => cfg.hash_block_size = option_int(name, &v)?,
+            "use_eagle" => cfg.use_eagle = option(name, &v)?,
+            "log_stats" => cfg.log_stats = option(name, &v)?,
+            "enable_kv_cache_events" => cfg.enable_kv_cache_events = option(name, &v)?,
+            "watermark" => cfg.watermark = option(name, &v)?,
+            "max_in_flight_tokens" => cfg.max_in_flight_tokens = option_int(name, &v)?,
+            "prefix_cache_retention_interval" => {
+                cfg.prefix_cache_retention_interval = option_int(name, &v)?;
+            }
+            "verify_cached_tokens" => cfg.verify_cached_tokens = option(name, &v)?,
+            "hash_truncate_bytes" => cfg.hash_truncate_bytes = option_int(name, &v)?,
+            "kv_cache_metrics" => cfg.kv_cache_metrics = option(name, &v)?,
+            other => {
+                return Err(type_error(format!(
+                    "KVCacheManager() got an unexpected keyword argument '{other}'"
+                )));
+            }
+        }
+    }
+    Ok(cfg)
+}

@@ -1,0 +1,611 @@
+//! The `KVCacheManager` pyclass over [`KvCacheManager`].
+//!
+//! Every call converts all its arguments first, then borrows the manager only
+//! for the core call (pure Rust: no Python code runs, the GIL stays held), and
+//! builds its Python result after the borrow ends. Conversions may run Python
+//! code (`__index__`, iterators, torch and `NumPy` scalars) that releases the GIL
+//! or calls back into the manager: the manager is free then, so another thread's
+//! call waits for the GIL instead of failing, and a callback works.
+
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+
+use pagedkv_core::pool::{BlockActivityKind, BlockPoolStats};
+use pagedkv_core::{
+    AllocateArgs, BatchAllocation, CacheKey, ComputedBlocks, KvCacheManager, Lora, MmFeature,
+    RequestSpec,
+};
+
+use crate::convert::{
+    BatchIds, block_hash, count, counts, groups_i32, groups_tuple, ids_i32, manager_config, tokens,
+};
+use crate::errors::PkResult;
+use crate::events;
+
+/// Result of `get_computed_blocks`.
+#[pyclass(module = "pagedkv._core", name = "ComputedBlocks", frozen)]
+#[derive(Debug)]
+pub struct PyComputedBlocks {
+    inner: ComputedBlocks,
+    block_ids: Py<PyTuple>,
+}
+
+#[pymethods]
+impl PyComputedBlocks {
+    /// Hit block ids per KV-cache group (int32 arrays).
+    #[getter]
+    fn block_ids(&self, py: Python<'_>) -> Py<PyTuple> {
+        self.block_ids.clone_ref(py)
+    }
+
+    /// Tokens covered by the hit.
+    #[getter]
+    fn num_computed_tokens(&self) -> u64 {
+        self.inner.num_computed_tokens
+    }
+
+    /// Position of a shared prefix a sparse-retention group has not cached yet.
+    #[getter]
+    fn shared_prefix_boundary(&self) -> u64 {
+        self.inner.shared_prefix_boundary
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "ComputedBlocks(num_computed_tokens={}, block_ids={:?})",
+            self.inner.num_computed_tokens, self.inner.block_ids
+        )
+    }
+}
+
+/// The pool's block counters (`kv_cache_metrics`).
+#[pyclass(module = "pagedkv._core", name = "BlockPoolStats", frozen, get_all)]
+#[derive(Debug)]
+pub struct PyBlockPoolStats {
+    /// Blocks popped from the free queue for requests.
+    blocks_allocated: u64,
+    /// Prefix-hit blocks taken by requests.
+    blocks_accessed: u64,
+    /// Cached blocks that lost their cache entry to an eviction.
+    blocks_evicted: u64,
+    /// Successful prefix-cache resets.
+    cache_resets: u64,
+}
+
+impl From<BlockPoolStats> for PyBlockPoolStats {
+    fn from(s: BlockPoolStats) -> Self {
+        Self {
+            blocks_allocated: s.blocks_allocated,
+            blocks_accessed: s.blocks_accessed,
+            blocks_evicted: s.blocks_evicted,
+            cache_resets: s.cache_resets,
+        }
+    }
+}
+
+#[pymethods]
+impl PyBlockPoolStats {
+    fn __repr__(&self) -> String {
+        format!(
+            "BlockPoolStats(blocks_allocated={}, blocks_accessed={}, blocks_evicted={}, \
+             cache_resets={})",
+            self.blocks_allocated, self.blocks_accessed, self.blocks_evicted, self.cache_resets
+        )
+    }
+}
+
+/// The Rust KV-cache manager. Use `pagedkv.KVCacheManager`, which builds it from a
+/// `KVCacheConfig`.
+#[pyclass(module = "pagedkv._core", name = "KVCacheManager", subclass)]
+#[derive(Debug)]
+pub struct PyManager {
+    inner: KvCacheManager,
+    /// The result of an allocation without new blocks (one per manager).
+    empty: Py<PyTuple>,
+    /// Reused output of `allocate_slots_batch`.
+    batch: BatchAllocation,
+}
+
+/// `(kinds, block_ids)` of the block activity log.
+type ActivityArrays<'py> = (Bound<'py, PyArray1<u8>>, Bound<'py, PyArray1<i32>>);
+
+/// The manager, mutably borrowed for a call whose arguments are converted. Only
+/// a call made from inside a core call could find it borrowed, and none is.
+fn borrow_mut<'py>(slf: &Bound<'py, PyManager>) -> PyResult<PyRefMut<'py, PyManager>> {
+    slf.try_borrow_mut().map_err(|_| in_use())
+}
+
+/// The manager, borrowed for reading, after the arguments were converted.
+fn borrow<'py>(slf: &Bound<'py, PyManager>) -> PyResult<PyRef<'py, PyManager>> {
+    slf.try_borrow().map_err(|_| in_use())
+}
+
+fn in_use() -> PyErr {
+    pyo3::exceptions::PyRuntimeError::new_err(
+        "the KVCacheManager is in use by another call (called back from inside a call)",
+    )
+}
+
+#[pymethods]
+impl PyManager {
+    /// `options` are `ManagerConfig`'s (`pagedkv.ManagerOptions`); unset ones
+    /// take the core's defaults.
+    #[new]
+    #[pyo3(signature = (num_blocks, groups, max_model_len, **options))]
+    fn new(
+        py: Python<'_>,
+        num_blocks: i64,
+        groups: Vec<Bound<'_, PyDict>>,
+        max_model_len: i64,
+        options: Option<&Bound<'_, PyDict>>,
+    ) -> PkResult<Self> {
+        let cfg = manager_config(num_blocks, &groups, max_model_len, options)?;
+        let inner = KvCacheManager::new(cfg)?;
+        let empty = groups_tuple(py, vec![Vec::new(); inner.num_groups()])?.unbind();
+        Ok(Self {
+            inner,
+            empty,
+            batch: BatchAllocation::default(),
+        })
+    }
+
+    // ---- configuration and state ---------------------------------------------
+
+    /// The longest sequence a request may reach.
+    #[getter]
+    fn max_model_len(&self) -> u64 {
+        self.inner.config().max_model_len
+    }
+
+    /// Whether prefix caching is on.
+    #[getter]
+    fn enable_caching(&self) -> bool {
+        self.inner.config().enable_caching
+    }
+
+    /// Whether prefix-cache stats are collected.
+    #[getter]
+    fn log_stats(&self) -> bool {
+        self.inner.config().log_stats
+    }
+
+    /// Whether the pool counts and logs block activity (`kv_cache_metrics`).
+    #[getter]
+    fn kv_cache_metrics(&self) -> bool {
+        self.inner.config().kv_cache_metrics
+    }
+
+    /// Prefix hits cut short by `verify_cached_tokens`: a cached block whose
+    /// tokens or context did not match the request (a hash collision caught).
+    #[getter]
+    fn verification_failures(&self) -> u64 {
+        self.inner.verification_failures()
+    }
+
+    /// Blocks in the free queue (evictable cached blocks included).
+    #[getter]
+    fn num_free_blocks(&self) -> u32 {
+        self.inner.num_free_blocks()
+    }
+
+    /// KV-cache usage in [0, 1] (null block excluded).
+    #[getter]
+    fn usage(&self) -> f64 {
+        self.inner.usage()
+    }
+
+    /// Number of known requests.
+    #[getter]
+    fn num_requests(&self) -> usize {
+        self.inner.num_requests()
+    }
+
+    /// Number of KV-cache groups.
+    #[getter]
+    fn num_kv_cache_groups(&self) -> usize {
+        self.inner.num_groups()
+    }
+
+    /// Total blocks in the pool (the null block included).
+    #[getter]
+    fn num_blocks(&self) -> u32 {
+        self.inner.pool().num_blocks()
+    }
+
+    /// Token granularity of block hashes.
+    #[getter]
+    fn hash_block_size(&self) -> usize {
+        self.inner.hash_block_size()
+    }
+
+    /// The `NONE_HASH` every hash chain starts from.
+    #[getter]
+    fn none_hash<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, self.inner.none_hash().as_bytes())
+    }
+
+    /// Number of distinct keys in the prefix map.
+    #[getter]
+    fn num_cached_block_hashes(&self) -> usize {
+        self.inner.pool().num_cached_keys()
+    }
+
+    fn __contains__(slf: &Bound<'_, Self>, request_id: &str) -> PkResult<bool> {
+        Ok(borrow(slf)?.inner.contains(request_id))
+    }
+
+    // ---- requests --------------------------------------------------------------
+
+    #[pyo3(signature = (request_id, prompt_token_ids, *, lora_name = None, lora_path = None,
+        lora_id = None, cache_salt = None, mm_features = None, prompt_embeds = None,
+        skip_reading_prefix_cache = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_request(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        lora_name: Option<String>,
+        lora_path: Option<String>,
+        lora_id: Option<i64>,
+        cache_salt: Option<String>,
+        mm_features: Option<Vec<(String, i64, i64)>>,
+        prompt_embeds: Option<Vec<u8>>,
+        skip_reading_prefix_cache: bool,
+    ) -> PkResult<u64> {
+        let prompt_token_ids = tokens(prompt_token_ids)?;
+        let mm_features = mm_features
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(identifier, offset, length)| {
+                Ok(MmFeature {
+                    identifier,
+                    offset: count("multimodal offset", offset)?,
+                    length: count("multimodal length", length)?,
+                })
+            })
+            .collect::<PkResult<Vec<_>>>()?;
+        let spec = RequestSpec {
+            prompt_token_ids,
+            lora: Lora::from_parts(lora_name, lora_path, lora_id)?,
+            cache_salt,
+            mm_features,
+            prompt_embeds,
+            skip_reading_prefix_cache,
+        };
+        Ok(borrow_mut(slf)?.inner.add_request(request_id, spec)?)
+    }
+
+    fn append_token_ids(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PkResult<()> {
+        let t = tokens(token_ids)?;
+        Ok(borrow_mut(slf)?.inner.append_token_ids(request_id, &t)?)
+    }
+
+    /// Appends one sampled token to each request: `token_ids[i]` to
+    /// `request_ids[i]` (one crossing for a whole step's outputs).
+    fn append_token_ids_batch(
+        slf: &Bound<'_, Self>,
+        request_ids: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PkResult<()> {
+        let ids = BatchIds::extract(request_ids)?;
+        let t = tokens(token_ids)?;
+        let mut this = borrow_mut(slf)?;
+        let inner = &mut this.inner;
+        Ok(ids.with_refs(|r| inner.append_token_ids_batch_refs(r, &t))?)
+    }
+
+    /// The handle of a known request (what `add_request` returned): batch calls
+    /// accept handles in place of ids and skip the id lookup.
+    fn request_handle(slf: &Bound<'_, Self>, request_id: &str) -> PkResult<u64> {
+        Ok(borrow(slf)?.inner.request_handle(request_id)?)
+    }
+
+    fn free(slf: &Bound<'_, Self>, request_id: &str) -> PkResult<()> {
+        Ok(borrow_mut(slf)?.inner.free(request_id)?)
+    }
+
+    fn remove_request(slf: &Bound<'_, Self>, request_id: &str) -> PkResult<()> {
+        Ok(borrow_mut(slf)?.inner.remove_request(request_id)?)
+    }
+
+    // ---- allocation ------------------------------------------------------------
+
+    fn get_computed_blocks(slf: &Bound<'_, Self>, request_id: &str) -> PkResult<PyComputedBlocks> {
+        let py = slf.py();
+        let (inner, groups, empty) = {
+            let mut this = borrow_mut(slf)?;
+            let inner = this.inner.get_computed_blocks(request_id)?;
+            let groups = (!inner.is_empty()).then(|| groups_i32(&inner.block_ids));
+            (inner, groups, this.empty.clone_ref(py))
+        };
+        let block_ids = match groups {
+            None => empty,
+            Some(groups) => groups_tuple(py, groups)?.unbind(),
+        };
+        Ok(PyComputedBlocks { inner, block_ids })
+    }
+
+    /// vLLM 0.33's `allocate_slots`: the newly allocated block ids per group, or
+    /// None when they do not fit. `num_new_computed_tokens` defaults to the hit's.
+    #[pyo3(signature = (request_id, num_new_tokens, *, num_computed_tokens, num_new_computed_tokens = None,
+        new_computed_blocks = None, num_lookahead_tokens = 0, num_external_computed_tokens = 0,
+        delay_cache_blocks = false, num_encoder_tokens = 0, full_sequence_must_fit = false,
+        reserved_blocks = 0, has_scheduled_reqs = true))]
+    #[allow(clippy::too_many_arguments)]
+    fn allocate_slots(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        num_new_tokens: i64,
+        num_computed_tokens: i64,
+        num_new_computed_tokens: Option<i64>,
+        new_computed_blocks: Option<PyRef<'_, PyComputedBlocks>>,
+        num_lookahead_tokens: i64,
+        num_external_computed_tokens: i64,
+        delay_cache_blocks: bool,
+        num_encoder_tokens: i64,
+        full_sequence_must_fit: bool,
+        reserved_blocks: i64,
+        has_scheduled_reqs: bool,
+    ) -> PkResult<Option<Py<PyTuple>>> {
+        let hit = new_computed_blocks.as_ref().map(|h| &h.inner);
+        let num_new_computed_tokens = num_new_computed_tokens
+            .map(|v| count("num_new_computed_tokens", v))
+            .transpose()?;
+        let args = AllocateArgs {
+            num_new_tokens: count("num_new_tokens", num_new_tokens)?,
+            num_computed_tokens: count("num_computed_tokens", num_computed_tokens)?,
+            num_new_computed_tokens: AllocateArgs::num_new_computed_tokens_or_hit(
+                num_new_computed_tokens,
+                hit,
+            ),
+            num_lookahead_tokens: count("num_lookahead_tokens", num_lookahead_tokens)?,
+            num_external_computed_tokens: count(
+                "num_external_computed_tokens",
+                num_external_computed_tokens,
+            )?,
+            delay_cache_blocks,
+            num_encoder_tokens: count("num_encoder_tokens", num_encoder_tokens)?,
+            full_sequence_must_fit,
+            reserved_blocks: count("reserved_blocks", reserved_blocks)?,
+            has_scheduled_reqs,
+        };
+        let py = slf.py();
+        let groups = {
+            let mut this = borrow_mut(slf)?;
+            let this = &mut *this;
+            match this.inner.allocate_slots(request_id, &args, hit)? {
+                None => return Ok(None),
+                Some(g) if g.iter().all(Vec::is_empty) => {
+                    return Ok(Some(this.empty.clone_ref(py)));
+                }
+                Some(g) => groups_i32(g),
+            }
+        };
+        Ok(Some(groups_tuple(py, groups)?.unbind()))
+    }
+
+    /// One decode step of many running requests in one call (per-request
+    /// counts; `KVCacheManager` broadcasts a scalar). Returns `(num_allocated,
+    /// ((block_ids, offsets), ...))` per group, where request `i`'s new blocks
+    /// are `block_ids[offsets[i]:offsets[i+1]]`.
+    #[pyo3(signature = (request_ids, num_new_tokens, num_computed_tokens, *, num_lookahead_tokens = 0))]
+    fn allocate_slots_batch<'py>(
+        slf: &Bound<'py, Self>,
+        request_ids: &Bound<'py, PyAny>,
+        num_new_tokens: &Bound<'py, PyAny>,
+        num_computed_tokens: &Bound<'py, PyAny>,
+        num_lookahead_tokens: i64,
+    ) -> PkResult<(usize, Bound<'py, PyTuple>)> {
+        let ids = BatchIds::extract(request_ids)?;
+        let new = counts("num_new_tokens", num_new_tokens)?;
+        let computed = counts("num_computed_tokens", num_computed_tokens)?;
+        let look = count("num_lookahead_tokens", num_lookahead_tokens)?;
+        let (num_allocated, per_group) = {
+            let mut this = borrow_mut(slf)?;
+            let this = &mut *this;
+            let (inner, batch) = (&mut this.inner, &mut this.batch);
+            ids.with_refs(|r| inner.allocate_slots_batch_refs(r, &new, &computed, look, batch))?;
+            let b = &this.batch;
+            let per_group: Vec<(Vec<i32>, Vec<i32>)> = b
+                .block_ids
+                .iter()
+                .zip(&b.offsets)
+                .map(|(ids, off)| (ids_i32(ids), off.iter().map(|&x| x as i32).collect()))
+                .collect();
+            (b.num_allocated, per_group)
+        };
+        let py = slf.py();
+        let per_group = PyTuple::new(
+            py,
+            per_group
+                .into_iter()
+                .map(|(ids, off)| (PyArray1::from_vec(py, ids), PyArray1::from_vec(py, off))),
+        )?;
+        Ok((num_allocated, per_group))
+    }
+
+    fn get_block_ids<'py>(
+        slf: &Bound<'py, Self>,
+        request_id: &str,
+    ) -> PkResult<Bound<'py, PyTuple>> {
+        let groups = groups_i32(&borrow(slf)?.inner.block_ids(request_id)?);
+        Ok(groups_tuple(slf.py(), groups)?)
+    }
+
+    fn block_hashes<'py>(slf: &Bound<'py, Self>, request_id: &str) -> PkResult<Bound<'py, PyList>> {
+        let hashes = borrow(slf)?.inner.block_hashes(request_id)?.to_vec();
+        let py = slf.py();
+        Ok(PyList::new(
+            py,
+            hashes.iter().map(|h| PyBytes::new(py, h.as_bytes())),
+        )?)
+    }
+
+    fn num_tokens(slf: &Bound<'_, Self>, request_id: &str) -> PkResult<usize> {
+        Ok(borrow(slf)?.inner.num_tokens(request_id)?)
+    }
+
+    fn num_prompt_tokens(slf: &Bound<'_, Self>, request_id: &str) -> PkResult<usize> {
+        Ok(borrow(slf)?.inner.num_prompt_tokens(request_id)?)
+    }
+
+    fn num_preemptions(slf: &Bound<'_, Self>, request_id: &str) -> PkResult<u32> {
+        Ok(borrow(slf)?.inner.num_preemptions(request_id)?)
+    }
+
+    fn cache_blocks(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        num_computed_tokens: i64,
+    ) -> PkResult<()> {
+        let n = count("num_computed_tokens", num_computed_tokens)?;
+        Ok(borrow_mut(slf)?.inner.cache_blocks(request_id, n)?)
+    }
+
+    fn remove_skipped_blocks(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        total_computed_tokens: i64,
+    ) -> PkResult<()> {
+        let n = count("total_computed_tokens", total_computed_tokens)?;
+        Ok(borrow_mut(slf)?
+            .inner
+            .remove_skipped_blocks(request_id, n)?)
+    }
+
+    fn get_num_common_prefix_blocks(slf: &Bound<'_, Self>, request_id: &str) -> PkResult<Vec<u32>> {
+        Ok(borrow(slf)?
+            .inner
+            .get_num_common_prefix_blocks(request_id)?)
+    }
+
+    // ---- cache maintenance -----------------------------------------------------
+
+    fn evict_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PkResult<()> {
+        let items = block_ids.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+        let ids = counts("block id", PyList::new(slf.py(), items)?.as_any())?;
+        Ok(borrow_mut(slf)?.inner.evict_blocks(&ids)?)
+    }
+
+    fn reset_prefix_cache(slf: &Bound<'_, Self>) -> PkResult<bool> {
+        Ok(borrow_mut(slf)?.inner.reset_prefix_cache())
+    }
+
+    fn new_step_starts(slf: &Bound<'_, Self>) -> PkResult<()> {
+        borrow_mut(slf)?.inner.new_step_starts();
+        Ok(())
+    }
+
+    // ---- events, stats, metrics ------------------------------------------------
+
+    /// Drains the recorded KV-cache events (empty when events are off). Block
+    /// hashes are vLLM's 64-bit ints (the digest's last 8 bytes, big-endian), or
+    /// the full digest bytes with `raw_hashes`.
+    #[pyo3(signature = (*, raw_hashes = false))]
+    fn take_events<'py>(slf: &Bound<'py, Self>, raw_hashes: bool) -> PkResult<Bound<'py, PyList>> {
+        let evs = borrow_mut(slf)?.inner.take_events();
+        Ok(events::to_python(slf.py(), evs, raw_hashes)?)
+    }
+
+    /// `(reset, requests, queries, hits, preempted_requests, preempted_queries,
+    /// preempted_hits)` since the last call, or None when stats are off.
+    #[allow(clippy::type_complexity)]
+    fn _make_prefix_cache_stats(
+        slf: &Bound<'_, Self>,
+    ) -> PkResult<Option<(bool, u64, u64, u64, u64, u64, u64)>> {
+        Ok(borrow_mut(slf)?.inner.make_prefix_cache_stats().map(|s| {
+            (
+                s.reset,
+                s.requests,
+                s.queries,
+                s.hits,
+                s.preempted_requests,
+                s.preempted_queries,
+                s.preempted_hits,
+            )
+        }))
+    }
+
+    /// The pool's block counters; None unless built with `kv_cache_metrics`.
+    fn block_pool_stats(&self) -> Option<PyBlockPoolStats> {
+        self.inner.pool().stats().map(Into::into)
+    }
+
+    /// Drains the pool's block activity log (`kv_cache_metrics`): what vLLM's
+    /// pool reports to its metrics collector, in order, as `(kinds, block_ids)`
+    /// arrays; a kind is one of the `BLOCK_*` constants.
+    fn take_block_activity<'py>(slf: &Bound<'py, Self>) -> PkResult<ActivityArrays<'py>> {
+        let log = borrow_mut(slf)?.inner.take_block_activity();
+        let kinds: Vec<u8> = log.iter().map(|a| a.kind as u8).collect();
+        let ids: Vec<i32> = log.iter().map(|a| a.block as i32).collect();
+        let py = slf.py();
+        Ok((PyArray1::from_vec(py, kinds), PyArray1::from_vec(py, ids)))
+    }
+
+    // ---- inspection ------------------------------------------------------------
+
+    fn check_invariants(&self) -> PkResult<()> {
+        Ok(self.inner.check_invariants()?)
+    }
+
+    /// The free queue from head (allocated next) to tail.
+    fn free_block_ids<'py>(slf: &Bound<'py, Self>) -> PkResult<Bound<'py, PyArray1<i32>>> {
+        let ids = ids_i32(&borrow(slf)?.inner.pool().free_queue());
+        Ok(PyArray1::from_vec(slf.py(), ids))
+    }
+
+    /// Reference count of a block.
+    fn block_ref_count(slf: &Bound<'_, Self>, block_id: i64) -> PkResult<u32> {
+        let this = borrow(slf)?;
+        let pool = this.inner.pool();
+        Ok(pool.ref_cnt(pool.block_id(block_id)?))
+    }
+
+    /// The hash a block is cached under (None if not cached), and its group.
+    fn cached_block_hash<'py>(
+        slf: &Bound<'py, Self>,
+        block_id: i64,
+    ) -> PkResult<Option<(Bound<'py, PyBytes>, u32)>> {
+        let key = {
+            let this = borrow(slf)?;
+            let pool = this.inner.pool();
+            pool.block_key(pool.block_id(block_id)?)
+        };
+        Ok(key.map(|k| (PyBytes::new(slf.py(), k.hash.as_bytes()), k.group)))
+    }
+
+    /// Blocks cached under a hash for a group, in insertion order.
+    #[pyo3(signature = (block_hash, group = 0))]
+    fn cached_blocks_for_hash<'py>(
+        slf: &Bound<'py, Self>,
+        block_hash: &[u8],
+        group: u32,
+    ) -> PkResult<Bound<'py, PyArray1<i32>>> {
+        let key = CacheKey {
+            hash: self::block_hash("hash", block_hash)?,
+            group,
+        };
+        let ids = ids_i32(&borrow(slf)?.inner.pool().cached_blocks(&key));
+        Ok(PyArray1::from_vec(slf.py(), ids))
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyManager>()?;
+    m.add_class::<PyComputedBlocks>()?;
+    m.add_class::<PyBlockPoolStats>()?;
+    for (name, kind) in [
+        ("BLOCK_ALLOCATED", BlockActivityKind::Allocated),
+        ("BLOCK_ACCESSED", BlockActivityKind::Accessed),
+        ("BLOCK_EVICTED", BlockActivityKind::Evicted),
+        ("BLOCK_RESET", BlockActivityKind::Reset),
+    ] {
+        m.add(name, kind as u8)?;
+    }
+    Ok(())
+}

@@ -37,16 +37,18 @@ def tokens(seed: int, n: int, vocab: int) -> list[int]:
 
 def _setup() -> tuple[pk.KVCacheManager, list[str], list[int]]:
     spec = pk.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")
-    config = pk.KVCacheConfig(num_blocks=1 << 16,
-                              kv_cache_groups=[pk.KVCacheGroupSpec(["layer"], spec)])
+    config = pk.KVCacheConfig(
+        num_blocks=1 << 16, kv_cache_groups=[pk.KVCacheGroupSpec(["layer"], spec)]
+    )
     mgr = pk.KVCacheManager(config, max_model_len=1 << 20)
     ids = [f"req-{i}" for i in range(REQS)]
     handles = []
     for i, rid in enumerate(ids):
         handles.append(mgr.add_request(rid, tokens(i, 1000, 32000)))
         hit = mgr.get_computed_blocks(rid)
-        mgr.allocate_slots(rid, 1000 - hit.num_computed_tokens, num_computed_tokens=0,
-                           new_computed_blocks=hit)
+        mgr.allocate_slots(
+            rid, 1000 - hit.num_computed_tokens, num_computed_tokens=0, new_computed_blocks=hit
+        )
     return mgr, ids, handles
 
 
@@ -57,8 +59,11 @@ def python_side(rounds: int) -> dict[str, float]:
         best = float("inf")
         for _ in range(rounds):
             mgr, ids, handles = _setup()
-            refs: Any = {"ids": ids, "handles (list)": handles,
-                         "handles (int64 array)": np.array(handles, dtype=np.int64)}[name]
+            refs: Any = {
+                "ids": ids,
+                "handles (list)": handles,
+                "handles (int64 array)": np.array(handles, dtype=np.int64),
+            }[name]
             computed = [np.full(REQS, 999 + s, dtype=np.int64) for s in range(STEPS)]
             alloc, append = mgr.allocate_slots_batch, mgr.append_token_ids_batch
             t = time.perf_counter()
@@ -74,7 +79,11 @@ def python_side(rounds: int) -> dict[str, float]:
 def rust_side() -> dict[str, float]:
     res = subprocess.run(
         ["cargo", "run", "--release", "-q", "-p", "pagedkv-benches", "--example", "decode_batch"],
-        cwd=ROOT, check=True, capture_output=True, text=True)
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     out = {}
     for line in res.stdout.splitlines():
         m = re.match(r"([\d.]+)(µs|ns) per 256-request decode step by (\w+)", line)
@@ -91,13 +100,17 @@ def main() -> None:
     args = ap.parse_args()
     py = python_side(args.rounds)
     core = {} if args.no_rust else rust_side()
-    print("decode step, 256 running requests: allocate_slots_batch + append_token_ids_batch"
-          " (µs per step)")
+    print(
+        "decode step, 256 running requests: allocate_slots_batch + append_token_ids_batch"
+        " (µs per step)"
+    )
     for name, us in py.items():
         key = "ids" if name == "ids" else "handles"
         if key in core:
-            print(f"  python by {name:<22} {us:7.2f}   core {core[key]:6.2f}   "
-                  f"boundary {us - core[key]:6.2f}")
+            print(
+                f"  python by {name:<22} {us:7.2f}   core {core[key]:6.2f}   "
+                f"boundary {us - core[key]:6.2f}"
+            )
         else:
             print(f"  python by {name:<22} {us:7.2f}")
 

@@ -67,8 +67,12 @@ def main() -> None:
     ours = pagedkv_side(args.blocks)
     vllm = None
     if args.vllm_python:
-        res = subprocess.run([args.vllm_python, "-c", VLLM_SNIPPET, str(args.blocks)],
-                             check=True, capture_output=True, text=True)
+        res = subprocess.run(
+            [args.vllm_python, "-c", VLLM_SNIPPET, str(args.blocks)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         vllm = float(res.stdout.strip().splitlines()[-1])
     print(f"hashing a {args.blocks}-block prompt (16 tokens per block), µs per block")
     for name, us in ours.items():

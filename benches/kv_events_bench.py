@@ -68,8 +68,17 @@ def bench_index() -> None:
     events: list[KVCacheEvent] = []
     for c in range(2000):
         h = table[c].tolist()
-        events.append(BlockStored(h, None, list(range(depth * 16)), 16, None, group_idx=0,
-                                  kv_cache_spec_kind="full_attention"))
+        events.append(
+            BlockStored(
+                h,
+                None,
+                list(range(depth * 16)),
+                16,
+                None,
+                group_idx=0,
+                kv_cache_spec_kind="full_attention",
+            )
+        )
         events.extend(BlockRemoved([x], group_idx=0) for x in h[-4:])
     payloads = [enc.encode_events(events[i : i + 50]) for i in range(0, len(events), 50)]
     pi = PrefixIndex()
@@ -102,7 +111,9 @@ def bench_manager_events() -> None:
         mgr.add_request(rid, prompt, cache_salt="s" if step % 3 == 0 else None)
         hit = mgr.get_computed_blocks(rid)
         mgr.allocate_slots(
-            rid, len(prompt) - hit.num_computed_tokens, num_computed_tokens=0,
+            rid,
+            len(prompt) - hit.num_computed_tokens,
+            num_computed_tokens=0,
             new_computed_blocks=hit,
         )
         mgr.remove_request(rid)
@@ -149,8 +160,15 @@ def bench_zmq() -> None:
     time.sleep(1.0)
     half = PER_BATCH // 2
     batch: list[KVCacheEvent] = [
-        BlockStored(list(range(i * 16, i * 16 + 16)), None, list(range(256)), 16, None,
-                    group_idx=0, kv_cache_spec_kind="full_attention")
+        BlockStored(
+            list(range(i * 16, i * 16 + 16)),
+            None,
+            list(range(256)),
+            16,
+            None,
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
+        )
         for i in range(half)
     ]
     batch += [BlockRemoved([i], group_idx=0) for i in range(PER_BATCH - half)]

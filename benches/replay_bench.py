@@ -28,21 +28,34 @@ VLLM_API = {  # pagedkv API -> vLLM replay_ops.py key (it reports these totals o
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("dump")
     ap.add_argument("--vllm-json", help="replay_ops.py output (one JSON line) for the same dump")
     ap.add_argument("--vllm-python", help="python of a venv with vLLM (the oracle's .venv)")
-    ap.add_argument("--oracle-dir", default=os.path.join(os.path.dirname(__file__), "..", "..",
-                                                          "shared", "tools", "vllm_oracle"))
+    ap.add_argument(
+        "--oracle-dir",
+        default=os.path.join(
+            os.path.dirname(__file__), "..", "..", "shared", "tools", "vllm_oracle"
+        ),
+    )
     ap.add_argument("--repeat", type=int, default=3, help="replays; the fastest is reported")
     args = ap.parse_args()
     vllm_line = None
     if args.vllm_python:
         # vLLM's own manager replays the same dump first, in this same invocation.
-        out = subprocess.run([args.vllm_python, os.path.join(args.oracle_dir, "replay_ops.py"),
-                              os.path.abspath(args.dump)], capture_output=True, text=True,
-                             check=True, cwd=args.oracle_dir)
+        out = subprocess.run(
+            [
+                args.vllm_python,
+                os.path.join(args.oracle_dir, "replay_ops.py"),
+                os.path.abspath(args.dump),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=args.oracle_dir,
+        )
         vllm_line = out.stdout.strip().splitlines()[-1]
 
     best = None
@@ -63,8 +76,10 @@ def main() -> None:
         with open(args.vllm_json) as f:
             vllm = json.loads(f.read().strip().splitlines()[-1])
 
-    print(f"dump: {args.dump}  ops: {rep.ops}  mismatches: {rep.mismatches}  "
-          f"python {platform.python_version()} on {platform.machine()}")
+    print(
+        f"dump: {args.dump}  ops: {rep.ops}  mismatches: {rep.mismatches}  "
+        f"python {platform.python_version()} on {platform.machine()}"
+    )
     print(f"{'API':<26}{'calls':>9}{'pagedkv µs/call':>17}", end="")
     print(f"{'vLLM µs/call':>14}{'ratio':>8}" if vllm else "")
     rows = dict(rep.per_api)
@@ -83,12 +98,16 @@ def main() -> None:
             line += f"{v:>14.2f}{v / us:>8.0f}x"
         print(line)
     total_us = rep.manager_seconds * 1e6
-    print(f"manager time: {rep.manager_seconds * 1e3:.1f} ms = {total_us / steps:.1f} µs/step "
-          f"over {steps} steps (replay wall {wall:.2f} s)")
+    print(
+        f"manager time: {rep.manager_seconds * 1e3:.1f} ms = {total_us / steps:.1f} µs/step "
+        f"over {steps} steps (replay wall {wall:.2f} s)"
+    )
     if vllm:
         v_ms = sum(vllm["manager_ms"].values())
-        print(f"vLLM manager time: {v_ms:.0f} ms = {v_ms * 1e3 / steps:.1f} µs/step; "
-              f"ratio {v_ms / (rep.manager_seconds * 1e3):.0f}x")
+        print(
+            f"vLLM manager time: {v_ms:.0f} ms = {v_ms * 1e3 / steps:.1f} µs/step; "
+            f"ratio {v_ms / (rep.manager_seconds * 1e3):.0f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 preemption and the KV events a router would consume."""
 
 import numpy as np
-
 import pagedkv as pk
 
 spec = pk.FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype="float16")
@@ -11,17 +10,20 @@ mgr = pk.KVCacheManager(config, max_model_len=4096, log_stats=True, enable_kv_ca
 print(mgr, f"- {spec.page_size_bytes} bytes per block per layer")
 
 rng = np.random.default_rng(0)
-system = rng.integers(0, 32000, size=100).tolist()        # a shared 100-token system prompt
+system = rng.integers(0, 32000, size=100).tolist()  # a shared 100-token system prompt
 
 
 def admit(rid: str, prompt: list[int]) -> None:
     mgr.add_request(rid, prompt)
-    hit = mgr.get_computed_blocks(rid)                    # longest cached prefix (no refs taken)
-    new = mgr.allocate_slots(rid, len(prompt) - hit.num_computed_tokens,
-                             num_computed_tokens=0, new_computed_blocks=hit)
+    hit = mgr.get_computed_blocks(rid)  # longest cached prefix (no refs taken)
+    new = mgr.allocate_slots(
+        rid, len(prompt) - hit.num_computed_tokens, num_computed_tokens=0, new_computed_blocks=hit
+    )
     assert new is not None, "no room"
-    print(f"{rid}: {len(prompt)} tokens, prefix hit {hit.num_computed_tokens} tokens "
-          f"{hit.block_ids[0].tolist()}, new blocks {new[0].tolist()}")
+    print(
+        f"{rid}: {len(prompt)} tokens, prefix hit {hit.num_computed_tokens} tokens "
+        f"{hit.block_ids[0].tolist()}, new blocks {new[0].tolist()}"
+    )
 
 
 admit("a", system + rng.integers(0, 32000, size=30).tolist())
@@ -39,9 +41,9 @@ for _ in range(20):
     assert n_ok == len(ids)
 print("after decode:", {r: mgr.get_block_ids(r)[0].tolist() for r in ("a", "b")})
 
-mgr.free("b")                                              # preempt b: blocks back to the pool
+mgr.free("b")  # preempt b: blocks back to the pool
 print(f"free blocks {mgr.num_free_blocks}, usage {mgr.usage:.2f}")
-hit = mgr.get_computed_blocks("b")                         # b's own blocks are still cached
+hit = mgr.get_computed_blocks("b")  # b's own blocks are still cached
 print(f"b re-lookup hits {hit.num_computed_tokens} of {mgr.num_tokens('b')} tokens")
 mgr.remove_request("a")
 mgr.remove_request("b")

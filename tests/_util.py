@@ -29,10 +29,10 @@ def load_vectors(name: str) -> dict[str, Any]:
 def make_manager(
     block_size: int = 16, num_blocks: int = 11, *, max_model_len: int = 8192, **kwargs: Any
 ) -> pk.KVCacheManager:
-    spec = pk.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1,
-                                dtype="float32")
-    config = pk.KVCacheConfig(num_blocks=num_blocks,
-                              kv_cache_groups=[pk.KVCacheGroupSpec(["layer"], spec)])
+    spec = pk.FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype="float32")
+    config = pk.KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_groups=[pk.KVCacheGroupSpec(["layer"], spec)]
+    )
     return pk.KVCacheManager(config, max_model_len=max_model_len, **kwargs)
 
 
@@ -51,8 +51,9 @@ def admit(
     hit = mgr.get_computed_blocks(request_id)
     if num_new_tokens is None:
         num_new_tokens = mgr.num_tokens(request_id) - hit.num_computed_tokens
-    new = mgr.allocate_slots(request_id, num_new_tokens, num_computed_tokens=0,
-                             new_computed_blocks=hit, **kwargs)
+    new = mgr.allocate_slots(
+        request_id, num_new_tokens, num_computed_tokens=0, new_computed_blocks=hit, **kwargs
+    )
     return hit, as_lists(new)
 
 
@@ -61,16 +62,26 @@ def event_hash(block_hash: bytes) -> int:
     return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
 
 
-def chain(algo: str, none_hash: bytes, token_ids: list[int], block_size: int,
-          extra_keys: list[Any] | None = None) -> list[bytes]:
+def chain(
+    algo: str,
+    none_hash: bytes,
+    token_ids: list[int],
+    block_size: int,
+    extra_keys: list[Any] | None = None,
+) -> list[bytes]:
     """vLLM's hash chain over the full blocks of ``token_ids`` (``extra_keys[i]`` for
     block ``i``), computed with the function-level ``hash_block_tokens``."""
     out: list[bytes] = []
     parent: bytes | None = None
     for i in range(len(token_ids) // block_size):
         keys = extra_keys[i] if extra_keys is not None else None
-        parent = pk.hash_block_tokens(algo, parent, token_ids[i * block_size:(i + 1) * block_size],
-                                      keys, none_hash=none_hash)
+        parent = pk.hash_block_tokens(
+            algo,
+            parent,
+            token_ids[i * block_size : (i + 1) * block_size],
+            keys,
+            none_hash=none_hash,
+        )
         out.append(parent)
     return out
 
@@ -105,8 +116,9 @@ def swa(bs: int, window: int) -> pk.SlidingWindowSpec:
     return pk.SlidingWindowSpec(bs, 1, 1, "float32", sliding_window=window)
 
 
-def manager(num_blocks: int, specs: Sequence[pk.KVCacheSpec], *, max_model_len: int = 8192,
-            **kwargs: Any) -> pk.KVCacheManager:
+def manager(
+    num_blocks: int, specs: Sequence[pk.KVCacheSpec], *, max_model_len: int = 8192, **kwargs: Any
+) -> pk.KVCacheManager:
     """A manager with one group per spec (layers named ``layer<i>``)."""
     groups = [pk.KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)]
     config = pk.KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)

@@ -31,10 +31,8 @@ def cached_ids(mgr: pk.KVCacheManager) -> list[int]:
     return [b for b in range(mgr.num_blocks) if mgr.cached_block_hash(b) is not None]
 
 
-
 def local(bs: int, chunk: int) -> pk.ChunkedLocalAttentionSpec:
     return pk.ChunkedLocalAttentionSpec(bs, 1, 1, "float32", attention_chunk_size=chunk)
-
 
 
 def cache_pattern(mgr: pk.KVCacheManager, flags: Sequence[bool]) -> list[int]:
@@ -57,18 +55,21 @@ T, F = True, False
 _MIXED = [T, T, F, T, F, F, T, T, F]
 
 
-@pytest.mark.parametrize(("flags", "expect_blocks"), [
-    ([F] * 10, 0),
-    ([T], 1),
-    ([T, F], 1),
-    ([T, T], 2),
-    ([T, T, F], 2),
-    ([T, T, T], 3),
-    ([T, T, T, F], 3),
-    ([*_MIXED, T, T, T], 12),
-    ([*_MIXED, F, F], 8),
-    ([*_MIXED, F, F, T], 8),
-])
+@pytest.mark.parametrize(
+    ("flags", "expect_blocks"),
+    [
+        ([F] * 10, 0),
+        ([T], 1),
+        ([T, F], 1),
+        ([T, T], 2),
+        ([T, T, F], 2),
+        ([T, T, T], 3),
+        ([T, T, T, F], 3),
+        ([*_MIXED, T, T, T], 12),
+        ([*_MIXED, F, F], 8),
+        ([*_MIXED, F, F, T], 8),
+    ],
+)
 def test_sliding_window_possible_cached_prefix(flags: list[bool], expect_blocks: int) -> None:
     # bs 2, window 4: a hit needs a run of 2 cached blocks ending the prefix (or a
     # shorter run starting at token 0).
@@ -81,7 +82,8 @@ def test_sliding_window_possible_cached_prefix(flags: list[bool], expect_blocks:
     assert ids is not None
     keep = min(expect_blocks, 2)
     assert ids[0] == [0] * (expect_blocks - keep) + list(
-        range(expect_blocks - keep + 1, expect_blocks + 1))
+        range(expect_blocks - keep + 1, expect_blocks + 1)
+    )
 
 
 def test_sliding_window_remove_skipped_blocks_nulls_and_frees_deepest_first() -> None:
@@ -90,8 +92,14 @@ def test_sliding_window_remove_skipped_blocks_nulls_and_frees_deepest_first() ->
     assert as_lists(mgr.allocate_slots("a", 21, num_computed_tokens=0)) == (list(range(1, 12)),)
     assert mgr.num_free_blocks == 18
     steps = [
-        (0, 0, []), (4, 0, []), (5, 1, [1]), (6, 1, [1]), (7, 2, [1, 2]),
-        (11, 4, [1, 2, 4, 3]), (12, 4, [1, 2, 4, 3]), (16, 6, [1, 2, 4, 3, 6, 5]),
+        (0, 0, []),
+        (4, 0, []),
+        (5, 1, [1]),
+        (6, 1, [1]),
+        (7, 2, [1, 2]),
+        (11, 4, [1, 2, 4, 3]),
+        (12, 4, [1, 2, 4, 3]),
+        (16, 6, [1, 2, 4, 3, 6, 5]),
         (21, 9, [1, 2, 4, 3, 6, 5, 9, 8, 7]),
     ]
     for n, nulled, freed_tail in steps:
@@ -107,7 +115,8 @@ def test_sliding_window_remove_skipped_blocks_nulls_and_frees_deepest_first() ->
 
 @pytest.mark.parametrize(("num_blocks", "admitted"), [(13, True), (12, False)])
 def test_sliding_window_admission_counts_evictable_hits_not_null_padding(
-        num_blocks: int, admitted: bool) -> None:
+    num_blocks: int, admitted: bool
+) -> None:
     # bs 2, window 4. 40 tokens whose first 20 are cached: the hit is 8 null blocks
     # and 2 evictable blocks; the rest needs 10 fresh blocks -> 12 blocks, not 20.
     mgr = manager(num_blocks, [swa(2, 4)])
@@ -125,8 +134,9 @@ def test_sliding_window_admission_counts_evictable_hits_not_null_padding(
 
     if admitted:
         assert as_lists(call()) == ([11, 12, 8, 7, 6, 5, 4, 3, 2, 1],)
-        assert as_lists(mgr.get_block_ids("b")) == ([0] * 8 + [9, 10, 11, 12, 8, 7, 6, 5, 4, 3,
-                                                              2, 1],)
+        assert as_lists(mgr.get_block_ids("b")) == (
+            [0] * 8 + [9, 10, 11, 12, 8, 7, 6, 5, 4, 3, 2, 1],
+        )
         assert mgr.num_free_blocks == 0
     else:
         assert refused(call)
@@ -147,21 +157,29 @@ def test_sliding_window_decode_releases_blocks_behind_the_window() -> None:
         seen.append((n, new_ids, as_lists(mgr.get_block_ids("a")), mgr.num_free_blocks))
     # The window (8 tokens, 2-3 blocks) moves: the block behind it is released in the
     # step that computes the token after it, before a new block is taken.
-    assert seen[:4] == [(11, ([],), ([1, 2, 3],), 16), (12, ([],), ([0, 2, 3],), 17),
-                        (13, ([4],), ([0, 2, 3, 4],), 16), (14, ([],), ([0, 2, 3, 4],), 16)]
+    assert seen[:4] == [
+        (11, ([],), ([1, 2, 3],), 16),
+        (12, ([],), ([0, 2, 3],), 17),
+        (13, ([4],), ([0, 2, 3, 4],), 16),
+        (14, ([],), ([0, 2, 3, 4],), 16),
+    ]
     assert seen[5:7] == [(16, ([],), ([0, 0, 3, 4],), 17), (17, ([5],), ([0, 0, 3, 4, 5],), 16)]
-    assert seen[9:11] == [(20, ([],), ([0, 0, 0, 4, 5],), 17),
-                          (21, ([6],), ([0, 0, 0, 4, 5, 6],), 16)]
+    assert seen[9:11] == [
+        (20, ([],), ([0, 0, 0, 4, 5],), 17),
+        (21, ([6],), ([0, 0, 0, 4, 5, 6],), 16),
+    ]
     assert seen[-1] == (22, ([],), ([0, 0, 0, 4, 5, 6],), 16)
     mgr.check_invariants()
 
 
-@pytest.mark.parametrize(("block_size", "hit", "after_evict"), [
-    (16, [1], []),
-    (4, [0, 0, 0, 0, 5, 6, 7, 8], [0, 0, 0, 0, 5, 6, 7, 8]),
-])
-def test_eagle_with_sliding_window(block_size: int, hit: list[int],
-                                   after_evict: list[int]) -> None:
+@pytest.mark.parametrize(
+    ("block_size", "hit", "after_evict"),
+    [
+        (16, [1], []),
+        (4, [0, 0, 0, 0, 5, 6, 7, 8], [0, 0, 0, 0, 5, 6, 7, 8]),
+    ],
+)
+def test_eagle_with_sliding_window(block_size: int, hit: list[int], after_evict: list[int]) -> None:
     # Window 16 with EAGLE: one more contiguous block is needed, then dropped.
     mgr = manager(20, [swa(block_size, 16)], use_eagle=True)
     mgr.add_request("a", list(range(37)))
@@ -182,19 +200,30 @@ def test_eagle_with_sliding_window(block_size: int, hit: list[int],
 _RANDOM8 = [random.Random(0).random() < 0.5 for _ in range(8)]
 
 
-@pytest.mark.parametrize(("flags", "tail", "expect_blocks"), [
-    ([T], 0, 1), ([T], 1, 1),
-    ([T, F], 0, 2), ([T, F], 1, 2),
-    ([T, T], 0, 2), ([T, T], 1, 2),
-    ([T, T, F], 0, 2), ([T, T, F], 1, 2),
-    ([T, T, T], 0, 3), ([T, T, T], 1, 3),
-    ([T, T, T, F], 0, 4), ([T, T, T, F], 1, 4),
-    ([*_RANDOM8, T], 1, 9),
-    ([*_RANDOM8, F], 1, 8),
-    ([*_RANDOM8, T, F], 0, 10), ([*_RANDOM8, F, T], 1, 10),
-])
+@pytest.mark.parametrize(
+    ("flags", "tail", "expect_blocks"),
+    [
+        ([T], 0, 1),
+        ([T], 1, 1),
+        ([T, F], 0, 2),
+        ([T, F], 1, 2),
+        ([T, T], 0, 2),
+        ([T, T], 1, 2),
+        ([T, T, F], 0, 2),
+        ([T, T, F], 1, 2),
+        ([T, T, T], 0, 3),
+        ([T, T, T], 1, 3),
+        ([T, T, T, F], 0, 4),
+        ([T, T, T, F], 1, 4),
+        ([*_RANDOM8, T], 1, 9),
+        ([*_RANDOM8, F], 1, 8),
+        ([*_RANDOM8, T, F], 0, 10),
+        ([*_RANDOM8, F, T], 1, 10),
+    ],
+)
 def test_chunked_local_attention_possible_cached_prefix(
-        flags: list[bool], tail: int, expect_blocks: int) -> None:
+    flags: list[bool], tail: int, expect_blocks: int
+) -> None:
     # bs 2, chunk 4: everything before the chunk of the next token counts as computed
     # (null blocks); inside the chunk, cached blocks from left to right.
     mgr = manager(len(flags) + 10, [local(2, 4)])
@@ -214,8 +243,9 @@ def test_chunked_local_attention_fresh_prompt_counts_earlier_chunks_as_computed(
     hit = mgr.get_computed_blocks("fresh")
     assert hit.num_computed_tokens == 36
     assert as_lists(hit.block_ids) == ([0] * 18,)
-    assert as_lists(mgr.allocate_slots("fresh", 4, num_computed_tokens=0,
-                                       new_computed_blocks=hit)) == ([1, 2],)
+    assert as_lists(
+        mgr.allocate_slots("fresh", 4, num_computed_tokens=0, new_computed_blocks=hit)
+    ) == ([1, 2],)
     assert mgr.num_free_blocks == 27
 
 
@@ -238,8 +268,7 @@ def test_chunked_local_admission_counts_neither_null_padding_nor_held_hits() -> 
     mgr = manager(17, [local(2, 4)])
     tokens = list(range(26))
     mgr.add_request("src", tokens)
-    assert as_lists(mgr.allocate_slots("src", 26, num_computed_tokens=0)) == (
-        list(range(1, 14)),)
+    assert as_lists(mgr.allocate_slots("src", 26, num_computed_tokens=0)) == (list(range(1, 14)),)
     mgr.add_request("filler", [500 + i for i in range(4)])
     assert as_lists(mgr.allocate_slots("filler", 4, num_computed_tokens=0)) == ([14, 15],)
     assert mgr.num_free_blocks == 1
@@ -259,8 +288,13 @@ def test_chunked_local_admission_counts_neither_null_padding_nor_held_hits() -> 
 
 
 def mamba(bs: int, num_speculative_blocks: int = 0) -> pk.MambaSpec:
-    return pk.MambaSpec(bs, ((1, 1),), ("float32",), mamba_cache_mode="align",
-                        num_speculative_blocks=num_speculative_blocks)
+    return pk.MambaSpec(
+        bs,
+        ((1, 1),),
+        ("float32",),
+        mamba_cache_mode="align",
+        num_speculative_blocks=num_speculative_blocks,
+    )
 
 
 # Per number of speculative blocks: the observable states of vLLM 0.33 along
@@ -309,8 +343,7 @@ def test_mamba_align_prefill_hit_and_same_step_refusal(spec_blocks: int) -> None
     mgr.new_step_starts()
     assert as_lists(mgr.allocate_slots("a", 48, num_computed_tokens=48)) == exp["chunk2"]
     assert as_lists(mgr.get_block_ids("a")) == exp["table2"]
-    assert [(b, h[1]) for b in cached_ids(mgr) if (h := mgr.cached_block_hash(b))] == \
-        exp["cached2"]
+    assert [(b, h[1]) for b in cached_ids(mgr) if (h := mgr.cached_block_hash(b))] == exp["cached2"]
 
     # A sibling looked up in the same step hits the state cached this step: vLLM
     # refuses to schedule it until the next step.
@@ -332,8 +365,10 @@ def test_mamba_align_prefill_hit_and_same_step_refusal(spec_blocks: int) -> None
     hit = mgr.get_computed_blocks("c")
     assert as_lists(hit.block_ids) == exp["hit"]
     assert hit.num_computed_tokens == 96
-    assert as_lists(mgr.allocate_slots("c", 24, num_computed_tokens=0,
-                                       new_computed_blocks=hit)) == exp["new_c"]
+    assert (
+        as_lists(mgr.allocate_slots("c", 24, num_computed_tokens=0, new_computed_blocks=hit))
+        == exp["new_c"]
+    )
     assert as_lists(mgr.get_block_ids("c")) == exp["table_c"]
     assert mgr.num_free_blocks == exp["free_c"]
     assert [mgr.block_ref_count(b) for b in range(14)] == exp["refs"]
@@ -395,19 +430,24 @@ def test_mamba_align_decode_releases_old_states(spec_blocks: int) -> None:
     assert free_queue(mgr) == exp["free_end"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "pagedkv lacks vLLM 0.33's fine-grained (partial hash) hits for Mamba 'align' "
-    "groups whose block size exceeds hash_block_size: vLLM then caches full-attention "
-    "blocks up to the last hashed block instead of rounding down to the LCM, and "
-    "reports the longer shared prefix"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "pagedkv lacks vLLM 0.33's fine-grained (partial hash) hits for Mamba 'align' "
+        "groups whose block size exceeds hash_block_size: vLLM then caches full-attention "
+        "blocks up to the last hashed block instead of rounding down to the LCM, and "
+        "reports the longer shared prefix"
+    ),
+)
 def test_mamba_align_larger_than_hash_block_caches_past_the_lcm() -> None:
     # Full attention bs 16 + Mamba "align" bs 64: hash_block_size 16 (the GCD).
     mgr = manager(40, [full(16), mamba(64)])
     assert mgr.hash_block_size == 16
     mgr.add_request("a", list(range(100)))
     hit = mgr.get_computed_blocks("a")
-    assert as_lists(mgr.allocate_slots("a", 64, num_computed_tokens=0,
-                                       new_computed_blocks=hit)) == ([1, 2, 3, 4], [5])
+    assert as_lists(
+        mgr.allocate_slots("a", 64, num_computed_tokens=0, new_computed_blocks=hit)
+    ) == ([1, 2, 3, 4], [5])
     mgr.new_step_starts()
     assert as_lists(mgr.allocate_slots("a", 36, num_computed_tokens=64)) == ([6, 7, 8], [9])
     mgr.new_step_starts()
@@ -418,20 +458,32 @@ def test_mamba_align_larger_than_hash_block_caches_past_the_lcm() -> None:
     # vLLM 0.33: the full-attention blocks of tokens 64..96 are cached too, and the
     # full-attention hit (96 tokens) is reported as the shared prefix boundary.
     assert [(b, h[1]) for b in cached_ids(mgr) if (h := mgr.cached_block_hash(b))] == [
-        (1, 0), (2, 0), (3, 0), (4, 0), (5, 1), (6, 0), (7, 0)]
+        (1, 0),
+        (2, 0),
+        (3, 0),
+        (4, 0),
+        (5, 1),
+        (6, 0),
+        (7, 0),
+    ]
     assert hit.shared_prefix_boundary == 96
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "pagedkv caches a Mamba 'align' state once per block; vLLM 0.33 re-keys the state "
-    "at the prompt's last hash boundary whenever cache_blocks reaches it, so a state "
-    "whose key was dropped by evict_blocks is cached again by the next chunk"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "pagedkv caches a Mamba 'align' state once per block; vLLM 0.33 re-keys the state "
+        "at the prompt's last hash boundary whenever cache_blocks reaches it, so a state "
+        "whose key was dropped by evict_blocks is cached again by the next chunk"
+    ),
+)
 def test_mamba_align_prompt_boundary_state_is_rekeyed_after_evict() -> None:
     mgr = manager(20, [full(16), mamba(16)])
     mgr.add_request("a", list(range(40)))
     hit = mgr.get_computed_blocks("a")
-    assert as_lists(mgr.allocate_slots("a", 32, num_computed_tokens=0,
-                                       new_computed_blocks=hit)) == ([1, 2], [0, 3])
+    assert as_lists(
+        mgr.allocate_slots("a", 32, num_computed_tokens=0, new_computed_blocks=hit)
+    ) == ([1, 2], [0, 3])
     assert cached_ids(mgr) == [1, 2, 3]
     mgr.evict_blocks([3])  # the state after 32 tokens, still held by "a"
     assert cached_ids(mgr) == [1, 2]
@@ -497,17 +549,20 @@ def full_attention_script(mgr: pk.KVCacheManager) -> list[Any]:
     return out
 
 
-@pytest.mark.parametrize("spec", [
-    pk.SinkFullAttentionSpec(16, 1, 1, "float32", sink_len=32),
-    pk.MLAAttentionSpec(16, 1, 1, "float32"),
-], ids=["sink", "mla"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        pk.SinkFullAttentionSpec(16, 1, 1, "float32", sink_len=32),
+        pk.MLAAttentionSpec(16, 1, 1, "float32"),
+    ],
+    ids=["sink", "mla"],
+)
 def test_sink_and_mla_behave_like_full_attention(spec: pk.KVCacheSpec) -> None:
     # vLLM 0.33's SinkFullAttentionManager only checks sink_len at construction; it
     # takes no blocks out of the pool: all 10 usable blocks stay free.
     got = full_attention_script(manager(11, [spec]))
     assert got == full_attention_script(manager(11, [full(16)]))
-    assert got == [10, ([1, 2, 3, 4],), 48, ([1, 2, 3],), ([5],),
-                   [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]]
+    assert got == [10, ([1, 2, 3, 4],), 48, ([1, 2, 3],), ([5],), [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]]
 
 
 def test_sink_len_must_be_a_multiple_of_the_block_size() -> None:
@@ -518,15 +573,24 @@ def test_sink_len_must_be_a_multiple_of_the_block_size() -> None:
 def test_encoder_decoder_with_caching_admits_a_prefix_hit() -> None:
     # Cross attention never hits; the self-attention hit must still be usable.
     kw = dict(block_size=16, num_kv_heads=1, head_size=1, dtype="float32")
-    config = pk.KVCacheConfig(num_blocks=40, kv_cache_groups=[
-        pk.KVCacheGroupSpec(["self"], pk.FullAttentionSpec(**kw)),
-        pk.KVCacheGroupSpec(["cross"], pk.CrossAttentionSpec(**kw))])
+    config = pk.KVCacheConfig(
+        num_blocks=40,
+        kv_cache_groups=[
+            pk.KVCacheGroupSpec(["self"], pk.FullAttentionSpec(**kw)),
+            pk.KVCacheGroupSpec(["cross"], pk.CrossAttentionSpec(**kw)),
+        ],
+    )
     mgr = pk.KVCacheManager(config, max_model_len=1024)
     for rid in ("a", "b"):
         mgr.add_request(rid, list(range(20)))
         hit = mgr.get_computed_blocks(rid)
-        new = mgr.allocate_slots(rid, 20 - hit.num_computed_tokens, num_computed_tokens=0,
-                                 new_computed_blocks=hit, num_encoder_tokens=50)
+        new = mgr.allocate_slots(
+            rid,
+            20 - hit.num_computed_tokens,
+            num_computed_tokens=0,
+            new_computed_blocks=hit,
+            num_encoder_tokens=50,
+        )
         assert new is not None
     assert [len(g) for g in mgr.get_block_ids("b")] == [2, 4]
     assert mgr.get_block_ids("b")[0][0] == mgr.get_block_ids("a")[0][0]

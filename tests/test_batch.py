@@ -15,31 +15,40 @@ from _util import admit, make_manager, snapshot
 from pagedkv.errors import InvalidArgumentError, UnknownRequestError
 
 
-def loop_allocate(mgr: pk.KVCacheManager, ids: Sequence[str], num_new: Sequence[int],
-                  computed: Sequence[int], lookahead: int = 0) -> tuple[int, list[list[int]]]:
+def loop_allocate(
+    mgr: pk.KVCacheManager,
+    ids: Sequence[str],
+    num_new: Sequence[int],
+    computed: Sequence[int],
+    lookahead: int = 0,
+) -> tuple[int, list[list[int]]]:
     out: list[list[int]] = []
     for rid, new, comp in zip(ids, num_new, computed, strict=True):
-        res = mgr.allocate_slots(rid, int(new), num_computed_tokens=int(comp),
-                                 num_lookahead_tokens=lookahead)
+        res = mgr.allocate_slots(
+            rid, int(new), num_computed_tokens=int(comp), num_lookahead_tokens=lookahead
+        )
         if res is None:
             break
         out.append([int(b) for b in res[0]])
     return len(out), out
 
 
-def batch_allocate(mgr: pk.KVCacheManager, ids: Sequence[str], num_new: Any,
-                   computed: Any, lookahead: int = 0) -> tuple[int, list[list[int]]]:
-    n_ok, groups = mgr.allocate_slots_batch(list(ids), num_new, computed,
-                                            num_lookahead_tokens=lookahead)
+def batch_allocate(
+    mgr: pk.KVCacheManager, ids: Sequence[str], num_new: Any, computed: Any, lookahead: int = 0
+) -> tuple[int, list[list[int]]]:
+    n_ok, groups = mgr.allocate_slots_batch(
+        list(ids), num_new, computed, num_lookahead_tokens=lookahead
+    )
     assert len(groups) == 1
     block_ids, offsets = groups[0]
     assert block_ids.dtype == np.int32 and offsets.dtype == np.int32
     assert len(offsets) == n_ok + 1 and offsets[0] == 0 and offsets[-1] == len(block_ids)
-    return n_ok, [[int(b) for b in block_ids[offsets[i]:offsets[i + 1]]] for i in range(n_ok)]
+    return n_ok, [[int(b) for b in block_ids[offsets[i] : offsets[i + 1]]] for i in range(n_ok)]
 
 
-def twin_managers(setup: Callable[[pk.KVCacheManager], list[str]], **kwargs: Any
-                  ) -> tuple[pk.KVCacheManager, pk.KVCacheManager, list[str]]:
+def twin_managers(
+    setup: Callable[[pk.KVCacheManager], list[str]], **kwargs: Any
+) -> tuple[pk.KVCacheManager, pk.KVCacheManager, list[str]]:
     kwargs.setdefault("log_stats", True)
     kwargs.setdefault("enable_kv_cache_events", True)
     loop_mgr, batch_mgr = make_manager(**kwargs), make_manager(**kwargs)
@@ -64,11 +73,13 @@ def admitted(prompts: dict[str, list[int]]) -> Callable[[pk.KVCacheManager], lis
             _, new = admit(mgr, rid)
             assert new is not None
         return list(prompts)
+
     return setup
 
 
-def step(mgrs: Sequence[pk.KVCacheManager], ids: Sequence[str], tokens: dict[str, list[int]]
-         ) -> list[int]:
+def step(
+    mgrs: Sequence[pk.KVCacheManager], ids: Sequence[str], tokens: dict[str, list[int]]
+) -> list[int]:
     """Appends sampled tokens to every running request; returns the computed counts."""
     computed = []
     for rid in ids:
@@ -98,8 +109,9 @@ def test_batch_decode_steps_match_per_request_allocation() -> None:
     assert batch_mgr.num_cached_block_hashes > 10
 
 
-@pytest.mark.parametrize("one", [1, np.int64(1), np.int32(1), True],
-                         ids=["int", "int64", "int32", "bool"])
+@pytest.mark.parametrize(
+    "one", [1, np.int64(1), np.int32(1), True], ids=["int", "int64", "int32", "bool"]
+)
 def test_one_count_for_every_request_is_broadcast(one: Any) -> None:
     prompts = {"a": list(range(16)), "b": [3] * 20, "c": list(range(100, 131))}
     loop_mgr, batch_mgr, ids = twin_managers(admitted(prompts), block_size=16, num_blocks=40)
@@ -120,8 +132,9 @@ def test_batch_with_per_request_token_counts_and_lookahead_matches() -> None:
         num_new = [1 + (t + i) % 4 for i in range(len(ids))]
         computed = step((loop_mgr, batch_mgr), ids, {rid: [t] for rid in ids})
         expected = loop_allocate(loop_mgr, ids, num_new, computed, lookahead=2)
-        got = batch_allocate(batch_mgr, ids, np.array(num_new, dtype=np.int32), computed,
-                             lookahead=2)
+        got = batch_allocate(
+            batch_mgr, ids, np.array(num_new, dtype=np.int32), computed, lookahead=2
+        )
         assert got == expected
         assert_same_state(loop_mgr, batch_mgr, ids)
 
@@ -146,7 +159,7 @@ def test_batch_stops_at_the_first_request_that_does_not_fit(num_blocks: int) -> 
     assert got[0] == min(free_before, len(ids))
     assert_same_state(loop_mgr, batch_mgr, ids)
     # Requests after the failure point got nothing.
-    for rid in ids[got[0]:]:
+    for rid in ids[got[0] :]:
         assert len(batch_mgr.get_block_ids(rid)[0]) == 1
 
 
@@ -168,8 +181,9 @@ def test_empty_batch_allocates_nothing() -> None:
     ],
     ids=["unknown_id", "computed_past_tokens", "counts_length", "computed_length"],
 )
-def test_invalid_batch_raises_before_allocating_anything(call: Callable[..., Any],
-                                                         exc: type[BaseException]) -> None:
+def test_invalid_batch_raises_before_allocating_anything(
+    call: Callable[..., Any], exc: type[BaseException]
+) -> None:
     mgr = make_manager(log_stats=True, enable_kv_cache_events=True)
     admitted({"a": [1] * 55, "b": [2] * 53})(mgr)
     mgr.append_token_ids("a", [5] * 10)  # "a" needs a new block at the next step

@@ -33,12 +33,14 @@ def _drive(mgr: pk.KVCacheManager, seed: int, n: int = 400) -> int:
             if written.get(b, [])[:end] != prompt[:end] or len(written.get(b, [])) < end:
                 bad += 1
                 break
-        while mgr.allocate_slots(rid, len(prompt) - h, num_computed_tokens=0,
-                                 new_computed_blocks=hit) is None:
+        while (
+            mgr.allocate_slots(rid, len(prompt) - h, num_computed_tokens=0, new_computed_blocks=hit)
+            is None
+        ):
             mgr.remove_request(live.pop(0))
         for i, b in enumerate(mgr.get_block_ids(rid)[0].tolist()):
             if i * 4 >= h:
-                written[b] = prompt[:(i + 1) * 4]
+                written[b] = prompt[: (i + 1) * 4]
         live.append(rid)
         if len(live) > 3:
             mgr.remove_request(live.pop(0))
@@ -70,8 +72,15 @@ def test_verification_keeps_every_honest_hit() -> None:
             mgr.add_request(f"r{r}", prompt)
             hit = mgr.get_computed_blocks(f"r{r}")
             hits.append((hit.num_computed_tokens, hit.block_ids[0].tolist()))
-            if mgr.allocate_slots(f"r{r}", len(prompt) - hit.num_computed_tokens,
-                                  num_computed_tokens=0, new_computed_blocks=hit) is None:
+            if (
+                mgr.allocate_slots(
+                    f"r{r}",
+                    len(prompt) - hit.num_computed_tokens,
+                    num_computed_tokens=0,
+                    new_computed_blocks=hit,
+                )
+                is None
+            ):
                 mgr.remove_request(f"r{r}")
             elif r % 2:
                 mgr.remove_request(f"r{r}")
@@ -97,4 +106,5 @@ def test_raw_hash_events_carry_the_full_digest() -> None:
     mgr.evict_blocks(range(1, 16))
     removed = mgr.take_events()
     assert sorted(h for ev in removed for h in ev.block_hashes) == sorted(
-        int.from_bytes(d[-8:], "big") for d in digests)
+        int.from_bytes(d[-8:], "big") for d in digests
+    )

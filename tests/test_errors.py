@@ -44,9 +44,12 @@ def busy_manager() -> pk.KVCacheManager:
     return mgr
 
 
-def assert_raises_unchanged(mgr: pk.KVCacheManager, exc: type[BaseException],
-                            call: Callable[[pk.KVCacheManager], Any],
-                            request_ids: tuple[str, ...] = KNOWN) -> None:
+def assert_raises_unchanged(
+    mgr: pk.KVCacheManager,
+    exc: type[BaseException],
+    call: Callable[[pk.KVCacheManager], Any],
+    request_ids: tuple[str, ...] = KNOWN,
+) -> None:
     before = snapshot(mgr, request_ids)
     with pytest.raises(exc):
         call(mgr)
@@ -59,11 +62,22 @@ def assert_raises_unchanged(mgr: pk.KVCacheManager, exc: type[BaseException],
 
 def test_every_error_is_a_pagedkv_error_and_a_builtin_error() -> None:
     assert issubclass(UnknownRequestError, KeyError)
-    for cls in (DuplicateRequestError, InvalidArgumentError, StaleComputedBlocksError,
-                CannotFitError, pk.InvalidConfigError):
+    for cls in (
+        DuplicateRequestError,
+        InvalidArgumentError,
+        StaleComputedBlocksError,
+        CannotFitError,
+        pk.InvalidConfigError,
+    ):
         assert issubclass(cls, ValueError)
-    for cls in (UnknownRequestError, DuplicateRequestError, InvalidArgumentError,
-                StaleComputedBlocksError, CannotFitError, pk.InvalidConfigError):
+    for cls in (
+        UnknownRequestError,
+        DuplicateRequestError,
+        InvalidArgumentError,
+        StaleComputedBlocksError,
+        CannotFitError,
+        pk.InvalidConfigError,
+    ):
         assert issubclass(cls, PagedKVError)
 
 
@@ -100,8 +114,9 @@ def test_removed_request_id_is_unknown() -> None:
 
 @pytest.mark.parametrize("request_id", KNOWN)
 def test_duplicate_request_id_raises_and_keeps_the_original(request_id: str) -> None:
-    assert_raises_unchanged(busy_manager(), DuplicateRequestError,
-                            lambda m: m.add_request(request_id, [1, 2, 3]))
+    assert_raises_unchanged(
+        busy_manager(), DuplicateRequestError, lambda m: m.add_request(request_id, [1, 2, 3])
+    )
 
 
 # --------------------------------------------------------------------------- counts
@@ -110,17 +125,19 @@ def test_duplicate_request_id_raises_and_keeps_the_original(request_id: str) -> 
 NEGATIVE_CALLS = {
     "num_new_tokens": lambda m: m.allocate_slots("wait", -1, num_computed_tokens=0),
     "num_computed_tokens": lambda m: m.allocate_slots("run", 1, num_computed_tokens=-1),
-    "num_lookahead_tokens": lambda m: m.allocate_slots("run", 1, num_computed_tokens=55,
-                                                       num_lookahead_tokens=-1),
-    "num_new_computed_tokens": lambda m: m.allocate_slots("wait", 5, num_computed_tokens=0,
-                                                          num_new_computed_tokens=-16),
+    "num_lookahead_tokens": lambda m: m.allocate_slots(
+        "run", 1, num_computed_tokens=55, num_lookahead_tokens=-1
+    ),
+    "num_new_computed_tokens": lambda m: m.allocate_slots(
+        "wait", 5, num_computed_tokens=0, num_new_computed_tokens=-16
+    ),
     "num_external_computed_tokens": lambda m: m.allocate_slots(
-        "wait", 5, num_computed_tokens=0, num_external_computed_tokens=-1),
+        "wait", 5, num_computed_tokens=0, num_external_computed_tokens=-1
+    ),
     "cache_blocks": lambda m: m.cache_blocks("run", -1),
     "batch_num_new_tokens": lambda m: m.allocate_slots_batch(["run"], -1, [55]),
     "batch_num_computed_tokens": lambda m: m.allocate_slots_batch(["run"], 1, [-1]),
-    "batch_lookahead": lambda m: m.allocate_slots_batch(["run"], 1, [55],
-                                                        num_lookahead_tokens=-1),
+    "batch_lookahead": lambda m: m.allocate_slots_batch(["run"], 1, [55], num_lookahead_tokens=-1),
 }
 
 
@@ -133,15 +150,20 @@ def test_zero_new_tokens_with_nothing_to_adopt_raises_invalid_argument() -> None
     # vLLM 0.33: ValueError("num_new_tokens must be greater than 0 when there are
     # no computed tokens to adopt").
     mgr = busy_manager()
-    assert_raises_unchanged(mgr, InvalidArgumentError,
-                            lambda m: m.allocate_slots("wait", 0, num_computed_tokens=0))
-    assert_raises_unchanged(mgr, InvalidArgumentError,
-                            lambda m: m.allocate_slots("run", 0, num_computed_tokens=55))
+    assert_raises_unchanged(
+        mgr, InvalidArgumentError, lambda m: m.allocate_slots("wait", 0, num_computed_tokens=0)
+    )
+    assert_raises_unchanged(
+        mgr, InvalidArgumentError, lambda m: m.allocate_slots("run", 0, num_computed_tokens=55)
+    )
 
 
 def test_computed_tokens_past_the_request_raise_invalid_argument() -> None:
-    assert_raises_unchanged(busy_manager(), InvalidArgumentError,
-                            lambda m: m.allocate_slots("run", 1, num_computed_tokens=1000))
+    assert_raises_unchanged(
+        busy_manager(),
+        InvalidArgumentError,
+        lambda m: m.allocate_slots("run", 1, num_computed_tokens=1000),
+    )
 
 
 # --------------------------------------------------------------------------- token ids
@@ -192,8 +214,9 @@ def test_token_ids_at_the_u32_limits_are_accepted() -> None:
 def test_prompt_longer_than_max_model_len_is_rejected() -> None:
     mgr = make_manager(BS, 11, max_model_len=32)
     mgr.add_request("ok", list(range(32)))
-    assert_raises_unchanged(mgr, InvalidArgumentError,
-                            lambda m: m.add_request("long", list(range(33))), ("ok",))
+    assert_raises_unchanged(
+        mgr, InvalidArgumentError, lambda m: m.add_request("long", list(range(33))), ("ok",)
+    )
     assert "long" not in mgr
 
 
@@ -219,9 +242,12 @@ def test_hit_invalidated_by_evict_blocks_is_stale() -> None:
     mgr.evict_blocks([2])
     mgr.take_events()
     mgr.make_prefix_cache_stats()
-    assert_raises_unchanged(mgr, StaleComputedBlocksError,
-                            lambda m: m.allocate_slots("r1", 5, num_computed_tokens=0,
-                                                       new_computed_blocks=hit), ("r1",))
+    assert_raises_unchanged(
+        mgr,
+        StaleComputedBlocksError,
+        lambda m: m.allocate_slots("r1", 5, num_computed_tokens=0, new_computed_blocks=hit),
+        ("r1",),
+    )
     # Looking up again sees the chain broken at block 2.
     hit, new = admit(mgr, "r1")
     assert as_lists(hit.block_ids) == ([1],)
@@ -239,9 +265,12 @@ def test_hit_whose_blocks_were_reallocated_is_stale() -> None:
     mgr.remove_request("big")
     mgr.take_events()
     mgr.make_prefix_cache_stats()
-    assert_raises_unchanged(mgr, StaleComputedBlocksError,
-                            lambda m: m.allocate_slots("r1", 5, num_computed_tokens=0,
-                                                       new_computed_blocks=hit), ("r1",))
+    assert_raises_unchanged(
+        mgr,
+        StaleComputedBlocksError,
+        lambda m: m.allocate_slots("r1", 5, num_computed_tokens=0, new_computed_blocks=hit),
+        ("r1",),
+    )
     hit, new = admit(mgr, "r1")
     assert hit.num_computed_tokens == 0
     assert new is not None
@@ -253,9 +282,12 @@ def test_hit_used_for_another_request_is_stale() -> None:
     mgr.add_request("twin", COMMON + [4] * 5)  # same prompt as r1
     hit = mgr.get_computed_blocks("r1")
     assert hit.num_computed_tokens == 48
-    assert_raises_unchanged(mgr, StaleComputedBlocksError,
-                            lambda m: m.allocate_slots("twin", 5, num_computed_tokens=0,
-                                                       new_computed_blocks=hit), ("r1", "twin"))
+    assert_raises_unchanged(
+        mgr,
+        StaleComputedBlocksError,
+        lambda m: m.allocate_slots("twin", 5, num_computed_tokens=0, new_computed_blocks=hit),
+        ("r1", "twin"),
+    )
 
 
 def test_hit_from_another_manager_is_stale() -> None:
@@ -263,19 +295,25 @@ def test_hit_from_another_manager_is_stale() -> None:
     other = cached_prefix_manager()
     hit = other.get_computed_blocks("r1")
     assert hit.num_computed_tokens == 48
-    assert_raises_unchanged(mgr, StaleComputedBlocksError,
-                            lambda m: m.allocate_slots("r1", 5, num_computed_tokens=0,
-                                                       new_computed_blocks=hit), ("r1",))
+    assert_raises_unchanged(
+        mgr,
+        StaleComputedBlocksError,
+        lambda m: m.allocate_slots("r1", 5, num_computed_tokens=0, new_computed_blocks=hit),
+        ("r1",),
+    )
 
 
 # --------------------------------------------------------------------------- block ids
 
 
-@pytest.mark.parametrize("block_ids", [[11], [-1], [1, 11], [2**40], [5, -3]],
-                         ids=["num_blocks", "negative", "valid_then_bad", "huge",
-                              "valid_then_negative"])
+@pytest.mark.parametrize(
+    "block_ids",
+    [[11], [-1], [1, 11], [2**40], [5, -3]],
+    ids=["num_blocks", "negative", "valid_then_bad", "huge", "valid_then_negative"],
+)
 def test_out_of_range_block_ids_in_evict_blocks_raise_and_evict_nothing(
-        block_ids: list[int]) -> None:
+    block_ids: list[int],
+) -> None:
     # vLLM asserts block_id < len(blocks) (a KV-connector bug otherwise).
     mgr = busy_manager()
     assert mgr.cached_block_hash(1) is not None and mgr.cached_block_hash(5) is not None
@@ -294,8 +332,7 @@ def test_out_of_range_block_id_in_introspection_raises_invalid_argument() -> Non
 def test_request_larger_than_the_pool_raises_cannot_fit() -> None:
     mgr = busy_manager()
     mgr.add_request("huge", list(range(161)))  # 11 blocks; the pool has 10 usable
-    assert_raises_unchanged(mgr, CannotFitError,
-                            lambda m: admit(m, "huge"), (*KNOWN, "huge"))
+    assert_raises_unchanged(mgr, CannotFitError, lambda m: admit(m, "huge"), (*KNOWN, "huge"))
     mgr.remove_request("huge")
     mgr.check_invariants()
 

@@ -23,8 +23,15 @@ def _admit_all(mgr: pk.KVCacheManager, n: int, prompt_len: int) -> list[int]:
         assert isinstance(h, int)
         assert mgr.request_handle(f"r{i}") == h
         hit = mgr.get_computed_blocks(f"r{i}")
-        assert mgr.allocate_slots(f"r{i}", prompt_len - hit.num_computed_tokens,
-                                  num_computed_tokens=0, new_computed_blocks=hit) is not None
+        assert (
+            mgr.allocate_slots(
+                f"r{i}",
+                prompt_len - hit.num_computed_tokens,
+                num_computed_tokens=0,
+                new_computed_blocks=hit,
+            )
+            is not None
+        )
         handles.append(h)
     return handles
 
@@ -35,8 +42,11 @@ def test_batch_by_handle_equals_batch_by_id(form: str) -> None:
     ids = [f"r{i}" for i in range(5)]
     _admit_all(by_id, 5, 6)
     handles = _admit_all(by_handle, 5, 6)
-    refs: Any = {"list": handles, "int64": np.array(handles, dtype=np.int64),
-                 "uint64": np.array(handles, dtype=np.uint64)}[form]
+    refs: Any = {
+        "list": handles,
+        "int64": np.array(handles, dtype=np.int64),
+        "uint64": np.array(handles, dtype=np.uint64),
+    }[form]
     for step in range(9):
         computed = np.full(5, 6 + step, dtype=np.int64)
         a = by_id.allocate_slots_batch(ids, 1, computed)

@@ -80,8 +80,9 @@ def test_xxhash_cbor_without_a_seed_uses_a_random_none_hash() -> None:
 
 def test_seed0_chain_through_the_manager_matches_the_seed0_vectors() -> None:
     for algo in CBOR_ALGOS:
-        case = next(c for c in SEED0["hash_vectors"]
-                    if c["algo"] == algo and c["case"] == "tokens_0_16")
+        case = next(
+            c for c in SEED0["hash_vectors"] if c["algo"] == algo and c["case"] == "tokens_0_16"
+        )
         mgr = make_manager(hash_algo=algo, hash_seed="0")
         mgr.add_request("0", case["token_ids"] + case["child_token_ids"])
         assert [h.hex() for h in mgr.block_hashes("0")] == [case["hash"], case["child_hash"]]
@@ -108,14 +109,16 @@ def test_hash_block_tokens_matches_vllm(case: dict[str, Any], seed: str) -> None
     block_hash = pk.hash_block_tokens(algo, parent, case["token_ids"], extra, none_hash=none_hash)
     assert block_hash.hex() == case["hash"]
     # The child block is chained on it, without extra keys.
-    child = pk.hash_block_tokens(algo, block_hash, case["child_token_ids"], None,
-                                 none_hash=none_hash)
+    child = pk.hash_block_tokens(
+        algo, block_hash, case["child_token_ids"], None, none_hash=none_hash
+    )
     assert child.hex() == case["child_hash"]
 
 
 @pytest.mark.parametrize(("file_id", "data", "seed"), FILE_SEEDS, ids=[f[0] for f in FILE_SEEDS])
 def test_salt_vector_is_untagged_while_the_request_path_tags_the_salt(
-        file_id: str, data: dict[str, Any], seed: str) -> None:
+    file_id: str, data: dict[str, Any], seed: str
+) -> None:
     vec = data["chain_bs4_salt_first_block_sha256_cbor"]
     tokens, bs, salt = vec["token_ids"], vec["block_size"], vec["cache_salt"]
     none_hash = pk.none_hash("sha256_cbor", seed)
@@ -127,8 +130,7 @@ def test_salt_vector_is_untagged_while_the_request_path_tags_the_salt(
     # Through the manager (block size 4, cache_salt): vLLM 0.33's request path
     # tags the key as ("cache_salt", salt), so the first block -- and the chain --
     # differ from the untagged vector, while the event keeps the untagged key.
-    mgr = make_manager(bs, 8, hash_algo="sha256_cbor", hash_seed=seed,
-                       enable_kv_cache_events=True)
+    mgr = make_manager(bs, 8, hash_algo="sha256_cbor", hash_seed=seed, enable_kv_cache_events=True)
     mgr.add_request("0", tokens, cache_salt=salt)
     tagged = chain("sha256_cbor", none_hash, tokens, bs, [(("cache_salt", salt),), None, None])
     assert mgr.block_hashes("0") == tagged
@@ -178,8 +180,13 @@ def test_request_block_hashes_match_vllm(case: dict[str, Any]) -> None:
     mgr = make_manager(bs, len(tokens) // bs + 2, enable_kv_cache_events=True)
     assert mgr.none_hash.hex() == REQUESTS["none_hash"]
     lora = {"lora_name": case["lora_name"], "lora_path": "/x"} if case["lora_name"] else {}
-    mgr.add_request("r", tokens, cache_salt=case["cache_salt"],
-                    mm_features=[tuple(m) for m in case["mm_features"]], **lora)
+    mgr.add_request(
+        "r",
+        tokens,
+        cache_salt=case["cache_salt"],
+        mm_features=[tuple(m) for m in case["mm_features"]],
+        **lora,
+    )
 
     expected = [b["hash"] for b in case["blocks"]]
     assert [h.hex() for h in mgr.block_hashes("r")] == expected

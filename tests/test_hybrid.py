@@ -28,10 +28,6 @@ from _util import admit, as_lists, chain, full, manager, refused, swa
 DUMP = Path(__file__).parent / "vectors" / "ops_hybrid.jsonl.gz"
 
 
-
-
-
-
 def cached_positions(mgr: pk.KVCacheManager, block_ids: Sequence[int]) -> list[int]:
     """Indices of a block table whose blocks carry a cache key."""
     return [i for i, b in enumerate(block_ids) if b and mgr.cached_block_hash(b) is not None]
@@ -83,12 +79,47 @@ def test_prefill_hybrid_model() -> None:
     assert hit.shared_prefix_boundary == 0
     assert new == ([13], [14], [15])
     assert [mgr.block_ref_count(b) for b in range(1, 16)] == [
-        2, 2, 2, 1, 1, 2, 2, 1, 1, 2, 2, 1, 1, 1, 1]
+        2,
+        2,
+        2,
+        1,
+        1,
+        2,
+        2,
+        1,
+        1,
+        2,
+        2,
+        1,
+        1,
+        1,
+        1,
+    ]
 
     mgr.free("0")
     mgr.free("1")
     assert [int(b) for b in mgr.free_block_ids()] == [
-        15, 14, 13, 12, 8, 4, 16, 17, 18, 19, 20, 5, 9, 3, 2, 1, 7, 6, 11, 10]
+        15,
+        14,
+        13,
+        12,
+        8,
+        4,
+        16,
+        17,
+        18,
+        19,
+        20,
+        5,
+        9,
+        3,
+        2,
+        1,
+        7,
+        6,
+        11,
+        10,
+    ]
     mgr.check_invariants()
 
 
@@ -99,19 +130,22 @@ def _ids(*pairs: tuple[int, int]) -> list[int]:
     return [first[g] + i for g, i in pairs]
 
 
-@pytest.mark.parametrize(("evicted", "expect_blocks"), [
-    # Blocks outside the sliding window do not matter.
-    pytest.param(_ids((1, 0), (2, 0)), 3, id="swa-outside-window"),
-    # The first full-attention block: total miss.
-    pytest.param(_ids((0, 0)), 0, id="full-first"),
-    # The last block of every group / of one group shortens the hit to 2 blocks.
-    pytest.param(_ids((0, 2), (1, 2), (2, 2)), 2, id="all-last"),
-    pytest.param(_ids((0, 2)), 2, id="full-last"),
-    pytest.param(_ids((1, 2)), 2, id="swa1-last"),
-    pytest.param(_ids((2, 2)), 2, id="swa2-last"),
-    # Full attention hits 2 blocks, the windows only reach 3: no common length.
-    pytest.param(_ids((0, 2), (1, 0), (2, 0)), 0, id="disagree"),
-])
+@pytest.mark.parametrize(
+    ("evicted", "expect_blocks"),
+    [
+        # Blocks outside the sliding window do not matter.
+        pytest.param(_ids((1, 0), (2, 0)), 3, id="swa-outside-window"),
+        # The first full-attention block: total miss.
+        pytest.param(_ids((0, 0)), 0, id="full-first"),
+        # The last block of every group / of one group shortens the hit to 2 blocks.
+        pytest.param(_ids((0, 2), (1, 2), (2, 2)), 2, id="all-last"),
+        pytest.param(_ids((0, 2)), 2, id="full-last"),
+        pytest.param(_ids((1, 2)), 2, id="swa1-last"),
+        pytest.param(_ids((2, 2)), 2, id="swa2-last"),
+        # Full attention hits 2 blocks, the windows only reach 3: no common length.
+        pytest.param(_ids((0, 2), (1, 0), (2, 0)), 0, id="disagree"),
+    ],
+)
 def test_prefill_hybrid_model_partial_hits(evicted: list[int], expect_blocks: int) -> None:
     mgr = hybrid_3groups(21, 2)
     prefill_two_requests(mgr)
@@ -141,7 +175,25 @@ def test_prefill_hybrid_model_eagle() -> None:
     mgr, new = eagle_setup()
     assert new == ([1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15, 16, 17, 18, 19, 20, 21])
     assert [b for b in range(31) if mgr.cached_block_hash(b) is not None] == [
-        1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 15, 16, 17, 18, 19, 20]
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+        8,
+        9,
+        10,
+        11,
+        12,
+        13,
+        15,
+        16,
+        17,
+        18,
+        19,
+        20,
+    ]
 
     # EAGLE drops the last matched block: 6 cached blocks give 5 (80 tokens); the
     # windows (3 blocks) need 3 + 1 contiguous blocks.
@@ -153,27 +205,64 @@ def test_prefill_hybrid_model_eagle() -> None:
     mgr.free("0")
     mgr.free("1")
     assert [int(b) for b in mgr.free_block_ids()] == [
-        27, 25, 23, 21, 14, 7, 28, 29, 30, 6, 13, 9, 8, 20, 16, 15, 22, 5, 4, 3, 2, 1,
-        24, 12, 11, 10, 26, 19, 18, 17]
+        27,
+        25,
+        23,
+        21,
+        14,
+        7,
+        28,
+        29,
+        30,
+        6,
+        13,
+        9,
+        8,
+        20,
+        16,
+        15,
+        22,
+        5,
+        4,
+        3,
+        2,
+        1,
+        24,
+        12,
+        11,
+        10,
+        26,
+        19,
+        18,
+        17,
+    ]
     mgr.check_invariants()
 
 
-@pytest.mark.parametrize(("evicted", "expect"), [
-    pytest.param([(1, 0), (2, 0)], ([1, 2, 3, 4, 5], [0, 0, 10, 11, 12], [0, 0, 17, 18, 19]),
-                 id="swa-outside-window"),
-    pytest.param([(0, 0)], ([], [], []), id="full-first"),
-    pytest.param([(0, 5), (1, 5), (2, 5)], ([1, 2, 3, 4], [0, 9, 10, 11], [0, 16, 17, 18]),
-                 id="all-last"),
-    pytest.param([(0, 5)], ([1, 2, 3, 4], [0, 9, 10, 11], [0, 16, 17, 18]), id="full-last"),
-    pytest.param([(1, 5)], ([1, 2, 3, 4], [0, 9, 10, 11], [0, 16, 17, 18]), id="swa1-last"),
-    pytest.param([(2, 5)], ([1, 2, 3, 4], [0, 9, 10, 11], [0, 16, 17, 18]), id="swa2-last"),
-    pytest.param([(1, 3)], ([1, 2], [8, 9], [15, 16]), id="swa-middle"),
-    pytest.param([(1, 4)], ([1, 2, 3], [8, 9, 10], [15, 16, 17]), id="swa-middle-2"),
-    pytest.param([(0, 5), (1, 2), (2, 2)], ([1], [8], [15]), id="mixed"),
-    pytest.param([(0, 4), (1, 1)], ([], [], []), id="mixed-miss"),
-])
+@pytest.mark.parametrize(
+    ("evicted", "expect"),
+    [
+        pytest.param(
+            [(1, 0), (2, 0)],
+            ([1, 2, 3, 4, 5], [0, 0, 10, 11, 12], [0, 0, 17, 18, 19]),
+            id="swa-outside-window",
+        ),
+        pytest.param([(0, 0)], ([], [], []), id="full-first"),
+        pytest.param(
+            [(0, 5), (1, 5), (2, 5)], ([1, 2, 3, 4], [0, 9, 10, 11], [0, 16, 17, 18]), id="all-last"
+        ),
+        pytest.param([(0, 5)], ([1, 2, 3, 4], [0, 9, 10, 11], [0, 16, 17, 18]), id="full-last"),
+        pytest.param([(1, 5)], ([1, 2, 3, 4], [0, 9, 10, 11], [0, 16, 17, 18]), id="swa1-last"),
+        pytest.param([(2, 5)], ([1, 2, 3, 4], [0, 9, 10, 11], [0, 16, 17, 18]), id="swa2-last"),
+        pytest.param([(1, 3)], ([1, 2], [8, 9], [15, 16]), id="swa-middle"),
+        pytest.param([(1, 4)], ([1, 2, 3], [8, 9, 10], [15, 16, 17]), id="swa-middle-2"),
+        pytest.param([(0, 5), (1, 2), (2, 2)], ([1], [8], [15]), id="mixed"),
+        pytest.param([(0, 4), (1, 1)], ([], [], []), id="mixed-miss"),
+    ],
+)
 def test_prefill_hybrid_model_eagle_partial_hits(
-        evicted: list[tuple[int, int]], expect: tuple[list[int], ...]) -> None:
+    evicted: list[tuple[int, int]], expect: tuple[list[int], ...]
+) -> None:
     mgr, new = eagle_setup()
     mgr.free("0")
     mgr.evict_blocks([new[g][i] for g, i in evicted])
@@ -189,8 +278,7 @@ def test_prefill_hybrid_model_eagle_partial_hits(
 def test_different_block_size() -> None:
     # Full attention bs 32 + SWA bs 16 (window 32): hashes every 16 tokens, hits
     # in multiples of 32.
-    mgr = manager(100, [pk.FullAttentionSpec(32, 1, 1, "float16"), swa(16, 32)],
-                  hash_block_size=16)
+    mgr = manager(100, [pk.FullAttentionSpec(32, 1, 1, "float16"), swa(16, 32)], hash_block_size=16)
     assert mgr.hash_block_size == 16
     common = [i for i in range(7) for _ in range(16)]  # 112 tokens
     mgr.add_request("0", common)
@@ -252,8 +340,9 @@ def test_full_attention_partial_tail_key_is_added_when_the_block_fills() -> None
 def cap_manager(num_blocks: int) -> pk.KVCacheManager:
     # Full attention needs cdiv(1024, 16) = 64 blocks at most; the SWA group holds
     # at most cdiv(64 - 1 + 128, 16) + 1 = 13 (the startup pool minimum is 77 + null).
-    return manager(num_blocks, [full(16), swa(16, 64)], max_model_len=1024,
-                   max_in_flight_tokens=128)
+    return manager(
+        num_blocks, [full(16), swa(16, 64)], max_model_len=1024, max_in_flight_tokens=128
+    )
 
 
 @pytest.mark.parametrize("prompt_len", [512, 1000, 1024])
@@ -261,8 +350,9 @@ def test_can_fit_full_sequence_swa_cap_admits_long_prompt(prompt_len: int) -> No
     mgr = cap_manager(78)
     mgr.add_request("long", list(range(prompt_len)))
     hit = mgr.get_computed_blocks("long")
-    new = mgr.allocate_slots("long", 16, num_computed_tokens=0, new_computed_blocks=hit,
-                             full_sequence_must_fit=True)
+    new = mgr.allocate_slots(
+        "long", 16, num_computed_tokens=0, new_computed_blocks=hit, full_sequence_must_fit=True
+    )
     assert as_lists(new) == ([1], [2])
     assert mgr.num_free_blocks == 75
 
@@ -272,9 +362,15 @@ def test_can_fit_full_sequence_full_attention_still_gates_oversized(prompt_len: 
     mgr = cap_manager(5)
     mgr.add_request("oversized", list(range(prompt_len)))
     hit = mgr.get_computed_blocks("oversized")
-    assert refused(lambda: mgr.allocate_slots("oversized", 16, num_computed_tokens=0,
-                                              new_computed_blocks=hit,
-                                              full_sequence_must_fit=True))
+    assert refused(
+        lambda: mgr.allocate_slots(
+            "oversized",
+            16,
+            num_computed_tokens=0,
+            new_computed_blocks=hit,
+            full_sequence_must_fit=True,
+        )
+    )
     assert mgr.num_free_blocks == 4
     # Without the full-sequence gate only the first chunk has to fit.
     new = mgr.allocate_slots("oversized", 16, num_computed_tokens=0, new_computed_blocks=hit)
@@ -304,11 +400,14 @@ def prefill(mgr: pk.KVCacheManager, rid: str, tokens: list[int]) -> tuple[list[i
     return as_lists(mgr.get_block_ids(rid)) or ()
 
 
-@pytest.mark.parametrize(("interval", "cached"), [
-    (64, [3, 7, 11, 14, 15]),
-    (0, [14]),
-    (None, list(range(16))),
-])
+@pytest.mark.parametrize(
+    ("interval", "cached"),
+    [
+        (64, [3, 7, 11, 14, 15]),
+        (0, [14]),
+        (None, list(range(16))),
+    ],
+)
 def test_pure_swa_retention(interval: int | None, cached: list[int]) -> None:
     mgr = manager(40, [swa(16, 16)], prefix_cache_retention_interval=interval)
     ids = prefill(mgr, "a", list(range(256)))
@@ -327,19 +426,23 @@ def full32_swa8(interval: int | None, num_blocks: int = 100) -> pk.KVCacheManage
     return manager(num_blocks, [full(32), swa(8, 8)], prefix_cache_retention_interval=interval)
 
 
-@pytest.mark.parametrize(("prompt_len", "interval", "swa_cached", "replay_hit", "prefix96_hit"), [
-    # Dense retention still keeps only the window tail of each 32-token segment.
-    (65, None, [3, 7], 64, 64),
-    (65, 64, [7], 64, 64),
-    (65, 0, [7], 64, 64),
-    (128, None, [3, 7, 11, 15], 96, 64),
-    (128, 64, [7, 11, 15], 96, 64),
-    # Retention 0 keeps only the replay boundary (96 tokens -> SWA block 11): the
-    # 96-token prefix alone (hits at most 64) finds no window tail.
-    (128, 0, [11], 96, 0),
-])
-def test_hybrid_retention(prompt_len: int, interval: int | None, swa_cached: list[int],
-                          replay_hit: int, prefix96_hit: int) -> None:
+@pytest.mark.parametrize(
+    ("prompt_len", "interval", "swa_cached", "replay_hit", "prefix96_hit"),
+    [
+        # Dense retention still keeps only the window tail of each 32-token segment.
+        (65, None, [3, 7], 64, 64),
+        (65, 64, [7], 64, 64),
+        (65, 0, [7], 64, 64),
+        (128, None, [3, 7, 11, 15], 96, 64),
+        (128, 64, [7, 11, 15], 96, 64),
+        # Retention 0 keeps only the replay boundary (96 tokens -> SWA block 11): the
+        # 96-token prefix alone (hits at most 64) finds no window tail.
+        (128, 0, [11], 96, 0),
+    ],
+)
+def test_hybrid_retention(
+    prompt_len: int, interval: int | None, swa_cached: list[int], replay_hit: int, prefix96_hit: int
+) -> None:
     mgr = full32_swa8(interval)
     assert mgr.hash_block_size == 8
     ids = prefill(mgr, "a", list(range(prompt_len)))
@@ -363,10 +466,13 @@ def test_hybrid_cache_blocks_clamped_to_lcm() -> None:
     assert cached_positions(mgr, ids[1]) == [0, 1, 2, 3, 4, 5]
 
 
-@pytest.mark.parametrize(("interval", "message"), [
-    (33, "multiple of scheduler_block_size"),
-    (-32, "non-negative"),
-])
+@pytest.mark.parametrize(
+    ("interval", "message"),
+    [
+        (33, "multiple of scheduler_block_size"),
+        (-32, "non-negative"),
+    ],
+)
 def test_invalid_retention_interval(interval: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         full32_swa8(interval)
@@ -390,8 +496,9 @@ def test_shared_prefix_boundary_pins_the_junction(interval: int | None) -> None:
     mgr = full32_swa8(interval)
     ids = prefill(mgr, "a", PREFIX + suffix(1000))
     sparse = interval == 0
-    assert cached_positions(mgr, ids[1]) == ([11] if sparse else
-                                             [3, 7, 11, 15] if interval is None else [7, 11, 15])
+    assert cached_positions(mgr, ids[1]) == (
+        [11] if sparse else [3, 7, 11, 15] if interval is None else [7, 11, 15]
+    )
 
     # "d" shares the 64-token prefix with "a". Full attention has it; at retention 0
     # the SWA group lacks the window tail at 64, so the hit is 0 and the boundary
@@ -408,8 +515,9 @@ def test_shared_prefix_boundary_pins_the_junction(interval: int | None) -> None:
     else:
         assert (hit.num_computed_tokens, hit.shared_prefix_boundary) == (64, 0)
         assert as_lists(hit.block_ids) == ([1, 2], [0] * 7 + [12])
-    new = mgr.allocate_slots("b", 128 - hit.num_computed_tokens, num_computed_tokens=0,
-                             new_computed_blocks=hit)
+    new = mgr.allocate_slots(
+        "b", 128 - hit.num_computed_tokens, num_computed_tokens=0, new_computed_blocks=hit
+    )
     if sparse:
         assert as_lists(new) == ([21, 22, 23, 24], list(range(25, 41)))
         # "b" keeps the junction's window tail (block 7) besides its replay boundary.
@@ -422,8 +530,7 @@ def test_shared_prefix_boundary_pins_the_junction(interval: int | None) -> None:
         mgr.add_request(rid, PREFIX + suffix(base))
         hit = mgr.get_computed_blocks(rid)
         assert (hit.num_computed_tokens, hit.shared_prefix_boundary) == (64, 0)
-        assert as_lists(hit.block_ids) == (
-            [1, 2], [0] * 7 + ([32] if sparse else [12]))
+        assert as_lists(hit.block_ids) == ([1, 2], [0] * 7 + ([32] if sparse else [12]))
     mgr.check_invariants()
 
 

@@ -385,8 +385,13 @@ def test_mm_prefix_caching_hashes_items_with_block_relative_offsets() -> None:
     assert as_lists(new) == ([],)
     hashes = mgr.block_hashes("0")
     assert len(hashes) == 4
-    assert hashes[3] == pk.hash_block_tokens("sha256_cbor", hashes[2], tokens0[48:] + [8] * 5,
-                                             (("mm", "ccc", 0),), none_hash=mgr.none_hash)
+    assert hashes[3] == pk.hash_block_tokens(
+        "sha256_cbor",
+        hashes[2],
+        tokens0[48:] + [8] * 5,
+        (("mm", "ccc", 0),),
+        none_hash=mgr.none_hash,
+    )
 
     # Same images, different text after them: the 3-block prefix hits.
     mgr.add_request("1", common + [P] * 7 + [200] * 5, mm_features=mm0)
@@ -409,8 +414,9 @@ def test_cache_salt_keys_only_the_first_block_and_separates_caches() -> None:
     assert as_lists(mgr.allocate_slots("0", 5, num_computed_tokens=59)) == ([],)
     hashes = mgr.block_hashes("0")
     assert len(hashes) == 4
-    assert hashes[3] == pk.hash_block_tokens("sha256_cbor", hashes[2], tokens[48:] + [8] * 5,
-                                             None, none_hash=mgr.none_hash)
+    assert hashes[3] == pk.hash_block_tokens(
+        "sha256_cbor", hashes[2], tokens[48:] + [8] * 5, None, none_hash=mgr.none_hash
+    )
 
     # Same salt: the 3-block prefix hits.
     mgr.add_request("1", COMMON + [4] * 11, cache_salt="salt1")
@@ -424,8 +430,9 @@ def test_cache_salt_keys_only_the_first_block_and_separates_caches() -> None:
     hit = mgr.get_computed_blocks("2")
     assert len(hit.block_ids[0]) == 0
     assert hit.num_computed_tokens == 0
-    assert mgr.block_hashes("2") == chain("sha256_cbor", mgr.none_hash, tokens2, BS,
-                                          [(("cache_salt", "salt2"),), None, None])
+    assert mgr.block_hashes("2") == chain(
+        "sha256_cbor", mgr.none_hash, tokens2, BS, [(("cache_salt", "salt2"),), None, None]
+    )
     assert mgr.block_hashes("2")[0] != mgr.block_hashes("1")[0]
 
 
@@ -510,7 +517,8 @@ def test_prefix_cache_stats_count_admissions_and_preempted_requests_separately()
     assert hit.num_computed_tokens == 48
     assert new is not None
     assert mgr.make_prefix_cache_stats() == pk.PrefixCacheStats(
-        preempted_requests=1, preempted_queries=54, preempted_hits=48)
+        preempted_requests=1, preempted_queries=54, preempted_hits=48
+    )
 
 
 def test_a_request_looked_up_several_times_is_counted_once_at_admission() -> None:
@@ -561,8 +569,9 @@ def test_kv_cache_events_store_evict_and_clear(blocks_to_cache: int) -> None:
     mgr.allocate_slots("1", BS * n, num_computed_tokens=0)
     events = mgr.take_events()
     assert len(events) == n + 1
-    assert events[:-1] == [pk.BlockRemoved(block_hashes=[h], medium="GPU", group_idx=0)
-                           for h in reversed(hashes)]
+    assert events[:-1] == [
+        pk.BlockRemoved(block_hashes=[h], medium="GPU", group_idx=0) for h in reversed(hashes)
+    ]
     assert isinstance(events[-1], pk.BlockStored)
     assert events[-1].block_hashes == hashes
     assert mgr.num_cached_block_hashes == n
@@ -641,8 +650,9 @@ def test_events_are_empty_when_disabled() -> None:
         (37, False, 2),
     ],
 )
-def test_eagle_drops_the_last_hit_block(num_tokens: int, use_eagle: bool,
-                                        expected_blocks: int) -> None:
+def test_eagle_drops_the_last_hit_block(
+    num_tokens: int, use_eagle: bool, expected_blocks: int
+) -> None:
     mgr = make_manager(BS, 10, use_eagle=use_eagle)
     tokens = [0] * num_tokens
     mgr.add_request("prime", tokens)
@@ -658,16 +668,19 @@ def test_eagle_drops_the_last_hit_block(num_tokens: int, use_eagle: bool,
 # --------------------------------------------------------------------------- lookahead
 
 
-@pytest.mark.parametrize(("num_new_tokens", "num_lookahead_tokens", "expected_blocks"),
-                         [(3, 2, 2), (3, 4, 2)])
-def test_lookahead_tokens_get_slots(num_new_tokens: int, num_lookahead_tokens: int,
-                                    expected_blocks: int) -> None:
+@pytest.mark.parametrize(
+    ("num_new_tokens", "num_lookahead_tokens", "expected_blocks"), [(3, 2, 2), (3, 4, 2)]
+)
+def test_lookahead_tokens_get_slots(
+    num_new_tokens: int, num_lookahead_tokens: int, expected_blocks: int
+) -> None:
     # vLLM's test_allocate_with_lookahead (block size 4, 10 blocks, max_model_len 100)
     # uses an empty prompt; a 3-token prompt schedules the same 3 tokens.
     mgr = make_manager(4, 10, max_model_len=100)
     mgr.add_request("0", [1, 2, 3])
-    new = mgr.allocate_slots("0", num_new_tokens, num_computed_tokens=0,
-                             num_lookahead_tokens=num_lookahead_tokens)
+    new = mgr.allocate_slots(
+        "0", num_new_tokens, num_computed_tokens=0, num_lookahead_tokens=num_lookahead_tokens
+    )
     assert new is not None
     assert len(new[0]) == expected_blocks
 
@@ -818,7 +831,10 @@ def test_chunked_prefill_caches_full_blocks_chunk_by_chunk() -> None:
         [event_hash(hashes[5])],
     ]
     assert [e.parent_block_hash for e in events] == [
-        None, event_hash(hashes[1]), event_hash(hashes[4])]
+        None,
+        event_hash(hashes[1]),
+        event_hash(hashes[4]),
+    ]
 
 
 def test_preempted_request_rehits_its_own_prompt_and_output_blocks() -> None:
@@ -840,8 +856,13 @@ def test_preempted_request_rehits_its_own_prompt_and_output_blocks() -> None:
     assert hit.num_computed_tokens == 64
     assert new == ([5],)
     assert mgr.make_prefix_cache_stats() == pk.PrefixCacheStats(
-        requests=1, queries=40, hits=0, preempted_requests=1, preempted_queries=70,
-        preempted_hits=64)
+        requests=1,
+        queries=40,
+        hits=0,
+        preempted_requests=1,
+        preempted_queries=70,
+        preempted_hits=64,
+    )
 
 
 def test_external_computed_tokens_get_fresh_blocks_after_the_local_hit() -> None:
@@ -852,8 +873,9 @@ def test_external_computed_tokens_get_fresh_blocks_after_the_local_hit() -> None
     mgr.add_request("b", COMMON + list(range(100, 132)) + [5] * 3)  # 83 tokens
     hit = mgr.get_computed_blocks("b")
     assert hit.num_computed_tokens == 48
-    new = mgr.allocate_slots("b", 3, num_computed_tokens=0, new_computed_blocks=hit,
-                             num_external_computed_tokens=32)
+    new = mgr.allocate_slots(
+        "b", 3, num_computed_tokens=0, new_computed_blocks=hit, num_external_computed_tokens=32
+    )
     # Blocks for the 32 external tokens come first, then the new tokens' block.
     assert as_lists(new) == ([6],)
     assert as_lists(mgr.get_block_ids("b")) == ([1, 2, 3, 4, 5, 6],)
@@ -862,8 +884,9 @@ def test_external_computed_tokens_get_fresh_blocks_after_the_local_hit() -> None
 
     # An async load: zero new tokens, delayed caching, published by cache_blocks.
     mgr.add_request("c", list(range(300, 340)))
-    new = mgr.allocate_slots("c", 0, num_computed_tokens=0, num_external_computed_tokens=32,
-                             delay_cache_blocks=True)
+    new = mgr.allocate_slots(
+        "c", 0, num_computed_tokens=0, num_external_computed_tokens=32, delay_cache_blocks=True
+    )
     assert as_lists(new) == ([],)
     assert as_lists(mgr.get_block_ids("c")) == ([7, 8],)
     assert mgr.num_cached_block_hashes == 5
@@ -872,23 +895,23 @@ def test_external_computed_tokens_get_fresh_blocks_after_the_local_hit() -> None
     mgr.check_invariants()
 
 
-@pytest.mark.parametrize(("has_scheduled_reqs", "expected"),
-                         [(True, None), (False, ([1, 2, 3, 4, 5, 6, 7, 8, 9],))])
+@pytest.mark.parametrize(
+    ("has_scheduled_reqs", "expected"), [(True, None), (False, ([1, 2, 3, 4, 5, 6, 7, 8, 9],))]
+)
 def test_watermark_applies_to_admissions_while_others_are_scheduled(
-        has_scheduled_reqs: bool, expected: tuple[list[int], ...] | None) -> None:
+    has_scheduled_reqs: bool, expected: tuple[list[int], ...] | None
+) -> None:
     # watermark_blocks = int(0.2 * 11) = 2: 9 needed + 2 > 10 free.
     mgr = make_manager(BS, 11, watermark=0.2)
     mgr.add_request("a", list(range(16 * 9)))
-    new = mgr.allocate_slots("a", 144, num_computed_tokens=0,
-                             has_scheduled_reqs=has_scheduled_reqs)
+    new = mgr.allocate_slots("a", 144, num_computed_tokens=0, has_scheduled_reqs=has_scheduled_reqs)
     assert as_lists(new) == expected
 
 
 def test_watermark_does_not_apply_to_running_requests() -> None:
     mgr = make_manager(BS, 11, watermark=0.2)
     mgr.add_request("a", list(range(16 * 7)))
-    assert as_lists(mgr.allocate_slots("a", 112, num_computed_tokens=0)) == (
-        [1, 2, 3, 4, 5, 6, 7],)
+    assert as_lists(mgr.allocate_slots("a", 112, num_computed_tokens=0)) == ([1, 2, 3, 4, 5, 6, 7],)
     mgr.append_token_ids("a", [1] * 20)
     # 2 more blocks leave 1 free, below the watermark: fine for a running request.
     assert as_lists(mgr.allocate_slots("a", 20, num_computed_tokens=112)) == ([8, 9],)
@@ -902,11 +925,11 @@ def test_full_sequence_must_fit_and_reserved_blocks_gate_admission() -> None:
     assert mgr.allocate_slots("a", 16, num_computed_tokens=0, full_sequence_must_fit=True) is None
     assert as_lists(mgr.allocate_slots("a", 16, num_computed_tokens=0)) == ([6],)
     mgr.add_request("b", list(range(2000, 2064)))  # 4 blocks in all, 4 free
-    assert as_lists(mgr.allocate_slots("b", 16, num_computed_tokens=0,
-                                       full_sequence_must_fit=True)) == ([7],)
+    assert as_lists(
+        mgr.allocate_slots("b", 16, num_computed_tokens=0, full_sequence_must_fit=True)
+    ) == ([7],)
     mgr.add_request("c", list(range(3000, 3064)))  # 1 block now, 3 free, 2 reserved
-    assert as_lists(mgr.allocate_slots("c", 16, num_computed_tokens=0, reserved_blocks=2)) == (
-        [8],)
+    assert as_lists(mgr.allocate_slots("c", 16, num_computed_tokens=0, reserved_blocks=2)) == ([8],)
     mgr.add_request("d", list(range(4000, 4064)))  # 2 free, 2 reserved
     assert mgr.allocate_slots("d", 16, num_computed_tokens=0, reserved_blocks=2) is None
 
@@ -921,9 +944,8 @@ def test_prompt_embeds_add_a_per_block_digest_key() -> None:
     mgr = make_manager(4, 20, enable_kv_cache_events=True)
     emb = np.arange(10 * 3, dtype=np.float32).reshape(10, 3)
     tokens = list(range(10))
-    mgr.add_request("a", tokens, prompt_embeds=emb, cache_salt="s", lora_name="L",
-                    lora_path="/p")
-    digests = [hashlib.sha256(emb[i * 4:(i + 1) * 4].tobytes()).digest() for i in range(2)]
+    mgr.add_request("a", tokens, prompt_embeds=emb, cache_salt="s", lora_name="L", lora_path="/p")
+    digests = [hashlib.sha256(emb[i * 4 : (i + 1) * 4].tobytes()).digest() for i in range(2)]
     keys = [
         (("lora", "L", "/p"), ("cache_salt", "s"), ("prompt_embeds", digests[0])),
         (("lora", "L", "/p"), ("prompt_embeds", digests[1])),

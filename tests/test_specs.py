@@ -23,55 +23,115 @@ K = pk.SinkFullAttentionSpec
 Ma = pk.MambaSpec
 
 #: (max_model_len, max_in_flight_tokens, max_num_encoder_input_tokens)
-SIZINGS = [(16384, 1024, 1500), (16384, None, 1500), (100, 8, 1500), (1, None, 16),
-           (131072, 8192, 448)]
+SIZINGS = [
+    (16384, 1024, 1500),
+    (16384, None, 1500),
+    (100, 8, 1500),
+    (1, None, 16),
+    (131072, 8192, 448),
+]
 
 #: (id, spec, page_size_bytes, max_memory_usage_bytes for each of SIZINGS) from vLLM 0.33.
 SPEC_CASES: list[tuple[str, pk.KVCacheSpec, int, list[int]]] = [
-    ("full-qwen1.5-7b", F(16, 32, 128, "float16"), 262144,
-     [268435456, 268435456, 1835008, 262144, 2147483648]),
-    ("full-llama3-8b", F(16, 8, 128, "bfloat16"), 65536,
-     [67108864, 67108864, 458752, 65536, 536870912]),
+    (
+        "full-qwen1.5-7b",
+        F(16, 32, 128, "float16"),
+        262144,
+        [268435456, 268435456, 1835008, 262144, 2147483648],
+    ),
+    (
+        "full-llama3-8b",
+        F(16, 8, 128, "bfloat16"),
+        65536,
+        [67108864, 67108864, 458752, 65536, 536870912],
+    ),
     ("full-fp8", F(16, 8, 128, "fp8"), 32768, [33554432, 33554432, 229376, 32768, 268435456]),
-    ("full-head-size-v", F(16, 8, 128, "float32", head_size_v=64), 98304,
-     [100663296, 100663296, 688128, 98304, 805306368]),
-    ("full-padded", F(16, 8, 128, "bfloat16", page_size_padded=100000), 100000,
-     [102400000, 102400000, 700000, 100000, 819200000]),
+    (
+        "full-head-size-v",
+        F(16, 8, 128, "float32", head_size_v=64),
+        98304,
+        [100663296, 100663296, 688128, 98304, 805306368],
+    ),
+    (
+        "full-padded",
+        F(16, 8, 128, "bfloat16", page_size_padded=100000),
+        100000,
+        [102400000, 102400000, 700000, 100000, 819200000],
+    ),
     ("mla-16", M(16, 1, 576, "bfloat16"), 18432, [18874368, 18874368, 129024, 18432, 150994944]),
     ("mla-64", M(64, 1, 576, "bfloat16"), 73728, [18874368, 18874368, 147456, 73728, 150994944]),
-    ("swa-1024-fp16", S(16, 32, 128, "float16", 1024), 262144,
-     [33816576, 268697600, 2097152, 524288, 151257088]),
-    ("swa-gemma3", S(16, 16, 128, "bfloat16", 1024), 131072,
-     [16908288, 134348800, 1048576, 262144, 75628544]),
-    ("swa-gpt-oss", S(16, 8, 64, "bfloat16", 128), 32768,
-     [2392064, 33587200, 262144, 65536, 17072128]),
+    (
+        "swa-1024-fp16",
+        S(16, 32, 128, "float16", 1024),
+        262144,
+        [33816576, 268697600, 2097152, 524288, 151257088],
+    ),
+    (
+        "swa-gemma3",
+        S(16, 16, 128, "bfloat16", 1024),
+        131072,
+        [16908288, 134348800, 1048576, 262144, 75628544],
+    ),
+    (
+        "swa-gpt-oss",
+        S(16, 8, 64, "bfloat16", 128),
+        32768,
+        [2392064, 33587200, 262144, 65536, 17072128],
+    ),
     ("swa-small", S(4, 1, 64, "float32", 4), 2048, [528384, 8390656, 8192, 4096, 4198400]),
-    ("chunked-llama4", C(16, 8, 128, "bfloat16", 8192), 65536,
-     [37748736, 67108864, 458752, 65536, 67108864]),
+    (
+        "chunked-llama4",
+        C(16, 8, 128, "bfloat16", 8192),
+        65536,
+        [37748736, 67108864, 458752, 65536, 67108864],
+    ),
     ("chunked-small", C(2, 1, 64, "float32", 4), 1024, [526336, 8388608, 6144, 1024, 4196352]),
-    ("cross-whisper", X(16, 20, 64, "bfloat16"), 81920,
-     [7700480, 7700480, 7700480, 81920, 2293760]),
-    ("sink", K(16, 8, 128, "bfloat16", 32), 65536,
-     [67108864, 67108864, 458752, 65536, 536870912]),
-    ("mamba-jamba-align", Ma(80, ((8192, 3), (8192, 16)), ("bfloat16", "bfloat16"),
-                             mamba_cache_mode="align"), 311296,
-     [622592] * 5),
-    ("mamba-padded-spec2", Ma(80, ((8192, 3), (8192, 16)), ("bfloat16", "bfloat16"),
-                              mamba_cache_mode="align", page_size_padded=327680,
-                              num_speculative_blocks=2), 327680,
-     [1310720] * 5),
-    ("mamba2-none", Ma(2048, ((3, 10240), (128, 64, 128)), ("bfloat16", "float32")), 4255744,
-     [4255744] * 5),
+    (
+        "cross-whisper",
+        X(16, 20, 64, "bfloat16"),
+        81920,
+        [7700480, 7700480, 7700480, 81920, 2293760],
+    ),
+    ("sink", K(16, 8, 128, "bfloat16", 32), 65536, [67108864, 67108864, 458752, 65536, 536870912]),
+    (
+        "mamba-jamba-align",
+        Ma(80, ((8192, 3), (8192, 16)), ("bfloat16", "bfloat16"), mamba_cache_mode="align"),
+        311296,
+        [622592] * 5,
+    ),
+    (
+        "mamba-padded-spec2",
+        Ma(
+            80,
+            ((8192, 3), (8192, 16)),
+            ("bfloat16", "bfloat16"),
+            mamba_cache_mode="align",
+            page_size_padded=327680,
+            num_speculative_blocks=2,
+        ),
+        327680,
+        [1310720] * 5,
+    ),
+    (
+        "mamba2-none",
+        Ma(2048, ((3, 10240), (128, 64, 128)), ("bfloat16", "float32")),
+        4255744,
+        [4255744] * 5,
+    ),
 ]
 
 
-@pytest.mark.parametrize(("spec", "page", "max_memory"),
-                         [c[1:] for c in SPEC_CASES], ids=[c[0] for c in SPEC_CASES])
-def test_page_size_and_max_memory_usage_match_vllm(spec: pk.KVCacheSpec, page: int,
-                                                   max_memory: list[int]) -> None:
+@pytest.mark.parametrize(
+    ("spec", "page", "max_memory"), [c[1:] for c in SPEC_CASES], ids=[c[0] for c in SPEC_CASES]
+)
+def test_page_size_and_max_memory_usage_match_vllm(
+    spec: pk.KVCacheSpec, page: int, max_memory: list[int]
+) -> None:
     assert spec.page_size_bytes == page
-    got = [spec.max_memory_usage_bytes(mml, inflight, max_num_encoder_input_tokens=enc)
-           for mml, inflight, enc in SIZINGS]
+    got = [
+        spec.max_memory_usage_bytes(mml, inflight, max_num_encoder_input_tokens=enc)
+        for mml, inflight, enc in SIZINGS
+    ]
     assert got == max_memory
 
 
@@ -144,22 +204,36 @@ def test_core_specs() -> None:
     assert F(16, 8, 128, "bfloat16").core_spec() == {"kind": "full_attention", "block_size": 16}
     assert M(64, 1, 576, "bfloat16").core_spec() == {"kind": "mla_attention", "block_size": 64}
     assert S(16, 8, 64, "bfloat16", 128).core_spec() == {
-        "kind": "sliding_window", "block_size": 16, "sliding_window": 128}
+        "kind": "sliding_window",
+        "block_size": 16,
+        "sliding_window": 128,
+    }
     assert C(16, 8, 128, "bfloat16", 8192).core_spec() == {
-        "kind": "chunked_local_attention", "block_size": 16, "attention_chunk_size": 8192}
+        "kind": "chunked_local_attention",
+        "block_size": 16,
+        "attention_chunk_size": 8192,
+    }
     assert X(16, 20, 64, "bfloat16").core_spec() == {"kind": "cross_attention", "block_size": 16}
     assert K(16, 8, 128, "bfloat16", 32).core_spec() == {
-        "kind": "sink_full_attention", "block_size": 16, "sink_len": 32}
-    assert Ma(80, ((3, 4),), ("bfloat16",), mamba_cache_mode="align",
-              num_speculative_blocks=2).core_spec() == {
-        "kind": "mamba", "block_size": 80, "mamba_cache_mode": "align",
-        "num_speculative_blocks": 2}
+        "kind": "sink_full_attention",
+        "block_size": 16,
+        "sink_len": 32,
+    }
+    assert Ma(
+        80, ((3, 4),), ("bfloat16",), mamba_cache_mode="align", num_speculative_blocks=2
+    ).core_spec() == {
+        "kind": "mamba",
+        "block_size": 80,
+        "mamba_cache_mode": "align",
+        "num_speculative_blocks": 2,
+    }
     assert Ma(80, ((3, 4),), ("bfloat16",)).core_spec()["mamba_cache_mode"] == "none"
 
 
 def test_positional_fields_in_vllm_order() -> None:
     assert S(16, 8, 64, "bfloat16", 128) == pk.SlidingWindowSpec(
-        block_size=16, num_kv_heads=8, head_size=64, dtype="bfloat16", sliding_window=128)
+        block_size=16, num_kv_heads=8, head_size=64, dtype="bfloat16", sliding_window=128
+    )
     assert C(16, 8, 128, "bfloat16", 8192).attention_chunk_size == 8192
     assert K(16, 8, 128, "bfloat16", 32).sink_len == 32
     mamba = Ma(16, [[3, 4]], ["float32"])
@@ -198,25 +272,43 @@ def test_dtypes() -> None:
             F(16, 8, 128, bad)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: F(0, 8, 128, "float16"),
-    lambda: F(16, 0, 128, "float16"),
-    lambda: F(16, 8, -1, "float16"),
-    lambda: F(16, 8, 128, "float16", page_size_padded=10),
-    lambda: F(True, 8, 128, "float16"),
-    lambda: S(16, 8, 128, "float16", 0),
-    lambda: C(16, 8, 128, "float16", 0),
-    lambda: K(16, 8, 128, "float16", 0),
-    lambda: Ma(16, ((3, 4),), ("float16", "float16")),
-    lambda: Ma(16, (), ()),
-    lambda: Ma(16, ((0,),), ("float16",)),
-    lambda: Ma(16, "ab", ("float16",)),
-    lambda: Ma(16, ((3, 4),), ("float16",), mamba_cache_mode="everything"),
-    lambda: Ma(16, ((3, 4),), ("float16",), num_speculative_blocks=-1),
-    lambda: Ma(16, ((3, 4),), ("float16",), page_size_padded=23),
-], ids=["block_size", "heads", "head_size", "padded", "bool", "window", "chunk", "sink",
-        "mamba-lengths", "mamba-empty", "mamba-zero", "mamba-str", "mamba-mode", "mamba-spec",
-        "mamba-padded"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: F(0, 8, 128, "float16"),
+        lambda: F(16, 0, 128, "float16"),
+        lambda: F(16, 8, -1, "float16"),
+        lambda: F(16, 8, 128, "float16", page_size_padded=10),
+        lambda: F(True, 8, 128, "float16"),
+        lambda: S(16, 8, 128, "float16", 0),
+        lambda: C(16, 8, 128, "float16", 0),
+        lambda: K(16, 8, 128, "float16", 0),
+        lambda: Ma(16, ((3, 4),), ("float16", "float16")),
+        lambda: Ma(16, (), ()),
+        lambda: Ma(16, ((0,),), ("float16",)),
+        lambda: Ma(16, "ab", ("float16",)),
+        lambda: Ma(16, ((3, 4),), ("float16",), mamba_cache_mode="everything"),
+        lambda: Ma(16, ((3, 4),), ("float16",), num_speculative_blocks=-1),
+        lambda: Ma(16, ((3, 4),), ("float16",), page_size_padded=23),
+    ],
+    ids=[
+        "block_size",
+        "heads",
+        "head_size",
+        "padded",
+        "bool",
+        "window",
+        "chunk",
+        "sink",
+        "mamba-lengths",
+        "mamba-empty",
+        "mamba-zero",
+        "mamba-str",
+        "mamba-mode",
+        "mamba-spec",
+        "mamba-padded",
+    ],
+)
 def test_invalid_specs_raise(make: object) -> None:
     with pytest.raises(ValueError):
         make()  # type: ignore[operator]
@@ -248,8 +340,11 @@ def test_merge_follows_vllm() -> None:
     assert F.merge([full, sink]) == full
     assert K.merge([sink, full]) == sink
     assert K.merge([sink, K(16, 8, 128, "bfloat16", 64)]).sink_len == 32
-    for specs in ([full, M(16, 8, 128, "bfloat16")], [full, F(16, 4, 128, "bfloat16")],
-                  [full, S(16, 8, 128, "bfloat16", 4)]):
+    for specs in (
+        [full, M(16, 8, 128, "bfloat16")],
+        [full, F(16, 4, 128, "bfloat16")],
+        [full, S(16, 8, 128, "bfloat16", 4)],
+    ):
         with pytest.raises(ValueError):
             type(specs[0]).merge(specs)
     with pytest.raises(ValueError):
@@ -271,19 +366,29 @@ def test_uniform_type_specs() -> None:
     assert u.max_memory_usage_pages(1000) == 63
     assert u.max_memory_usage_bytes(1000) == 63 * u.page_size_bytes
     assert hash(u) == hash(pk.UniformTypeKVCacheSpecs(16, {"a": a, "b": b, "m": mla}))
-    swa = pk.UniformTypeKVCacheSpecs(16, {"x": S(16, 8, 64, "bfloat16", 128),
-                                          "y": S(16, 2, 64, "bfloat16", 128)})
+    swa = pk.UniformTypeKVCacheSpecs(
+        16, {"x": S(16, 8, 64, "bfloat16", 128), "y": S(16, 2, 64, "bfloat16", 128)}
+    )
     assert swa.kind == "sliding_window"
     assert swa.core_spec() == {"kind": "sliding_window", "block_size": 16, "sliding_window": 128}
     assert swa.copy_with_new_block_size(32).first_spec == S(32, 8, 64, "bfloat16", 128)
     # Not one type: different windows, block sizes, full + SWA, Mamba pages.
-    assert pk.UniformTypeKVCacheSpecs.from_specs(
-        {"x": S(16, 8, 64, "bfloat16", 128), "y": S(16, 8, 64, "bfloat16", 64)}) is None
+    assert (
+        pk.UniformTypeKVCacheSpecs.from_specs(
+            {"x": S(16, 8, 64, "bfloat16", 128), "y": S(16, 8, 64, "bfloat16", 64)}
+        )
+        is None
+    )
     assert pk.UniformTypeKVCacheSpecs.from_specs({"a": a, "c": F(32, 8, 128, "bfloat16")}) is None
-    assert pk.UniformTypeKVCacheSpecs.from_specs(
-        {"a": a, "s": S(16, 8, 128, "bfloat16", 8)}) is None
-    assert pk.UniformTypeKVCacheSpecs.from_specs(
-        {"x": Ma(16, ((2,),), ("float32",)), "y": Ma(16, ((4,),), ("float32",))}) is None
+    assert (
+        pk.UniformTypeKVCacheSpecs.from_specs({"a": a, "s": S(16, 8, 128, "bfloat16", 8)}) is None
+    )
+    assert (
+        pk.UniformTypeKVCacheSpecs.from_specs(
+            {"x": Ma(16, ((2,),), ("float32",)), "y": Ma(16, ((4,),), ("float32",))}
+        )
+        is None
+    )
     assert pk.UniformTypeKVCacheSpecs.from_specs({}) is None
     with pytest.raises(ValueError, match="one type"):
         pk.UniformTypeKVCacheSpecs(16, {"a": a, "s": S(16, 8, 128, "bfloat16", 8)})

@@ -53,6 +53,7 @@ def hash_block_tokens(
     *,
     none_hash: bytes,
 ) -> bytes: ...
+
 @final
 class BlockStored:
     __match_args__: ClassVar[tuple[str, ...]]

@@ -103,7 +103,8 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
 def _check_specs(kv_cache_specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
     if not isinstance(kv_cache_specs, Mapping):
         raise TypeError(
-            f"kv_cache_specs must map layer names to KVCacheSpec, got {kv_cache_specs!r}")
+            f"kv_cache_specs must map layer names to KVCacheSpec, got {kv_cache_specs!r}"
+        )
     for name, spec in kv_cache_specs.items():
         if not isinstance(name, str):
             raise TypeError(f"layer names must be str, got {name!r}")
@@ -114,8 +115,10 @@ def _check_specs(kv_cache_specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCache
 
 def _spec_max_memory(spec: KVCacheSpec, sizing: _Sizing) -> int:
     return spec.max_memory_usage_bytes(
-        sizing.max_model_len, sizing.max_in_flight_tokens,
-        max_num_encoder_input_tokens=sizing.max_num_encoder_input_tokens)
+        sizing.max_model_len,
+        sizing.max_in_flight_tokens,
+        max_num_encoder_input_tokens=sizing.max_num_encoder_input_tokens,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +197,8 @@ def unify_kv_cache_spec_page_size(
             raise InvalidConfigError(
                 f"layer {name!r}: its page ({page} bytes) does not divide the largest page "
                 f"({max_page_size} bytes) and cannot be padded (padding is only supported for "
-                "non-MLA attention and Mamba layers)")
+                "non-MLA attention and Mamba layers)"
+            )
         assert new_spec.page_size_bytes == max_page_size
         unified[name] = new_spec
     return unified
@@ -302,8 +306,8 @@ def get_kv_cache_config_from_groups(
         num_blocks = num_gpu_blocks_override
     if num_blocks <= 0:
         raise InvalidConfigError(
-            f"{available_memory} bytes of memory hold no block ({bytes_per_block} bytes "
-            "per block)")
+            f"{available_memory} bytes of memory hold no block ({bytes_per_block} bytes per block)"
+        )
     # Layer-outermost: a group's layers sit one after the other, each taking
     # page * num_blocks bytes; every group starts at byte 0, so regions with the same
     # (offset, size) in different groups are one shared buffer.
@@ -317,12 +321,11 @@ def get_kv_cache_config_from_groups(
     starts = sorted(regions)
     for (start, size), (next_start, _) in itertools.pairwise(starts):
         if start + size > next_start:  # pragma: no cover - unified pages rule this out
-            raise InvalidConfigError("KV-cache groups with different page sizes cannot share "
-                                     "buffers")
-    tensors = [KVCacheTensor(size=size, shared_by=regions[(start, size)])
-               for start, size in starts]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups,
-                         kv_cache_tensors=tensors)
+            raise InvalidConfigError(
+                "KV-cache groups with different page sizes cannot share buffers"
+            )
+    tensors = [KVCacheTensor(size=size, shared_by=regions[(start, size)]) for start, size in starts]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups, kv_cache_tensors=tensors)
 
 
 def max_memory_usage_bytes(
@@ -341,8 +344,10 @@ def max_memory_usage_bytes(
 def _blocks_per_request(spec: KVCacheSpec, sizing: _Sizing) -> int:
     if isinstance(spec, UniformTypeKVCacheSpecs):
         return spec.max_memory_usage_pages(
-            sizing.max_model_len, sizing.max_in_flight_tokens,
-            max_num_encoder_input_tokens=sizing.max_num_encoder_input_tokens)
+            sizing.max_model_len,
+            sizing.max_in_flight_tokens,
+            max_num_encoder_input_tokens=sizing.max_num_encoder_input_tokens,
+        )
     return cdiv(_spec_max_memory(spec, sizing), spec.page_size_bytes)
 
 
@@ -397,25 +402,32 @@ def _raise_if_not_enough_memory(
 ) -> None:
     if available_memory <= 0:
         raise NotEnoughKVCacheMemoryError(
-            f"No available memory for the cache blocks ({available_memory} bytes left for "
-            "them).",
-            max_model_len=max_model_len, needed_memory=needed_memory(),
-            available_memory=available_memory, estimated_max_model_len=0)
+            f"No available memory for the cache blocks ({available_memory} bytes left for them).",
+            max_model_len=max_model_len,
+            needed_memory=needed_memory(),
+            available_memory=available_memory,
+            estimated_max_model_len=0,
+        )
     needed = needed_memory()
     if needed <= available_memory:
         return
     estimated = estimate(available_memory)
     estimated_msg = (
         f"Based on the available memory, the estimated maximum model length is {estimated}. "
-        if estimated > 0 else "")
+        if estimated > 0
+        else ""
+    )
     raise NotEnoughKVCacheMemoryError(
         f"To serve at least one request with the model's max seq len ({max_model_len}), "
         f"{_format_gib(needed)} GiB ({needed} bytes) KV cache is needed, which is larger "
         f"than the available KV cache memory ({_format_gib(available_memory)} GiB, "
         f"{available_memory} bytes). {estimated_msg}Try increasing the memory for the KV "
         "cache or decreasing max_model_len.",
-        max_model_len=max_model_len, needed_memory=needed, available_memory=available_memory,
-        estimated_max_model_len=estimated)
+        max_model_len=max_model_len,
+        needed_memory=needed,
+        available_memory=available_memory,
+        estimated_max_model_len=estimated,
+    )
 
 
 def check_enough_kv_cache_memory(
@@ -441,8 +453,13 @@ def check_enough_kv_cache_memory(
         lambda: sum(_spec_max_memory(spec, sizing) for spec in specs.values()),
         max_model_len,
         lambda mem: estimate_max_model_len(
-            specs, mem, max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens,
-            max_num_encoder_input_tokens=max_num_encoder_input_tokens))
+            specs,
+            mem,
+            max_model_len=max_model_len,
+            max_in_flight_tokens=max_in_flight_tokens,
+            max_num_encoder_input_tokens=max_num_encoder_input_tokens,
+        ),
+    )
 
 
 def get_kv_cache_config(
@@ -471,8 +488,8 @@ def get_kv_cache_config(
         _check_int("num_gpu_blocks_override", num_gpu_blocks_override, minimum=1)
     if not specs:
         raise InvalidConfigError(
-            "the model has no KV-cache layers: an attention-free model needs no KV-cache "
-            "manager")
+            "the model has no KV-cache layers: an attention-free model needs no KV-cache manager"
+        )
     groups = get_kv_cache_groups(specs)
     bytes_per_block = _bytes_per_block(groups)
     if num_gpu_blocks_override is not None:
@@ -481,16 +498,20 @@ def get_kv_cache_config(
     def estimate(mem: int) -> int:
         return _binary_search_max_model_len(
             max_model_len,
-            lambda n: _max_memory_usage_bytes_from_groups(groups, sizing.with_max_model_len(n))
-            <= mem)
+            lambda n: (
+                _max_memory_usage_bytes_from_groups(groups, sizing.with_max_model_len(n)) <= mem
+            ),
+        )
 
     _raise_if_not_enough_memory(
         available_memory - bytes_per_block,
         lambda: _max_memory_usage_bytes_from_groups(groups, sizing),
         max_model_len,
-        estimate)
+        estimate,
+    )
     return get_kv_cache_config_from_groups(
-        groups, available_memory, num_gpu_blocks_override=num_gpu_blocks_override)
+        groups, available_memory, num_gpu_blocks_override=num_gpu_blocks_override
+    )
 
 
 def get_max_concurrency_for_kv_cache_config(
@@ -507,7 +528,8 @@ def get_max_concurrency_for_kv_cache_config(
     sizing = _sizing(max_model_len, max_in_flight_tokens, max_num_encoder_input_tokens)
     blocks_per_request = sum(
         cdiv(_spec_max_memory(g.kv_cache_spec, sizing), g.kv_cache_spec.page_size_bytes)
-        for g in kv_cache_config.kv_cache_groups)
+        for g in kv_cache_config.kv_cache_groups
+    )
     return kv_cache_config.num_blocks / blocks_per_request
 
 
@@ -522,7 +544,9 @@ def get_kv_cache_capacity(
     ``max_model_len`` requests (``int(concurrency * max_model_len)``) and the
     concurrency of :func:`get_max_concurrency_for_kv_cache_config`."""
     concurrency = get_max_concurrency_for_kv_cache_config(
-        kv_cache_config, max_model_len=max_model_len,
+        kv_cache_config,
+        max_model_len=max_model_len,
         max_in_flight_tokens=max_in_flight_tokens,
-        max_num_encoder_input_tokens=max_num_encoder_input_tokens)
+        max_num_encoder_input_tokens=max_num_encoder_input_tokens,
+    )
     return int(concurrency * max_model_len), concurrency

@@ -45,8 +45,7 @@ def _mm_tuple(item: Any) -> tuple[str, int, int]:
     ``MultiModalFeatureSpec`` (``identifier`` + ``mm_position.offset/length``)."""
     if isinstance(item, tuple | list):
         if len(item) != 3:
-            raise TypeError(
-                f"a multimodal item is (identifier, offset, length), got {item!r}")
+            raise TypeError(f"a multimodal item is (identifier, offset, length), got {item!r}")
         identifier, offset, length = item
     elif hasattr(item, "identifier"):
         pos = getattr(item, "mm_position", item)
@@ -56,7 +55,8 @@ def _mm_tuple(item: Any) -> tuple[str, int, int]:
     else:
         raise TypeError(
             "mm_features items must be (identifier, offset, length) tuples or "
-            f"MultiModalFeatureSpec objects, got {item!r}")
+            f"MultiModalFeatureSpec objects, got {item!r}"
+        )
     if not isinstance(identifier, str):
         raise TypeError(f"a multimodal identifier must be a str, got {identifier!r}")
     for name, v in (("offset", offset), ("length", length)):
@@ -143,8 +143,10 @@ class KVCacheManager(_core.KVCacheManager):
         if not isinstance(kv_cache_config, KVCacheConfig):
             raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
         # Equal specs share lookups: the tag tells specs apart by every field.
-        groups = [{**g.kv_cache_spec.core_spec(), "tag": repr(g.kv_cache_spec)}
-                  for g in kv_cache_config.kv_cache_groups]
+        groups = [
+            {**g.kv_cache_spec.core_spec(), "tag": repr(g.kv_cache_spec)}
+            for g in kv_cache_config.kv_cache_groups
+        ]
         if options.get("hash_seed") is None and "PYTHONHASHSEED" in os.environ:
             options["hash_seed"] = os.environ["PYTHONHASHSEED"]  # as vLLM reads it
         self = super().__new__(cls, kv_cache_config.num_blocks, groups, max_model_len, **options)
@@ -208,7 +210,9 @@ class KVCacheManager(_core.KVCacheManager):
             n = operator.index(num_new_tokens)
             num_new_tokens = np.full(len(request_ids), n, dtype=np.int64)
         return super().allocate_slots_batch(
-            request_ids, num_new_tokens, num_computed_tokens,
+            request_ids,
+            num_new_tokens,
+            num_computed_tokens,
             num_lookahead_tokens=num_lookahead_tokens,
         )
 
@@ -219,6 +223,8 @@ class KVCacheManager(_core.KVCacheManager):
         return None if raw is None else PrefixCacheStats(*raw)
 
     def __repr__(self) -> str:
-        return (f"KVCacheManager(num_blocks={self.num_blocks}, "
-                f"groups={self.num_kv_cache_groups}, free={self.num_free_blocks}, "
-                f"requests={self.num_requests})")
+        return (
+            f"KVCacheManager(num_blocks={self.num_blocks}, "
+            f"groups={self.num_kv_cache_groups}, free={self.num_free_blocks}, "
+            f"requests={self.num_requests})"
+        )

@@ -93,8 +93,9 @@ class ModelPreset:
             raise InvalidConfigError(f"block_size must be a positive int, got {block_size!r}")
         if max_model_len is None:
             max_model_len = self.max_model_len
-        return self._build(_Options(block_size, dtype, mamba_cache_mode,
-                                    num_speculative_blocks, max_model_len))
+        return self._build(
+            _Options(block_size, dtype, mamba_cache_mode, num_speculative_blocks, max_model_len)
+        )
 
 
 # ------------------------------------------------------------------------- models
@@ -108,8 +109,10 @@ def _llama_3_1_8b(o: _Options) -> dict[str, KVCacheSpec]:
 def _gemma_3_27b(o: _Options) -> dict[str, KVCacheSpec]:
     full = FullAttentionSpec(o.block_size, 16, 128, o.dtype)
     local = SlidingWindowSpec(o.block_size, 16, 128, o.dtype, 1024)
-    return {f"language_model.model.layers.{i}.self_attn.attn": full if (i + 1) % 6 == 0 else local
-            for i in range(62)}
+    return {
+        f"language_model.model.layers.{i}.self_attn.attn": full if (i + 1) % 6 == 0 else local
+        for i in range(62)
+    }
 
 
 def _gpt_oss_120b(o: _Options) -> dict[str, KVCacheSpec]:
@@ -121,8 +124,10 @@ def _gpt_oss_120b(o: _Options) -> dict[str, KVCacheSpec]:
 def _llama_4_scout(o: _Options) -> dict[str, KVCacheSpec]:
     full = FullAttentionSpec(o.block_size, 8, 128, o.dtype)
     local = ChunkedLocalAttentionSpec(o.block_size, 8, 128, o.dtype, 8192)
-    return {f"language_model.model.layers.{i}.self_attn.attn": full if (i + 1) % 4 == 0
-            else local for i in range(48)}
+    return {
+        f"language_model.model.layers.{i}.self_attn.attn": full if (i + 1) % 4 == 0 else local
+        for i in range(48)
+    }
 
 
 def _jamba_1_5_mini(o: _Options) -> dict[str, KVCacheSpec]:
@@ -144,11 +149,20 @@ def _jamba_1_5_mini(o: _Options) -> dict[str, KVCacheSpec]:
     attn = FullAttentionSpec(block_size, 8, 128, o.dtype)
     padded = attn.page_size_bytes if attn.page_size_bytes != mamba_page else None
     mamba_block_size = block_size if o.mamba_cache_mode != "none" else o.max_model_len
-    mamba = MambaSpec(mamba_block_size, shapes, state_dtypes, page_size_padded=padded,
-                      mamba_cache_mode=o.mamba_cache_mode,
-                      num_speculative_blocks=o.num_speculative_blocks)
-    return {(f"model.layers.{i}.self_attn.attn" if i % 8 == 4 else f"model.layers.{i}.mamba"):
-            (attn if i % 8 == 4 else mamba) for i in range(32)}
+    mamba = MambaSpec(
+        mamba_block_size,
+        shapes,
+        state_dtypes,
+        page_size_padded=padded,
+        mamba_cache_mode=o.mamba_cache_mode,
+        num_speculative_blocks=o.num_speculative_blocks,
+    )
+    return {
+        (f"model.layers.{i}.self_attn.attn" if i % 8 == 4 else f"model.layers.{i}.mamba"): (
+            attn if i % 8 == 4 else mamba
+        )
+        for i in range(32)
+    }
 
 
 def _deepseek_v3(o: _Options) -> dict[str, KVCacheSpec]:
@@ -166,79 +180,82 @@ def _whisper_large_v3(o: _Options) -> dict[str, KVCacheSpec]:
     return specs
 
 
-_PRESETS: dict[str, ModelPreset] = {p.name: p for p in (
-    ModelPreset(
-        name="llama-3.1-8b",
-        model="meta-llama/Llama-3.1-8B",
-        max_model_len=131072,
-        source="num_hidden_layers 32, num_key_value_heads 8, head_dim 128 (hidden_size 4096 / "
-               "32 heads), max_position_embeddings 131072: 32 full-attention layers.",
-        _build=_llama_3_1_8b,
-    ),
-    ModelPreset(
-        name="gemma-3-27b",
-        model="google/gemma-3-27b-it",
-        max_model_len=131072,
-        source="text_config: num_hidden_layers 62, num_key_value_heads 16, head_dim 128, "
-               "sliding_window 1024, sliding_window_pattern 6 (layers 5, 11, ..., 59 are "
-               "global), max_position_embeddings 131072: 52 sliding-window (1024) + 10 "
-               "full-attention layers.",
-        _build=_gemma_3_27b,
-    ),
-    ModelPreset(
-        name="gpt-oss-120b",
-        model="openai/gpt-oss-120b",
-        max_model_len=131072,
-        source="num_hidden_layers 36, num_key_value_heads 8, head_dim 64, sliding_window 128, "
-               "layer_types alternating sliding_attention / full_attention (even layers "
-               "slide), max_position_embeddings 131072: 18 sliding-window (128) + 18 full.",
-        _build=_gpt_oss_120b,
-    ),
-    ModelPreset(
-        name="llama-4-scout",
-        model="meta-llama/Llama-4-Scout-17B-16E-Instruct",
-        max_model_len=10485760,
-        source="text_config: num_hidden_layers 48, num_key_value_heads 8, head_dim 128, "
-               "attention_chunk_size 8192, no_rope_layers [1, 1, 1, 0] * 12 (every 4th layer "
-               "is a NoPE global layer), max_position_embeddings 10485760: 36 chunked-local "
-               "(8192) + 12 full-attention layers.",
-        _build=_llama_4_scout,
-    ),
-    ModelPreset(
-        name="jamba-1.5-mini",
-        model="ai21labs/AI21-Jamba-1.5-Mini",
-        max_model_len=262144,
-        source="num_hidden_layers 32, attn_layer_period 8, attn_layer_offset 4 (layers 4, 12, "
-               "20, 28 are attention), num_key_value_heads 8, head_dim 128 (4096 / 32), "
-               "hidden_size 4096, mamba_expand 2, mamba_d_state 16, mamba_d_conv 4, "
-               "max_position_embeddings 262144: 28 Mamba-1 layers with states (3, 8192) + "
-               "(8192, 16) in bfloat16 (311,296 bytes) + 4 full-attention layers. As vLLM "
-               "does for hybrid models, the attention block size grows to a multiple of 16 "
-               "whose page holds a Mamba state (80 tokens for block_size 16: 327,680 "
-               "bytes) and the Mamba page is padded to it.",
-        _build=_jamba_1_5_mini,
-    ),
-    ModelPreset(
-        name="deepseek-v3",
-        model="deepseek-ai/DeepSeek-V3",
-        max_model_len=163840,
-        source="num_hidden_layers 61, kv_lora_rank 512, qk_rope_head_dim 64, "
-               "max_position_embeddings 163840: 61 MLA layers of 1 latent head of "
-               "512 + 64 = 576.",
-        _build=_deepseek_v3,
-    ),
-    ModelPreset(
-        name="whisper-large-v3",
-        model="openai/whisper-large-v3",
-        max_model_len=448,
-        max_num_encoder_input_tokens=1500,
-        source="decoder_layers 32, decoder_attention_heads 20, d_model 1280 (head_dim 64), "
-               "max_target_positions 448, max_source_positions 1500: 32 decoder layers, each "
-               "with a self-attention (full) and a cross-attention layer over the 1500 "
-               "encoder outputs; encoder layers keep no KV cache.",
-        _build=_whisper_large_v3,
-    ),
-)}
+_PRESETS: dict[str, ModelPreset] = {
+    p.name: p
+    for p in (
+        ModelPreset(
+            name="llama-3.1-8b",
+            model="meta-llama/Llama-3.1-8B",
+            max_model_len=131072,
+            source="num_hidden_layers 32, num_key_value_heads 8, head_dim 128 (hidden_size 4096 / "
+            "32 heads), max_position_embeddings 131072: 32 full-attention layers.",
+            _build=_llama_3_1_8b,
+        ),
+        ModelPreset(
+            name="gemma-3-27b",
+            model="google/gemma-3-27b-it",
+            max_model_len=131072,
+            source="text_config: num_hidden_layers 62, num_key_value_heads 16, head_dim 128, "
+            "sliding_window 1024, sliding_window_pattern 6 (layers 5, 11, ..., 59 are "
+            "global), max_position_embeddings 131072: 52 sliding-window (1024) + 10 "
+            "full-attention layers.",
+            _build=_gemma_3_27b,
+        ),
+        ModelPreset(
+            name="gpt-oss-120b",
+            model="openai/gpt-oss-120b",
+            max_model_len=131072,
+            source="num_hidden_layers 36, num_key_value_heads 8, head_dim 64, sliding_window 128, "
+            "layer_types alternating sliding_attention / full_attention (even layers "
+            "slide), max_position_embeddings 131072: 18 sliding-window (128) + 18 full.",
+            _build=_gpt_oss_120b,
+        ),
+        ModelPreset(
+            name="llama-4-scout",
+            model="meta-llama/Llama-4-Scout-17B-16E-Instruct",
+            max_model_len=10485760,
+            source="text_config: num_hidden_layers 48, num_key_value_heads 8, head_dim 128, "
+            "attention_chunk_size 8192, no_rope_layers [1, 1, 1, 0] * 12 (every 4th layer "
+            "is a NoPE global layer), max_position_embeddings 10485760: 36 chunked-local "
+            "(8192) + 12 full-attention layers.",
+            _build=_llama_4_scout,
+        ),
+        ModelPreset(
+            name="jamba-1.5-mini",
+            model="ai21labs/AI21-Jamba-1.5-Mini",
+            max_model_len=262144,
+            source="num_hidden_layers 32, attn_layer_period 8, attn_layer_offset 4 (layers 4, 12, "
+            "20, 28 are attention), num_key_value_heads 8, head_dim 128 (4096 / 32), "
+            "hidden_size 4096, mamba_expand 2, mamba_d_state 16, mamba_d_conv 4, "
+            "max_position_embeddings 262144: 28 Mamba-1 layers with states (3, 8192) + "
+            "(8192, 16) in bfloat16 (311,296 bytes) + 4 full-attention layers. As vLLM "
+            "does for hybrid models, the attention block size grows to a multiple of 16 "
+            "whose page holds a Mamba state (80 tokens for block_size 16: 327,680 "
+            "bytes) and the Mamba page is padded to it.",
+            _build=_jamba_1_5_mini,
+        ),
+        ModelPreset(
+            name="deepseek-v3",
+            model="deepseek-ai/DeepSeek-V3",
+            max_model_len=163840,
+            source="num_hidden_layers 61, kv_lora_rank 512, qk_rope_head_dim 64, "
+            "max_position_embeddings 163840: 61 MLA layers of 1 latent head of "
+            "512 + 64 = 576.",
+            _build=_deepseek_v3,
+        ),
+        ModelPreset(
+            name="whisper-large-v3",
+            model="openai/whisper-large-v3",
+            max_model_len=448,
+            max_num_encoder_input_tokens=1500,
+            source="decoder_layers 32, decoder_attention_heads 20, d_model 1280 (head_dim 64), "
+            "max_target_positions 448, max_source_positions 1500: 32 decoder layers, each "
+            "with a self-attention (full) and a cross-attention layer over the 1500 "
+            "encoder outputs; encoder layers keep no KV cache.",
+            _build=_whisper_large_v3,
+        ),
+    )
+}
 
 
 def names() -> list[str]:

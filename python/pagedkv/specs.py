@@ -205,7 +205,8 @@ class AttentionSpec(KVCacheSpec):
             if self.page_size_padded < self.real_page_size_bytes:
                 raise InvalidConfigError(
                     f"page_size_padded ({self.page_size_padded}) is smaller than the real "
-                    f"page size ({self.real_page_size_bytes} bytes)")
+                    f"page size ({self.real_page_size_bytes} bytes)"
+                )
 
     def _default_head_size_v(self) -> int:
         return self.head_size
@@ -215,8 +216,12 @@ class AttentionSpec(KVCacheSpec):
         """Bytes of one block without padding:
         ``block_size * num_kv_heads * (head_size + head_size_v) * dtype_size``."""
         head_size_v = self.head_size if self.head_size_v is None else self.head_size_v
-        return (self.block_size * self.num_kv_heads * (self.head_size + head_size_v)
-                * dtype_size(self.dtype))
+        return (
+            self.block_size
+            * self.num_kv_heads
+            * (self.head_size + head_size_v)
+            * dtype_size(self.dtype)
+        )
 
     @property
     def page_size_bytes(self) -> int:
@@ -259,14 +264,16 @@ class FullAttentionSpec(AttentionSpec):
             raise InvalidConfigError("merge needs at least one spec")
         if not all(isinstance(s, FullAttentionSpec) for s in specs):
             raise InvalidConfigError(
-                "All attention layers in the same KV cache group must be FullAttentionSpec.")
+                "All attention layers in the same KV cache group must be FullAttentionSpec."
+            )
         if any(isinstance(s, MLAAttentionSpec) for s in specs):
             raise InvalidConfigError(
-                "MLAAttentionSpec layers merge only with MLAAttentionSpec layers.")
+                "MLAAttentionSpec layers merge only with MLAAttentionSpec layers."
+            )
         if not AttentionSpec._attention_fields_equal(specs):
             raise InvalidConfigError(
-                "All attention layers in the same KV cache group must have the same "
-                "attention spec.")
+                "All attention layers in the same KV cache group must have the same attention spec."
+            )
         return cls(**cast("type[FullAttentionSpec]", cls)._merged_fields(specs))
 
     @classmethod
@@ -292,11 +299,12 @@ class MLAAttentionSpec(FullAttentionSpec):
             raise InvalidConfigError("merge needs at least one spec")
         if not all(isinstance(s, MLAAttentionSpec) for s in specs):
             raise InvalidConfigError(
-                "All attention layers in the same KV cache group must be MLAAttentionSpec.")
+                "All attention layers in the same KV cache group must be MLAAttentionSpec."
+            )
         if not AttentionSpec._attention_fields_equal(specs):
             raise InvalidConfigError(
-                "All attention layers in the same KV cache group must have the same "
-                "attention spec.")
+                "All attention layers in the same KV cache group must have the same attention spec."
+            )
         return specs[0]
 
 
@@ -347,8 +355,9 @@ class _RecyclingAttentionSpec(AttentionSpec):
         max_num_encoder_input_tokens: int | None = None,
     ) -> int:
         in_flight = _check_sizing(max_model_len, max_in_flight_tokens)
-        return (self.max_admission_blocks_per_request(in_flight, max_model_len)
-                * self.page_size_bytes)
+        return (
+            self.max_admission_blocks_per_request(in_flight, max_model_len) * self.page_size_bytes
+        )
 
 
 @dataclass(frozen=True)
@@ -428,7 +437,8 @@ class CrossAttentionSpec(AttentionSpec):
         if max_num_encoder_input_tokens is None:
             raise InvalidConfigError(
                 "a cross-attention layer is sized by the encoder output length: pass "
-                "max_num_encoder_input_tokens (e.g. 1500 for Whisper)")
+                "max_num_encoder_input_tokens (e.g. 1500 for Whisper)"
+            )
         _check_positive_int("max_num_encoder_input_tokens", max_num_encoder_input_tokens)
         return cdiv(max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
 
@@ -476,7 +486,8 @@ class MambaSpec(KVCacheSpec):
         dtypes = tuple(_canonical_dtype(d) for d in self.dtypes)
         if len(shapes) != len(dtypes):
             raise InvalidConfigError(
-                f"shapes and dtypes differ in length ({len(shapes)} != {len(dtypes)})")
+                f"shapes and dtypes differ in length ({len(shapes)} != {len(dtypes)})"
+            )
         if not shapes:
             raise InvalidConfigError("a MambaSpec needs at least one state tensor")
         object.__setattr__(self, "shapes", shapes)
@@ -484,7 +495,8 @@ class MambaSpec(KVCacheSpec):
         if self.mamba_cache_mode not in _MAMBA_CACHE_MODES:
             raise InvalidConfigError(
                 f"mamba_cache_mode must be one of {_MAMBA_CACHE_MODES}, "
-                f"got {self.mamba_cache_mode!r}")
+                f"got {self.mamba_cache_mode!r}"
+            )
         _check_non_negative_int("num_speculative_blocks", self.num_speculative_blocks)
         if self.real_page_size_bytes <= 0:
             raise InvalidConfigError("a MambaSpec's state tensors must not be empty")
@@ -493,13 +505,16 @@ class MambaSpec(KVCacheSpec):
             if self.page_size_padded < self.real_page_size_bytes:
                 raise InvalidConfigError(
                     f"page_size_padded ({self.page_size_padded}) is smaller than the real "
-                    f"page size ({self.real_page_size_bytes} bytes)")
+                    f"page size ({self.real_page_size_bytes} bytes)"
+                )
 
     @property
     def real_page_size_bytes(self) -> int:
         """``sum(prod(shape) * dtype_size)`` over the state tensors."""
-        return sum(math.prod(shape) * dtype_size(dtype)
-                   for shape, dtype in zip(self.shapes, self.dtypes, strict=True))
+        return sum(
+            math.prod(shape) * dtype_size(dtype)
+            for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
+        )
 
     @property
     def page_size_bytes(self) -> int:
@@ -536,8 +551,13 @@ def _uniform_type_base(spec: KVCacheSpec) -> type[KVCacheSpec]:
     """The class whose instances count as "the same type" (vLLM's registry
     ``uniform_type_base_spec``): full attention, MLA and sinks are all full
     attention."""
-    for cls in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec,
-                CrossAttentionSpec):
+    for cls in (
+        FullAttentionSpec,
+        SlidingWindowSpec,
+        ChunkedLocalAttentionSpec,
+        MambaSpec,
+        CrossAttentionSpec,
+    ):
         if isinstance(spec, cls):
             return cls
     return type(spec)
@@ -548,12 +568,16 @@ def _same_type(first: KVCacheSpec, spec: KVCacheSpec) -> bool:
     if isinstance(first, SlidingWindowSpec):
         return isinstance(spec, SlidingWindowSpec) and spec.sliding_window == first.sliding_window
     if isinstance(first, ChunkedLocalAttentionSpec):
-        return (isinstance(spec, ChunkedLocalAttentionSpec)
-                and spec.attention_chunk_size == first.attention_chunk_size)
+        return (
+            isinstance(spec, ChunkedLocalAttentionSpec)
+            and spec.attention_chunk_size == first.attention_chunk_size
+        )
     if isinstance(first, MambaSpec):
-        return (isinstance(spec, MambaSpec)
-                and spec.num_speculative_blocks == first.num_speculative_blocks
-                and spec.page_size_bytes == first.page_size_bytes)
+        return (
+            isinstance(spec, MambaSpec)
+            and spec.num_speculative_blocks == first.num_speculative_blocks
+            and spec.page_size_bytes == first.page_size_bytes
+        )
     return isinstance(spec, _uniform_type_base(first))
 
 
@@ -576,14 +600,16 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         super().__post_init__()
         if not isinstance(self.kv_cache_specs, Mapping) or not self.kv_cache_specs:
             raise InvalidConfigError(
-                "kv_cache_specs must be a non-empty mapping of layer name to spec")
+                "kv_cache_specs must be a non-empty mapping of layer name to spec"
+            )
         specs = dict(self.kv_cache_specs)
         for name, spec in specs.items():
             if not isinstance(spec, KVCacheSpec) or isinstance(spec, UniformTypeKVCacheSpecs):
                 raise TypeError(f"layer {name!r}: expected a per-layer KVCacheSpec, got {spec!r}")
             if spec.block_size != self.block_size:
                 raise InvalidConfigError(
-                    f"layer {name!r} has block_size {spec.block_size}, expected {self.block_size}")
+                    f"layer {name!r} has block_size {spec.block_size}, expected {self.block_size}"
+                )
         if not self.is_uniform_type(specs):
             raise InvalidConfigError("the layers of a UniformTypeKVCacheSpecs must have one type")
         object.__setattr__(self, "kv_cache_specs", specs)
@@ -638,11 +664,16 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     ) -> int:
         """Blocks one request needs: the most any layer needs."""
         return max(
-            cdiv(spec.max_memory_usage_bytes(
-                max_model_len, max_in_flight_tokens,
-                max_num_encoder_input_tokens=max_num_encoder_input_tokens),
-                spec.page_size_bytes)
-            for spec in self.kv_cache_specs.values())
+            cdiv(
+                spec.max_memory_usage_bytes(
+                    max_model_len,
+                    max_in_flight_tokens,
+                    max_num_encoder_input_tokens=max_num_encoder_input_tokens,
+                ),
+                spec.page_size_bytes,
+            )
+            for spec in self.kv_cache_specs.values()
+        )
 
     def max_memory_usage_bytes(
         self,
@@ -652,9 +683,14 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         max_num_encoder_input_tokens: int | None = None,
     ) -> int:
         """``max_memory_usage_pages * page_size_bytes`` (pages of every layer)."""
-        return self.max_memory_usage_pages(
-            max_model_len, max_in_flight_tokens,
-            max_num_encoder_input_tokens=max_num_encoder_input_tokens) * self.page_size_bytes
+        return (
+            self.max_memory_usage_pages(
+                max_model_len,
+                max_in_flight_tokens,
+                max_num_encoder_input_tokens=max_num_encoder_input_tokens,
+            )
+            * self.page_size_bytes
+        )
 
     def core_spec(self) -> dict[str, Any]:
         return self.first_spec.core_spec()
@@ -662,8 +698,10 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     def copy_with_new_block_size(self, block_size: int) -> UniformTypeKVCacheSpecs:
         return UniformTypeKVCacheSpecs(
             block_size=block_size,
-            kv_cache_specs={n: s.copy_with_new_block_size(block_size)
-                            for n, s in self.kv_cache_specs.items()})
+            kv_cache_specs={
+                n: s.copy_with_new_block_size(block_size) for n, s in self.kv_cache_specs.items()
+            },
+        )
 
 
 @dataclass(frozen=True)

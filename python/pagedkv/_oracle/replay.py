@@ -41,25 +41,36 @@ class ReplayReport:
 
     @property
     def ok(self) -> bool:
-        return (self.mismatches == 0 and self.ops == self.expected_ops
-                and self.free_blocks_at_end == self.expected_free_blocks_at_end)
+        return (
+            self.mismatches == 0
+            and self.ops == self.expected_ops
+            and self.free_blocks_at_end == self.expected_free_blocks_at_end
+        )
 
 
 def manager_for_dump(header: dict[str, Any]) -> KVCacheManager:
     """A manager configured like the one the dump was recorded from."""
     m, s = header["manager"], header["scheduler"]
-    kw: dict[str, Any] = dict(block_size=m["block_size"], num_kv_heads=8, head_size=128,
-                              dtype="bfloat16")
+    kw: dict[str, Any] = dict(
+        block_size=m["block_size"], num_kv_heads=8, head_size=128, dtype="bfloat16"
+    )
     groups = [KVCacheGroupSpec(["layers.0.attn"], FullAttentionSpec(**kw))]
     if m.get("hybrid"):
-        groups.append(KVCacheGroupSpec(
-            ["layers.1.attn"], SlidingWindowSpec(sliding_window=m["sliding_window"], **kw)))
+        groups.append(
+            KVCacheGroupSpec(
+                ["layers.1.attn"], SlidingWindowSpec(sliding_window=m["sliding_window"], **kw)
+            )
+        )
     config = KVCacheConfig(num_blocks=m["num_blocks"], kv_cache_groups=groups)
-    return KVCacheManager(config, max_model_len=m["max_model_len"],
-                          enable_caching=m["enable_caching"], hash_algo=m["hash"],
-                          watermark=s["watermark"],
-                          max_in_flight_tokens=s["max_num_batched_tokens"],
-                          prefix_cache_retention_interval=m["prefix_cache_retention_interval"])
+    return KVCacheManager(
+        config,
+        max_model_len=m["max_model_len"],
+        enable_caching=m["enable_caching"],
+        hash_algo=m["hash"],
+        watermark=s["watermark"],
+        max_in_flight_tokens=s["max_num_batched_tokens"],
+        prefix_cache_retention_interval=m["prefix_cache_retention_interval"],
+    )
 
 
 def _ids(groups: Any) -> list[list[int]]:
@@ -85,8 +96,9 @@ def replay_dump(path: str, max_reported: int = 5) -> ReplayReport:
                 kv.add_request(r.req_id, trace.prompt(i))
                 known[i] = r.prompt_len
             if known[i] < num_tokens:
-                kv.append_token_ids(r.req_id, r.output[known[i] - r.prompt_len:
-                                                       num_tokens - r.prompt_len])
+                kv.append_token_ids(
+                    r.req_id, r.output[known[i] - r.prompt_len : num_tokens - r.prompt_len]
+                )
                 known[i] = num_tokens
             return r.req_id
 
@@ -95,7 +107,8 @@ def replay_dump(path: str, max_reported: int = 5) -> ReplayReport:
                 rep.mismatches += 1
                 if len(rep.first_mismatches) < max_reported:
                     rep.first_mismatches.append(
-                        f"op #{rep.ops}: {json.dumps(rec)[:200]} -> got {json.dumps(got)[:200]}")
+                        f"op #{rep.ops}: {json.dumps(rec)[:200]} -> got {json.dumps(got)[:200]}"
+                    )
 
         for line in f:
             rec = json.loads(line)
@@ -115,23 +128,32 @@ def replay_dump(path: str, max_reported: int = 5) -> ReplayReport:
                 hit = kv.get_computed_blocks(rid)
                 rep._time("get_computed_blocks", clock() - t)
                 last_hit[rec["req"]] = hit
-                check(rec, {"num_computed_tokens": hit.num_computed_tokens,
-                            "shared_prefix_boundary": hit.shared_prefix_boundary,
-                            "block_ids": _ids(hit.block_ids)})
+                check(
+                    rec,
+                    {
+                        "num_computed_tokens": hit.num_computed_tokens,
+                        "shared_prefix_boundary": hit.shared_prefix_boundary,
+                        "block_ids": _ids(hit.block_ids),
+                    },
+                )
             elif op == "allocate_slots":
                 rid = ensure(rec["req"], rec["num_tokens"])
                 t = clock()
                 if "num_new_computed_tokens" in rec:
                     res = kv.allocate_slots(
-                        rid, rec["num_new_tokens"], num_computed_tokens=rec["num_computed_tokens"],
+                        rid,
+                        rec["num_new_tokens"],
+                        num_computed_tokens=rec["num_computed_tokens"],
                         num_new_computed_tokens=rec["num_new_computed_tokens"],
                         new_computed_blocks=last_hit.pop(rec["req"]),
                         full_sequence_must_fit=rec["full_sequence_must_fit"],
-                        has_scheduled_reqs=rec["has_scheduled_reqs"])
+                        has_scheduled_reqs=rec["has_scheduled_reqs"],
+                    )
                     kind = "allocate_slots(admit)"
                 else:
-                    res = kv.allocate_slots(rid, rec["num_new_tokens"],
-                                            num_computed_tokens=rec["num_computed_tokens"])
+                    res = kv.allocate_slots(
+                        rid, rec["num_new_tokens"], num_computed_tokens=rec["num_computed_tokens"]
+                    )
                     kind = "allocate_slots(running)"
                 rep._time(kind, clock() - t)
                 check(rec, None if res is None else _ids(res))

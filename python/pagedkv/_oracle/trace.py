@@ -81,8 +81,9 @@ class Trace:
     def scheduler_requests(self) -> list[Request]:
         """Every request as the scheduler policy takes it: id, prompt, the output
         tokens it samples, arrival step."""
-        return [Request(r.req_id, self.prompt(r.idx), r.output, r.arrival_step)
-                for r in self.requests]
+        return [
+            Request(r.req_id, self.prompt(r.idx), r.output, r.arrival_step) for r in self.requests
+        ]
 
     def checksum(self) -> int:
         """FNV-1a-64 over the trace's exact content."""
@@ -90,8 +91,16 @@ class Trace:
         for p in self.prefixes:
             h = fnv1a64([len(p), *p], h)
         for r in self.requests:
-            h = fnv1a64((r.idx, r.arrival_step, -1 if r.prefix is None else r.prefix,
-                         -1 if r.parent is None else r.parent, r.prompt_len), h)
+            h = fnv1a64(
+                (
+                    r.idx,
+                    r.arrival_step,
+                    -1 if r.prefix is None else r.prefix,
+                    -1 if r.parent is None else r.parent,
+                    r.prompt_len,
+                ),
+                h,
+            )
             h = fnv1a64([len(r.suffix), *r.suffix, len(r.output), *r.output], h)
         return h
 
@@ -127,6 +136,7 @@ def generate(cfg: TraceConfig) -> Trace:
             base = len(prefixes[prefix])
         suffix = [rng.below(cfg.vocab_size) for _ in range(suffix_len)]
         output = [rng.below(cfg.vocab_size) for _ in range(decode_len)]
-        trace.requests.append(TraceRequest(i, f"r{i}", t // 1000, prefix, parent, suffix,
-                                           output, base + suffix_len))
+        trace.requests.append(
+            TraceRequest(i, f"r{i}", t // 1000, prefix, parent, suffix, output, base + suffix_len)
+        )
     return trace

@@ -47,8 +47,13 @@ class ManagerBackend(Backend[Request]):
         if req.lora_name is None and req.cache_salt is None:
             handle = self.kv.add_request(req.request_id, req.prompt)
         else:
-            handle = self.kv.add_request(req.request_id, req.prompt, lora_name=req.lora_name,
-                                         lora_path=req.lora_path, cache_salt=req.cache_salt)
+            handle = self.kv.add_request(
+                req.request_id,
+                req.prompt,
+                lora_name=req.lora_name,
+                lora_path=req.lora_path,
+                cache_salt=req.cache_salt,
+            )
         st.timed("add_request", clock() - t)
         req.handle = handle if isinstance(handle, int) else req.request_id
 
@@ -69,7 +74,7 @@ class ManagerBackend(Backend[Request]):
         st.timed("allocate_slots_batch", clock() - t)
         st.calls["allocate_slots"] = st.calls.get("allocate_slots", 0) + n_ok
         for i in range(n_ok):
-            st.feed_allocation([blocks[offsets[i]:offsets[i + 1]] for blocks, offsets in groups])
+            st.feed_allocation([blocks[offsets[i] : offsets[i + 1]] for blocks, offsets in groups])
         st.manager_calls += n_ok
         if n_ok < len(reqs):  # the call for reqs[n_ok] returned None
             st.manager_calls += 1
@@ -95,11 +100,15 @@ class ManagerBackend(Backend[Request]):
         st, clock = self.stats, self._clock
         hit, self._hit = self._hit, None
         t = clock()
-        res = self.kv.allocate_slots(req.request_id, num_new_tokens, num_computed_tokens=0,
-                                     num_new_computed_tokens=num_hit_tokens,
-                                     new_computed_blocks=hit,
-                                     full_sequence_must_fit=full_sequence_must_fit,
-                                     has_scheduled_reqs=has_scheduled_reqs)
+        res = self.kv.allocate_slots(
+            req.request_id,
+            num_new_tokens,
+            num_computed_tokens=0,
+            num_new_computed_tokens=num_hit_tokens,
+            new_computed_blocks=hit,
+            full_sequence_must_fit=full_sequence_must_fit,
+            has_scheduled_reqs=has_scheduled_reqs,
+        )
         st.timed("allocate_slots(admit)", clock() - t)
         st.manager_calls += 2
         st.feed_allocation(res)

@@ -291,9 +291,7 @@ class Scheduler(Generic[R]):
         st.steps += 1
         return done
 
-    def _schedule_running(
-        self, budget: int, scheduled: list[tuple[R, int]]
-    ) -> tuple[int, bool]:
+    def _schedule_running(self, budget: int, scheduled: list[tuple[R, int]]) -> tuple[int, bool]:
         """Running requests in order; a run of them goes to the backend at once."""
         running = self.running
         preempted = False

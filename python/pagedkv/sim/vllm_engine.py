@@ -74,9 +74,7 @@ class VllmBackend(policy.Backend[policy.Request]):
     ``status`` is vLLM's ``RequestStatus``.
     """
 
-    def __init__(
-        self, kv: Any, make_request: Callable[[policy.Request], Any], status: Any
-    ) -> None:
+    def __init__(self, kv: Any, make_request: Callable[[policy.Request], Any], status: Any) -> None:
         super().__init__()
         self.kv = kv
         self.make_request = make_request
@@ -255,8 +253,11 @@ def run(
     init_none_hash(hash_fn)
     base_hasher = get_request_block_hasher(bs, hash_fn)
     items = [_request(rec) for rec in payload["requests"]]
-    lora_ids = {str(rec["lora"][0]): int(rec["lora"][1]) for rec in payload["requests"]
-                if rec.get("lora") is not None}
+    lora_ids = {
+        str(rec["lora"][0]): int(rec["lora"][1])
+        for rec in payload["requests"]
+        if rec.get("lora") is not None
+    }
     params: dict[int, Any] = {}
     clock = time.perf_counter_ns
 

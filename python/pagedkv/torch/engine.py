@@ -370,8 +370,9 @@ class PagedEngine:
             mgr.remove_request(child_id)
             return None
         mgr.remove_skipped_blocks(child_id, computed)
-        child = EngineRequest(child_id, tokens, max_tokens=max_tokens, seed=seed,
-                              num_hit_tokens=num_hit)
+        child = EngineRequest(
+            child_id, tokens, max_tokens=max_tokens, seed=seed, num_hit_tokens=num_hit
+        )
         child.num_computed_tokens = computed
         parent_ids = mgr.get_block_ids(parent_id)
         child_ids = mgr.get_block_ids(child_id)

@@ -601,8 +601,8 @@ impl KvCacheManager {
     ///
     /// # Errors
     /// An id outside the pool (nothing is evicted then).
-    pub fn evict_blocks(&mut self, ids: &[u64]) -> Result<()> {
-        let n = u64::from(self.coord.pool().num_blocks());
+    pub fn evict_blocks(&mut self, ids: &[BlockId]) -> Result<()> {
+        let n = self.coord.pool().num_blocks();
         if let Some(bad) = ids.iter().find(|&&b| b >= n) {
             return Err(invalid(format!(
                 "block id {bad} is outside the pool of {n} blocks"
@@ -610,7 +610,7 @@ impl KvCacheManager {
         }
         let pool = self.coord.pool_mut();
         for &b in ids {
-            pool.maybe_evict(b as BlockId);
+            pool.maybe_evict(b);
         }
         Ok(())
     }

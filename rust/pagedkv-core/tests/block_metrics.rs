@@ -70,7 +70,7 @@ fn the_log_follows_vllms_collector_calls_through_a_request_life() {
     assert_eq!(kinds(&log, BlockActivityKind::Allocated).len(), 1);
     m.remove_request("b").expect("remove");
 
-    m.evict_blocks(&[u64::from(new[0]), 0]).expect("evict");
+    m.evict_blocks(&[new[0], 0]).expect("evict");
     let log = m.take_block_activity();
     assert_eq!(
         kinds(&log, BlockActivityKind::Evicted),

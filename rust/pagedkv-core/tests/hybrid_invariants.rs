@@ -221,7 +221,7 @@ impl Sim {
                 self.reqs.retain(|r| r.0 != id);
             }
             Op::Evict { block } => {
-                let _ = self.mgr.evict_blocks(&[u64::from(*block)]);
+                let _ = self.mgr.evict_blocks(&[*block]);
             }
             Op::Reset => {
                 let _ = self.mgr.reset_prefix_cache();

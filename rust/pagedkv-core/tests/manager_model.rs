@@ -714,12 +714,12 @@ impl Model {
         }
     }
 
-    fn evict_blocks(&mut self, ids: &[u64]) -> Result<(), ErrKind> {
-        if ids.iter().any(|&b| b >= self.n as u64) {
+    fn evict_blocks(&mut self, ids: &[u32]) -> Result<(), ErrKind> {
+        if ids.iter().any(|&b| b as usize >= self.n) {
             return Err(ErrKind::Invalid);
         }
         for &b in ids {
-            self.evict(b as u32);
+            self.evict(b);
         }
         Ok(())
     }
@@ -1360,10 +1360,10 @@ fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
                 ));
             }
             Op::Evict { ids, out_of_range } => {
-                let mut v: Vec<u64> = ids.iter().map(|i| i.index(m.n) as u64).collect();
+                let mut v: Vec<u32> = ids.iter().map(|i| i.index(m.n) as u32).collect();
                 if *out_of_range {
                     let at = ids.first().map_or(0, |i| i.index(v.len() + 1));
-                    v.insert(at, m.n as u64);
+                    v.insert(at, m.n as u32);
                 }
                 let got = mgr.evict_blocks(&v).map_err(|e| kind(&e));
                 prop_assert_eq!(got, m.evict_blocks(&v), "{}: evict_blocks", ctx);

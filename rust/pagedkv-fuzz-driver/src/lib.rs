@@ -578,12 +578,12 @@ impl Driver {
                 (self.mgr.remove_skipped_blocks(&id, n), false)
             }
             17 => {
-                let n = u64::from(self.mgr.pool().num_blocks());
-                let ids: Vec<u64> = (0..b.below(5))
+                let n = self.mgr.pool().num_blocks();
+                let ids: Vec<u32> = (0..b.below(5))
                     .map(|_| match b.u8() % 16 {
                         0 => n,
-                        1 => u64::MAX,
-                        _ => u64::from(b.u8()) % n,
+                        1 => u32::MAX,
+                        _ => u32::from(b.u8()) % n,
                     })
                     .collect();
                 (self.mgr.evict_blocks(&ids), false)

@@ -115,6 +115,17 @@ pub fn counts(name: &str, obj: &Bound<'_, PyAny>) -> PkResult<Vec<u64>> {
     v.into_iter().map(|x| count(name, x)).collect()
 }
 
+/// Block ids: non-negative ints below 2**32 (the pool checks its own range).
+pub fn block_ids(obj: &Bound<'_, PyAny>) -> PkResult<Vec<BlockId>> {
+    counts("block id", obj)?
+        .into_iter()
+        .map(|v| {
+            BlockId::try_from(v)
+                .map_err(|_| invalid_arg(format!("block id {v} is outside 0..2**32")))
+        })
+        .collect()
+}
+
 /// The requests of a batch call: a sequence of ids, or handles (a list of ints
 /// or an integer `NumPy` array) as `add_request` returned them.
 pub enum BatchIds {

@@ -488,7 +488,7 @@ impl PyManager {
 
     fn evict_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PkResult<()> {
         let items = block_ids.try_iter()?.collect::<PyResult<Vec<_>>>()?;
-        let ids = counts("block id", PyList::new(slf.py(), items)?.as_any())?;
+        let ids = crate::convert::block_ids(PyList::new(slf.py(), items)?.as_any())?;
         Ok(borrow_mut(slf)?.inner.evict_blocks(&ids)?)
     }
 

@@ -1,0 +1,159 @@
+use super::*;
+
+fn key(b: u8) -> CacheKey {
+    CacheKey {
+        hash: BlockHash::from_slice(&[b; 32]).unwrap_or_default(),
+        group: 0,
+    }
+}
+
+#[test]
+fn fresh_pool_reserves_null_block() {
+    let p = BlockPool::new(5, true, false);
+    assert_eq!(p.num_free_blocks(), 4);
+    assert_eq!(p.free_queue(), vec![1, 2, 3, 4]);
+    assert!(p.check_invariants(None).is_ok());
+}
+
+#[test]
+fn prepend_puts_run_in_front_in_order() {
+    let mut p = BlockPool::new(6, true, false);
+    let mut out = Vec::new();
+    assert!(p.get_new_blocks(5, &mut out));
+    p.free_blocks([1]);
+    p.free_blocks([4, 5]);
+    assert_eq!(p.free_queue(), vec![4, 5, 1]);
+    p.free_blocks([2, 3]);
+    assert_eq!(p.free_queue(), vec![2, 3, 4, 5, 1]);
+    assert!(p.check_invariants(None).is_ok());
+}
+
+#[test]
+fn freed_hashed_blocks_go_to_the_back() {
+    let mut p = BlockPool::new(6, true, false);
+    let mut out = Vec::new();
+    assert!(p.get_new_blocks(3, &mut out));
+    assert!(p.cache_block(2, key(2)));
+    p.free_blocks([3, 2, 1]);
+    assert_eq!(p.free_queue(), vec![3, 1, 4, 5, 2]);
+}
+
+#[test]
+fn popleft_n_takes_from_head_and_evicts_lazily() {
+    let mut p = BlockPool::new(4, true, true);
+    let mut out = Vec::new();
+    assert!(p.get_new_blocks(1, &mut out));
+    assert!(p.cache_block(1, key(1)));
+    p.free_blocks([1]);
+    assert_eq!(p.cached_block(&key(1)), Some(1));
+    out.clear();
+    assert!(p.get_new_blocks(3, &mut out));
+    assert_eq!(out, vec![2, 3, 1]);
+    assert_eq!(p.cached_block(&key(1)), None);
+    assert_eq!(p.take_events().len(), 1);
+    assert!(!p.get_new_blocks(1, &mut out));
+}
+
+#[test]
+fn duplicate_keys_keep_insertion_order_and_pop_by_id() {
+    let mut p = BlockPool::new(5, true, false);
+    let mut out = Vec::new();
+    assert!(p.get_new_blocks(4, &mut out));
+    assert!(p.cache_block(1, key(0)));
+    assert!(p.cache_block(2, key(1)));
+    assert!(p.cache_block(3, key(2)));
+    assert!(p.cache_block(4, key(0)));
+    assert_eq!(p.cached_blocks(&key(0)), vec![1, 4]);
+    assert!(p.maybe_evict(2));
+    assert_eq!(p.cached_block(&key(1)), None);
+    assert!(p.maybe_evict(1));
+    assert_eq!(p.cached_blocks(&key(0)), vec![4]);
+    assert!(p.maybe_evict(3));
+    assert!(p.maybe_evict(4));
+    assert_eq!(p.num_cached_keys(), 0);
+    assert!(!p.maybe_evict(4));
+    assert!(p.check_invariants(None).is_ok());
+}
+
+#[test]
+fn reset_fails_while_blocks_are_held() {
+    let mut p = BlockPool::new(3, true, true);
+    let mut out = Vec::new();
+    assert!(p.get_new_blocks(1, &mut out));
+    assert!(p.cache_block(1, key(1)));
+    assert!(!p.reset_prefix_cache());
+    p.free_blocks([1]);
+    assert!(p.reset_prefix_cache());
+    assert_eq!(p.num_cached_keys(), 0);
+    assert_eq!(p.block_key(1), None);
+    assert!(matches!(
+        p.take_events().last(),
+        Some(KvEvent::AllBlocksCleared)
+    ));
+}
+
+#[test]
+fn pool_without_metrics_logs_nothing() {
+    let mut p = BlockPool::new(4, true, false);
+    let mut out = Vec::new();
+    assert!(p.get_new_blocks(2, &mut out));
+    assert_eq!(p.stats(), None);
+    assert!(p.take_block_activity().is_empty());
+}
+
+#[test]
+fn metrics_log_what_vllms_pool_reports_to_its_collector() {
+    use BlockActivityKind::{Accessed, Allocated, Evicted, Reset};
+    let act = |kind, block| BlockActivity { kind, block };
+    let mut p = BlockPool::new(4, true, false).with_metrics(true);
+    let mut out = Vec::new();
+    assert!(p.get_new_blocks(2, &mut out));
+    assert!(p.cache_block(1, key(1)));
+    p.free_blocks([2, 1]);
+    // Each popped block is evicted (cached or not) before it is allocated.
+    assert_eq!(
+        p.take_block_activity(),
+        vec![
+            act(Evicted, 1),
+            act(Allocated, 1),
+            act(Evicted, 2),
+            act(Allocated, 2)
+        ]
+    );
+    p.touch(&[0, 1]);
+    assert_eq!(p.take_block_activity(), vec![act(Accessed, 1)]);
+    p.free_blocks([1]);
+    out.clear();
+    assert!(p.get_new_blocks(3, &mut out)); // 2, 3, then cached 1
+    assert_eq!(out, vec![2, 3, 1]);
+    assert_eq!(p.take_block_activity().len(), 6);
+    p.free_blocks([1, 2, 3]);
+    assert!(!p.maybe_evict(3));
+    assert!(p.reset_prefix_cache());
+    assert_eq!(
+        p.take_block_activity(),
+        vec![act(Evicted, 3), act(Reset, NULL_BLOCK)]
+    );
+    assert!(p.take_block_activity().is_empty());
+    let stats = p.stats().unwrap_or_default();
+    assert_eq!(
+        stats,
+        BlockPoolStats {
+            blocks_allocated: 5,
+            blocks_accessed: 1,
+            blocks_evicted: 1,
+            cache_resets: 1
+        }
+    );
+}
+
+#[test]
+fn touch_removes_from_middle_of_queue() {
+    let mut p = BlockPool::new(5, true, false);
+    p.touch(&[2, 0]);
+    assert_eq!(p.free_queue(), vec![1, 3, 4]);
+    assert_eq!(p.ref_cnt(2), 1);
+    p.touch(&[2]);
+    assert_eq!(p.ref_cnt(2), 2);
+    assert!(p.check_invariants(None).is_ok());
+}

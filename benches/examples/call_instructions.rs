@@ -1,0 +1,58 @@
+//! Instruction-count probe for comparing two builds without timing noise:
+//! `decode N` makes N decode `allocate_slots` calls that need no new block,
+//! `admit N` admits and removes N distinct 2,560-token prompts, on one
+//! full-attention manager. Run under callgrind with N and with 0; the difference
+//! divided by N is the instructions per call:
+//!
+//! `valgrind --tool=callgrind target/release/examples/call_instructions decode 200000`
+use pagedkv_core::{AllocateArgs, KvCacheManager, ManagerConfig, RequestSpec};
+use std::hint::black_box;
+
+fn main() {
+    let what = std::env::args().nth(1).unwrap_or_default();
+    let n: u64 = std::env::args()
+        .nth(2)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(1_000_000);
+    let mut mgr = KvCacheManager::new(ManagerConfig::full_attention(1 << 16, 16, 1 << 20)).unwrap();
+    let prompt: Vec<u32> = (0..1000u32).map(|i| (i * 7919) % 32000).collect();
+    mgr.add_request(
+        "r",
+        RequestSpec {
+            prompt_token_ids: prompt,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let hit = mgr.get_computed_blocks("r").unwrap();
+    mgr.allocate_slots("r", &AllocateArgs::step(1000, 0), Some(&hit))
+        .unwrap();
+    if what == "decode" {
+        let args = AllocateArgs::step(1, 999);
+        for _ in 0..n {
+            black_box(mgr.allocate_slots("r", &args, None).unwrap().is_some());
+        }
+    } else if what == "admit" {
+        let base: Vec<u32> = (0..2560u32).map(|i| (i * 31) % 32000).collect();
+        for i in 0..n {
+            let mut p = base.clone();
+            p[0] = (i % 30000) as u32;
+            let id = format!("a{i}");
+            mgr.add_request(
+                &id,
+                RequestSpec {
+                    prompt_token_ids: p,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let h = mgr.get_computed_blocks(&id).unwrap();
+            black_box(
+                mgr.allocate_slots(&id, &AllocateArgs::step(2560, 0), Some(&h))
+                    .unwrap()
+                    .is_some(),
+            );
+            mgr.remove_request(&id).unwrap();
+        }
+    }
+}

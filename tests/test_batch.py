@@ -124,6 +124,19 @@ def test_one_count_for_every_request_is_broadcast(one: Any) -> None:
         batch_mgr.allocate_slots_batch(ids, 1.0, [0] * len(ids))  # type: ignore[arg-type]
 
 
+def test_broadcast_count_follows_the_batch_size_and_value_from_call_to_call() -> None:
+    # The broadcast array is reused between calls: a smaller batch, or another
+    # count, must never see the previous call's array.
+    prompts = {f"r{i}": list(range(20 * i, 20 * i + 14)) for i in range(4)}
+    loop_mgr, batch_mgr, ids = twin_managers(admitted(prompts), block_size=4, num_blocks=200)
+    for t, (size, count) in enumerate([(4, 1), (4, 1), (2, 1), (3, 2), (3, 2), (4, 3)]):
+        sub = ids[:size]
+        computed = step((loop_mgr, batch_mgr), sub, {rid: [t] * count for rid in sub})
+        expected = loop_allocate(loop_mgr, sub, [count] * size, computed)
+        assert batch_allocate(batch_mgr, sub, count, computed) == expected
+        assert_same_state(loop_mgr, batch_mgr, ids)
+
+
 def test_batch_with_per_request_token_counts_and_lookahead_matches() -> None:
     prompts = {f"r{i}": list(range(50 * i, 50 * i + 5 + 7 * i)) for i in range(6)}
     loop_mgr, batch_mgr, ids = twin_managers(admitted(prompts), block_size=4, num_blocks=200)

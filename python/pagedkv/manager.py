@@ -133,6 +133,8 @@ class KVCacheManager(_core.KVCacheManager):
     """
 
     _kv_cache_config: KVCacheConfig
+    _broadcast: npt.NDArray[np.int64]
+    _broadcast_key: tuple[int, int] | None
 
     def __new__(
         cls,
@@ -151,6 +153,7 @@ class KVCacheManager(_core.KVCacheManager):
             options["hash_seed"] = os.environ["PYTHONHASHSEED"]  # as vLLM reads it
         self = super().__new__(cls, kv_cache_config.num_blocks, groups, max_model_len, **options)
         self._kv_cache_config = kv_cache_config
+        self._broadcast_key = None
         return self
 
     @property
@@ -205,16 +208,30 @@ class KVCacheManager(_core.KVCacheManager):
         ``num_new_tokens`` is one count per request, or one for all. Returns
         ``(num_allocated, ((block_ids, offsets), ...))`` per group, where request
         ``i``'s new blocks are ``block_ids[offsets[i]:offsets[i+1]]``."""
-        if not isinstance(num_new_tokens, Sequence | np.ndarray):
-            # One count for every request (an int, or a NumPy / torch integer scalar).
-            n = operator.index(num_new_tokens)
-            num_new_tokens = np.full(len(request_ids), n, dtype=np.int64)
+        counts: Sequence[int] | npt.NDArray[Any]
+        if type(num_new_tokens) is int:
+            counts = self._same_count(num_new_tokens, len(request_ids))
+        elif isinstance(num_new_tokens, np.ndarray | list | tuple | Sequence):
+            counts = num_new_tokens
+        else:
+            # One count for every request: a NumPy or torch integer scalar.
+            counts = self._same_count(operator.index(num_new_tokens), len(request_ids))
         return super().allocate_slots_batch(
             request_ids,
-            num_new_tokens,
+            counts,
             num_computed_tokens,
             num_lookahead_tokens=num_lookahead_tokens,
         )
+
+    def _same_count(self, count: int, size: int) -> npt.NDArray[np.int64]:
+        """``count`` for each of ``size`` requests, as a read-only array kept for the
+        next call (a decode step passes the same count step after step)."""
+        key = (count, size)
+        if self._broadcast_key != key:
+            counts = np.full(size, count, dtype=np.int64)
+            counts.flags.writeable = False
+            self._broadcast, self._broadcast_key = counts, key
+        return self._broadcast
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The prefix-cache stats since the last call (and starts new ones); None

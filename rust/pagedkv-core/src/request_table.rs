@@ -1,12 +1,14 @@
 //! The request table: a slab of requests with generations, the id index and
 //! request handles.
 //!
-//! A handle packs, from the low bit up: the request's slot (32 bits), the
-//! slot's generation (19 bits, bumped when the slot is vacated) and the tag of
-//! the manager that issued it (12 bits); the top bit is clear, so handles fit
-//! an `int64` array. A removed request's handle is refused until its slot was
-//! reused 2^19 times; a handle of another manager is refused unless 4,096
-//! managers were built between the two.
+//! A handle packs, from the low bit up: the tag of the manager that issued it
+//! (12 bits), the request's slot (32 bits) and the slot's generation (19 bits,
+//! bumped when the slot is vacated); the top bit is clear, so handles fit an
+//! `int64` array. While a slot is on its first request and below 2^18, the
+//! handle is below 2^30: one digit of a Python int, the cheapest to convert. A
+//! removed request's handle is refused until its slot was reused 2^19 times; a
+//! handle of another manager is refused unless 4,096 managers were built
+//! between the two.
 
 use rustc_hash::FxHashMap;
 
@@ -44,12 +46,13 @@ impl RequestRefs<'_> {
     }
 }
 
+const TAG_BITS: u32 = 12;
 const SLOT_BITS: u32 = 32;
 const GEN_BITS: u32 = 19;
-const TAG_BITS: u32 = 12;
-const GEN_MASK: u64 = (1 << GEN_BITS) - 1;
 const TAG_MASK: u64 = (1 << TAG_BITS) - 1;
-const TAG_SHIFT: u32 = SLOT_BITS + GEN_BITS;
+const SLOT_SHIFT: u32 = TAG_BITS;
+const GEN_SHIFT: u32 = TAG_BITS + SLOT_BITS;
+const GEN_MASK: u64 = (1 << GEN_BITS) - 1;
 
 /// Requests by slot, with the id index and handle resolution.
 #[derive(Debug)]
@@ -103,14 +106,14 @@ impl RequestTable {
 
     /// The handle of the request in `slot`.
     pub(crate) fn handle_of(&self, slot: u32) -> RequestHandle {
-        (self.tag << TAG_SHIFT)
-            | ((u64::from(self.slot_gen[slot as usize]) & GEN_MASK) << SLOT_BITS)
-            | u64::from(slot)
+        ((u64::from(self.slot_gen[slot as usize]) & GEN_MASK) << GEN_SHIFT)
+            | (u64::from(slot) << SLOT_SHIFT)
+            | self.tag
     }
 
     /// The slot a handle names, if it names a live request of this table.
     pub(crate) fn slot_of_handle(&self, handle: RequestHandle) -> Result<u32> {
-        let issued_here = handle >> 63 == 0 && (handle >> TAG_SHIFT) & TAG_MASK == self.tag;
+        let issued_here = handle >> 63 == 0 && handle & TAG_MASK == self.tag;
         if !issued_here {
             let whose = if handle >> 63 == 0 {
                 "issued by another manager"
@@ -121,10 +124,9 @@ impl RequestTable {
                 "handle {handle:#x}, {whose}"
             )));
         }
-        let slot = (handle & u64::from(u32::MAX)) as u32;
+        let slot = (handle >> SLOT_SHIFT) as u32;
         let live = self.reqs.get(slot as usize).is_some_and(Option::is_some)
-            && u64::from(self.slot_gen[slot as usize]) & GEN_MASK
-                == (handle >> SLOT_BITS) & GEN_MASK;
+            && u64::from(self.slot_gen[slot as usize]) & GEN_MASK == handle >> GEN_SHIFT;
         if live {
             Ok(slot)
         } else {
@@ -232,13 +234,18 @@ mod tests {
     }
 
     #[test]
-    fn handles_keep_the_top_bit_clear_and_the_slot_in_the_low_word() {
+    fn handles_keep_the_top_bit_clear_and_stay_small_until_a_slot_is_reused() {
         let mut t = RequestTable::new(u64::MAX);
         let s = t.insert("x", request(1)).expect("insert");
         let h = t.handle_of(s);
         assert_eq!(h >> 63, 0);
-        assert_eq!(h & u64::from(u32::MAX), u64::from(s));
+        assert!(h < 1 << 30, "{h:#x}: one digit of a Python int");
         assert!(t.slot_of_handle(h | 1 << 63).is_err());
+        t.remove("x", s);
+        let s2 = t.insert("y", request(2)).expect("insert");
+        let h2 = t.handle_of(s2);
+        assert_eq!(h2 as u32, h as u32, "same slot, same low word");
+        assert_ne!(h2, h);
     }
 
     #[test]

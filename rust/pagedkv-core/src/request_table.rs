@@ -113,25 +113,28 @@ impl RequestTable {
 
     /// The slot a handle names, if it names a live request of this table.
     pub(crate) fn slot_of_handle(&self, handle: RequestHandle) -> Result<u32> {
-        let issued_here = handle >> 63 == 0 && handle & TAG_MASK == self.tag;
-        if !issued_here {
-            let whose = if handle >> 63 == 0 {
-                "issued by another manager"
-            } else {
-                "never issued"
-            };
-            return Err(Error::UnknownRequest(format!(
-                "handle {handle:#x}, {whose}"
-            )));
-        }
         let slot = (handle >> SLOT_SHIFT) as u32;
-        let live = self.reqs.get(slot as usize).is_some_and(Option::is_some)
-            && u64::from(self.slot_gen[slot as usize]) & GEN_MASK == handle >> GEN_SHIFT;
-        if live {
-            Ok(slot)
-        } else {
-            Err(Error::UnknownRequest(format!("handle {handle:#x}")))
+        // The tag check also refuses a set top bit (never issued).
+        if handle & (TAG_MASK | 1 << 63) == self.tag
+            && self.reqs.get(slot as usize).is_some_and(Option::is_some)
+            && u64::from(self.slot_gen[slot as usize]) & GEN_MASK == handle >> GEN_SHIFT
+        {
+            return Ok(slot);
         }
+        Err(self.refusal(handle))
+    }
+
+    /// Why a handle names no live request of this table.
+    #[cold]
+    fn refusal(&self, handle: RequestHandle) -> Error {
+        let why = if handle >> 63 != 0 {
+            ", never issued"
+        } else if handle & TAG_MASK != self.tag {
+            ", issued by another manager"
+        } else {
+            ""
+        };
+        Error::UnknownRequest(format!("handle {handle:#x}{why}"))
     }
 
     /// Resolves request references to slots (into `out`, cleared first).

@@ -102,17 +102,24 @@ pub fn tokens(obj: &Bound<'_, PyAny>) -> PkResult<Vec<u32>> {
 /// Non-negative counts from an int `NumPy` array or a sequence.
 pub fn counts(name: &str, obj: &Bound<'_, PyAny>) -> PkResult<Vec<u64>> {
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
-        return a.as_slice()?.iter().map(|&v| count(name, v)).collect();
+        return non_negative(name, a.as_slice()?.iter().copied());
     }
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
-        return a
-            .as_slice()?
-            .iter()
-            .map(|&v| count(name, i64::from(v)))
-            .collect();
+        return non_negative(name, a.as_slice()?.iter().map(|&v| i64::from(v)));
     }
     let v: Vec<i64> = obj.extract()?;
-    v.into_iter().map(|x| count(name, x)).collect()
+    non_negative(name, v.into_iter())
+}
+
+/// The values as counts, or the first negative one refused: one scan to check,
+/// one tight loop to convert (a step's arrays hold hundreds of counts).
+fn non_negative(name: &str, values: impl Iterator<Item = i64> + Clone) -> PkResult<Vec<u64>> {
+    if let Some(bad) = values.clone().find(|&v| v < 0) {
+        return Err(invalid_arg(format!(
+            "{name} must be non-negative, got {bad}"
+        )));
+    }
+    Ok(values.map(|v| v as u64).collect())
 }
 
 /// Block ids: non-negative ints below 2**32 (the pool checks its own range).

@@ -3,7 +3,8 @@
 //! raises while arguments are converted (`TypeError`, `OverflowError`) pass
 //! through unchanged.
 
-use pyo3::PyErr;
+use pyo3::PyClass;
+use pyo3::prelude::*;
 
 use pagedkv_core::Error;
 
@@ -88,4 +89,24 @@ pub fn invalid_config(msg: impl Into<String>) -> PyPkError {
 /// A `TypeError`.
 pub fn type_error(msg: impl Into<String>) -> PyPkError {
     PyPkError::Python(pyo3::exceptions::PyTypeError::new_err(msg.into()))
+}
+
+/// A pyclass borrowed mutably for a call whose arguments are all converted: only
+/// a call made from inside a core call could find it borrowed, and none is.
+pub fn borrow_mut<'py, T: PyClass<Frozen = pyo3::pyclass::boolean_struct::False>>(
+    slf: &Bound<'py, T>,
+) -> PyResult<PyRefMut<'py, T>> {
+    slf.try_borrow_mut()
+        .map_err(|_| in_use(<T as PyClass>::NAME))
+}
+
+/// A pyclass borrowed for reading, after the arguments were converted.
+pub fn borrow<'py, T: PyClass>(slf: &Bound<'py, T>) -> PyResult<PyRef<'py, T>> {
+    slf.try_borrow().map_err(|_| in_use(<T as PyClass>::NAME))
+}
+
+fn in_use(name: &str) -> PyErr {
+    pyo3::exceptions::PyRuntimeError::new_err(format!(
+        "the {name} is in use by another call (called back from inside a call)"
+    ))
 }

@@ -9,7 +9,7 @@ use pyo3::types::{PyBytes, PyInt, PyList, PyString};
 use pagedkv_core::hash::event_int;
 use pagedkv_core::prefix_index::{IndexEvent, PrefixIndex, ReplicaId};
 
-use crate::errors::{PkResult, invalid_arg, type_error};
+use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg, type_error};
 use crate::events::{PyAllBlocksCleared, PyBlockRemoved, PyBlockStored};
 
 /// vLLM's event form of one hash: an int in 0..2**64 as is, a digest by its
@@ -105,20 +105,6 @@ fn index_event(ev: &Bound<'_, PyAny>) -> PkResult<IndexEvent> {
 #[derive(Debug)]
 pub struct PyPrefixIndex {
     inner: PrefixIndex,
-}
-
-fn borrow_mut<'py>(slf: &Bound<'py, PyPrefixIndex>) -> PyResult<PyRefMut<'py, PyPrefixIndex>> {
-    slf.try_borrow_mut().map_err(|_| in_use())
-}
-
-fn borrow<'py>(slf: &Bound<'py, PyPrefixIndex>) -> PyResult<PyRef<'py, PyPrefixIndex>> {
-    slf.try_borrow().map_err(|_| in_use())
-}
-
-fn in_use() -> PyErr {
-    pyo3::exceptions::PyRuntimeError::new_err(
-        "the PrefixIndex is in use by another call (called back from inside a call)",
-    )
 }
 
 #[pymethods]

@@ -20,7 +20,7 @@ use pagedkv_core::{
 use crate::convert::{
     BatchIds, block_hash, count, counts, groups_i32, groups_tuple, ids_i32, manager_config, tokens,
 };
-use crate::errors::PkResult;
+use crate::errors::{PkResult, borrow, borrow_mut};
 use crate::events;
 
 /// Result of `get_computed_blocks`.
@@ -109,23 +109,6 @@ pub struct PyManager {
 
 /// `(kinds, block_ids)` of the block activity log.
 type ActivityArrays<'py> = (Bound<'py, PyArray1<u8>>, Bound<'py, PyArray1<i32>>);
-
-/// The manager, mutably borrowed for a call whose arguments are converted. Only
-/// a call made from inside a core call could find it borrowed, and none is.
-fn borrow_mut<'py>(slf: &Bound<'py, PyManager>) -> PyResult<PyRefMut<'py, PyManager>> {
-    slf.try_borrow_mut().map_err(|_| in_use())
-}
-
-/// The manager, borrowed for reading, after the arguments were converted.
-fn borrow<'py>(slf: &Bound<'py, PyManager>) -> PyResult<PyRef<'py, PyManager>> {
-    slf.try_borrow().map_err(|_| in_use())
-}
-
-fn in_use() -> PyErr {
-    pyo3::exceptions::PyRuntimeError::new_err(
-        "the KVCacheManager is in use by another call (called back from inside a call)",
-    )
-}
 
 #[pymethods]
 impl PyManager {

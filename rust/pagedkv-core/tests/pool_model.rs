@@ -115,27 +115,8 @@ impl Model {
 }
 
 fn assert_same(pool: &mut BlockPool, m: &mut Model, ctx: &str) -> Result<(), TestCaseError> {
-    prop_assert_eq!(pool.num_blocks() as usize, m.pool.n, "{}: num_blocks", ctx);
-    prop_assert_eq!(
-        pool.free_queue(),
-        m.pool.queue.iter().copied().collect::<Vec<_>>(),
-        "{}: free queue",
-        ctx
-    );
-    prop_assert_eq!(
-        pool.num_free_blocks() as usize,
-        m.pool.queue.len(),
-        "{}: num_free",
-        ctx
-    );
+    common::check_same_queue_and_refs(pool, &m.pool, ctx)?;
     for b in 1..m.pool.n as u32 {
-        prop_assert_eq!(
-            pool.ref_cnt(b),
-            m.pool.refs[b as usize],
-            "{}: ref_cnt of {}",
-            ctx,
-            b
-        );
         prop_assert_eq!(
             pool.block_key(b),
             m.pool.key[b as usize],
@@ -175,13 +156,6 @@ fn assert_same(pool: &mut BlockPool, m: &mut Model, ctx: &str) -> Result<(), Tes
         "{}: num_cached_keys",
         ctx
     );
-    let total = m.pool.n - 1;
-    let usage = if total == 0 {
-        0.0
-    } else {
-        1.0 - m.pool.queue.len() as f64 / total as f64
-    };
-    prop_assert!((pool.usage() - usage).abs() < 1e-12, "{}: usage", ctx);
     let mut expected_refs = m.pool.refs.clone();
     expected_refs[0] = pool.ref_cnt(0);
     if let Err(e) = pool.check_invariants(Some(&expected_refs)) {

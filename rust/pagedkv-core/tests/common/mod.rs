@@ -18,6 +18,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
 
+use pagedkv_core::BlockPool;
+use proptest::prelude::*;
+
 /// The reference pool; block 0 is the null block.
 #[derive(Debug)]
 pub struct RefPool<K> {
@@ -159,4 +162,42 @@ impl<K: Clone + Eq + Hash> RefPool<K> {
             .flat_map(|b| std::iter::repeat_n(b, self.refs[b as usize] as usize))
             .collect()
     }
+}
+
+/// The real pool's free queue, free count, usage and reference counts equal the
+/// reference pool's.
+pub fn check_same_queue_and_refs<K>(
+    pool: &BlockPool,
+    m: &RefPool<K>,
+    ctx: &str,
+) -> Result<(), TestCaseError> {
+    prop_assert_eq!(pool.num_blocks() as usize, m.n, "{}: num_blocks", ctx);
+    prop_assert_eq!(
+        pool.free_queue(),
+        m.queue.iter().copied().collect::<Vec<_>>(),
+        "{}: free queue",
+        ctx
+    );
+    prop_assert_eq!(
+        pool.num_free_blocks() as usize,
+        m.queue.len(),
+        "{}: num_free",
+        ctx
+    );
+    let usage = if m.n > 1 {
+        1.0 - m.queue.len() as f64 / (m.n - 1) as f64
+    } else {
+        0.0
+    };
+    prop_assert!((pool.usage() - usage).abs() < 1e-12, "{}: usage", ctx);
+    for b in 1..m.n as u32 {
+        prop_assert_eq!(
+            pool.ref_cnt(b),
+            m.refs[b as usize],
+            "{}: ref_cnt of block {}",
+            ctx,
+            b
+        );
+    }
+    Ok(())
 }

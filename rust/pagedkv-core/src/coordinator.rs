@@ -454,6 +454,16 @@ impl Coordinator {
         }
     }
 
+    /// Detaches every block of the request without freeing any: group by
+    /// group, allocation order, leading null blocks dropped.
+    pub(crate) fn pop_blocks(req: &mut Request) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        for gb in &mut req.groups {
+            GroupManager::pop_blocks(gb, &mut out);
+        }
+        out
+    }
+
     // ---- caching ----------------------------------------------------------
 
     /// Publishes the request's full blocks covering `num_tokens` into the prefix

@@ -7,6 +7,7 @@
 //! its group managers and the pool.
 
 mod batch;
+mod external;
 mod validate;
 
 use crate::coordinator::Coordinator;
@@ -68,6 +69,12 @@ pub struct AllocateArgs {
     pub reserved_blocks: u64,
     /// Other requests are scheduled this step (the watermark applies).
     pub has_scheduled_reqs: bool,
+    /// Tokens of in-flight steps (async scheduling) counted in the computed
+    /// tokens: blocks they may still read are not released as skipped.
+    pub num_in_flight_tokens: u64,
+    /// A request that can never fit gets `Ok(None)` (vLLM's answer) instead of
+    /// [`Error::CannotFit`] (pagedkv's own, stricter answer).
+    pub never_fits_is_none: bool,
 }
 
 impl AllocateArgs {
@@ -85,6 +92,8 @@ impl AllocateArgs {
             full_sequence_must_fit: false,
             reserved_blocks: 0,
             has_scheduled_reqs: true,
+            num_in_flight_tokens: 0,
+            never_fits_is_none: false,
         }
     }
 
@@ -136,6 +145,8 @@ pub struct KvCacheManager {
     num_admitted: usize,
     stats: Option<PrefixCacheStats>,
     scratch_slots: Vec<u32>,
+    /// Block references detached by `pop_blocks_for_free`, not yet freed.
+    detached: rustc_hash::FxHashMap<BlockId, u32>,
 }
 
 impl KvCacheManager {
@@ -166,6 +177,7 @@ impl KvCacheManager {
             num_admitted: 0,
             stats: cfg.log_stats.then(PrefixCacheStats::default),
             scratch_slots: Vec::new(),
+            detached: rustc_hash::FxHashMap::default(),
             cfg,
         })
     }
@@ -281,7 +293,8 @@ impl KvCacheManager {
 
     /// Whether block hashes are kept up to date (caching or events need them).
     fn hashing(&self) -> bool {
-        self.cfg.enable_caching || self.coord.pool().events_enabled()
+        !self.cfg.external_block_hashes
+            && (self.cfg.enable_caching || self.coord.pool().events_enabled())
     }
 
     // ---- requests ---------------------------------------------------------
@@ -374,6 +387,20 @@ impl KvCacheManager {
     /// # Errors
     /// Unknown request.
     pub fn get_computed_blocks(&mut self, id: &str) -> Result<ComputedBlocks> {
+        self.get_computed_blocks_up_to(id, None)
+    }
+
+    /// [`Self::get_computed_blocks`] with the hit capped at
+    /// `max_cache_hit_length` tokens (`None`: `num_tokens - 1`), as vLLM 0.33's
+    /// `get_computed_blocks(request, max_cache_hit_length)`.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn get_computed_blocks_up_to(
+        &mut self,
+        id: &str,
+        max_cache_hit_length: Option<u64>,
+    ) -> Result<ComputedBlocks> {
         let slot = self.table.slot(id)?;
         let epoch = self.coord.pool().epoch();
         let req = self.table.get(slot);
@@ -388,7 +415,9 @@ impl KvCacheManager {
                 epoch,
             });
         }
-        let max_len = req.num_tokens().saturating_sub(1);
+        let max_len = max_cache_hit_length.map_or(req.num_tokens().saturating_sub(1), |m| {
+            usize::try_from(m).unwrap_or(usize::MAX)
+        });
         let hit = self.coord.find_longest_cache_hit(req, max_len);
         let spb = if hit.uncached > 0 {
             (hit.len + hit.uncached) as u64
@@ -476,7 +505,7 @@ impl KvCacheManager {
         let (need, blocked) = self
             .coord
             .num_blocks_to_allocate(req, &need_args, hit_blocks, enc);
-        if need > free && !blocked {
+        if need > free && !blocked && !a.never_fits_is_none {
             self.check_ever_fits(slot, need, hit_blocks, total_computed)?;
         }
 
@@ -491,7 +520,7 @@ impl KvCacheManager {
             let (need, blocked) = self
                 .coord
                 .num_blocks_to_allocate(req, &full_args, hit_blocks, enc);
-            if need > free && !blocked {
+            if need > free && !blocked && !a.never_fits_is_none {
                 self.check_ever_fits(slot, need, hit_blocks, total_computed)?;
             }
             if need + watermark > free {
@@ -503,7 +532,8 @@ impl KvCacheManager {
         // the allocation then fails (nothing to do for full attention).
         let need = if self.coord.any_skipping() {
             let req = self.table.get_mut(slot);
-            self.coord.remove_skipped_blocks(req, total_computed);
+            let processed = total_computed.saturating_sub(a.num_in_flight_tokens);
+            self.coord.remove_skipped_blocks(req, processed);
             self.coord
                 .num_blocks_to_allocate(req, &need_args, hit_blocks, enc)
                 .0
@@ -539,7 +569,7 @@ impl KvCacheManager {
         }
 
         // Stats are recorded at admission, when a lookup preceded it.
-        if admitting && req.take_pending_lookup() {
+        if admitting && self.cfg.record_stats_at_admission && req.take_pending_lookup() {
             let (n, pre) = (req.num_tokens() as u64, req.num_preemptions > 0);
             if let Some(s) = self.stats.as_mut() {
                 s.record(n, num_new_computed, pre);
@@ -673,6 +703,9 @@ impl KvCacheManager {
             live += 1;
             admitted += usize::from(req.admitted);
             self.coord.check_request(req, &mut refs, &mut owner_group)?;
+        }
+        for (&b, &n) in &self.detached {
+            refs[b as usize] += n;
         }
         if admitted != self.num_admitted {
             return Err(Error::InvariantViolation(

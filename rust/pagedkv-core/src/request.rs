@@ -302,6 +302,12 @@ impl Request {
         )
     }
 
+    /// Appends tokens and block hashes computed by the engine (no hashing here).
+    pub fn extend_external(&mut self, tokens: &[u32], hashes: &[BlockHash]) {
+        self.tokens.extend_from_slice(tokens);
+        self.hashes.extend_from_slice(hashes);
+    }
+
     /// Hashes every newly full hash block.
     pub fn update_hashes(&mut self, hasher: &mut BlockHasher, hash_block_size: usize) {
         let mut keys: Vec<ExtraKey<'_>> = Vec::new();

@@ -180,6 +180,15 @@ pub struct ManagerConfig {
     /// evictions and logs them for a residency collector, as vLLM's pool calls
     /// its `KVCacheMetricsCollector` (see [`crate::BlockPool::with_metrics`]).
     pub kv_cache_metrics: bool,
+    /// Block hashes come from the caller ([`crate::KvCacheManager::extend_request`]),
+    /// not from the manager's own hasher: the mode of a drop-in under a serving
+    /// engine that hashes requests itself (vLLM's `Request.block_hashes`, with any
+    /// hash function). Requires `verify_cached_tokens` off.
+    pub external_block_hashes: bool,
+    /// Record prefix-cache stats when a looked-up request is admitted (pagedkv's
+    /// own API). Off: only [`crate::KvCacheManager::record_prefix_cache_stats`]
+    /// records, as vLLM 0.33's scheduler does.
+    pub record_stats_at_admission: bool,
 }
 
 /// Largest `max_model_len` / `max_in_flight_tokens`: token counts stay far from
@@ -208,6 +217,8 @@ impl ManagerConfig {
             verify_cached_tokens: false,
             hash_truncate_bytes: None,
             kv_cache_metrics: false,
+            external_block_hashes: false,
+            record_stats_at_admission: true,
         }
     }
 
@@ -328,6 +339,13 @@ impl ManagerConfig {
                      multiple of scheduler_block_size ({sbs})."
                 ));
             }
+        }
+        if self.external_block_hashes && self.verify_cached_tokens {
+            return bad(
+                "verify_cached_tokens needs the manager's own hashing; it cannot be \
+                 combined with external_block_hashes"
+                    .into(),
+            );
         }
         if let Some(n) = self.max_in_flight_tokens {
             if n == 0 || n >= MAX_TOKENS {

@@ -419,6 +419,8 @@ impl Driver {
             full_sequence_must_fit: fancy == 3 && b.bool(),
             reserved_blocks: if fancy == 3 { b.count() % 4 } else { 0 },
             has_scheduled_reqs: !(fancy == 2 && b.bool()),
+            num_in_flight_tokens: 0,
+            never_fits_is_none: false,
         }
     }
 

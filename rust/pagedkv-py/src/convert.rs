@@ -99,6 +99,40 @@ pub fn tokens(obj: &Bound<'_, PyAny>) -> PkResult<Vec<u32>> {
     Ok(out)
 }
 
+/// The items of a sequence from index `from` on (a slice of it, so a list or
+/// any sequence that slices).
+pub fn suffix<'py>(obj: &Bound<'py, PyAny>, from: usize) -> PkResult<Option<Bound<'py, PyAny>>> {
+    let len = obj.len()?;
+    if len < from {
+        return Err(invalid_arg(format!(
+            "the sequence has {len} items, fewer than the {from} the manager already holds"
+        )));
+    }
+    if len == from {
+        return Ok(None);
+    }
+    let slice = pyo3::types::PySlice::new(obj.py(), from as isize, len as isize, 1);
+    Ok(Some(obj.get_item(slice)?))
+}
+
+/// Block hashes (bytes, 1..=32 long) from a sequence.
+pub fn block_hash_list(obj: &Bound<'_, PyAny>) -> PkResult<Vec<BlockHash>> {
+    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    for item in obj.try_iter()? {
+        let item = item?;
+        let b = item.cast::<PyBytes>().map_err(|_| {
+            type_error(format!(
+                "block hashes must be bytes, got {}",
+                item.get_type()
+                    .name()
+                    .map_or_else(|_| "?".into(), |n| n.to_string())
+            ))
+        })?;
+        out.push(block_hash("block hash", b.as_bytes())?);
+    }
+    Ok(out)
+}
+
 /// Non-negative counts from an int `NumPy` array or a sequence.
 pub fn counts(name: &str, obj: &Bound<'_, PyAny>) -> PkResult<Vec<u64>> {
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
@@ -390,6 +424,8 @@ pub fn manager_config(
             "verify_cached_tokens" => cfg.verify_cached_tokens = option(name, &v)?,
             "hash_truncate_bytes" => cfg.hash_truncate_bytes = option_int(name, &v)?,
             "kv_cache_metrics" => cfg.kv_cache_metrics = option(name, &v)?,
+            "external_block_hashes" => cfg.external_block_hashes = option(name, &v)?,
+            "record_stats_at_admission" => cfg.record_stats_at_admission = option(name, &v)?,
             other => {
                 return Err(type_error(format!(
                     "KVCacheManager() got an unexpected keyword argument '{other}'"

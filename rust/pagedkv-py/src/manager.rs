@@ -18,7 +18,8 @@ use pagedkv_core::{
 };
 
 use crate::convert::{
-    BatchIds, block_hash, count, counts, groups_i32, groups_tuple, ids_i32, manager_config, tokens,
+    BatchIds, block_hash, block_hash_list, count, counts, groups_i32, groups_tuple, ids_i32,
+    manager_config, suffix, tokens,
 };
 use crate::errors::{PkResult, borrow, borrow_mut};
 use crate::events;
@@ -298,11 +299,19 @@ impl PyManager {
 
     // ---- allocation ------------------------------------------------------------
 
-    fn get_computed_blocks(slf: &Bound<'_, Self>, request_id: &str) -> PkResult<PyComputedBlocks> {
+    #[pyo3(signature = (request_id, max_cache_hit_length = None))]
+    fn get_computed_blocks(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        max_cache_hit_length: Option<i64>,
+    ) -> PkResult<PyComputedBlocks> {
         let py = slf.py();
+        let cap = max_cache_hit_length
+            .map(|v| count("max_cache_hit_length", v))
+            .transpose()?;
         let (inner, groups, empty) = {
             let mut this = borrow_mut(slf)?;
-            let inner = this.inner.get_computed_blocks(request_id)?;
+            let inner = this.inner.get_computed_blocks_up_to(request_id, cap)?;
             let groups = (!inner.is_empty()).then(|| groups_i32(&inner.block_ids));
             (inner, groups, this.empty.clone_ref(py))
         };
@@ -318,8 +327,9 @@ impl PyManager {
     #[pyo3(signature = (request_id, num_new_tokens, *, num_computed_tokens, num_new_computed_tokens = None,
         new_computed_blocks = None, num_lookahead_tokens = 0, num_external_computed_tokens = 0,
         delay_cache_blocks = false, num_encoder_tokens = 0, full_sequence_must_fit = false,
-        reserved_blocks = 0, has_scheduled_reqs = true))]
-    #[allow(clippy::too_many_arguments)]
+        reserved_blocks = 0, has_scheduled_reqs = true, num_in_flight_tokens = 0,
+        never_fits_is_none = false))]
+    #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
     fn allocate_slots(
         slf: &Bound<'_, Self>,
         request_id: &str,
@@ -334,6 +344,8 @@ impl PyManager {
         full_sequence_must_fit: bool,
         reserved_blocks: i64,
         has_scheduled_reqs: bool,
+        num_in_flight_tokens: i64,
+        never_fits_is_none: bool,
     ) -> PkResult<Option<Py<PyTuple>>> {
         let hit = new_computed_blocks.as_ref().map(|h| &h.inner);
         let num_new_computed_tokens = num_new_computed_tokens
@@ -356,6 +368,8 @@ impl PyManager {
             full_sequence_must_fit,
             reserved_blocks: count("reserved_blocks", reserved_blocks)?,
             has_scheduled_reqs,
+            num_in_flight_tokens: count("num_in_flight_tokens", num_in_flight_tokens)?,
+            never_fits_is_none,
         };
         let py = slf.py();
         let groups = {
@@ -467,6 +481,118 @@ impl PyManager {
             .get_num_common_prefix_blocks(request_id)?)
     }
 
+    // ---- an engine that owns its requests (external_block_hashes) ---------------
+
+    /// Brings a request up to date with the engine's view of it: `token_ids` and
+    /// `block_hashes` are the request's whole lists; only the items past what the
+    /// manager holds are read (a slice of each).
+    fn sync_request(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        token_ids: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyAny>,
+    ) -> PkResult<()> {
+        let at = {
+            let this = borrow(slf)?;
+            (
+                this.inner.num_tokens(request_id)?,
+                this.inner.block_hashes(request_id)?.len(),
+            )
+        };
+        let new_tokens = match suffix(token_ids, at.0)? {
+            Some(t) => tokens(&t)?,
+            None => Vec::new(),
+        };
+        let new_hashes = match suffix(block_hashes, at.1)? {
+            Some(h) => block_hash_list(&h)?,
+            None => Vec::new(),
+        };
+        if new_tokens.is_empty() && new_hashes.is_empty() {
+            return Ok(());
+        }
+        Ok(borrow_mut(slf)?
+            .inner
+            .extend_request(request_id, at, &new_tokens, &new_hashes)?)
+    }
+
+    /// Detaches the request's blocks (allocation order) and forgets the request;
+    /// the blocks stay referenced until `free_blocks` returns them.
+    fn pop_blocks_for_free<'py>(
+        slf: &Bound<'py, Self>,
+        request_id: &str,
+    ) -> PkResult<Bound<'py, PyArray1<i32>>> {
+        let ids = borrow_mut(slf)?.inner.pop_blocks_for_free(request_id)?;
+        Ok(PyArray1::from_vec(slf.py(), ids_i32(&ids)))
+    }
+
+    /// Returns detached blocks to the pool, the first evicted first.
+    fn free_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PkResult<()> {
+        let items = block_ids.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+        let ids = crate::convert::block_ids(PyList::new(slf.py(), items)?.as_any())?;
+        Ok(borrow_mut(slf)?.inner.free_blocks(&ids)?)
+    }
+
+    /// Block references detached by `pop_blocks_for_free` and not yet freed.
+    #[getter]
+    fn num_detached_block_refs(&self) -> u64 {
+        self.inner.num_detached_block_refs()
+    }
+
+    /// A prefix hit named by block ids per group, checked against the request's
+    /// cached blocks (a hit an engine kept as block objects).
+    fn computed_blocks_from_ids(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        block_ids: &Bound<'_, PyAny>,
+        num_computed_tokens: i64,
+    ) -> PkResult<PyComputedBlocks> {
+        let py = slf.py();
+        let mut groups = Vec::new();
+        for g in block_ids.try_iter()? {
+            groups.push(crate::convert::block_ids(&g?)?);
+        }
+        let n = count("num_computed_tokens", num_computed_tokens)?;
+        let (inner, empty) = {
+            let this = borrow(slf)?;
+            (
+                this.inner.computed_blocks_from_ids(request_id, groups, n)?,
+                this.empty.clone_ref(py),
+            )
+        };
+        let block_ids = if inner.is_empty() {
+            empty
+        } else {
+            groups_tuple(py, groups_i32(&inner.block_ids))?.unbind()
+        };
+        Ok(PyComputedBlocks { inner, block_ids })
+    }
+
+    /// Records one admitted request's lookup in the prefix-cache stats.
+    fn record_prefix_cache_stats(
+        slf: &Bound<'_, Self>,
+        num_tokens: i64,
+        num_hits: i64,
+        preempted: bool,
+    ) -> PkResult<()> {
+        let (t, h) = (
+            count("num_tokens", num_tokens)?,
+            count("num_hits", num_hits)?,
+        );
+        borrow_mut(slf)?
+            .inner
+            .record_prefix_cache_stats(t, h, preempted);
+        Ok(())
+    }
+
+    /// The stats since the last `make_prefix_cache_stats`, not reset (the tuple
+    /// of `_make_prefix_cache_stats`).
+    #[allow(clippy::type_complexity)]
+    fn _prefix_cache_stats(
+        slf: &Bound<'_, Self>,
+    ) -> PkResult<Option<(bool, u64, u64, u64, u64, u64, u64)>> {
+        Ok(borrow(slf)?.inner.prefix_cache_stats().map(stats_tuple))
+    }
+
     // ---- cache maintenance -----------------------------------------------------
 
     fn evict_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PkResult<()> {
@@ -501,17 +627,11 @@ impl PyManager {
     fn _make_prefix_cache_stats(
         slf: &Bound<'_, Self>,
     ) -> PkResult<Option<(bool, u64, u64, u64, u64, u64, u64)>> {
-        Ok(borrow_mut(slf)?.inner.make_prefix_cache_stats().map(|s| {
-            (
-                s.reset,
-                s.requests,
-                s.queries,
-                s.hits,
-                s.preempted_requests,
-                s.preempted_queries,
-                s.preempted_hits,
-            )
-        }))
+        Ok(borrow_mut(slf)?
+            .inner
+            .make_prefix_cache_stats()
+            .as_ref()
+            .map(stats_tuple))
     }
 
     /// The pool's block counters; None unless built with `kv_cache_metrics`.
@@ -576,6 +696,18 @@ impl PyManager {
         let ids = ids_i32(&borrow(slf)?.inner.pool().cached_blocks(&key));
         Ok(PyArray1::from_vec(slf.py(), ids))
     }
+}
+
+fn stats_tuple(s: &pagedkv_core::PrefixCacheStats) -> (bool, u64, u64, u64, u64, u64, u64) {
+    (
+        s.reset,
+        s.requests,
+        s.queries,
+        s.hits,
+        s.preempted_requests,
+        s.preempted_queries,
+        s.preempted_hits,
+    )
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -517,6 +517,18 @@ impl GroupManager {
     /// Releases every block of the request, tail first.
     pub(crate) fn free(pool: &mut BlockPool, gb: &mut GroupBlocks) {
         pool.free_blocks(gb.blocks.iter().rev().copied());
+        Self::forget(gb);
+    }
+
+    /// Moves the request's blocks to `out` without freeing them (allocation
+    /// order, leading null blocks dropped) and forgets them.
+    pub(crate) fn pop_blocks(gb: &mut GroupBlocks, out: &mut Vec<BlockId>) {
+        let first = gb.blocks.iter().position(|&b| b != NULL_BLOCK);
+        out.extend_from_slice(first.map_or(&[][..], |i| &gb.blocks[i..]));
+        Self::forget(gb);
+    }
+
+    fn forget(gb: &mut GroupBlocks) {
         gb.blocks.clear();
         gb.num_cached = None;
         gb.mamba_allocated = false;

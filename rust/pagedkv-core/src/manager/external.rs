@@ -1,0 +1,180 @@
+//! The calls of a serving engine that owns its requests (vLLM's drop-in): block
+//! hashes supplied by the engine, frees deferred past an in-flight step, hits
+//! handed back as plain block ids, and prefix-cache stats recorded by the
+//! scheduler.
+
+use rustc_hash::FxHashMap;
+
+use super::{ComputedBlocks, KvCacheManager};
+use crate::coordinator::Coordinator;
+use crate::error::{Error, Result, invalid};
+use crate::hash::BlockHash;
+use crate::pool::{BlockId, NULL_BLOCK};
+use crate::stats::PrefixCacheStats;
+
+impl KvCacheManager {
+    /// Appends tokens and the engine's block hashes to a request (managers
+    /// built with `external_block_hashes`), after the `at = (tokens, hashes)` the
+    /// request holds. Hashes may run ahead of the tokens (lookahead hashing);
+    /// only blocks whose tokens are known are cached.
+    ///
+    /// # Errors
+    /// Unknown request; a manager that hashes requests itself; `at` is not
+    /// where the request's tokens and hashes end.
+    pub fn extend_request(
+        &mut self,
+        id: &str,
+        at: (usize, usize),
+        tokens: &[u32],
+        hashes: &[BlockHash],
+    ) -> Result<()> {
+        if !self.cfg.external_block_hashes {
+            return Err(invalid(
+                "extend_request needs a manager built with external_block_hashes",
+            ));
+        }
+        let slot = self.table.slot(id)?;
+        let req = self.table.get_mut(slot);
+        if at != (req.num_tokens(), req.hashes.len()) {
+            return Err(invalid(format!(
+                "request {id:?} holds {} tokens and {} block hashes, not {} and {}",
+                req.num_tokens(),
+                req.hashes.len(),
+                at.0,
+                at.1
+            )));
+        }
+        if (req.num_tokens() + tokens.len()) as u64 > self.cfg.max_model_len {
+            return Err(invalid(format!(
+                "request {id:?} would have {} tokens, more than max_model_len {}",
+                req.num_tokens() + tokens.len(),
+                self.cfg.max_model_len
+            )));
+        }
+        req.extend_external(tokens, hashes);
+        Ok(())
+    }
+
+    /// Detaches the request's blocks without returning them to the pool and
+    /// forgets the request: the blocks, in allocation order (group by group,
+    /// leading null blocks dropped), stay referenced until
+    /// [`Self::free_blocks`] returns them (vLLM's deferred free while a step
+    /// that may still write them is in flight).
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn pop_blocks_for_free(&mut self, id: &str) -> Result<Vec<BlockId>> {
+        let slot = self.table.slot(id)?;
+        let req = self.table.get_mut(slot);
+        if req.release(false) {
+            self.num_admitted -= 1;
+        }
+        let blocks = Coordinator::pop_blocks(req);
+        self.table.remove(id, slot);
+        for &b in &blocks {
+            if b != NULL_BLOCK {
+                *self.detached.entry(b).or_insert(0) += 1;
+            }
+        }
+        Ok(blocks)
+    }
+
+    /// Returns detached blocks ([`Self::pop_blocks_for_free`]) to the pool in
+    /// eviction order: the first is evicted first. Null blocks are skipped.
+    ///
+    /// # Errors
+    /// A block that is not detached (as often as it is listed); nothing is
+    /// freed then.
+    pub fn free_blocks(&mut self, ordered: &[BlockId]) -> Result<()> {
+        let mut want: FxHashMap<BlockId, u32> = FxHashMap::default();
+        for &b in ordered {
+            if b != NULL_BLOCK {
+                *want.entry(b).or_insert(0) += 1;
+            }
+        }
+        if let Some((&b, &n)) = want
+            .iter()
+            .find(|&(b, &n)| self.detached.get(b).is_none_or(|&held| held < n))
+        {
+            return Err(invalid(format!(
+                "block {b} is freed {n} time(s) but only {} reference(s) were detached \
+                 by pop_blocks_for_free",
+                self.detached.get(&b).copied().unwrap_or(0)
+            )));
+        }
+        for (b, n) in want {
+            let held = self.detached.get_mut(&b).map_or(0, |h| {
+                *h -= n;
+                *h
+            });
+            if held == 0 {
+                self.detached.remove(&b);
+            }
+        }
+        self.coord.pool_mut().free_blocks(ordered.iter().copied());
+        Ok(())
+    }
+
+    /// Block references detached by [`Self::pop_blocks_for_free`] and not yet
+    /// returned.
+    #[must_use]
+    pub fn num_detached_block_refs(&self) -> u64 {
+        self.detached.values().map(|&n| u64::from(n)).sum()
+    }
+
+    /// A prefix hit named by block ids per group (what an engine hands back
+    /// from an earlier lookup), checked block by block: every block must be
+    /// cached under the request's own hash at its position.
+    ///
+    /// # Errors
+    /// Unknown request; a block that is not (or no longer) the request's
+    /// cached block there; the wrong number of groups.
+    pub fn computed_blocks_from_ids(
+        &self,
+        id: &str,
+        block_ids: Vec<Vec<BlockId>>,
+        num_computed_tokens: u64,
+    ) -> Result<ComputedBlocks> {
+        let slot = self.table.slot(id)?;
+        let req = self.table.get(slot);
+        if block_ids.len() != self.num_groups() {
+            return Err(invalid(format!(
+                "computed blocks name {} groups; the manager has {}",
+                block_ids.len(),
+                self.num_groups()
+            )));
+        }
+        let n = self.coord.pool().num_blocks();
+        if let Some(&b) = block_ids.iter().flatten().find(|&&b| b >= n) {
+            return Err(invalid(format!("block id {b} is out of range (0..{n})")));
+        }
+        if let Some(b) = self.coord.first_stale_hit_block(req, &block_ids) {
+            return Err(Error::StaleComputedBlocks(format!(
+                "block {b} is not the request's cached block at its position"
+            )));
+        }
+        Ok(ComputedBlocks {
+            block_ids,
+            num_computed_tokens,
+            shared_prefix_boundary: 0,
+            request_uid: req.uid,
+            manager_uid: self.uid,
+            epoch: self.coord.pool().epoch(),
+        })
+    }
+
+    /// Records one admitted request's lookup (vLLM 0.33's scheduler calls this
+    /// itself; see `record_stats_at_admission`). No-op with stats off.
+    pub fn record_prefix_cache_stats(&mut self, num_tokens: u64, num_hits: u64, preempted: bool) {
+        if let Some(s) = self.stats.as_mut() {
+            s.record(num_tokens, num_hits, preempted);
+        }
+    }
+
+    /// The stats gathered since the last [`Self::make_prefix_cache_stats`],
+    /// without resetting them; `None` with stats off.
+    #[must_use]
+    pub fn prefix_cache_stats(&self) -> Option<&PrefixCacheStats> {
+        self.stats.as_ref()
+    }
+}

@@ -567,6 +567,41 @@ impl PyManager {
         Ok(PyComputedBlocks { inner, block_ids })
     }
 
+    /// vLLM's `coordinator.get_num_blocks_to_allocate` without a new hit, for a
+    /// known request or (None) one holding no blocks.
+    #[pyo3(signature = (request_id, num_tokens, *, total_computed_tokens, num_tokens_main_model,
+        num_encoder_tokens = 0, apply_admission_cap = false))]
+    fn num_blocks_to_allocate(
+        slf: &Bound<'_, Self>,
+        request_id: Option<&str>,
+        num_tokens: i64,
+        total_computed_tokens: i64,
+        num_tokens_main_model: i64,
+        num_encoder_tokens: i64,
+        apply_admission_cap: bool,
+    ) -> PkResult<u64> {
+        let n = count("num_tokens", num_tokens)?;
+        let c = count("total_computed_tokens", total_computed_tokens)?;
+        let m = count("num_tokens_main_model", num_tokens_main_model)?;
+        let e = count("num_encoder_tokens", num_encoder_tokens)?;
+        Ok(borrow(slf)?.inner.num_blocks_to_allocate(
+            request_id,
+            n,
+            c,
+            m,
+            e,
+            apply_admission_cap,
+        )?)
+    }
+
+    /// Prefix tokens the cached block's hash covers, or None if not cached.
+    fn cached_block_num_tokens(slf: &Bound<'_, Self>, block_id: i64) -> PkResult<Option<u32>> {
+        let this = borrow(slf)?;
+        let pool = this.inner.pool();
+        let id = pool.block_id(block_id)?;
+        Ok(pool.block_key(id).and_then(|_| pool.primary_tokens(id)))
+    }
+
     /// Records one admitted request's lookup in the prefix-cache stats.
     fn record_prefix_cache_stats(
         slf: &Bound<'_, Self>,

@@ -10,6 +10,8 @@ use crate::coordinator::Coordinator;
 use crate::error::{Error, Result, invalid};
 use crate::hash::BlockHash;
 use crate::pool::{BlockId, NULL_BLOCK};
+use crate::request::{Request, RequestSpec};
+use crate::single_type::Need;
 use crate::stats::PrefixCacheStats;
 
 impl KvCacheManager {
@@ -176,5 +178,51 @@ impl KvCacheManager {
     #[must_use]
     pub fn prefix_cache_stats(&self) -> Option<&PrefixCacheStats> {
         self.stats.as_ref()
+    }
+}
+
+impl KvCacheManager {
+    /// vLLM's `coordinator.get_num_blocks_to_allocate` without a new hit: the
+    /// blocks the request (or, for `None`, a request holding none) needs to
+    /// hold `num_tokens` tokens after `total_computed` computed ones.
+    /// `apply_admission_cap` caps sliding-window and chunked-local groups at
+    /// the in-flight admission bound, as vLLM's admission gate does.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn num_blocks_to_allocate(
+        &self,
+        id: Option<&str>,
+        num_tokens: u64,
+        total_computed: u64,
+        num_tokens_main_model: u64,
+        num_encoder_tokens: u64,
+        apply_admission_cap: bool,
+    ) -> Result<u64> {
+        let max_len = self.cfg.max_model_len;
+        let need = Need {
+            num_tokens: num_tokens.min(max_len),
+            total_computed: total_computed.min(max_len),
+            main_model: num_tokens_main_model.min(max_len),
+            cap: apply_admission_cap,
+        };
+        let blank;
+        let req = if let Some(id) = id {
+            self.table.get(self.table.slot(id)?)
+        } else {
+            blank = Request::new(
+                String::new(),
+                0,
+                RequestSpec::default(),
+                self.num_groups(),
+                self.hash_block_size,
+                false,
+            )?;
+            &blank
+        };
+        let (n, _) = self
+            .coord
+            .num_blocks_to_allocate(req, &need, &[], num_encoder_tokens);
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 }

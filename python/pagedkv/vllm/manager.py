@@ -1,0 +1,447 @@
+"""``KVCacheManager`` with vLLM 0.33's constructor and calls, over pagedkv's core.
+
+vLLM's ``Request`` keeps its own tokens and block hashes (hashed by the engine
+with whatever hash function it runs); the core is built with
+``external_block_hashes`` and each call first hands it what the request gained
+since the last call (a slice of each list). Block objects are made once per
+block id: their ``ref_cnt`` and ``block_hash`` read the core, so vLLM's types
+cost no allocation per step beyond the lists ``KVCacheBlocks`` holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from vllm.distributed.kv_events import AllBlocksCleared as VllmAllBlocksCleared
+from vllm.distributed.kv_events import BlockRemoved as VllmBlockRemoved
+from vllm.distributed.kv_events import BlockStored as VllmBlockStored
+from vllm.distributed.kv_events import KVCacheEvent
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+    KVCacheConfig,
+    get_kv_cache_spec_kind,
+    get_kv_cache_spec_sliding_window,
+)
+from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.request import Request
+
+from pagedkv import _core
+from pagedkv.errors import InvalidConfigError
+from pagedkv.manager import _mm_tuple
+from pagedkv.vllm.views import BlockPoolView, CoordinatorView, PagedBlock, core_group
+
+
+class KVCacheManager:
+    """vLLM 0.33's ``KVCacheManager``, answered by pagedkv's core."""
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_in_flight_tokens: int | None = None,
+        enable_caching: bool = True,
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: Any = None,
+        watermark: float = 0.0,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+    ) -> None:
+        unsupported = {
+            "num_hash_lookahead_tokens": num_hash_lookahead_tokens != 0,
+            "num_prefill_lookahead": num_prefill_lookahead != 0,
+            "dcp_world_size": dcp_world_size != 1,
+            "pcp_world_size": pcp_world_size != 1,
+            "metrics_collector": metrics_collector is not None,
+            "hisparse_host_num_blocks": getattr(kv_cache_config, "hisparse_host_num_blocks", None)
+            is not None,
+        }
+        missing = [k for k, v in unsupported.items() if v]
+        if missing:
+            raise NotImplementedError(
+                f"pagedkv's vLLM manager does not support {', '.join(missing)} yet"
+            )
+        assert watermark >= 0.0, "watermark must be non-negative"
+        groups = [core_group(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
+        options: dict[str, Any] = {
+            "enable_caching": enable_caching,
+            "use_eagle": use_eagle,
+            "log_stats": log_stats,
+            "enable_kv_cache_events": enable_kv_cache_events,
+            "watermark": watermark,
+            "hash_block_size": hash_block_size,
+            "external_block_hashes": True,
+            "record_stats_at_admission": False,
+        }
+        if max_in_flight_tokens is not None:
+            options["max_in_flight_tokens"] = max_in_flight_tokens
+        retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
+        if retention is not None:
+            options["prefix_cache_retention_interval"] = retention
+        try:
+            self._core = _core.KVCacheManager(
+                kv_cache_config.num_blocks, groups, max_model_len, **options
+            )
+        except InvalidConfigError as e:
+            raise ValueError(str(e)) from e
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.use_eagle = use_eagle
+        self.log_stats = log_stats
+        self.metrics_collector = metrics_collector
+        self.kv_cache_config = kv_cache_config
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self.scheduler_block_size = scheduler_block_size
+        self.hash_block_size = hash_block_size
+        self.mamba_shared_prefix_checkpoint = False
+        self.retained_hit_group_ids: tuple[int, ...] = ()
+        self.kv_cache_event_metadata = tuple(
+            (
+                get_kv_cache_spec_kind(g.kv_cache_spec).value,
+                get_kv_cache_spec_sliding_window(g.kv_cache_spec),
+            )
+            for g in kv_cache_config.kv_cache_groups
+        )
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
+        # One block object per block id, made once.
+        self._blocks = [PagedBlock(i, self._core) for i in range(kv_cache_config.num_blocks)]
+        self._blocks[0].is_null = True
+        # Requests the core holds (vLLM forgets a request at free()).
+        self._live: set[str] = set()
+        self.block_pool = BlockPoolView(self)
+        self.coordinator = CoordinatorView(self)
+
+    # ---- requests ------------------------------------------------------------
+
+    def _sync(self, request: Request) -> str:
+        """Registers the request with the core on first sight, then hands the
+        core the tokens and block hashes the request gained since."""
+        rid = request.request_id
+        core = self._core
+        if rid not in self._live:
+            lora = request.lora_request
+            n = request.num_prompt_tokens
+            core.add_request(
+                rid,
+                request.all_token_ids[:n],
+                lora_name=lora.lora_name if lora is not None else None,
+                lora_id=lora.lora_int_id if lora is not None else None,
+                cache_salt=request.cache_salt,
+                mm_features=[_mm_tuple(f) for f in request.mm_features] or None,
+            )
+            self._live.add(rid)
+        core.sync_request(rid, request.all_token_ids, request.block_hashes)
+        return rid
+
+    def _wrap(self, groups: Sequence[Any]) -> KVCacheBlocks:
+        blocks = self._blocks
+        lists = tuple([blocks[i] for i in g.tolist()] for g in groups)
+        return KVCacheBlocks(lists) if any(lists) else self.empty_kv_cache_blocks
+
+    # ---- properties ----------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        """The fraction of the pool in use (vLLM's ``usage``)."""
+        return self._core.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The stats since the last ``make_prefix_cache_stats``, not reset."""
+        t = self._core._prefix_cache_stats()
+        return None if t is None else _stats(t)
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The stats since the last call, then reset (None without ``log_stats``)."""
+        t = self._core._make_prefix_cache_stats()
+        return None if t is None else _stats(t)
+
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        """Whether a local prefix-cache lookup may run for this request."""
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        """Records an admitted request's lookup (the scheduler calls this)."""
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        self._core.record_prefix_cache_stats(
+            request.num_tokens, num_hits, request.num_preemptions > 0
+        )
+
+    # ---- lookup and allocation ----------------------------------------------
+
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """The request's longest cached prefix: blocks, tokens, and the shared
+        prefix boundary a sparse-retention group has not cached yet."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        rid = self._sync(request)
+        hit = self._core.get_computed_blocks(rid, max_cache_hit_length)
+        blocks = self._wrap(hit.block_ids)
+        if blocks is not self.empty_kv_cache_blocks:
+            blocks._pagedkv_hit = (rid, blocks.blocks, hit)  # type: ignore[attr-defined]
+        return blocks, hit.num_computed_tokens, hit.shared_prefix_boundary
+
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """The local hit for a request scheduled with a KV connector. Per-group
+        hits cannot diverge without a hybrid Mamba layout, so this is the common
+        hit and never flags a lagging group."""
+        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+
+    def _hit(
+        self, rid: str, blocks: KVCacheBlocks | None, num_new_computed_tokens: int
+    ) -> Any:
+        if blocks is None or blocks is self.empty_kv_cache_blocks:
+            return None
+        kept = getattr(blocks, "_pagedkv_hit", None)
+        if kept is not None and kept[0] == rid and kept[1] is blocks.blocks:
+            return kept[2]
+        if num_new_computed_tokens == 0 and not any(blocks.blocks):
+            return None
+        ids = [[b.block_id for b in g] for g in blocks.blocks]
+        return self._core.computed_blocks_from_ids(rid, ids, num_new_computed_tokens)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> KVCacheBlocks | None:
+        """Slots for the request's new tokens (vLLM 0.33's ``allocate_slots``):
+        the newly allocated blocks, or None when they do not fit."""
+        if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
+            raise ValueError(
+                "num_new_tokens must be greater than 0 when there are no "
+                "computed tokens to adopt"
+            )
+        rid = self._sync(request)
+        hit = self._hit(rid, new_computed_blocks, num_new_computed_tokens)
+        new = self._core.allocate_slots(
+            rid,
+            num_new_tokens,
+            num_computed_tokens=request.num_computed_tokens,
+            num_new_computed_tokens=num_new_computed_tokens,
+            new_computed_blocks=hit,
+            num_lookahead_tokens=num_lookahead_tokens,
+            num_external_computed_tokens=num_external_computed_tokens,
+            delay_cache_blocks=delay_cache_blocks,
+            num_encoder_tokens=num_encoder_tokens,
+            full_sequence_must_fit=full_sequence_must_fit,
+            reserved_blocks=reserved_blocks,
+            has_scheduled_reqs=has_scheduled_reqs,
+            num_in_flight_tokens=request.num_in_flight_tokens,
+            never_fits_is_none=True,
+        )
+        return None if new is None else self._wrap(new)
+
+    # ---- freeing ---------------------------------------------------------------
+
+    def free(self, request: Request) -> None:
+        """Releases the request's blocks, tail first, and forgets it."""
+        rid = request.request_id
+        if rid in self._live:
+            self._live.discard(rid)
+            self._core.remove_request(rid)
+
+    def pop_blocks_for_free(self, request: Request) -> list[PagedBlock]:
+        """Forgets the request and returns its blocks, still referenced, in
+        allocation order; ``block_pool.free_blocks`` returns them later."""
+        rid = request.request_id
+        if rid not in self._live:
+            return []
+        self._live.discard(rid)
+        blocks = self._blocks
+        return [blocks[i] for i in self._core.pop_blocks_for_free(rid).tolist()]
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Releases blocks that fell out of the attention window."""
+        if request_id in self._live:
+            self._core.remove_skipped_blocks(request_id, processed_computed_tokens)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drops these blocks from the prefix cache."""
+        self._core.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache when no block is in use."""
+        return self._core.reset_prefix_cache()
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publishes the request's full blocks up to ``num_computed_tokens``."""
+        if self.enable_caching:
+            rid = self._sync(request)
+            self._core.cache_blocks(rid, num_computed_tokens)
+
+    def new_step_starts(self) -> None:
+        """Marks a scheduler step boundary."""
+        self._core.new_step_starts()
+
+    # ---- reading a request's blocks -------------------------------------------
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's blocks per group."""
+        if request_id not in self._live:
+            return self.empty_kv_cache_blocks
+        return self._wrap(self._core.get_block_ids(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids per group."""
+        if request_id not in self._live:
+            return tuple([] for _ in range(self.num_kv_cache_groups))
+        return tuple(a.tolist() for a in self._core.get_block_ids(request_id))
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        """Block ids covering the request's computed tokens."""
+        out: list[list[int]] = []
+        for group, ids in zip(
+            self.kv_cache_config.kv_cache_groups, self.get_block_ids(request_id), strict=True
+        ):
+            spec = group.kv_cache_spec
+            if not isinstance(spec, AttentionSpec) or isinstance(
+                spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec)
+            ):
+                out.append(ids)
+            else:
+                out.append(ids[: cdiv(num_computed_tokens, spec.block_size)])
+        return tuple(out)
+
+    def estimate_cached_tokens(self, request: Request) -> int:
+        """Tokens of the request's prefix that its blocks hold cached."""
+        cached: int | None = None
+        for group, blocks in zip(
+            self.kv_cache_config.kv_cache_groups,
+            self.get_blocks(request.request_id).blocks,
+            strict=True,
+        ):
+            spec = group.kv_cache_spec
+            if not spec.prefix_cacheable or isinstance(
+                spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec)
+            ):
+                continue
+            n = max((b.block_hash_num_tokens or 0 for b in blocks), default=0)
+            cached = n if cached is None else min(cached, n)
+        return cached or 0
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Always zeros, as vLLM 0.33 (cascade attention was removed)."""
+        return [0] * self.num_kv_cache_groups
+
+    def create_kv_cache_blocks(self, blocks: tuple[list[Any], ...]) -> KVCacheBlocks:
+        """``KVCacheBlocks`` of these lists, or the shared empty one."""
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    def truncate_computed_blocks(
+        self, blocks: KVCacheBlocks, num_computed_tokens: int
+    ) -> KVCacheBlocks:
+        """A lookup result cut at a block-aligned token count."""
+        out: list[list[Any]] = []
+        for group_blocks, manager in zip(
+            blocks.blocks, self.coordinator.single_type_managers, strict=True
+        ):
+            assert num_computed_tokens % manager.block_size == 0
+            n = num_computed_tokens // manager.block_size
+            assert n <= len(group_blocks)
+            out.append(list(group_blocks[:n]))
+        return self.create_kv_cache_blocks(tuple(out))
+
+    # ---- things pagedkv's layouts never produce -------------------------------
+
+    def take_new_block_ids(self) -> list[int]:
+        """New attention blocks to zero: none (no layout here needs zeroing)."""
+        return []
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """No group records blocks for zeroing."""
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[PagedBlock]]:
+        """Copy-on-write copies: none (Mamba checkpoints are not supported)."""
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Mamba boundary-state hand-offs: none."""
+        return {}
+
+    def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
+        """Mamba partial tails: none."""
+        return []
+
+    # ---- events -------------------------------------------------------------------
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events since the last call, as vLLM's event objects."""
+        out: list[KVCacheEvent] = []
+        meta = self.kv_cache_event_metadata
+        for ev in self._core.take_events(raw_hashes=True):
+            if isinstance(ev, _core.BlockStored):
+                g = ev.group_idx
+                kind, window = meta[g] if g is not None and 0 <= g < len(meta) else (None, None)
+                parent = ev.parent_block_hash
+                out.append(
+                    VllmBlockStored(
+                        block_hashes=[maybe_convert_block_hash(h) for h in ev.block_hashes],
+                        parent_block_hash=None
+                        if parent is None
+                        else maybe_convert_block_hash(parent),
+                        token_ids=ev.token_ids,
+                        block_size=ev.block_size,
+                        lora_id=ev.lora_id,
+                        medium=ev.medium,
+                        lora_name=ev.lora_name,
+                        extra_keys=ev.extra_keys,
+                        group_idx=g,
+                        kv_cache_spec_kind=kind,
+                        kv_cache_spec_sliding_window=window,
+                    )
+                )
+            elif isinstance(ev, _core.BlockRemoved):
+                out.append(
+                    VllmBlockRemoved(
+                        block_hashes=[maybe_convert_block_hash(h) for h in ev.block_hashes],
+                        medium=ev.medium,
+                        group_idx=ev.group_idx,
+                    )
+                )
+            else:
+                out.append(VllmAllBlocksCleared())
+        return out
+
+
+def _stats(t: tuple[bool, int, int, int, int, int, int]) -> PrefixCacheStats:
+    s = PrefixCacheStats()
+    s.reset, s.requests, s.queries, s.hits = t[0], t[1], t[2], t[3]
+    s.preempted_requests, s.preempted_queries, s.preempted_hits = t[4], t[5], t[6]
+    return s

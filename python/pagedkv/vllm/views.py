@@ -1,0 +1,247 @@
+"""Read-only views of pagedkv's core in the shapes vLLM's scheduler reaches for:
+block objects, the block pool, the coordinator and its per-group managers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+if TYPE_CHECKING:
+    from pagedkv import _core
+    from pagedkv.vllm.manager import KVCacheManager
+
+
+def core_group(spec: KVCacheSpec) -> dict[str, Any]:
+    """The core's group description of a vLLM KV-cache spec."""
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        inner = next(iter(spec.kv_cache_specs.values()))
+        return {**core_group(inner), "block_size": spec.block_size}
+    name = type(spec).__name__
+    bs = spec.block_size
+    if isinstance(spec, MambaSpec):
+        return {
+            "kind": "mamba",
+            "block_size": bs,
+            "mamba_cache_mode": spec.mamba_cache_mode,
+            "num_speculative_blocks": spec.num_speculative_blocks,
+        }
+    if isinstance(spec, CrossAttentionSpec):
+        return {"kind": "cross_attention", "block_size": bs}
+    if isinstance(spec, SlidingWindowSpec) and name == "SlidingWindowSpec":
+        return {"kind": "sliding_window", "block_size": bs, "sliding_window": spec.sliding_window}
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return {
+            "kind": "chunked_local_attention",
+            "block_size": bs,
+            "attention_chunk_size": spec.attention_chunk_size,
+        }
+    if isinstance(spec, SinkFullAttentionSpec):
+        return {"kind": "sink_full_attention", "block_size": bs, "sink_len": spec.sink_len}
+    if isinstance(spec, MLAAttentionSpec) and name == "MLAAttentionSpec":
+        return {"kind": "mla_attention", "block_size": bs}
+    if isinstance(spec, FullAttentionSpec) and name in ("FullAttentionSpec", "MLAAttentionSpec"):
+        return {"kind": "full_attention", "block_size": bs}
+    raise NotImplementedError(f"pagedkv's vLLM manager does not support {name} groups yet")
+
+
+class PagedBlock(KVCacheBlock):
+    """A vLLM block object whose reference count and hash are the core's."""
+
+    __slots__ = ("_core",)
+
+    def __init__(self, block_id: int, core: _core.KVCacheManager) -> None:
+        # vLLM's fields, minus the two the core answers (read below).
+        self.block_id = block_id
+        self.pool = None
+        self.prev_free_block = None
+        self.next_free_block = None
+        self.is_null = False
+        self._core = core
+
+    @property  # type: ignore[override]
+    def ref_cnt(self) -> int:
+        """Requests (and deferred frees) holding the block."""
+        return 0 if self.is_null else self._core.block_ref_count(self.block_id)
+
+    @property
+    def block_hash(self) -> bytes | None:
+        """vLLM's ``BlockHashWithGroupId`` of the cached block, or None."""
+        cached = self._core.cached_block_hash(self.block_id)
+        if cached is None:
+            return None
+        digest, group = cached
+        return make_block_hash_with_group_id(digest, group)  # type: ignore[arg-type]
+
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        """Prefix tokens the cached block's hash covers, or None."""
+        return self._core.cached_block_num_tokens(self.block_id)
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class _FreeQueueView:
+    """vLLM's ``free_block_queue``, read-only: the count and the order."""
+
+    def __init__(self, owner: KVCacheManager) -> None:
+        self._owner = owner
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._owner._core.num_free_blocks
+
+    def get_all_free_blocks(self) -> list[PagedBlock]:
+        blocks = self._owner._blocks
+        return [blocks[i] for i in self._owner._core.free_block_ids().tolist()]
+
+
+class BlockPoolView:
+    """The block pool as vLLM's scheduler and connectors use it."""
+
+    def __init__(self, owner: KVCacheManager) -> None:
+        self._owner = owner
+        self.blocks = owner._blocks
+        self.null_block = owner._blocks[0]
+        self.num_gpu_blocks = len(owner._blocks)
+        self.enable_caching = owner.enable_caching
+        self.enable_kv_cache_events = owner.enable_kv_cache_events
+        self.free_block_queue = _FreeQueueView(owner)
+
+    def get_num_free_blocks(self) -> int:
+        """Free blocks (cached ones included)."""
+        return self._owner._core.num_free_blocks
+
+    def get_usage(self) -> float:
+        """The fraction of the pool in use."""
+        return self._owner._core.usage
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Returns blocks detached by ``pop_blocks_for_free``, first evicted first."""
+        self._owner._core.free_blocks([b.block_id for b in ordered_blocks])
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drops these blocks from the prefix cache."""
+        self._owner._core.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache when no block is in use."""
+        return self._owner._core.reset_prefix_cache()
+
+    def take_events(self) -> list[Any]:
+        """The manager's events (vLLM's event objects)."""
+        return self._owner.take_events()
+
+
+class _ReqToBlocks(Mapping[str, list[PagedBlock]]):
+    """``req_to_blocks`` of one group: request id -> its blocks (read-only)."""
+
+    def __init__(self, owner: KVCacheManager, group: int) -> None:
+        self._owner = owner
+        self._group = group
+
+    def __getitem__(self, request_id: str) -> list[PagedBlock]:
+        if request_id not in self._owner._live:
+            raise KeyError(request_id)
+        ids = self._owner._core.get_block_ids(request_id)[self._group]
+        blocks = self._owner._blocks
+        return [blocks[i] for i in ids.tolist()]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._owner._live))
+
+    def __len__(self) -> int:
+        return len(self._owner._live)
+
+
+class SingleTypeManagerView:
+    """One KV-cache group's manager, as the scheduler reads it."""
+
+    def __init__(self, owner: KVCacheManager, group: int, spec: KVCacheSpec) -> None:
+        self.kv_cache_group_id = group
+        self.kv_cache_spec = spec
+        self.block_size = spec.block_size
+        self.block_pool = owner.block_pool
+        self.enable_caching = owner.enable_caching
+        self.req_to_blocks = _ReqToBlocks(owner, group)
+        self.retains_longer_hit = False
+        self.records_new_block_ids = False
+        self.new_block_ids: list[int] = []
+
+    def take_new_block_ids(self) -> list[int]:
+        return []
+
+    def take_pending_cow_copies(self) -> list[Any]:
+        return []
+
+    def take_pending_boundary_state_offloads(self) -> list[Any]:
+        return []
+
+    def finalize_partial_tail_offload(
+        self, request_id: str, num_computed_tokens: int, num_in_flight_tokens: int
+    ) -> None:
+        return None
+
+
+class CoordinatorView:
+    """The coordinator, as the scheduler reads it."""
+
+    def __init__(self, owner: KVCacheManager) -> None:
+        self._owner = owner
+        self.block_pool = owner.block_pool
+        self.enable_caching = owner.enable_caching
+        self.single_type_managers = tuple(
+            SingleTypeManagerView(owner, g, group.kv_cache_spec)
+            for g, group in enumerate(owner.kv_cache_config.kv_cache_groups)
+        )
+        self.num_single_type_manager = len(self.single_type_managers)
+        self.enable_partial_hash_hits = False
+        self.eagle_group_ids: tuple[int, ...] = ()
+        self.num_reprefillable_tokens = 0
+        self.use_eagle = owner.use_eagle
+        self.max_model_len = owner.max_model_len
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Any,
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int | None = None,
+        num_tokens_main_model: int | None = None,
+        apply_admission_cap: bool = False,
+        prefill_end: int | None = None,
+    ) -> int:
+        """Blocks a request without a new hit needs for ``num_tokens`` tokens."""
+        owner = self._owner
+        if any(new_computed_blocks):
+            raise NotImplementedError(
+                "get_num_blocks_to_allocate with new computed blocks: use allocate_slots"
+            )
+        return owner._core.num_blocks_to_allocate(
+            request_id if request_id in owner._live else None,
+            num_tokens,
+            total_computed_tokens=total_computed_tokens,
+            num_tokens_main_model=num_tokens
+            if num_tokens_main_model is None
+            else num_tokens_main_model,
+            num_encoder_tokens=num_encoder_tokens,
+            apply_admission_cap=apply_admission_cap,
+        )
+
+    def get_blocks(self, request_id: str) -> tuple[list[PagedBlock], ...]:
+        return self._owner.get_blocks(request_id).blocks  # type: ignore[return-value]

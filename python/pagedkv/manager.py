@@ -100,6 +100,12 @@ class ManagerOptions(TypedDict, total=False):
       block allocations, hits and evictions (``block_pool_stats``) and logs them
       for a residency collector (``take_block_activity``; see
       :class:`~pagedkv.metrics.MeteredKVCacheManager`).
+    - ``external_block_hashes`` (False): the engine hashes requests itself and
+      hands the manager its tokens and block hashes (``sync_request``); the mode
+      of :mod:`pagedkv.vllm`.
+    - ``record_stats_at_admission`` (True): record prefix-cache stats when a
+      looked-up request is admitted. Off: only ``record_prefix_cache_stats``
+      records (vLLM 0.33's scheduler calls it itself).
     """
 
     enable_caching: bool
@@ -115,6 +121,8 @@ class ManagerOptions(TypedDict, total=False):
     verify_cached_tokens: bool
     hash_truncate_bytes: int | None
     kv_cache_metrics: bool
+    external_block_hashes: bool
+    record_stats_at_admission: bool
 
 
 class KVCacheManager(_core.KVCacheManager):
@@ -173,6 +181,7 @@ class KVCacheManager(_core.KVCacheManager):
         mm_features: Sequence[Any] | None = None,
         prompt_embeds: Any = None,
         skip_reading_prefix_cache: bool = False,
+        session_id: str | None = None,
     ) -> int:
         """Registers a request and hashes its full prompt blocks. Returns the
         request's handle: batch calls accept handles in place of ids (no id lookup);
@@ -182,6 +191,7 @@ class KVCacheManager(_core.KVCacheManager):
         vLLM ``MultiModalFeatureSpec`` objects). ``prompt_embeds``: a tensor/array
         with one row per prompt token (hashed per block, as vLLM does).
         ``skip_reading_prefix_cache``: prompt-logprobs requests never read the cache.
+        ``session_id``: the client session, published on the request's events.
         """
         return super().add_request(
             request_id,
@@ -193,6 +203,7 @@ class KVCacheManager(_core.KVCacheManager):
             mm_features=None if mm_features is None else [_mm_tuple(m) for m in mm_features],
             prompt_embeds=None if prompt_embeds is None else _embed_bytes(prompt_embeds),
             skip_reading_prefix_cache=skip_reading_prefix_cache,
+            session_id=session_id,
         )
 
     def allocate_slots_batch(

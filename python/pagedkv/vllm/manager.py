@@ -142,6 +142,7 @@ class KVCacheManager:
                 lora_id=lora.lora_int_id if lora is not None else None,
                 cache_salt=request.cache_salt,
                 mm_features=[_mm_tuple(f) for f in request.mm_features] or None,
+                session_id=request.session_id,
             )
             self._live.add(rid)
         core.sync_request(rid, request.all_token_ids, request.block_hashes)
@@ -257,7 +258,7 @@ class KVCacheManager:
             reserved_blocks=reserved_blocks,
             has_scheduled_reqs=has_scheduled_reqs,
             num_in_flight_tokens=request.num_in_flight_tokens,
-            never_fits_is_none=True,
+            vllm_lenient=True,
         )
         return None if new is None else self._wrap(new)
 
@@ -425,6 +426,7 @@ class KVCacheManager:
                         group_idx=g,
                         kv_cache_spec_kind=kind,
                         kv_cache_spec_sliding_window=window,
+                        session_id=ev.session_id,
                     )
                 )
             elif isinstance(ev, _core.BlockRemoved):

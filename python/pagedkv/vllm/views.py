@@ -137,6 +137,19 @@ class BlockPoolView:
         """Drops these blocks from the prefix cache."""
         self._owner._core.evict_blocks(block_ids)
 
+    def get_cached_block(
+        self, block_hash: bytes, kv_cache_group_ids: Iterable[int]
+    ) -> list[PagedBlock] | None:
+        """The first block cached under the hash in each group, or None when
+        any group misses."""
+        out = []
+        for g in kv_cache_group_ids:
+            ids = self._owner._core.cached_blocks_for_hash(block_hash, g)
+            if len(ids) == 0:
+                return None
+            out.append(self.blocks[int(ids[0])])
+        return out
+
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache when no block is in use."""
         return self._owner._core.reset_prefix_cache()

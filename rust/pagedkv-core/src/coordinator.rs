@@ -676,6 +676,7 @@ fn partial_stored_event(req: &Request, g: usize, boundary: usize, hbs: usize) ->
         group_idx: g as u32,
         kv_cache_spec_kind: None,
         kv_cache_spec_sliding_window: None,
+        session_id: req.session_id.clone(),
     }
 }
 
@@ -719,5 +720,6 @@ fn stored_event(
         group_idx: g as u32,
         kv_cache_spec_kind: None,
         kv_cache_spec_sliding_window: None,
+        session_id: req.session_id.clone(),
     }
 }

@@ -2,6 +2,10 @@
 
 use crate::hash::BlockHash;
 
+/// The token id standing for vLLM's `-1` placeholder (multimodal positions in
+/// an engine's token lists); events publish it as `-1`.
+pub const PLACEHOLDER_TOKEN: u32 = u32::MAX;
+
 /// One extra key as published in events: vLLM untags the hashing keys (bare `LoRA`
 /// name, `(identifier, offset)` for multimodal items, bare salt, bare digest).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,6 +44,8 @@ pub struct BlockStored {
     pub kv_cache_spec_kind: Option<&'static str>,
     /// The group's sliding window, for sliding-window groups.
     pub kv_cache_spec_sliding_window: Option<u32>,
+    /// The session of the request that stored the blocks, if it named one.
+    pub session_id: Option<String>,
 }
 
 /// A KV-cache event.

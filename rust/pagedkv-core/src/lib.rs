@@ -43,7 +43,7 @@ pub mod stats;
 mod verify;
 
 pub use error::{Error, Result};
-pub use events::{BlockStored, EventExtraKey, KvEvent};
+pub use events::{BlockStored, EventExtraKey, KvEvent, PLACEHOLDER_TOKEN};
 pub use hash::{BlockHash, BlockHasher, CborValue, ExtraKey, HashAlgo};
 pub use manager::{
     AllocateArgs, BatchAllocation, ComputedBlocks, KvCacheManager, RequestHandle, RequestRefs,

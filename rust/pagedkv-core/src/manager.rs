@@ -72,9 +72,11 @@ pub struct AllocateArgs {
     /// Tokens of in-flight steps (async scheduling) counted in the computed
     /// tokens: blocks they may still read are not released as skipped.
     pub num_in_flight_tokens: u64,
-    /// A request that can never fit gets `Ok(None)` (vLLM's answer) instead of
-    /// [`Error::CannotFit`] (pagedkv's own, stricter answer).
-    pub never_fits_is_none: bool,
+    /// vLLM's answers where pagedkv's own API is stricter: a request that can
+    /// never fit gets `Ok(None)` instead of [`Error::CannotFit`], and computed
+    /// tokens may exceed the blocks the request holds (an engine that set them
+    /// itself, e.g. a disaggregated decode worker; the blocks are allocated).
+    pub vllm_lenient: bool,
 }
 
 impl AllocateArgs {
@@ -93,7 +95,7 @@ impl AllocateArgs {
             reserved_blocks: 0,
             has_scheduled_reqs: true,
             num_in_flight_tokens: 0,
-            never_fits_is_none: false,
+            vllm_lenient: false,
         }
     }
 
@@ -505,7 +507,7 @@ impl KvCacheManager {
         let (need, blocked) = self
             .coord
             .num_blocks_to_allocate(req, &need_args, hit_blocks, enc);
-        if need > free && !blocked && !a.never_fits_is_none {
+        if need > free && !blocked && !a.vllm_lenient {
             self.check_ever_fits(slot, need, hit_blocks, total_computed)?;
         }
 
@@ -520,7 +522,7 @@ impl KvCacheManager {
             let (need, blocked) = self
                 .coord
                 .num_blocks_to_allocate(req, &full_args, hit_blocks, enc);
-            if need > free && !blocked && !a.never_fits_is_none {
+            if need > free && !blocked && !a.vllm_lenient {
                 self.check_ever_fits(slot, need, hit_blocks, total_computed)?;
             }
             if need + watermark > free {

@@ -62,6 +62,8 @@ pub struct RequestSpec {
     pub prompt_embeds: Option<Vec<u8>>,
     /// Prompt-logprobs / all-pooling requests never read the prefix cache.
     pub skip_reading_prefix_cache: bool,
+    /// The client session the request belongs to (published on its events).
+    pub session_id: Option<String>,
 }
 
 /// One request's state. Its fields are read across the crate and written only
@@ -84,6 +86,7 @@ pub(crate) struct Request {
     /// the prompt hash the empty slice, as vLLM does).
     pub embed_digests: Option<Vec<[u8; 32]>>,
     pub skip_reading: bool,
+    pub session_id: Option<String>,
     pub num_preemptions: u32,
     /// A prefix-cache lookup ran since the last admission (stats are recorded at
     /// admission, as vLLM's scheduler does).
@@ -110,6 +113,7 @@ impl Request {
             mut mm_features,
             prompt_embeds,
             skip_reading_prefix_cache,
+            session_id,
         } = spec;
         let n = prompt_token_ids.len();
         if let Some(f) = mm_features.iter().find(|f| {
@@ -170,6 +174,7 @@ impl Request {
             mm: mm_features,
             embed_digests,
             skip_reading: skip_reading_prefix_cache,
+            session_id,
             num_preemptions: 0,
             pending_lookup: false,
             shared_prefix_boundary: 0,

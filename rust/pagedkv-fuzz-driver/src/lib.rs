@@ -354,6 +354,7 @@ fn request_spec(b: &mut Bytes<'_>, bases: &[Vec<u32>; 2]) -> RequestSpec {
         mm_features,
         prompt_embeds,
         skip_reading_prefix_cache: extras & 128 != 0 && extras & 64 == 0,
+        session_id: None,
     }
 }
 
@@ -420,7 +421,7 @@ impl Driver {
             reserved_blocks: if fancy == 3 { b.count() % 4 } else { 0 },
             has_scheduled_reqs: !(fancy == 2 && b.bool()),
             num_in_flight_tokens: 0,
-            never_fits_is_none: false,
+            vllm_lenient: false,
         }
     }
 

@@ -9,7 +9,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use pagedkv_core::{
     AttentionKind, BlockHash, BlockId, CborValue, GroupSpec, HashAlgo, MambaCacheMode,
-    ManagerConfig, RequestRefs,
+    ManagerConfig, PLACEHOLDER_TOKEN, RequestRefs,
 };
 
 use crate::errors::{PkResult, PyPkError, invalid_arg, invalid_config, type_error};
@@ -113,6 +113,23 @@ pub fn suffix<'py>(obj: &Bound<'py, PyAny>, from: usize) -> PkResult<Option<Boun
     }
     let slice = pyo3::types::PySlice::new(obj.py(), from as isize, len as isize, 1);
     Ok(Some(obj.get_item(slice)?))
+}
+
+/// Token ids of an engine's request: ints in `0..2**32 - 1`, or `-1` (vLLM's
+/// multimodal placeholder, kept as [`PLACEHOLDER_TOKEN`]).
+pub fn engine_tokens(obj: &Bound<'_, PyAny>) -> PkResult<Vec<u32>> {
+    let vals: Vec<i64> = obj
+        .extract()
+        .map_err(|_| type_error("token ids must be ints"))?;
+    vals.into_iter()
+        .map(|v| match v {
+            -1 => Ok(PLACEHOLDER_TOKEN),
+            v => u32::try_from(v)
+                .ok()
+                .filter(|&t| t != PLACEHOLDER_TOKEN)
+                .ok_or_else(|| invalid_arg(format!("token id {v} is outside -1..2**32 - 1"))),
+        })
+        .collect()
 }
 
 /// Block hashes (bytes, 1..=32 long) from a sequence.

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple, PyType};
 use pyo3::{Borrowed, intern};
 
-use pagedkv_core::{BlockHash, EventExtraKey, KvEvent};
+use pagedkv_core::{BlockHash, EventExtraKey, KvEvent, PLACEHOLDER_TOKEN};
 
 /// Field tuple, repr, equality, hash and pickling of an event class, from its
 /// field names (the order of its constructor's arguments).
@@ -98,6 +98,20 @@ fn gpu(py: Python<'_>) -> Py<PyAny> {
     intern!(py, "GPU").clone().into_any().unbind()
 }
 
+/// Event token ids: the placeholder goes back out as vLLM's `-1`.
+fn event_tokens(tokens: &[u32]) -> Vec<i64> {
+    tokens
+        .iter()
+        .map(|&t| {
+            if t == PLACEHOLDER_TOKEN {
+                -1
+            } else {
+                i64::from(t)
+            }
+        })
+        .collect()
+}
+
 fn none_or(py: Python<'_>, v: Option<Py<PyAny>>) -> Py<PyAny> {
     v.unwrap_or_else(|| py.None())
 }
@@ -123,6 +137,7 @@ pub struct PyBlockStored {
     pub group_idx: Py<PyAny>,
     pub kv_cache_spec_kind: Py<PyAny>,
     pub kv_cache_spec_sliding_window: Py<PyAny>,
+    pub session_id: Py<PyAny>,
 }
 
 value_object!(
@@ -139,15 +154,16 @@ value_object!(
         extra_keys,
         group_idx,
         kv_cache_spec_kind,
-        kv_cache_spec_sliding_window
+        kv_cache_spec_sliding_window,
+        session_id
     ],
     #[new]
     #[pyo3(signature = (block_hashes, parent_block_hash, token_ids, block_size, lora_id,
         medium = Medium::Gpu, lora_name = None, extra_keys = None, group_idx = None,
-        kv_cache_spec_kind = None, kv_cache_spec_sliding_window = None),
+        kv_cache_spec_kind = None, kv_cache_spec_sliding_window = None, session_id = None),
         text_signature = "(block_hashes, parent_block_hash, token_ids, block_size, lora_id, \
             medium='GPU', lora_name=None, extra_keys=None, group_idx=None, \
-            kv_cache_spec_kind=None, kv_cache_spec_sliding_window=None)")]
+            kv_cache_spec_kind=None, kv_cache_spec_sliding_window=None, session_id=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -162,6 +178,7 @@ value_object!(
         group_idx: Option<Py<PyAny>>,
         kv_cache_spec_kind: Option<Py<PyAny>>,
         kv_cache_spec_sliding_window: Option<Py<PyAny>>,
+        session_id: Option<Py<PyAny>>,
     ) -> Self {
         Self {
             block_hashes,
@@ -175,6 +192,7 @@ value_object!(
             group_idx: none_or(py, group_idx),
             kv_cache_spec_kind: none_or(py, kv_cache_spec_kind),
             kv_cache_spec_sliding_window: none_or(py, kv_cache_spec_sliding_window),
+            session_id: none_or(py, session_id),
         }
     }
 );
@@ -298,7 +316,10 @@ pub fn to_python(
                         parent_block_hash: s
                             .parent_block_hash
                             .map_or_else(|| py.None(), |h| hash_obj(py, &h, raw_hashes).unbind()),
-                        token_ids: s.token_ids.into_pyobject(py)?.into_any().unbind(),
+                        token_ids: event_tokens(&s.token_ids)
+                            .into_pyobject(py)?
+                            .into_any()
+                            .unbind(),
                         block_size: s.block_size.into_pyobject(py)?.into_any().unbind(),
                         lora_id: s.lora_id.into_pyobject(py)?.into_any().unbind(),
                         medium: gpu(py),
@@ -315,6 +336,7 @@ pub fn to_python(
                             .into_pyobject(py)?
                             .into_any()
                             .unbind(),
+                        session_id: s.session_id.into_pyobject(py)?.into_any().unbind(),
                     },
                 )?
                 .into_any()

@@ -18,8 +18,8 @@ use pagedkv_core::{
 };
 
 use crate::convert::{
-    BatchIds, block_hash, block_hash_list, count, counts, groups_i32, groups_tuple, ids_i32,
-    manager_config, suffix, tokens,
+    BatchIds, block_hash, block_hash_list, count, counts, engine_tokens, groups_i32, groups_tuple,
+    ids_i32, manager_config, suffix, tokens,
 };
 use crate::errors::{PkResult, borrow, borrow_mut};
 use crate::events;
@@ -223,7 +223,7 @@ impl PyManager {
 
     #[pyo3(signature = (request_id, prompt_token_ids, *, lora_name = None, lora_path = None,
         lora_id = None, cache_salt = None, mm_features = None, prompt_embeds = None,
-        skip_reading_prefix_cache = false))]
+        skip_reading_prefix_cache = false, session_id = None))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         slf: &Bound<'_, Self>,
@@ -236,8 +236,15 @@ impl PyManager {
         mm_features: Option<Vec<(String, i64, i64)>>,
         prompt_embeds: Option<Vec<u8>>,
         skip_reading_prefix_cache: bool,
+        session_id: Option<String>,
     ) -> PkResult<u64> {
-        let prompt_token_ids = tokens(prompt_token_ids)?;
+        // An engine's own token lists may hold vLLM's -1 placeholders.
+        let external = borrow(slf)?.inner.config().external_block_hashes;
+        let prompt_token_ids = if external {
+            engine_tokens(prompt_token_ids)?
+        } else {
+            tokens(prompt_token_ids)?
+        };
         let mm_features = mm_features
             .unwrap_or_default()
             .into_iter()
@@ -256,6 +263,7 @@ impl PyManager {
             mm_features,
             prompt_embeds,
             skip_reading_prefix_cache,
+            session_id,
         };
         Ok(borrow_mut(slf)?.inner.add_request(request_id, spec)?)
     }
@@ -328,7 +336,7 @@ impl PyManager {
         new_computed_blocks = None, num_lookahead_tokens = 0, num_external_computed_tokens = 0,
         delay_cache_blocks = false, num_encoder_tokens = 0, full_sequence_must_fit = false,
         reserved_blocks = 0, has_scheduled_reqs = true, num_in_flight_tokens = 0,
-        never_fits_is_none = false))]
+        vllm_lenient = false))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
     fn allocate_slots(
         slf: &Bound<'_, Self>,
@@ -345,7 +353,7 @@ impl PyManager {
         reserved_blocks: i64,
         has_scheduled_reqs: bool,
         num_in_flight_tokens: i64,
-        never_fits_is_none: bool,
+        vllm_lenient: bool,
     ) -> PkResult<Option<Py<PyTuple>>> {
         let hit = new_computed_blocks.as_ref().map(|h| &h.inner);
         let num_new_computed_tokens = num_new_computed_tokens
@@ -369,7 +377,7 @@ impl PyManager {
             reserved_blocks: count("reserved_blocks", reserved_blocks)?,
             has_scheduled_reqs,
             num_in_flight_tokens: count("num_in_flight_tokens", num_in_flight_tokens)?,
-            never_fits_is_none,
+            vllm_lenient,
         };
         let py = slf.py();
         let groups = {
@@ -500,7 +508,7 @@ impl PyManager {
             )
         };
         let new_tokens = match suffix(token_ids, at.0)? {
-            Some(t) => tokens(&t)?,
+            Some(t) => engine_tokens(&t)?,
             None => Vec::new(),
         };
         let new_hashes = match suffix(block_hashes, at.1)? {

@@ -96,7 +96,7 @@ impl KvCacheManager {
             }
         }
         for (g, gm) in self.coord.groups().iter().enumerate() {
-            if !gm.prefix_cacheable() {
+            if !gm.prefix_cacheable() || a.vllm_lenient {
                 continue; // cross attention: its blocks cover encoder tokens
             }
             let have = req.groups[g].blocks().len() as u64 * u64::from(gm.block_size());

@@ -122,6 +122,7 @@ class KVCacheManager:
         self._blocks[0].is_null = True
         # Requests the core holds (vLLM forgets a request at free()).
         self._live: set[str] = set()
+        self._live_stats = _LiveStats(self._core) if log_stats else None
         self.block_pool = BlockPoolView(self)
         self.coordinator = CoordinatorView(self)
 
@@ -162,14 +163,19 @@ class KVCacheManager:
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
-        """The stats since the last ``make_prefix_cache_stats``, not reset."""
-        t = self._core._prefix_cache_stats()
-        return None if t is None else _stats(t)
+        """The stats since the last ``make_prefix_cache_stats``, not reset: a
+        live view of the core's counters (vLLM's object is updated in place)."""
+        return self._live_stats
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The stats since the last call, then reset (None without ``log_stats``)."""
         t = self._core._make_prefix_cache_stats()
-        return None if t is None else _stats(t)
+        if t is None:
+            return None
+        if self._live_stats is not None:
+            self._live_stats._freeze(t)
+            self._live_stats = _LiveStats(self._core)
+        return _stats(t)
 
     def prefix_cache_lookup_enabled(self, request: Request) -> bool:
         """Whether a local prefix-cache lookup may run for this request."""
@@ -442,7 +448,38 @@ class KVCacheManager:
         return out
 
 
-def _stats(t: tuple[bool, int, int, int, int, int, int]) -> PrefixCacheStats:
+_StatsTuple = tuple[bool, int, int, int, int, int, int]
+
+
+def _field(i: int) -> property:
+    return property(lambda self: self._read()[i])
+
+
+class _LiveStats(PrefixCacheStats):
+    """vLLM's ``PrefixCacheStats`` whose counters read the core until the next
+    ``make_prefix_cache_stats``, then keep the values it returned."""
+
+    reset = _field(0)  # type: ignore[assignment]
+    requests = _field(1)  # type: ignore[assignment]
+    queries = _field(2)  # type: ignore[assignment]
+    hits = _field(3)  # type: ignore[assignment]
+    preempted_requests = _field(4)  # type: ignore[assignment]
+    preempted_queries = _field(5)  # type: ignore[assignment]
+    preempted_hits = _field(6)  # type: ignore[assignment]
+
+    def __init__(self, core: _core.KVCacheManager) -> None:  # no dataclass init
+        self.__dict__.update(_core_ref=core, _frozen=None, hits_by_source={})
+
+    def _read(self) -> _StatsTuple:
+        t = self.__dict__["_frozen"] or self.__dict__["_core_ref"]._prefix_cache_stats()
+        assert t is not None
+        return t  # type: ignore[no-any-return]
+
+    def _freeze(self, t: _StatsTuple) -> None:
+        self.__dict__["_frozen"] = t
+
+
+def _stats(t: _StatsTuple) -> PrefixCacheStats:
     s = PrefixCacheStats()
     s.reset, s.requests, s.queries, s.hits = t[0], t[1], t[2], t[3]
     s.preempted_requests, s.preempted_queries, s.preempted_hits = t[4], t[5], t[6]

@@ -119,6 +119,7 @@ class BlockPoolView:
         self.num_gpu_blocks = len(owner._blocks)
         self.enable_caching = owner.enable_caching
         self.enable_kv_cache_events = owner.enable_kv_cache_events
+        self.hash_block_size = owner.hash_block_size
         self.free_block_queue = _FreeQueueView(owner)
 
     def get_num_free_blocks(self) -> int:
@@ -167,17 +168,25 @@ class _ReqToBlocks(Mapping[str, list[PagedBlock]]):
         self._group = group
 
     def __getitem__(self, request_id: str) -> list[PagedBlock]:
-        if request_id not in self._owner._live:
+        ids = self._ids(request_id)
+        if ids is None:
             raise KeyError(request_id)
-        ids = self._owner._core.get_block_ids(request_id)[self._group]
         blocks = self._owner._blocks
-        return [blocks[i] for i in ids.tolist()]
+        return [blocks[i] for i in ids]
+
+    def _ids(self, request_id: str) -> list[int] | None:
+        """The request's block ids in this group; None unless it holds blocks
+        (vLLM's entry appears with the first allocation)."""
+        if request_id not in self._owner._live:
+            return None
+        ids: list[int] = self._owner._core.get_block_ids(request_id)[self._group].tolist()
+        return ids or None
 
     def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self._owner._live))
+        return iter([r for r in sorted(self._owner._live) if self._ids(r) is not None])
 
     def __len__(self) -> int:
-        return len(self._owner._live)
+        return sum(1 for _ in self)
 
 
 class SingleTypeManagerView:

@@ -75,7 +75,9 @@ pub struct AllocateArgs {
     /// vLLM's answers where pagedkv's own API is stricter: a request that can
     /// never fit gets `Ok(None)` instead of [`Error::CannotFit`], and computed
     /// tokens may exceed the blocks the request holds (an engine that set them
-    /// itself, e.g. a disaggregated decode worker; the blocks are allocated).
+    /// itself, e.g. a disaggregated decode worker; the blocks are allocated) or
+    /// its known tokens (async scheduling counts in-flight output tokens as
+    /// computed before they are appended).
     pub vllm_lenient: bool,
 }
 

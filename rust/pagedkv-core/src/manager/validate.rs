@@ -78,7 +78,7 @@ impl KvCacheManager {
         let total = local
             .checked_add(a.num_external_computed_tokens)
             .ok_or_else(|| invalid("token counts overflow"))?;
-        if total > req.num_tokens() as u64 {
+        if total > req.num_tokens() as u64 && !a.vllm_lenient {
             return Err(invalid(format!(
                 "num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens \
                  = {total} exceeds the request's {} tokens",

@@ -119,7 +119,7 @@ class KVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
         # One block object per block id, made once.
         self._blocks = [PagedBlock(i, self._core) for i in range(kv_cache_config.num_blocks)]
-        self._blocks[0].is_null = True
+        setattr(self._blocks[0], "is_null", True)  # the null block
         # Requests the core holds (vLLM forgets a request at free()).
         self._live: set[str] = set()
         self._live_stats = _LiveStats(self._core) if log_stats else None
@@ -213,9 +213,7 @@ class KVCacheManager:
         hit and never flags a lagging group."""
         return (*self.get_computed_blocks(request, max_cache_hit_length), False)
 
-    def _hit(
-        self, rid: str, blocks: KVCacheBlocks | None, num_new_computed_tokens: int
-    ) -> Any:
+    def _hit(self, rid: str, blocks: KVCacheBlocks | None, num_new_computed_tokens: int) -> Any:
         if blocks is None or blocks is self.empty_kv_cache_blocks:
             return None
         kept = getattr(blocks, "_pagedkv_hit", None)
@@ -243,10 +241,13 @@ class KVCacheManager:
     ) -> KVCacheBlocks | None:
         """Slots for the request's new tokens (vLLM 0.33's ``allocate_slots``):
         the newly allocated blocks, or None when they do not fit."""
-        if num_new_tokens == 0 and num_external_computed_tokens == 0 and num_new_computed_tokens == 0:
+        if (
+            num_new_tokens == 0
+            and num_external_computed_tokens == 0
+            and num_new_computed_tokens == 0
+        ):
             raise ValueError(
-                "num_new_tokens must be greater than 0 when there are no "
-                "computed tokens to adopt"
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
             )
         rid = self._sync(request)
         hit = self._hit(rid, new_computed_blocks, num_new_computed_tokens)

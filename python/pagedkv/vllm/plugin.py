@@ -41,7 +41,7 @@ def install() -> None:
         if getattr(mod, "__name__", "").startswith("vllm") and (
             getattr(mod, "KVCacheManager", None) is original
         ):
-            mod.KVCacheManager = KVCacheManager
+            setattr(mod, "KVCacheManager", KVCacheManager)  # noqa: B010
 
 
 def uninstall() -> None:
@@ -55,7 +55,7 @@ def uninstall() -> None:
         if getattr(mod, "KVCacheManager", None) is KVCacheManager and getattr(
             mod, "__name__", ""
         ).startswith("vllm"):
-            mod.KVCacheManager = original
+            setattr(mod, "KVCacheManager", original)  # noqa: B010
 
 
 def installed() -> bool:

@@ -63,13 +63,16 @@ class PagedBlock(KVCacheBlock):
     __slots__ = ("_core",)
 
     def __init__(self, block_id: int, core: _core.KVCacheManager) -> None:
-        # vLLM's fields, minus the two the core answers (read below).
-        self.block_id = block_id
-        self.pool = None
-        self.prev_free_block = None
-        self.next_free_block = None
-        self.is_null = False
-        self._core = core
+        # vLLM's slots, minus the two the core answers (read below).
+        for name, value in (
+            ("block_id", block_id),
+            ("pool", None),
+            ("prev_free_block", None),
+            ("next_free_block", None),
+            ("is_null", False),
+            ("_core", core),
+        ):
+            setattr(self, name, value)
 
     @property  # type: ignore[override]
     def ref_cnt(self) -> int:

@@ -117,9 +117,10 @@ class KVCacheManager:
             for g in kv_cache_config.kv_cache_groups
         )
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
-        # One block object per block id, made once.
-        self._blocks = [PagedBlock(i, self._core) for i in range(kv_cache_config.num_blocks)]
-        setattr(self._blocks[0], "is_null", True)  # the null block
+        # One block object per block id, made once (block 0 is the null block).
+        self._blocks = [
+            PagedBlock(i, self._core, i == 0) for i in range(kv_cache_config.num_blocks)
+        ]
         # Requests the core holds (vLLM forgets a request at free()).
         self._live: set[str] = set()
         self._live_stats = _LiveStats(self._core) if log_stats else None

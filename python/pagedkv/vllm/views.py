@@ -62,14 +62,14 @@ class PagedBlock(KVCacheBlock):
 
     __slots__ = ("_core",)
 
-    def __init__(self, block_id: int, core: _core.KVCacheManager) -> None:
+    def __init__(self, block_id: int, core: _core.KVCacheManager, is_null: bool = False) -> None:
         # vLLM's slots, minus the two the core answers (read below).
         for name, value in (
             ("block_id", block_id),
             ("pool", None),
             ("prev_free_block", None),
             ("next_free_block", None),
-            ("is_null", False),
+            ("is_null", is_null),
             ("_core", core),
         ):
             setattr(self, name, value)

@@ -106,6 +106,10 @@ class ManagerOptions(TypedDict, total=False):
     - ``record_stats_at_admission`` (True): record prefix-cache stats when a
       looked-up request is admitted. Off: only ``record_prefix_cache_stats``
       records (vLLM 0.33's scheduler calls it itself).
+    - ``num_hash_lookahead_tokens`` (0): vLLM's lookahead hashing: each engine
+      block hash covers this many tokens after the block (needs
+      ``external_block_hashes``); ``BlockStored`` events carry them
+      (``lookahead_token_ids``).
     """
 
     enable_caching: bool
@@ -123,6 +127,7 @@ class ManagerOptions(TypedDict, total=False):
     kv_cache_metrics: bool
     external_block_hashes: bool
     record_stats_at_admission: bool
+    num_hash_lookahead_tokens: int
 
 
 class KVCacheManager(_core.KVCacheManager):

@@ -60,7 +60,6 @@ class KVCacheManager:
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
         unsupported = {
-            "num_hash_lookahead_tokens": num_hash_lookahead_tokens != 0,
             "num_prefill_lookahead": num_prefill_lookahead != 0,
             "dcp_world_size": dcp_world_size != 1,
             "pcp_world_size": pcp_world_size != 1,
@@ -84,6 +83,7 @@ class KVCacheManager:
             "hash_block_size": hash_block_size,
             "external_block_hashes": True,
             "record_stats_at_admission": False,
+            "num_hash_lookahead_tokens": num_hash_lookahead_tokens,
         }
         if max_in_flight_tokens is not None:
             options["max_in_flight_tokens"] = max_in_flight_tokens
@@ -435,6 +435,7 @@ class KVCacheManager:
                         kv_cache_spec_kind=kind,
                         kv_cache_spec_sliding_window=window,
                         session_id=ev.session_id,
+                        lookahead_token_ids=ev.lookahead_token_ids,
                     )
                 )
             elif isinstance(ev, _core.BlockRemoved):

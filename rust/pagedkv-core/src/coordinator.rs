@@ -57,6 +57,9 @@ pub(crate) struct Coordinator {
     scheduler_block_size: u64,
     use_eagle: bool,
     retention_interval: Option<u64>,
+    /// Tokens past each block that the engine's block hashes cover (events
+    /// publish them per stored block).
+    lookahead: usize,
     /// Some group frees blocks outside its attention window (sliding window,
     /// chunked local, Mamba).
     any_skipping: bool,
@@ -137,6 +140,7 @@ impl Coordinator {
             scheduler_block_size: sbs,
             use_eagle: cfg.use_eagle,
             retention_interval: cfg.prefix_cache_retention_interval,
+            lookahead: cfg.num_hash_lookahead_tokens as usize,
             any_skipping: cfg
                 .groups
                 .iter()
@@ -506,7 +510,7 @@ impl Coordinator {
                 gm.cache_blocks(&mut self.pool, req, g, n, hbs, &retention)
             {
                 if self.pool.events_enabled() {
-                    let ev = stored_event(gm, req, g, from, to, mask.as_deref());
+                    let ev = stored_event(gm, req, g, (from, to), mask.as_deref(), self.lookahead);
                     self.pool.push_event(KvEvent::BlockStored(ev));
                 }
             }
@@ -520,7 +524,7 @@ impl Coordinator {
             };
             if let Some(boundary) = partial {
                 if self.pool.events_enabled() {
-                    let ev = partial_stored_event(req, g, boundary, hbs);
+                    let ev = partial_stored_event(req, g, boundary, hbs, self.lookahead);
                     self.pool.push_event(KvEvent::BlockStored(ev));
                 }
             }
@@ -660,9 +664,21 @@ fn replay_boundaries(num_prompt_tokens: u64, sbs: u64, use_eagle: bool) -> ([u64
     }
 }
 
+/// The `lookahead` tokens after position `end` that a block's hash covers.
+fn lookahead_tokens(req: &Request, end: usize, lookahead: usize) -> Vec<u32> {
+    let n = req.tokens.len();
+    req.tokens[end.min(n)..(end + lookahead).min(n)].to_vec()
+}
+
 /// The `BlockStored` of a partial prompt-tail entry: the one hash block ending at
 /// `boundary`.
-fn partial_stored_event(req: &Request, g: usize, boundary: usize, hbs: usize) -> BlockStored {
+fn partial_stored_event(
+    req: &Request,
+    g: usize,
+    boundary: usize,
+    hbs: usize,
+    lookahead: usize,
+) -> BlockStored {
     let n = boundary / hbs;
     let start = boundary - hbs;
     BlockStored {
@@ -672,7 +688,9 @@ fn partial_stored_event(req: &Request, g: usize, boundary: usize, hbs: usize) ->
         block_size: hbs as u32,
         lora_id: req.lora.as_ref().and_then(|l| l.id),
         lora_name: req.lora.as_ref().map(|l| l.name.clone()),
-        extra_keys: Some(vec![req.event_extra_keys(start, boundary)]),
+        extra_keys: Some(vec![req.event_extra_keys(start, boundary + lookahead)]),
+        lookahead_token_ids: (lookahead > 0)
+            .then(|| vec![lookahead_tokens(req, boundary, lookahead)]),
         group_idx: g as u32,
         kv_cache_spec_kind: None,
         kv_cache_spec_sliding_window: None,
@@ -685,14 +703,15 @@ fn stored_event(
     gm: &GroupManager,
     req: &Request,
     g: usize,
-    from: usize,
-    to: usize,
+    (from, to): (usize, usize),
     mask: Option<&[bool]>,
+    lookahead: usize,
 ) -> BlockStored {
     let bs = gm.block_size() as usize;
     let blocks = req.groups[g].blocks();
     let mut hashes = Vec::new();
     let mut extra = Vec::new();
+    let mut ahead = Vec::new();
     for (i, &b) in blocks.iter().enumerate().take(to).skip(from) {
         if b == NULL_BLOCK || mask.is_some_and(|m| !m[i - from]) {
             continue;
@@ -700,7 +719,11 @@ fn stored_event(
         if let Some(k) = gm.key_for(&req.hashes, i) {
             hashes.push(k.hash);
         }
-        extra.push(req.event_extra_keys(i * bs, (i + 1) * bs));
+        // With lookahead hashing the keys cover the widened window.
+        extra.push(req.event_extra_keys(i * bs, (i + 1) * bs + lookahead));
+        if lookahead > 0 {
+            ahead.push(lookahead_tokens(req, (i + 1) * bs, lookahead));
+        }
     }
     let parent = if from == 0 {
         None
@@ -717,6 +740,7 @@ fn stored_event(
         // vLLM publishes one entry per stored block (None entries included) and
         // None only when no block was stored.
         extra_keys: (!extra.is_empty()).then_some(extra),
+        lookahead_token_ids: (lookahead > 0).then_some(ahead),
         group_idx: g as u32,
         kv_cache_spec_kind: None,
         kv_cache_spec_sliding_window: None,

@@ -46,10 +46,15 @@ pub struct BlockStored {
     pub kv_cache_spec_sliding_window: Option<u32>,
     /// The session of the request that stored the blocks, if it named one.
     pub session_id: Option<String>,
+    /// With lookahead hashing: per stored block, the tokens after it that its
+    /// hash covers.
+    pub lookahead_token_ids: Option<Vec<Vec<u32>>>,
 }
 
 /// A KV-cache event.
 #[derive(Clone, Debug, PartialEq, Eq)]
+// Stored events dominate the stream; boxing them would add an allocation each.
+#[allow(clippy::large_enum_variant)]
 pub enum KvEvent {
     /// Blocks entered the prefix cache.
     BlockStored(BlockStored),

@@ -189,6 +189,10 @@ pub struct ManagerConfig {
     /// own API). Off: only [`crate::KvCacheManager::record_prefix_cache_stats`]
     /// records, as vLLM 0.33's scheduler does.
     pub record_stats_at_admission: bool,
+    /// vLLM's lookahead hashing (speculative decoding): each block hash covers
+    /// this many tokens after the block. The engine hashes (so it needs
+    /// `external_block_hashes`); events publish those tokens per stored block.
+    pub num_hash_lookahead_tokens: u32,
 }
 
 /// Largest `max_model_len` / `max_in_flight_tokens`: token counts stay far from
@@ -219,6 +223,7 @@ impl ManagerConfig {
             kv_cache_metrics: false,
             external_block_hashes: false,
             record_stats_at_admission: true,
+            num_hash_lookahead_tokens: 0,
         }
     }
 
@@ -339,6 +344,13 @@ impl ManagerConfig {
                      multiple of scheduler_block_size ({sbs})."
                 ));
             }
+        }
+        if self.num_hash_lookahead_tokens > 0 && !self.external_block_hashes {
+            return bad(
+                "num_hash_lookahead_tokens needs external_block_hashes (the engine \
+                 hashes the lookahead tokens)"
+                    .into(),
+            );
         }
         if self.external_block_hashes && self.verify_cached_tokens {
             return bad(

@@ -443,6 +443,9 @@ pub fn manager_config(
             "kv_cache_metrics" => cfg.kv_cache_metrics = option(name, &v)?,
             "external_block_hashes" => cfg.external_block_hashes = option(name, &v)?,
             "record_stats_at_admission" => cfg.record_stats_at_admission = option(name, &v)?,
+            "num_hash_lookahead_tokens" => {
+                cfg.num_hash_lookahead_tokens = option_int(name, &v)?.unwrap_or(0);
+            }
             other => {
                 return Err(type_error(format!(
                     "KVCacheManager() got an unexpected keyword argument '{other}'"

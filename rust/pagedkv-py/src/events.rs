@@ -138,6 +138,7 @@ pub struct PyBlockStored {
     pub kv_cache_spec_kind: Py<PyAny>,
     pub kv_cache_spec_sliding_window: Py<PyAny>,
     pub session_id: Py<PyAny>,
+    pub lookahead_token_ids: Py<PyAny>,
 }
 
 value_object!(
@@ -155,15 +156,18 @@ value_object!(
         group_idx,
         kv_cache_spec_kind,
         kv_cache_spec_sliding_window,
-        session_id
+        session_id,
+        lookahead_token_ids
     ],
     #[new]
     #[pyo3(signature = (block_hashes, parent_block_hash, token_ids, block_size, lora_id,
         medium = Medium::Gpu, lora_name = None, extra_keys = None, group_idx = None,
-        kv_cache_spec_kind = None, kv_cache_spec_sliding_window = None, session_id = None),
+        kv_cache_spec_kind = None, kv_cache_spec_sliding_window = None, session_id = None,
+        lookahead_token_ids = None),
         text_signature = "(block_hashes, parent_block_hash, token_ids, block_size, lora_id, \
             medium='GPU', lora_name=None, extra_keys=None, group_idx=None, \
-            kv_cache_spec_kind=None, kv_cache_spec_sliding_window=None, session_id=None)")]
+            kv_cache_spec_kind=None, kv_cache_spec_sliding_window=None, session_id=None, \
+            lookahead_token_ids=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -179,6 +183,7 @@ value_object!(
         kv_cache_spec_kind: Option<Py<PyAny>>,
         kv_cache_spec_sliding_window: Option<Py<PyAny>>,
         session_id: Option<Py<PyAny>>,
+        lookahead_token_ids: Option<Py<PyAny>>,
     ) -> Self {
         Self {
             block_hashes,
@@ -193,6 +198,7 @@ value_object!(
             kv_cache_spec_kind: none_or(py, kv_cache_spec_kind),
             kv_cache_spec_sliding_window: none_or(py, kv_cache_spec_sliding_window),
             session_id: none_or(py, session_id),
+            lookahead_token_ids: none_or(py, lookahead_token_ids),
         }
     }
 );
@@ -337,6 +343,12 @@ pub fn to_python(
                             .into_any()
                             .unbind(),
                         session_id: s.session_id.into_pyobject(py)?.into_any().unbind(),
+                        lookahead_token_ids: s
+                            .lookahead_token_ids
+                            .map(|l| l.iter().map(|t| event_tokens(t)).collect::<Vec<_>>())
+                            .into_pyobject(py)?
+                            .into_any()
+                            .unbind(),
                     },
                 )?
                 .into_any()

@@ -1,0 +1,360 @@
+//! The calls of a serving engine that owns its requests (vLLM 0.33 behind
+//! `pagedkv.vllm`): engine-supplied block hashes, deferred frees
+//! (`pop_blocks_for_free` + `free_blocks`), capped lookups, hits named by block
+//! ids, in-flight tokens, vLLM's lenient answers, and scheduler-recorded stats.
+//! Expected ids follow vLLM 0.33 (`tests/v1/core/test_prefix_caching.py`,
+//! `test_deferred_block_free.py`, `test_swa_inflight_window_free.py`).
+
+use pagedkv_core::{
+    AllocateArgs, AttentionKind, BlockHash, Error, GroupSpec, KvCacheManager, KvEvent,
+    ManagerConfig, PLACEHOLDER_TOKEN, RequestSpec,
+};
+
+fn ok<T>(r: Result<T, Error>) -> T {
+    r.unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn engine_mgr(num_blocks: u32, block_size: u32) -> KvCacheManager {
+    let mut cfg = ManagerConfig::full_attention(num_blocks, block_size, 8192);
+    cfg.external_block_hashes = true;
+    cfg.record_stats_at_admission = false;
+    cfg.enable_kv_cache_events = true;
+    cfg.log_stats = true;
+    ok(KvCacheManager::new(cfg))
+}
+
+/// An engine's hash of block `i` of a prompt family: any bytes will do, the
+/// manager never recomputes them.
+fn h(family: u8, i: usize) -> BlockHash {
+    BlockHash::from_slice(&[family, i as u8, 0xAB, 0xCD]).unwrap_or_default()
+}
+
+fn add(m: &mut KvCacheManager, id: &str, tokens: Vec<u32>, hashes: &[BlockHash]) {
+    let n = tokens.len();
+    ok(m.add_request(
+        id,
+        RequestSpec {
+            prompt_token_ids: tokens,
+            session_id: Some(format!("session-{id}")),
+            ..Default::default()
+        },
+    ));
+    ok(m.extend_request(id, (n, 0), &[], hashes));
+}
+
+/// Lookup + admission of a whole prompt; (hit ids, hit tokens, new ids).
+fn admit(m: &mut KvCacheManager, id: &str) -> (Vec<u32>, u64, Option<Vec<u32>>) {
+    let hit = ok(m.get_computed_blocks(id));
+    let n = ok(m.num_tokens(id)) as u64;
+    let args = AllocateArgs {
+        num_new_computed_tokens: hit.num_computed_tokens,
+        ..AllocateArgs::step(n - hit.num_computed_tokens, 0)
+    };
+    let new = ok(m.allocate_slots(id, &args, Some(&hit))).map(|g| g[0].clone());
+    (hit.block_ids[0].clone(), hit.num_computed_tokens, new)
+}
+
+fn seq(a: u32, b: u32) -> Vec<u32> {
+    (a..b).collect()
+}
+
+#[test]
+fn hits_follow_the_engines_hashes_not_the_tokens() {
+    let mut m = engine_mgr(11, 16);
+    add(&mut m, "r0", seq(0, 55), &[h(1, 0), h(1, 1), h(1, 2)]);
+    assert_eq!(admit(&mut m, "r0"), (vec![], 0, Some(vec![1, 2, 3, 4])));
+    // Other tokens, same hashes: the engine says these blocks are equal.
+    add(&mut m, "r1", seq(500, 555), &[h(1, 0), h(1, 1), h(2, 2)]);
+    assert_eq!(admit(&mut m, "r1"), (vec![1, 2], 32, Some(vec![5, 6])));
+    // Same tokens, other hashes: no hit.
+    add(&mut m, "r2", seq(0, 55), &[h(3, 0)]);
+    assert_eq!(admit(&mut m, "r2").1, 0);
+    // The events carry the engine's hashes and the request's session.
+    let stored: Vec<_> = m
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockStored(s) => Some(s),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stored[0].block_hashes, vec![h(1, 0), h(1, 1), h(1, 2)]);
+    assert_eq!(stored[0].session_id.as_deref(), Some("session-r0"));
+    assert_eq!(stored[1].block_hashes, vec![h(2, 2)]);
+    assert_eq!(stored[1].parent_block_hash, Some(h(1, 1)));
+    ok(m.check_invariants());
+}
+
+#[test]
+fn hashes_may_run_ahead_of_the_tokens_and_only_known_blocks_are_cached() {
+    let mut m = engine_mgr(11, 4);
+    // Four hashes for 9 tokens (lookahead hashing): two blocks are full.
+    add(
+        &mut m,
+        "r0",
+        seq(0, 9),
+        &[h(1, 0), h(1, 1), h(1, 2), h(1, 3)],
+    );
+    admit(&mut m, "r0");
+    assert_eq!(m.pool().num_cached_keys(), 2);
+    ok(m.check_invariants());
+}
+
+#[test]
+fn extend_request_refuses_a_stale_position_or_a_hashing_manager() {
+    let mut m = engine_mgr(11, 16);
+    add(&mut m, "r0", seq(0, 20), &[h(1, 0)]);
+    assert!(m.extend_request("r0", (19, 1), &[5], &[]).is_err());
+    ok(m.extend_request("r0", (20, 1), &[5, PLACEHOLDER_TOKEN], &[]));
+    assert_eq!(ok(m.num_tokens("r0")), 22);
+    let mut own = ok(KvCacheManager::new(ManagerConfig::full_attention(
+        11, 16, 64,
+    )));
+    ok(own.add_request(
+        "r",
+        RequestSpec {
+            prompt_token_ids: seq(0, 4),
+            ..Default::default()
+        },
+    ));
+    assert!(own.extend_request("r", (4, 0), &[1], &[]).is_err());
+}
+
+#[test]
+fn deferred_free_holds_blocks_until_free_blocks_then_frees_like_free() {
+    // vLLM's test_prefill: r0 and r1 share three blocks; freeing both puts the
+    // unshared tail blocks first, then the shared prefix deepest first.
+    let mut m = engine_mgr(11, 16);
+    let common = [h(1, 0), h(1, 1), h(1, 2)];
+    add(&mut m, "r0", seq(0, 55), &common);
+    admit(&mut m, "r0");
+    add(&mut m, "r1", [seq(0, 48), seq(100, 105)].concat(), &common);
+    assert_eq!(admit(&mut m, "r1"), (vec![1, 2, 3], 48, Some(vec![5])));
+    let popped = ok(m.pop_blocks_for_free("r0"));
+    assert_eq!(popped, vec![1, 2, 3, 4]);
+    // Still referenced: nothing returned to the pool, r0 forgotten.
+    assert_eq!(m.num_free_blocks(), 5);
+    assert_eq!(m.pool().ref_cnt(4), 1);
+    assert_eq!(m.pool().ref_cnt(1), 2);
+    assert!(!m.contains("r0"));
+    assert_eq!(m.num_detached_block_refs(), 4);
+    ok(m.check_invariants());
+    let reversed: Vec<u32> = popped.iter().rev().copied().collect();
+    ok(m.free_blocks(&reversed));
+    ok(m.remove_request("r1"));
+    assert_eq!(m.pool().free_queue(), vec![5, 4, 6, 7, 8, 9, 10, 3, 2, 1]);
+    assert_eq!(m.num_detached_block_refs(), 0);
+    ok(m.check_invariants());
+}
+
+#[test]
+fn free_blocks_refuses_blocks_that_were_not_detached_and_changes_nothing() {
+    let mut m = engine_mgr(11, 16);
+    add(&mut m, "r0", seq(0, 40), &[h(1, 0), h(1, 1)]);
+    admit(&mut m, "r0");
+    add(&mut m, "r1", seq(0, 20), &[h(2, 0)]);
+    admit(&mut m, "r1");
+    let popped = ok(m.pop_blocks_for_free("r0"));
+    assert_eq!(popped, vec![1, 2, 3]);
+    let before = m.pool().free_queue();
+    // r1's block, and r0's block listed twice: refused whole.
+    assert!(m.free_blocks(&[3, 4]).is_err());
+    assert!(m.free_blocks(&[3, 3]).is_err());
+    assert_eq!(m.pool().free_queue(), before);
+    assert_eq!(m.num_detached_block_refs(), 3);
+    ok(m.free_blocks(&[0, 3, 2, 1])); // the null block is skipped
+    ok(m.check_invariants());
+}
+
+#[test]
+fn lookups_are_capped_at_max_cache_hit_length() {
+    let mut m = engine_mgr(11, 16);
+    let hashes = [h(1, 0), h(1, 1), h(1, 2)];
+    add(&mut m, "r0", seq(0, 55), &hashes);
+    admit(&mut m, "r0");
+    add(&mut m, "r1", seq(0, 55), &hashes);
+    let full = ok(m.get_computed_blocks("r1"));
+    assert_eq!(
+        (full.block_ids[0].clone(), full.num_computed_tokens),
+        (vec![1, 2, 3], 48)
+    );
+    let capped = ok(m.get_computed_blocks_up_to("r1", Some(40)));
+    assert_eq!(
+        (capped.block_ids[0].clone(), capped.num_computed_tokens),
+        (vec![1, 2], 32)
+    );
+    let none = ok(m.get_computed_blocks_up_to("r1", Some(15)));
+    assert_eq!(none.num_computed_tokens, 0);
+}
+
+#[test]
+fn a_hit_named_by_block_ids_is_checked_against_the_cache() {
+    let mut m = engine_mgr(11, 16);
+    let hashes = [h(1, 0), h(1, 1), h(1, 2)];
+    add(&mut m, "r0", seq(0, 55), &hashes);
+    admit(&mut m, "r0");
+    add(&mut m, "r1", seq(0, 55), &hashes);
+    let hit = ok(m.computed_blocks_from_ids("r1", vec![vec![1, 2]], 32));
+    let args = AllocateArgs {
+        num_new_computed_tokens: 32,
+        ..AllocateArgs::step(23, 0)
+    };
+    let new = ok(m.allocate_slots("r1", &args, Some(&hit))).map(|g| g[0].clone());
+    assert_eq!(new, Some(vec![5, 6]));
+    assert_eq!(m.pool().ref_cnt(2), 2);
+    // Block 4 is r0's unhashed tail; 9 is out of range for r1's position 0.
+    add(&mut m, "r2", seq(0, 55), &hashes);
+    assert!(matches!(
+        m.computed_blocks_from_ids("r2", vec![vec![1, 4]], 32),
+        Err(Error::StaleComputedBlocks(_))
+    ));
+    assert!(
+        m.computed_blocks_from_ids("r2", vec![vec![99]], 16)
+            .is_err()
+    );
+    assert!(m.computed_blocks_from_ids("r2", vec![], 0).is_err());
+}
+
+#[test]
+fn vllm_lenient_answers_none_for_a_request_that_can_never_fit() {
+    let mut m = engine_mgr(5, 16); // 4 usable blocks
+    add(&mut m, "big", seq(0, 100), &[]);
+    let args = AllocateArgs::step(100, 0);
+    assert!(matches!(
+        m.allocate_slots("big", &args, None),
+        Err(Error::CannotFit(_))
+    ));
+    let lenient = AllocateArgs {
+        vllm_lenient: true,
+        ..args
+    };
+    assert!(ok(m.allocate_slots("big", &lenient, None)).is_none());
+    ok(m.check_invariants());
+}
+
+#[test]
+fn vllm_lenient_allows_computed_tokens_the_request_holds_no_blocks_for() {
+    // A disaggregated decode worker: all but the last prompt token computed
+    // remotely, no local blocks yet (vLLM's test_async_scheduler).
+    let mut m = engine_mgr(11, 16);
+    add(&mut m, "r", seq(0, 31), &[]);
+    let strict = AllocateArgs::step(1, 30);
+    assert!(m.allocate_slots("r", &strict, None).is_err());
+    let lenient = AllocateArgs {
+        vllm_lenient: true,
+        ..strict
+    };
+    let new = ok(m.allocate_slots("r", &lenient, None)).map(|g| g[0].clone());
+    assert_eq!(new, Some(vec![1, 2]));
+    // In-flight output tokens counted as computed before they are appended.
+    let ahead = AllocateArgs {
+        vllm_lenient: true,
+        ..AllocateArgs::step(1, 32)
+    };
+    assert!(ok(m.allocate_slots("r", &ahead, None)).is_some());
+}
+
+#[test]
+fn in_flight_tokens_keep_the_window_blocks_an_in_flight_step_reads() {
+    let swa = |in_flight: u64| -> Vec<u32> {
+        let groups = vec![GroupSpec::new(
+            AttentionKind::SlidingWindow { window: 32 },
+            16,
+        )];
+        let mut cfg = ManagerConfig::new(20, groups, 4096);
+        cfg.external_block_hashes = true;
+        let mut m = ok(KvCacheManager::new(cfg));
+        ok(m.add_request(
+            "r",
+            RequestSpec {
+                prompt_token_ids: seq(0, 64),
+                ..Default::default()
+            },
+        ));
+        ok(m.allocate_slots("r", &AllocateArgs::step(64, 0), None));
+        ok(m.extend_request("r", (64, 0), &[7], &[]));
+        let args = AllocateArgs {
+            num_in_flight_tokens: in_flight,
+            ..AllocateArgs::step(1, 64)
+        };
+        ok(m.allocate_slots("r", &args, None));
+        ok(m.block_ids("r"))[0].to_vec()
+    };
+    // 64 computed, window 32: tokens before 33 are skipped: two blocks nulled
+    // and freed to the front of the queue, where the new block comes from.
+    assert_eq!(swa(0), vec![0, 0, 3, 4, 2]);
+    // 32 of them still in flight: only what is before 1 may go (nothing).
+    assert_eq!(swa(32), vec![1, 2, 3, 4, 5]);
+}
+
+#[test]
+fn blocks_to_allocate_for_a_request_holding_none() {
+    let m = engine_mgr(11, 16);
+    assert_eq!(ok(m.num_blocks_to_allocate(None, 33, 0, 33, 0, false)), 3);
+    assert!(
+        m.num_blocks_to_allocate(Some("nope"), 1, 0, 1, 0, false)
+            .is_err()
+    );
+}
+
+#[test]
+fn stats_are_recorded_by_the_scheduler_and_readable_without_reset() {
+    let mut m = engine_mgr(11, 16);
+    add(&mut m, "r0", seq(0, 55), &[h(1, 0)]);
+    admit(&mut m, "r0");
+    // Admission records nothing with record_stats_at_admission off.
+    assert_eq!(m.prefix_cache_stats().map(|s| s.requests), Some(0));
+    m.record_prefix_cache_stats(55, 16, false);
+    m.record_prefix_cache_stats(40, 0, true);
+    let peek = m.prefix_cache_stats().copied();
+    assert_eq!(
+        peek.as_ref().map(|s| (s.requests, s.queries, s.hits)),
+        Some((1, 55, 16))
+    );
+    assert_eq!(peek.as_ref().map(|s| s.preempted_requests), Some(1));
+    // Peeking reset nothing; taking does.
+    let taken = m.make_prefix_cache_stats();
+    assert_eq!(taken.map(|s| s.queries), Some(55));
+    assert_eq!(m.prefix_cache_stats().map(|s| s.queries), Some(0));
+}
+
+#[test]
+fn external_hashes_cannot_be_combined_with_verification() {
+    let mut cfg = ManagerConfig::full_attention(11, 16, 64);
+    cfg.external_block_hashes = true;
+    cfg.verify_cached_tokens = true;
+    assert!(KvCacheManager::new(cfg).is_err());
+}
+
+#[test]
+fn lookahead_hashing_publishes_the_tokens_each_block_hash_covers() {
+    // vLLM's test_kv_events_reconstruct_lookahead_block_hashes: block size 2,
+    // L lookahead tokens, tokens 0..4+L: two blocks hashed, one BlockStored.
+    for lookahead in [1u32, 2] {
+        let mut cfg = ManagerConfig::full_attention(11, 2, 64);
+        cfg.external_block_hashes = true;
+        cfg.enable_kv_cache_events = true;
+        cfg.num_hash_lookahead_tokens = lookahead;
+        let mut m = ok(KvCacheManager::new(cfg));
+        let tokens = seq(0, 4 + lookahead);
+        add(&mut m, "r", tokens.clone(), &[h(1, 0), h(1, 1)]);
+        admit(&mut m, "r");
+        let events = m.take_events();
+        assert_eq!(events.len(), 1);
+        let KvEvent::BlockStored(s) = &events[0] else {
+            panic!("expected BlockStored, got {events:?}");
+        };
+        assert_eq!(s.block_hashes, vec![h(1, 0), h(1, 1)]);
+        assert_eq!(s.token_ids, seq(0, 4));
+        let l = lookahead as usize;
+        assert_eq!(
+            s.lookahead_token_ids,
+            Some(vec![tokens[2..2 + l].to_vec(), tokens[4..4 + l].to_vec()])
+        );
+        assert_eq!(s.extra_keys, Some(vec![None, None]));
+    }
+    // Lookahead hashing needs the engine's hashes.
+    let mut cfg = ManagerConfig::full_attention(11, 2, 64);
+    cfg.num_hash_lookahead_tokens = 1;
+    assert!(KvCacheManager::new(cfg).is_err());
+}

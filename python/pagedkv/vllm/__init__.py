@@ -5,10 +5,23 @@ calls (vLLM ``Request`` objects in, ``KVCacheBlocks``, ``PrefixCacheStats`` and
 KV events out) from pagedkv's core. ``install()`` makes vLLM build it wherever
 it builds its own manager; with the ``pagedkv`` general plugin registered (the
 package's ``vllm.general_plugins`` entry point), ``PAGEDKV_VLLM=1 vllm serve
-MODEL`` does the same. Importing this module imports vLLM (``pagedkv[vllm]``).
+MODEL`` does the same. ``KVCacheManager`` imports vLLM (``pagedkv[vllm]``) when
+first used; the plugin functions import it only when they install.
 """
 
-from pagedkv.vllm.manager import KVCacheManager
-from pagedkv.vllm.plugin import install, installed, uninstall
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["KVCacheManager", "install", "installed", "uninstall"]
+from pagedkv.vllm.plugin import install, installed, register, uninstall
+
+if TYPE_CHECKING:
+    from pagedkv.vllm.manager import KVCacheManager
+
+__all__ = ["KVCacheManager", "install", "installed", "register", "uninstall"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KVCacheManager":
+        from pagedkv.vllm.manager import KVCacheManager
+
+        return KVCacheManager
+    raise AttributeError(f"module 'pagedkv.vllm' has no attribute {name!r}")

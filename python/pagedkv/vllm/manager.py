@@ -61,8 +61,6 @@ class KVCacheManager:
     ) -> None:
         unsupported = {
             "num_prefill_lookahead": num_prefill_lookahead != 0,
-            "dcp_world_size": dcp_world_size != 1,
-            "pcp_world_size": pcp_world_size != 1,
             "metrics_collector": metrics_collector is not None,
             "hisparse_host_num_blocks": getattr(kv_cache_config, "hisparse_host_num_blocks", None)
             is not None,
@@ -73,7 +71,11 @@ class KVCacheManager:
                 f"pagedkv's vLLM manager does not support {', '.join(missing)} yet"
             )
         assert watermark >= 0.0, "watermark must be non-negative"
-        groups = [core_group(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
+        groups = [
+            core_group(g.kv_cache_spec, dcp_world_size, pcp_world_size)
+            for g in kv_cache_config.kv_cache_groups
+        ]
+        self._group_block_sizes = [g["block_size"] for g in groups]
         options: dict[str, Any] = {
             "enable_caching": enable_caching,
             "use_eagle": use_eagle,

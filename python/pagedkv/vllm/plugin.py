@@ -25,10 +25,17 @@ _BINDERS = (
 def install() -> None:
     """Makes vLLM build ``pagedkv.vllm.KVCacheManager`` in place of its own.
 
-    Idempotent; ``uninstall()`` restores vLLM's class.
+    Idempotent; ``uninstall()`` restores vLLM's class. Raises ``ImportError``
+    when vLLM is not installed.
     """
     import importlib
 
+    try:
+        importlib.import_module("vllm")
+    except ImportError as e:
+        raise ImportError(
+            "pagedkv.vllm.install() needs vLLM 0.33 (pip install 'pagedkv[vllm]')"
+        ) from e
     from pagedkv.vllm.manager import KVCacheManager
 
     for name in _BINDERS:

@@ -24,11 +24,33 @@ if TYPE_CHECKING:
     from pagedkv.vllm.manager import KVCacheManager
 
 
-def core_group(spec: KVCacheSpec) -> dict[str, Any]:
-    """The core's group description of a vLLM KV-cache spec."""
+def core_group(
+    spec: KVCacheSpec, dcp_world_size: int = 1, pcp_world_size: int = 1
+) -> dict[str, Any]:
+    """The core's group description of a vLLM KV-cache spec; equal specs get
+    equal tags (they share hit lookups, as vLLM's coordinator groups them).
+
+    Decode context parallelism shards each block's KV over ``dcp_world_size``
+    ranks: a DCP-sharded group's blocks hold ``block_size * dcp_world_size``
+    tokens (vLLM's single-type managers scale it so). Prefill context
+    parallelism changes no geometry here, and vLLM refuses it for the
+    recycling kinds."""
+    group = _core_kind(spec)
+    if getattr(spec, "dcp_sharded", False):
+        group["block_size"] *= dcp_world_size
+    if pcp_world_size > 1 and group["kind"] in (
+        "sliding_window",
+        "chunked_local_attention",
+        "mamba",
+    ):
+        raise AssertionError(f"PCP does not support {group['kind']} groups")
+    return {**group, "tag": repr(spec)}
+
+
+def _core_kind(spec: KVCacheSpec) -> dict[str, Any]:
     if isinstance(spec, UniformTypeKVCacheSpecs):
         inner = next(iter(spec.kv_cache_specs.values()))
-        return {**core_group(inner), "block_size": spec.block_size}
+        return {**_core_kind(inner), "block_size": spec.block_size}
     name = type(spec).__name__
     bs = spec.block_size
     if isinstance(spec, MambaSpec):
@@ -40,8 +62,13 @@ def core_group(spec: KVCacheSpec) -> dict[str, Any]:
         }
     if isinstance(spec, CrossAttentionSpec):
         return {"kind": "cross_attention", "block_size": bs}
-    if isinstance(spec, SlidingWindowSpec) and name == "SlidingWindowSpec":
-        return {"kind": "sliding_window", "block_size": bs, "sliding_window": spec.sliding_window}
+    if isinstance(spec, SlidingWindowSpec) and not getattr(spec, "bounded_replay", False):
+        if name in ("SlidingWindowSpec", "SlidingWindowMLASpec"):
+            return {
+                "kind": "sliding_window",
+                "block_size": bs,
+                "sliding_window": spec.sliding_window,
+            }
     if isinstance(spec, ChunkedLocalAttentionSpec):
         return {
             "kind": "chunked_local_attention",
@@ -141,6 +168,14 @@ class BlockPoolView:
         """Drops these blocks from the prefix cache."""
         self._owner._core.evict_blocks(block_ids)
 
+    def get_new_blocks(self, num_blocks: int) -> list[PagedBlock]:
+        """Takes blocks from the free queue for the caller's own use; they go
+        back through ``free_blocks``."""
+        ids = self._owner._core.get_new_blocks(num_blocks)
+        if ids is None:
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        return [self.blocks[i] for i in ids.tolist()]
+
     def get_cached_block(
         self, block_hash: bytes, kv_cache_group_ids: Iterable[int]
     ) -> list[PagedBlock] | None:
@@ -192,16 +227,47 @@ class _ReqToBlocks(Mapping[str, list[PagedBlock]]):
         return sum(1 for _ in self)
 
 
+class _NumCachedBlock(Mapping[str, int]):
+    """``num_cached_block`` of one group: request id -> leading blocks cached."""
+
+    def __init__(self, owner: KVCacheManager, group: int) -> None:
+        self._owner = owner
+        self._group = group
+
+    def _get(self, request_id: str) -> int | None:
+        if request_id not in self._owner._live:
+            return None
+        n: int | None = self._owner._core.num_cached_blocks(request_id)[self._group]
+        return n
+
+    def __getitem__(self, request_id: str) -> int:
+        n = self._get(request_id)
+        if n is None:
+            raise KeyError(request_id)
+        return n
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([r for r in sorted(self._owner._live) if self._get(r) is not None])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class SingleTypeManagerView:
     """One KV-cache group's manager, as the scheduler reads it."""
 
-    def __init__(self, owner: KVCacheManager, group: int, spec: KVCacheSpec) -> None:
+    def __init__(
+        self, owner: KVCacheManager, group: int, spec: KVCacheSpec, block_size: int
+    ) -> None:
         self.kv_cache_group_id = group
         self.kv_cache_spec = spec
-        self.block_size = spec.block_size
+        self.block_size = block_size
         self.block_pool = owner.block_pool
         self.enable_caching = owner.enable_caching
         self.req_to_blocks = _ReqToBlocks(owner, group)
+        self.num_cached_block = _NumCachedBlock(owner, group)
+        self._null_block = owner._blocks[0]
+        self.cache_hit_alignment_tokens = owner.scheduler_block_size
         self.retains_longer_hit = False
         self.records_new_block_ids = False
         self.new_block_ids: list[int] = []
@@ -229,7 +295,7 @@ class CoordinatorView:
         self.block_pool = owner.block_pool
         self.enable_caching = owner.enable_caching
         self.single_type_managers = tuple(
-            SingleTypeManagerView(owner, g, group.kv_cache_spec)
+            SingleTypeManagerView(owner, g, group.kv_cache_spec, owner._group_block_sizes[g])
             for g, group in enumerate(owner.kv_cache_config.kv_cache_groups)
         )
         self.num_single_type_manager = len(self.single_type_managers)
@@ -238,6 +304,11 @@ class CoordinatorView:
         self.num_reprefillable_tokens = 0
         self.use_eagle = owner.use_eagle
         self.max_model_len = owner.max_model_len
+        self.scheduler_block_size = owner.scheduler_block_size
+        self.hash_block_size = owner.hash_block_size
+        self.retention_interval = getattr(
+            owner.kv_cache_config, "prefix_cache_retention_interval", None
+        )
 
     def get_num_blocks_to_allocate(
         self,

@@ -312,7 +312,8 @@ impl KvCacheManager {
         if self.table.contains(id) {
             return Err(Error::DuplicateRequest(id.to_owned()));
         }
-        if spec.prompt_token_ids.is_empty() {
+        // An engine may register a request before any token (vLLM allows it).
+        if spec.prompt_token_ids.is_empty() && !self.cfg.external_block_hashes {
             return Err(invalid("prompt_token_ids must not be empty"));
         }
         if spec.prompt_token_ids.len() as u64 > self.cfg.max_model_len {

@@ -540,6 +540,24 @@ impl PyManager {
         Ok(borrow_mut(slf)?.inner.free_blocks(&ids)?)
     }
 
+    /// Takes `n` blocks from the free queue for the engine's own use (they count
+    /// as detached until `free_blocks`); None when fewer are free.
+    fn get_new_blocks<'py>(
+        slf: &Bound<'py, Self>,
+        n: i64,
+    ) -> PkResult<Option<Bound<'py, PyArray1<i32>>>> {
+        let n = u32::try_from(n)
+            .map_err(|_| crate::errors::invalid_arg(format!("n must be in 0..2**32, got {n}")))?;
+        let ids = borrow_mut(slf)?.inner.get_new_blocks(n);
+        Ok(ids.map(|ids| PyArray1::from_vec(slf.py(), ids_i32(&ids))))
+    }
+
+    /// Leading blocks of the request already cached, per group (None where it
+    /// has not run yet).
+    fn num_cached_blocks(slf: &Bound<'_, Self>, request_id: &str) -> PkResult<Vec<Option<usize>>> {
+        Ok(borrow(slf)?.inner.num_cached_blocks(request_id)?)
+    }
+
     /// Block references detached by `pop_blocks_for_free` and not yet freed.
     #[getter]
     fn num_detached_block_refs(&self) -> u64 {

@@ -11,7 +11,7 @@ use crate::error::{Error, Result, invalid};
 use crate::hash::BlockHash;
 use crate::pool::{BlockId, NULL_BLOCK};
 use crate::request::{Request, RequestSpec};
-use crate::single_type::Need;
+use crate::single_type::{GroupBlocks, Need};
 use crate::stats::PrefixCacheStats;
 
 impl KvCacheManager {
@@ -115,6 +115,31 @@ impl KvCacheManager {
         }
         self.coord.pool_mut().free_blocks(ordered.iter().copied());
         Ok(())
+    }
+
+    /// Takes `n` blocks from the free queue (evicting cached ones as vLLM's
+    /// pool does) for the engine's own use, outside any request: they count as
+    /// detached until [`Self::free_blocks`] returns them. `None` when fewer
+    /// than `n` are free (nothing taken).
+    pub fn get_new_blocks(&mut self, n: u32) -> Option<Vec<BlockId>> {
+        let mut out = Vec::new();
+        if !self.coord.pool_mut().get_new_blocks(n, &mut out) {
+            return None;
+        }
+        for &b in &out {
+            *self.detached.entry(b).or_insert(0) += 1;
+        }
+        Some(out)
+    }
+
+    /// Leading blocks of the request already cached, per group (`None` in a
+    /// group the request has not run in yet: vLLM's `num_cached_block` entry).
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn num_cached_blocks(&self, id: &str) -> Result<Vec<Option<usize>>> {
+        let req = self.table.get(self.table.slot(id)?);
+        Ok(req.groups.iter().map(GroupBlocks::num_cached).collect())
     }
 
     /// Block references detached by [`Self::pop_blocks_for_free`] and not yet

@@ -1,0 +1,301 @@
+"""The engine-driven calls behind ``pagedkv.vllm`` (vLLM 0.33's manager API).
+
+Without vLLM these run the core's engine mode through pagedkv's own API, with
+block hashes vLLM 0.33 computed (``vllm_request_hashes.json``) and vLLM's
+expected block ids; with vLLM installed, the drop-in is also run side by side
+with vLLM's own ``KVCacheManager`` on the same ``Request`` objects.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+import pagedkv as pk
+import pytest
+from _util import load_vectors, make_manager
+from pagedkv.errors import InvalidArgumentError, StaleComputedBlocksError
+
+REQUESTS = load_vectors("vllm_request_hashes.json")
+
+
+def engine_manager(block_size: int = 16, num_blocks: int = 11, **kw: Any) -> pk.KVCacheManager:
+    return make_manager(
+        block_size,
+        num_blocks,
+        external_block_hashes=True,
+        record_stats_at_admission=False,
+        enable_kv_cache_events=True,
+        log_stats=True,
+        **kw,
+    )
+
+
+def vllm_case(block_size: int) -> tuple[list[int], list[bytes]]:
+    """A prompt and the block hashes vLLM 0.33 gave it (no extra keys)."""
+    for c in REQUESTS["cases"]:
+        if c["block_size"] == block_size and not c["mm_features"] and c["lora_name"] is None:
+            if c["cache_salt"] is None:
+                return c["token_ids"], [bytes.fromhex(b["hash"]) for b in c["blocks"]]
+    raise AssertionError(f"no plain case of block size {block_size}")
+
+
+def admit(m: pk.KVCacheManager, rid: str) -> tuple[list[int], int, list[int] | None]:
+    hit = m.get_computed_blocks(rid)
+    n = m.num_tokens(rid)
+    new = m.allocate_slots(
+        rid, n - hit.num_computed_tokens, num_computed_tokens=0, new_computed_blocks=hit
+    )
+    return (
+        hit.block_ids[0].tolist() if hit.block_ids else [],
+        hit.num_computed_tokens,
+        None if new is None else new[0].tolist(),
+    )
+
+
+def test_hits_and_events_use_the_hashes_vllm_computed() -> None:
+    tokens, hashes = vllm_case(4)
+    m = engine_manager(block_size=4)
+    for rid in ("a", "b"):
+        m.add_request(rid, tokens, session_id=f"s-{rid}")
+        m.sync_request(rid, tokens, hashes)
+        assert m.block_hashes(rid) == hashes
+    assert admit(m, "a")[1] == 0
+    blocks, hit, _ = admit(m, "b")
+    full = len(tokens) // 4
+    # The last token is always recomputed: a prompt of whole blocks hits one less.
+    expect = full - 1 if len(tokens) % 4 == 0 else full
+    assert hit == expect * 4
+    assert blocks == list(range(1, expect + 1))
+    (stored,) = [e for e in m.take_events(raw_hashes=True) if isinstance(e, pk.BlockStored)]
+    assert stored.block_hashes == hashes[:full]
+    assert stored.session_id == "s-a"
+    m.check_invariants()
+
+
+def test_sync_request_reads_only_what_the_manager_lacks() -> None:
+    m = engine_manager()
+    tokens = list(range(20))
+    m.add_request("r", tokens)
+    h0 = bytes(range(32))
+    m.sync_request("r", [*tokens, 7, -1], [h0])
+    assert m.num_tokens("r") == 22
+    assert m.block_hashes("r") == [h0]
+    # The same lists again: nothing to add. Shorter lists are an engine bug.
+    m.sync_request("r", [*tokens, 7, -1], [h0])
+    assert m.num_tokens("r") == 22
+    with pytest.raises(InvalidArgumentError, match="fewer than"):
+        m.sync_request("r", tokens, [h0])
+    with pytest.raises(TypeError, match="bytes"):
+        m.sync_request("r", [*tokens, 7, -1], [h0, "not bytes"])
+    with pytest.raises(InvalidArgumentError, match="outside"):
+        m.sync_request("r", [*tokens, 7, -1, -2], [h0])
+    assert (m.num_tokens("r"), m.block_hashes("r")) == (22, [h0])
+
+
+def test_placeholder_tokens_come_back_as_minus_one_in_events() -> None:
+    m = engine_manager(block_size=4)
+    prompt = [5, -1, -1, 6, 7]
+    m.add_request("r", prompt)
+    m.sync_request("r", prompt, [b"\x01" * 8])
+    admit(m, "r")
+    (stored,) = [e for e in m.take_events() if isinstance(e, pk.BlockStored)]
+    assert stored.token_ids == [5, -1, -1, 6]
+
+
+def test_a_hashing_manager_refuses_engine_hashes() -> None:
+    m = make_manager()
+    m.add_request("r", [1, 2, 3])
+    with pytest.raises(InvalidArgumentError, match="external_block_hashes"):
+        m.sync_request("r", [1, 2, 3, 4], [b"\x01" * 32])
+    with pytest.raises(InvalidArgumentError):
+        m.add_request("s", [1, -1])
+
+
+def test_deferred_free_keeps_blocks_until_free_blocks() -> None:
+    # vLLM's test_prefill ids: two requests share three blocks.
+    m = engine_manager()
+    common = [bytes([1, i]) * 4 for i in range(3)]
+    m.add_request("r0", list(range(55)))
+    m.sync_request("r0", list(range(55)), common)
+    admit(m, "r0")
+    r1 = list(range(48)) + list(range(100, 105))
+    m.add_request("r1", r1)
+    m.sync_request("r1", r1, common)
+    assert admit(m, "r1") == ([1, 2, 3], 48, [5])
+    popped = m.pop_blocks_for_free("r0").tolist()
+    assert popped == [1, 2, 3, 4]
+    assert "r0" not in m
+    assert m.num_free_blocks == 5
+    assert m.num_detached_block_refs == 4
+    assert m.block_ref_count(4) == 1
+    m.check_invariants()
+    with pytest.raises(InvalidArgumentError, match="detached"):
+        m.free_blocks([4, 4])
+    assert m.num_detached_block_refs == 4
+    m.free_blocks(reversed(popped))
+    m.remove_request("r1")
+    assert m.free_block_ids().tolist() == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
+    m.check_invariants()
+
+
+def test_capped_lookup_and_hits_named_by_block_ids() -> None:
+    m = engine_manager()
+    hashes = [bytes([9, i]) * 4 for i in range(3)]
+    for rid in ("a", "b"):
+        m.add_request(rid, list(range(55)))
+        m.sync_request(rid, list(range(55)), hashes)
+    admit(m, "a")
+    capped = m.get_computed_blocks("b", 40)
+    assert (capped.block_ids[0].tolist(), capped.num_computed_tokens) == ([1, 2], 32)
+    with pytest.raises(StaleComputedBlocksError):
+        m.computed_blocks_from_ids("b", [[1, 4]], 32)
+    hit = m.computed_blocks_from_ids("b", [[1, 2]], 32)
+    new = m.allocate_slots("b", 23, num_computed_tokens=0, new_computed_blocks=hit)
+    assert new is not None and new[0].tolist() == [5, 6]
+    assert m.block_ref_count(2) == 2
+
+
+def test_vllm_lenient_returns_none_where_pagedkv_raises() -> None:
+    m = engine_manager(num_blocks=5)
+    m.add_request("big", list(range(100)))
+    with pytest.raises(pk.CannotFitError):
+        m.allocate_slots("big", 100, num_computed_tokens=0)
+    assert m.allocate_slots("big", 100, num_computed_tokens=0, vllm_lenient=True) is None
+    need = m.num_blocks_to_allocate(None, 100, total_computed_tokens=0, num_tokens_main_model=100)
+    assert need == 7
+
+
+def test_stats_recorded_by_the_scheduler_are_readable_without_reset() -> None:
+    m = engine_manager()
+    m.add_request("r", list(range(20)))
+    admit(m, "r")
+    assert m._prefix_cache_stats() == (False, 0, 0, 0, 0, 0, 0)
+    m.record_prefix_cache_stats(20, 16, False)
+    assert m._prefix_cache_stats() == (False, 1, 20, 16, 0, 0, 0)
+    assert m._prefix_cache_stats() == (False, 1, 20, 16, 0, 0, 0)
+    assert m._make_prefix_cache_stats() == (False, 1, 20, 16, 0, 0, 0)
+    assert m._prefix_cache_stats() == (False, 0, 0, 0, 0, 0, 0)
+
+
+def test_lookahead_events_carry_the_tokens_each_hash_covers() -> None:
+    # vLLM's test_kv_events_reconstruct_lookahead_block_hashes[2].
+    m = engine_manager(block_size=2, num_hash_lookahead_tokens=2)
+    tokens = list(range(6))
+    m.add_request("r", tokens)
+    m.sync_request("r", tokens, [b"\x01" * 8, b"\x02" * 8])
+    admit(m, "r")
+    (stored,) = m.take_events(raw_hashes=True)
+    assert isinstance(stored, pk.BlockStored)
+    assert stored.token_ids == [0, 1, 2, 3]
+    assert stored.lookahead_token_ids == [[2, 3], [4, 5]]
+    assert stored.extra_keys == [None, None]
+    with pytest.raises(pk.InvalidConfigError, match="external_block_hashes"):
+        make_manager(num_hash_lookahead_tokens=1)
+
+
+def test_the_general_plugin_entry_point_is_registered() -> None:
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    (ep,) = [e for e in eps if e.name == "pagedkv"]
+    assert ep.value == "pagedkv.vllm.plugin:register"
+    assert ep.load() is __import__("pagedkv.vllm.plugin").vllm.plugin.register
+
+
+def test_the_plugin_installs_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedkv.vllm import plugin
+
+    monkeypatch.delenv("PAGEDKV_VLLM", raising=False)
+    plugin.register()  # a no-op without PAGEDKV_VLLM=1, vLLM or not
+    assert not plugin.installed()
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        monkeypatch.setenv("PAGEDKV_VLLM", "1")
+        with pytest.raises(ImportError, match=r"pagedkv\[vllm\]"):
+            plugin.register()
+
+
+# ---- side by side with vLLM's own manager (where vLLM is installed) ---------
+
+
+def _vllm_pair(num_blocks: int, block_size: int) -> tuple[Any, Any, Any]:
+    vllm_core = pytest.importorskip("vllm.v1.core.kv_cache_manager")
+    import torch
+    from pagedkv.vllm import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    cfg = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+    )
+    kw = dict(
+        max_model_len=4096,
+        scheduler_block_size=block_size,
+        hash_block_size=block_size,
+        log_stats=True,
+        enable_kv_cache_events=True,
+    )
+    return vllm_core.KVCacheManager(cfg, **kw), KVCacheManager(cfg, **kw), cfg
+
+
+def test_side_by_side_with_vllms_own_manager() -> None:
+    ref, ours, _ = _vllm_pair(num_blocks=24, block_size=4)
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256_cbor)
+    hasher = get_request_block_hasher(4, sha256_cbor)
+
+    def req(rid: str, tokens: list[int]) -> Any:
+        return Request(rid, tokens, SamplingParams(max_tokens=8), None, block_hasher=hasher)
+
+    prompts = {"a": list(range(30)), "b": list(range(22)) + [99] * 5, "c": list(range(30))}
+
+    def run(mgr: Any) -> list[Any]:
+        results: list[Any] = []
+        reqs = {rid: req(rid, p) for rid, p in prompts.items()}
+        for r in reqs.values():
+            blocks, hit, _ = mgr.get_computed_blocks(r)
+            new = mgr.allocate_slots(r, r.num_tokens - hit, hit, blocks)
+            results.append((hit, blocks.get_block_ids(), new.get_block_ids()))
+            r.num_computed_tokens = r.num_tokens
+            mgr.record_prefix_cache_stats(r, hit)
+        reqs["a"].append_output_token_ids([7, 8, 9])
+        results.append(mgr.allocate_slots(reqs["a"], 3).get_block_ids())
+        reqs["a"].num_computed_tokens += 3
+        blocks = mgr.pop_blocks_for_free(reqs["b"])
+        results.append([b.block_id for b in blocks])
+        results.append(mgr.block_pool.get_num_free_blocks())
+        mgr.block_pool.free_blocks(reversed(blocks))
+        mgr.free(reqs["a"])
+        results.append(mgr.block_pool.get_num_free_blocks())
+        stats = mgr.make_prefix_cache_stats()
+        results.append((stats.requests, stats.queries, stats.hits))
+        results.append([type(e).__name__ for e in mgr.take_events()])
+        return results
+
+    assert run(ours) == run(ref)
+
+
+def test_install_makes_vllm_build_pagedkv() -> None:
+    pytest.importorskip("vllm")
+    import vllm.v1.core.kv_cache_manager as vkm
+    import vllm.v1.core.sched.scheduler as vsched
+    from pagedkv.vllm import KVCacheManager, install, installed, uninstall
+
+    original = vkm.KVCacheManager
+    install()
+    try:
+        assert installed()
+        assert vkm.KVCacheManager is KVCacheManager
+        assert vsched.KVCacheManager is KVCacheManager
+    finally:
+        uninstall()
+    assert vkm.KVCacheManager is original
+    assert not installed()

@@ -79,6 +79,8 @@ class ManagerOptions(TypedDict, total=False):
     - ``hash_block_size``: hash granularity in tokens (divides every block size;
       unset: the groups' GCD).
     - ``use_eagle`` (False): EAGLE/MTP drafting: every hit drops its last block.
+    - ``eagle_groups`` (all): the KV-cache groups EAGLE's drafter runs on
+      (vLLM's ``is_eagle_group``); with ``use_eagle`` only their hits drop a block.
     - ``log_stats`` (False): collect prefix-cache stats (``make_prefix_cache_stats``).
     - ``enable_kv_cache_events`` (False): record ``BlockStored`` / ``BlockRemoved``
       / ``AllBlocksCleared`` (``take_events``).
@@ -117,6 +119,7 @@ class ManagerOptions(TypedDict, total=False):
     hash_seed: str | int | None
     hash_block_size: int | None
     use_eagle: bool
+    eagle_groups: list[int]
     log_stats: bool
     enable_kv_cache_events: bool
     watermark: float

@@ -79,6 +79,11 @@ class KVCacheManager:
         options: dict[str, Any] = {
             "enable_caching": enable_caching,
             "use_eagle": use_eagle,
+            "eagle_groups": [
+                i
+                for i, g in enumerate(kv_cache_config.kv_cache_groups)
+                if getattr(g, "is_eagle_group", False)
+            ],
             "log_stats": log_stats,
             "enable_kv_cache_events": enable_kv_cache_events,
             "watermark": watermark,

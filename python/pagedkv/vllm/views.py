@@ -262,6 +262,7 @@ class SingleTypeManagerView:
         self.kv_cache_group_id = group
         self.kv_cache_spec = spec
         self.block_size = block_size
+        self.dcp_world_size = block_size // spec.block_size
         self.block_pool = owner.block_pool
         self.enable_caching = owner.enable_caching
         self.req_to_blocks = _ReqToBlocks(owner, group)
@@ -300,7 +301,14 @@ class CoordinatorView:
         )
         self.num_single_type_manager = len(self.single_type_managers)
         self.enable_partial_hash_hits = False
-        self.eagle_group_ids: tuple[int, ...] = ()
+        flagged = {
+            i
+            for i, g in enumerate(owner.kv_cache_config.kv_cache_groups)
+            if getattr(g, "is_eagle_group", False)
+        }
+        self.eagle_group_ids = flagged or (
+            set(range(len(self.single_type_managers))) if owner.use_eagle else set()
+        )
         self.num_reprefillable_tokens = 0
         self.use_eagle = owner.use_eagle
         self.max_model_len = owner.max_model_len

@@ -80,6 +80,18 @@ impl Coordinator {
         .with_metrics(cfg.kv_cache_metrics);
         let sbs = cfg.scheduler_block_size();
         let single = cfg.groups.len() == 1;
+        // EAGLE's drop applies to every group of a spec group (groups with equal
+        // specs) that holds an EAGLE group, as vLLM's spec groups share it.
+        let eagle: Vec<bool> = cfg
+            .groups
+            .iter()
+            .map(|g| {
+                cfg.groups
+                    .iter()
+                    .enumerate()
+                    .any(|(j, other)| other == g && cfg.is_eagle_group(j))
+            })
+            .collect();
         let groups: Vec<GroupManager> = cfg
             .groups
             .iter()
@@ -93,7 +105,7 @@ impl Coordinator {
                     max_in_flight_tokens: cfg.max_in_flight_tokens.unwrap_or(cfg.max_model_len),
                     max_model_len: cfg.max_model_len,
                     num_gpu_blocks: cfg.num_blocks,
-                    use_eagle: cfg.enable_caching && cfg.use_eagle && searched,
+                    use_eagle: cfg.enable_caching && eagle[i] && searched,
                 };
                 GroupManager::new(g.clone(), i as u32, &p)
             })
@@ -117,7 +129,7 @@ impl Coordinator {
                         group_ids: vec![i as u32],
                         is_full: g.kind.is_full_attention(),
                         is_mamba: matches!(g.kind, AttentionKind::Mamba { .. }),
-                        use_eagle: cfg.use_eagle,
+                        use_eagle: eagle[i],
                     }),
                 }
             }

@@ -155,6 +155,9 @@ pub struct ManagerConfig {
     pub hash_block_size: Option<u32>,
     /// EAGLE / MTP: drop the last matched block of every hit.
     pub use_eagle: bool,
+    /// The groups EAGLE's drafter runs on (vLLM's `is_eagle_group`); with
+    /// `use_eagle`, only their hits drop a block. Empty: every group.
+    pub eagle_groups: Vec<u32>,
     /// Gather prefix-cache stats.
     pub log_stats: bool,
     /// Record KV events (`take_events`).
@@ -213,6 +216,7 @@ impl ManagerConfig {
             hash_seed: None,
             hash_block_size: None,
             use_eagle: false,
+            eagle_groups: Vec::new(),
             log_stats: false,
             enable_kv_cache_events: false,
             watermark: 0.0,
@@ -235,6 +239,13 @@ impl ManagerConfig {
             vec![GroupSpec::new(AttentionKind::FullAttention, block_size)],
             max_model_len,
         )
+    }
+
+    /// Whether group `g`'s hits drop EAGLE's block: `use_eagle`, and `g` is one
+    /// of `eagle_groups` (all groups when none is named).
+    #[must_use]
+    pub fn is_eagle_group(&self, g: usize) -> bool {
+        self.use_eagle && (self.eagle_groups.is_empty() || self.eagle_groups.contains(&(g as u32)))
     }
 
     /// The scheduler block size: the LCM of every group's block size.
@@ -344,6 +355,16 @@ impl ManagerConfig {
                      multiple of scheduler_block_size ({sbs})."
                 ));
             }
+        }
+        if let Some(&g) = self
+            .eagle_groups
+            .iter()
+            .find(|&&g| g as usize >= self.groups.len())
+        {
+            return bad(format!(
+                "eagle_groups names group {g}; the model has {}",
+                self.groups.len()
+            ));
         }
         if self.num_hash_lookahead_tokens > 0 && !self.external_block_hashes {
             return bad(

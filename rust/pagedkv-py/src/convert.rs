@@ -431,6 +431,7 @@ pub fn manager_config(
             "hash_seed" => cfg.hash_seed = hash_seed(&v)?,
             "hash_block_size" => cfg.hash_block_size = option_int(name, &v)?,
             "use_eagle" => cfg.use_eagle = option(name, &v)?,
+            "eagle_groups" => cfg.eagle_groups = option(name, &v)?,
             "log_stats" => cfg.log_stats = option(name, &v)?,
             "enable_kv_cache_events" => cfg.enable_kv_cache_events = option(name, &v)?,
             "watermark" => cfg.watermark = option(name, &v)?,

@@ -358,3 +358,69 @@ fn lookahead_hashing_publishes_the_tokens_each_block_hash_covers() {
     cfg.num_hash_lookahead_tokens = 1;
     assert!(KvCacheManager::new(cfg).is_err());
 }
+
+#[test]
+fn eagle_groups_drop_for_their_whole_spec_group() {
+    // vLLM's test_eagle_grouped_swa_siblings_use_same_cache_mask: full
+    // attention (block 32) and two sliding-window groups of one spec (block 8,
+    // window 8), the second EAGLE's: both siblings cache the block past the
+    // aligned boundary, and a longer prompt hits 64 tokens.
+    let swa = GroupSpec::new(AttentionKind::SlidingWindow { window: 8 }, 8);
+    let groups = vec![
+        GroupSpec::new(AttentionKind::FullAttention, 32),
+        swa.clone(),
+        swa,
+    ];
+    let mut cfg = ManagerConfig::new(100, groups, 8192);
+    cfg.hash_block_size = Some(8);
+    cfg.use_eagle = true;
+    cfg.eagle_groups = vec![2];
+    let mut m = ok(KvCacheManager::new(cfg));
+    let tokens: Vec<u32> = (0..9).flat_map(|i| [i; 8]).collect();
+    ok(m.add_request(
+        "r0",
+        RequestSpec {
+            prompt_token_ids: tokens.clone(),
+            ..Default::default()
+        },
+    ));
+    assert_eq!(admit_groups(&mut m, "r0"), 0);
+    let hashes = ok(m.block_hashes("r0")).to_vec();
+    for group in [1, 2] {
+        for i in [4, 8] {
+            let key = pagedkv_core::CacheKey {
+                hash: hashes[i],
+                group,
+            };
+            assert!(
+                m.pool().cached_block(&key).is_some(),
+                "block {i} of group {group}"
+            );
+        }
+    }
+    ok(m.remove_request("r0"));
+    ok(m.add_request(
+        "r1",
+        RequestSpec {
+            prompt_token_ids: [tokens, vec![999]].concat(),
+            ..Default::default()
+        },
+    ));
+    assert_eq!(ok(m.get_computed_blocks("r1")).num_computed_tokens, 64);
+    // An EAGLE group out of range is refused.
+    let mut bad = ManagerConfig::full_attention(11, 16, 64);
+    bad.eagle_groups = vec![1];
+    assert!(KvCacheManager::new(bad).is_err());
+}
+
+/// Admits a request whole in every group; returns the hit length.
+fn admit_groups(m: &mut KvCacheManager, id: &str) -> u64 {
+    let hit = ok(m.get_computed_blocks(id));
+    let n = ok(m.num_tokens(id)) as u64;
+    let args = AllocateArgs {
+        num_new_computed_tokens: hit.num_computed_tokens,
+        ..AllocateArgs::step(n - hit.num_computed_tokens, 0)
+    };
+    assert!(ok(m.allocate_slots(id, &args, Some(&hit))).is_some());
+    hit.num_computed_tokens
+}

@@ -87,17 +87,16 @@ def _core_kind(spec: KVCacheSpec) -> dict[str, Any]:
 class PagedBlock(KVCacheBlock):
     """A vLLM block object whose reference count and hash are the core's."""
 
-    __slots__ = ("_core",)
+    __slots__ = ("_core", "_queue")
 
     def __init__(self, block_id: int, core: _core.KVCacheManager, is_null: bool = False) -> None:
         # vLLM's slots, minus the two the core answers (read below).
         for name, value in (
             ("block_id", block_id),
             ("pool", None),
-            ("prev_free_block", None),
-            ("next_free_block", None),
             ("is_null", is_null),
             ("_core", core),
+            ("_queue", None),
         ):
             setattr(self, name, value)
 
@@ -120,15 +119,72 @@ class PagedBlock(KVCacheBlock):
         """Prefix tokens the cached block's hash covers, or None."""
         return self._core.cached_block_num_tokens(self.block_id)
 
+    # vLLM's dataclass fields behind the two properties above (read by its
+    # generated __eq__ and __repr__).
+    _block_hash = block_hash
+    _block_hash_num_tokens = block_hash_num_tokens
+
+    @property  # type: ignore[override]
+    def prev_free_block(self) -> Any:
+        """The block before this one in the free queue (the queue's head
+        sentinel for the first), or None when the block is not free."""
+        return None if self._queue is None else self._queue.neighbor(self.block_id, 0)
+
+    @property  # type: ignore[override]
+    def next_free_block(self) -> Any:
+        """The block after this one in the free queue (the queue's tail
+        sentinel for the last), or None when the block is not free."""
+        return None if self._queue is None else self._queue.neighbor(self.block_id, 1)
+
     def __repr__(self) -> str:
         return f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
 
 
+class _QueueEnd:
+    """One of the free queue's sentinels (vLLM's fake head and tail)."""
+
+    def __init__(self, queue: _FreeQueueView, head: bool) -> None:
+        self._queue = queue
+        self._head = head
+        self.block_id = -1
+        self.is_null = False
+
+    @property
+    def next_free_block(self) -> Any:
+        return self._queue.end(0) if self._head else None
+
+    @property
+    def prev_free_block(self) -> Any:
+        return None if self._head else self._queue.end(1)
+
+
 class _FreeQueueView:
-    """vLLM's ``free_block_queue``, read-only: the count and the order."""
+    """vLLM's ``free_block_queue``, read-only: the count, the order, and the
+    links between free blocks (``fake_free_list_head`` / ``_tail``)."""
 
     def __init__(self, owner: KVCacheManager) -> None:
         self._owner = owner
+        self.fake_free_list_head = _QueueEnd(self, head=True)
+        self.fake_free_list_tail = _QueueEnd(self, head=False)
+        for b in owner._blocks:
+            setattr(b, "_queue", self)  # noqa: B010 - a slot of vLLM's subclass
+
+    def neighbor(self, block_id: int, side: int) -> Any:
+        """The block before (0) or after (1) a free block, a sentinel at the ends."""
+        links = self._owner._core.free_neighbors(block_id)
+        if links is None:
+            return None
+        i = links[side]
+        if i < 0:
+            return self.fake_free_list_head if side == 0 else self.fake_free_list_tail
+        return self._owner._blocks[i]
+
+    def end(self, side: int) -> Any:
+        """The first (0) or last (1) free block, or the other sentinel if none."""
+        i = self._owner._core.free_neighbors(-1)[side]  # type: ignore[index]
+        if i < 0:
+            return self.fake_free_list_tail if side == 0 else self.fake_free_list_head
+        return self._owner._blocks[i]
 
     @property
     def num_free_blocks(self) -> int:
@@ -137,6 +193,31 @@ class _FreeQueueView:
     def get_all_free_blocks(self) -> list[PagedBlock]:
         blocks = self._owner._blocks
         return [blocks[i] for i in self._owner._core.free_block_ids().tolist()]
+
+
+class _CachedBlocks:
+    """vLLM's ``cached_block_hash_to_block``, read-only: the prefix map keyed
+    by ``BlockHashWithGroupId`` (block hash + 4-byte big-endian group id)."""
+
+    def __init__(self, owner: KVCacheManager) -> None:
+        self._owner = owner
+
+    def _ids(self, key: bytes) -> list[int]:
+        digest, group = key[:-4], int.from_bytes(key[-4:], "big")
+        ids: list[int] = self._owner._core.cached_blocks_for_hash(digest, group).tolist()
+        return ids
+
+    def get_one_block(self, key: bytes) -> PagedBlock | None:
+        """The first block cached under the key, or None."""
+        ids = self._ids(key)
+        return self._owner._blocks[ids[0]] if ids else None
+
+    def contain(self, key: bytes, block_id: int) -> bool:
+        """Whether this block is cached under the key."""
+        return block_id in self._ids(key)
+
+    def __len__(self) -> int:
+        return self._owner._core.num_cached_block_hashes
 
 
 class BlockPoolView:
@@ -151,6 +232,7 @@ class BlockPoolView:
         self.enable_kv_cache_events = owner.enable_kv_cache_events
         self.hash_block_size = owner.hash_block_size
         self.free_block_queue = _FreeQueueView(owner)
+        self.cached_block_hash_to_block = _CachedBlocks(owner)
 
     def get_num_free_blocks(self) -> int:
         """Free blocks (cached ones included)."""

@@ -299,6 +299,24 @@ impl BlockPool {
         self.num_free -= n;
     }
 
+    /// A free block's neighbours in the free queue, `(previous, next)` (`None`
+    /// at either end); `None` for a block that is not in the queue.
+    #[must_use]
+    pub fn free_neighbors(&self, id: BlockId) -> Option<(Option<BlockId>, Option<BlockId>)> {
+        let b = self.blocks.get(id as usize)?;
+        if id == NULL_BLOCK || b.ref_cnt > 0 {
+            return None;
+        }
+        let link = |x: u32| (x != NIL).then_some(x);
+        Some((link(b.prev), link(b.next)))
+    }
+
+    /// The head and tail of the free queue (`None` when it is empty).
+    #[must_use]
+    pub fn free_queue_ends(&self) -> Option<(BlockId, BlockId)> {
+        (self.head != NIL).then_some((self.head, self.tail))
+    }
+
     /// The free queue from head to tail.
     #[must_use]
     pub fn free_queue(&self) -> Vec<BlockId> {

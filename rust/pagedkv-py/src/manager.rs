@@ -620,6 +620,23 @@ impl PyManager {
         )?)
     }
 
+    /// A free block's neighbours in the free queue, `(previous, next)`, -1 at
+    /// either end; None for a block not in the queue. `block_id=-1`: the
+    /// queue's `(head, tail)` (-1, -1 when empty).
+    fn free_neighbors(slf: &Bound<'_, Self>, block_id: i64) -> PkResult<Option<(i64, i64)>> {
+        let this = borrow(slf)?;
+        let pool = this.inner.pool();
+        let end = |x: Option<u32>| x.map_or(-1, i64::from);
+        if block_id == -1 {
+            return Ok(Some(
+                pool.free_queue_ends()
+                    .map_or((-1, -1), |(h, t)| (i64::from(h), i64::from(t))),
+            ));
+        }
+        let id = pool.block_id(block_id)?;
+        Ok(pool.free_neighbors(id).map(|(p, n)| (end(p), end(n))))
+    }
+
     /// Prefix tokens the cached block's hash covers, or None if not cached.
     fn cached_block_num_tokens(slf: &Bound<'_, Self>, block_id: i64) -> PkResult<Option<u32>> {
         let this = borrow(slf)?;

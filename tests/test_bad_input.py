@@ -124,6 +124,10 @@ ID_METHODS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "add_request": lambda m, r: m.add_request(r, [1, 2, 3]),
     "contains": lambda m, r: r in m,
     "request_handle": lambda m, r: m.request_handle(r),
+    "sync_request": lambda m, r: m.sync_request(r, [1], []),
+    "pop_blocks_for_free": lambda m, r: m.pop_blocks_for_free(r),
+    "computed_blocks_from_ids": lambda m, r: m.computed_blocks_from_ids(r, [[]], 0),
+    "num_cached_blocks": lambda m, r: m.num_cached_blocks(r),
 }
 # Batch calls also take the int handles add_request returns.
 HANDLE_METHODS = ("allocate_slots_batch", "append_token_ids_batch")
@@ -235,6 +239,26 @@ COUNT_PARAMS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "cached_block_hash.block_id": lambda m, v: m.cached_block_hash(v),
     "evict_blocks.block_id": lambda m, v: m.evict_blocks([v]),
     "evict_blocks.valid_then_bad": lambda m, v: m.evict_blocks([5, 1, v]),
+    "get_computed_blocks.max_cache_hit_length": lambda m, v: m.get_computed_blocks("wait", v),
+    "allocate_slots.num_in_flight_tokens": lambda m, v: m.allocate_slots(
+        "run", 1, num_computed_tokens=54, num_in_flight_tokens=v
+    ),
+    "computed_blocks_from_ids.num_computed_tokens": lambda m, v: m.computed_blocks_from_ids(
+        "wait", [[]], v
+    ),
+    "computed_blocks_from_ids.block_id": lambda m, v: m.computed_blocks_from_ids("wait", [[v]], 16),
+    "num_blocks_to_allocate.num_tokens": lambda m, v: m.num_blocks_to_allocate(
+        "run", v, total_computed_tokens=0, num_tokens_main_model=1
+    ),
+    "num_blocks_to_allocate.total_computed_tokens": lambda m, v: m.num_blocks_to_allocate(
+        None, 16, total_computed_tokens=v, num_tokens_main_model=16
+    ),
+    "record_prefix_cache_stats.num_tokens": lambda m, v: m.record_prefix_cache_stats(v, 0, False),
+    "record_prefix_cache_stats.num_hits": lambda m, v: m.record_prefix_cache_stats(100, v, False),
+    "free_blocks.block_id": lambda m, v: m.free_blocks([v]),
+    "get_new_blocks.n": lambda m, v: m.get_new_blocks(v),
+    "cached_block_num_tokens.block_id": lambda m, v: m.cached_block_num_tokens(v),
+    "free_neighbors.block_id": lambda m, v: m.free_neighbors(v),
 }
 BAD_COUNTS: dict[str, tuple[Any, type[BaseException]]] = {
     "negative": (-1, InvalidArgumentError),
@@ -255,6 +279,14 @@ COUNT_EXCEPTIONS: dict[tuple[str, str], type[BaseException] | None] = {
     ("allocate_slots.num_new_computed_tokens", "none"): None,
     # A list of counts cannot hold None / str / float: the whole list is refused.
     ("allocate_slots_batch.num_new_tokens_list", "nan"): TypeError,
+    # No cap: the request's own limit.
+    ("get_computed_blocks.max_cache_hit_length", "none"): None,
+    # A huge cap is only a cap.
+    ("get_computed_blocks.max_cache_hit_length", "huge"): None,
+    # -1 asks for the queue's ends.
+    ("free_neighbors.block_id", "negative"): None,
+    # Past 2**32 blocks: refused as a count, not answered None.
+    ("get_new_blocks.n", "huge"): InvalidArgumentError,
 }
 
 
@@ -604,6 +636,11 @@ def test_every_public_method_is_in_the_matrix() -> None:
     covered = {m.split(".")[0] for m in (*ID_METHODS, *COUNT_PARAMS, *TOKEN_METHODS)} | {
         "evict_blocks",
         "cached_blocks_for_hash",
+        "num_blocks_to_allocate",
+        # No arguments to get wrong, or tested with an engine manager
+        # (test_vllm_dropin.py):
+        "_prefix_cache_stats",
+        "num_detached_block_refs",
         "allocate_slots",
         "add_request",
         # No arguments to get wrong:

@@ -93,6 +93,32 @@ def test_sync_request_reads_only_what_the_manager_lacks() -> None:
     assert (m.num_tokens("r"), m.block_hashes("r")) == (22, [h0])
 
 
+@pytest.mark.parametrize(
+    ("bad", "expected"),
+    [
+        ([True], TypeError),
+        ([None], TypeError),
+        ([1.0], TypeError),
+        ("abc", TypeError),
+        ([-2], InvalidArgumentError),
+        ([2**32 - 1], InvalidArgumentError),  # the placeholder's own code
+        ([2**32], InvalidArgumentError),
+        ([2**70], InvalidArgumentError),
+    ],
+)
+def test_engine_token_ids_are_checked(bad: Any, expected: type[BaseException]) -> None:
+    m = engine_manager()
+    m.add_request("r", [1, 2])
+    with pytest.raises(expected):
+        m.sync_request("r", [1, 2, *bad] if isinstance(bad, list) else bad, [])
+    with pytest.raises(expected):
+        m.add_request("s", bad)
+    assert m.num_tokens("r") == 2 and "s" not in m
+    # An engine may register a request before any token.
+    m.add_request("empty", [])
+    assert m.num_tokens("empty") == 0
+
+
 def test_placeholder_tokens_come_back_as_minus_one_in_events() -> None:
     m = engine_manager(block_size=4)
     prompt = [5, -1, -1, 6, 7]
@@ -299,3 +325,25 @@ def test_install_makes_vllm_build_pagedkv() -> None:
         uninstall()
     assert vkm.KVCacheManager is original
     assert not installed()
+
+
+def test_free_queue_links_walk_the_queue_in_order() -> None:
+    m = engine_manager(num_blocks=8)
+    m.add_request("r", list(range(40)))
+    m.sync_request("r", list(range(40)), [b"\x01" * 8, b"\x02" * 8])
+    admit(m, "r")
+    m.free("r")
+    order = m.free_block_ids().tolist()
+    head, tail = m.free_neighbors(-1)  # type: ignore[misc]
+    walked, cur = [], head
+    while cur != -1:
+        walked.append(cur)
+        prev, nxt = m.free_neighbors(cur)  # type: ignore[misc]
+        assert prev == (walked[-2] if len(walked) > 1 else -1)
+        cur = nxt
+    assert walked == order and tail == order[-1]
+    m.add_request("s", list(range(5)))
+    m.allocate_slots("s", 5, num_computed_tokens=0)
+    held = m.get_block_ids("s")[0][0]
+    assert m.free_neighbors(int(held)) is None
+    assert m.free_neighbors(0) is None  # the null block is never queued

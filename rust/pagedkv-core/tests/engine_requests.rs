@@ -304,8 +304,9 @@ fn stats_are_recorded_by_the_scheduler_and_readable_without_reset() {
     admit(&mut m, "r0");
     // Admission records nothing with record_stats_at_admission off.
     assert_eq!(m.prefix_cache_stats().map(|s| s.requests), Some(0));
-    m.record_prefix_cache_stats(55, 16, false);
-    m.record_prefix_cache_stats(40, 0, true);
+    ok(m.record_prefix_cache_stats(55, 16, false));
+    ok(m.record_prefix_cache_stats(40, 0, true));
+    assert!(m.record_prefix_cache_stats(10, 11, false).is_err());
     let peek = m.prefix_cache_stats().copied();
     assert_eq!(
         peek.as_ref().map(|s| (s.requests, s.queries, s.hits)),

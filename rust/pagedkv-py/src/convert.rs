@@ -118,18 +118,26 @@ pub fn suffix<'py>(obj: &Bound<'py, PyAny>, from: usize) -> PkResult<Option<Boun
 /// Token ids of an engine's request: ints in `0..2**32 - 1`, or `-1` (vLLM's
 /// multimodal placeholder, kept as [`PLACEHOLDER_TOKEN`]).
 pub fn engine_tokens(obj: &Bound<'_, PyAny>) -> PkResult<Vec<u32>> {
-    let vals: Vec<i64> = obj
-        .extract()
-        .map_err(|_| type_error("token ids must be ints"))?;
-    vals.into_iter()
-        .map(|v| match v {
-            -1 => Ok(PLACEHOLDER_TOKEN),
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(type_error("token ids must be a sequence of ints"));
+    }
+    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    for item in obj.try_iter()? {
+        let item = item?;
+        if item.is_instance_of::<PyBool>() || !item.is_instance_of::<PyInt>() {
+            let shown = item.repr().map(|r| r.to_string()).unwrap_or_default();
+            return Err(type_error(format!("token ids must be ints, got {shown}")));
+        }
+        let v = item.extract::<i64>().unwrap_or(i64::MIN);
+        out.push(match v {
+            -1 => PLACEHOLDER_TOKEN,
             v => u32::try_from(v)
                 .ok()
                 .filter(|&t| t != PLACEHOLDER_TOKEN)
-                .ok_or_else(|| invalid_arg(format!("token id {v} is outside -1..2**32 - 1"))),
-        })
-        .collect()
+                .ok_or_else(|| invalid_arg(format!("token id {item} is outside -1..2**32 - 1")))?,
+        });
+    }
+    Ok(out)
 }
 
 /// Block hashes (bytes, 1..=32 long) from a sequence.

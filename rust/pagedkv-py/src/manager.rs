@@ -656,10 +656,9 @@ impl PyManager {
             count("num_tokens", num_tokens)?,
             count("num_hits", num_hits)?,
         );
-        borrow_mut(slf)?
+        Ok(borrow_mut(slf)?
             .inner
-            .record_prefix_cache_stats(t, h, preempted);
-        Ok(())
+            .record_prefix_cache_stats(t, h, preempted)?)
     }
 
     /// The stats since the last `make_prefix_cache_stats`, not reset (the tuple

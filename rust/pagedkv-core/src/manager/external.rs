@@ -12,6 +12,7 @@ use crate::hash::BlockHash;
 use crate::pool::{BlockId, NULL_BLOCK};
 use crate::request::{Request, RequestSpec};
 use crate::single_type::{GroupBlocks, Need};
+use crate::spec::MAX_TOKENS;
 use crate::stats::PrefixCacheStats;
 
 impl KvCacheManager {
@@ -164,6 +165,12 @@ impl KvCacheManager {
     ) -> Result<ComputedBlocks> {
         let slot = self.table.slot(id)?;
         let req = self.table.get(slot);
+        if num_computed_tokens > req.num_tokens() as u64 {
+            return Err(invalid(format!(
+                "num_computed_tokens {num_computed_tokens} exceeds the request's {} tokens",
+                req.num_tokens()
+            )));
+        }
         if block_ids.len() != self.num_groups() {
             return Err(invalid(format!(
                 "computed blocks name {} groups; the manager has {}",
@@ -192,10 +199,24 @@ impl KvCacheManager {
 
     /// Records one admitted request's lookup (vLLM 0.33's scheduler calls this
     /// itself; see `record_stats_at_admission`). No-op with stats off.
-    pub fn record_prefix_cache_stats(&mut self, num_tokens: u64, num_hits: u64, preempted: bool) {
+    ///
+    /// # Errors
+    /// More hits than tokens, or a count past `2**40`.
+    pub fn record_prefix_cache_stats(
+        &mut self,
+        num_tokens: u64,
+        num_hits: u64,
+        preempted: bool,
+    ) -> Result<()> {
+        if num_tokens > MAX_TOKENS || num_hits > num_tokens {
+            return Err(invalid(format!(
+                "{num_hits} hits of {num_tokens} tokens is not a lookup (at most 2**40 tokens)"
+            )));
+        }
         if let Some(s) = self.stats.as_mut() {
             s.record(num_tokens, num_hits, preempted);
         }
+        Ok(())
     }
 
     /// The stats gathered since the last [`Self::make_prefix_cache_stats`],
@@ -224,6 +245,18 @@ impl KvCacheManager {
         num_encoder_tokens: u64,
         apply_admission_cap: bool,
     ) -> Result<u64> {
+        for n in [
+            num_tokens,
+            total_computed,
+            num_tokens_main_model,
+            num_encoder_tokens,
+        ] {
+            if n > MAX_TOKENS {
+                return Err(invalid(format!(
+                    "count {n} is out of range (at most 2**40)"
+                )));
+            }
+        }
         let max_len = self.cfg.max_model_len;
         let need = Need {
             num_tokens: num_tokens.min(max_len),

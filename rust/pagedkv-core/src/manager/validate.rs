@@ -90,6 +90,7 @@ impl KvCacheManager {
             a.num_lookahead_tokens,
             a.num_encoder_tokens,
             a.reserved_blocks,
+            a.num_in_flight_tokens,
         ] {
             if x > (1 << 40) {
                 return Err(invalid(format!("count {x} is out of range")));

@@ -154,7 +154,9 @@ class KVCacheManager:
                 session_id=request.session_id,
             )
             self._live.add(rid)
-        core.sync_request(rid, request.all_token_ids, request.block_hashes)
+        core.sync_request(
+            rid, request.all_token_ids, request.block_hashes, request.shared_prefix_boundary
+        )
         return rid
 
     def _wrap(self, groups: Sequence[Any]) -> KVCacheBlocks:

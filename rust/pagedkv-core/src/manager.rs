@@ -429,7 +429,10 @@ impl KvCacheManager {
         } else {
             0
         };
-        self.table.get_mut(slot).note_lookup(spb);
+        // An engine that owns its requests pins the boundary itself (vLLM's
+        // scheduler copies the lookup's answer into the request).
+        let own = (!self.cfg.external_block_hashes).then_some(spb);
+        self.table.get_mut(slot).note_lookup(own);
         Ok(ComputedBlocks {
             block_ids: hit.block_ids,
             num_computed_tokens: hit.len as u64,

@@ -240,10 +240,18 @@ impl Request {
         was
     }
 
-    /// Records a prefix-cache lookup and the shared-prefix boundary it found.
-    pub fn note_lookup(&mut self, shared_prefix_boundary: u64) {
+    /// Records a prefix-cache lookup and the shared-prefix boundary it found
+    /// (`None`: the engine sets the boundary itself).
+    pub fn note_lookup(&mut self, shared_prefix_boundary: Option<u64>) {
         self.pending_lookup = true;
-        self.shared_prefix_boundary = shared_prefix_boundary;
+        if let Some(b) = shared_prefix_boundary {
+            self.shared_prefix_boundary = b;
+        }
+    }
+
+    /// The engine's shared-prefix boundary for this request.
+    pub fn set_shared_prefix_boundary(&mut self, boundary: u64) {
+        self.shared_prefix_boundary = boundary;
     }
 
     /// Whether a lookup preceded this admission (consumed: stats count it once).

@@ -425,3 +425,70 @@ fn admit_groups(m: &mut KvCacheManager, id: &str) -> u64 {
     assert!(ok(m.allocate_slots(id, &args, Some(&hit))).is_some());
     hit.num_computed_tokens
 }
+
+/// An engine's chained block hashes of `tokens` (any chain will do).
+fn chain(tokens: &[u32], bs: usize) -> Vec<BlockHash> {
+    let mut prev = 0xcbf2_9ce4_8422_2325_u64;
+    tokens
+        .chunks_exact(bs)
+        .map(|block| {
+            for &t in block {
+                prev = (prev ^ u64::from(t)).wrapping_mul(0x0100_0000_01b3);
+            }
+            BlockHash::from_slice(&prev.to_be_bytes()).unwrap_or_default()
+        })
+        .collect()
+}
+
+#[test]
+fn the_engine_pins_the_shared_prefix_boundary() {
+    // vLLM's test_swa_shared_prefix_reuse_under_zero_retention[False]: full
+    // attention + sliding window (2 blocks of 16), retention 0. The lookup
+    // reports the junction; only a request whose engine pins it (vLLM's
+    // scheduler copies it into the request) keeps the window there cached.
+    let last_hit = |retention: Option<u64>, pin: bool| -> u64 {
+        let groups = vec![
+            GroupSpec::new(AttentionKind::FullAttention, 16),
+            GroupSpec::new(AttentionKind::SlidingWindow { window: 32 }, 16),
+        ];
+        let mut cfg = ManagerConfig::new(200, groups, 8192);
+        cfg.external_block_hashes = true;
+        cfg.prefix_cache_retention_interval = retention;
+        let mut m = ok(KvCacheManager::new(cfg));
+        let shared = vec![7u32; 64];
+        let mut hit = 0;
+        for (i, v) in [50u32, 60, 70].into_iter().enumerate() {
+            let id = format!("r{i}");
+            let tokens = [shared.clone(), vec![v; 64]].concat();
+            ok(m.add_request(
+                &id,
+                RequestSpec {
+                    prompt_token_ids: tokens.clone(),
+                    ..Default::default()
+                },
+            ));
+            ok(m.extend_request(&id, (128, 0), &[], &chain(&tokens, 16)));
+            let found = ok(m.get_computed_blocks(&id));
+            hit = found.num_computed_tokens;
+            if i == 1 {
+                if retention == Some(0) {
+                    assert_eq!(found.shared_prefix_boundary, 64);
+                }
+                if pin {
+                    ok(m.set_shared_prefix_boundary(&id, found.shared_prefix_boundary));
+                }
+            }
+            if i < 2 {
+                let args = AllocateArgs {
+                    num_new_computed_tokens: hit,
+                    ..AllocateArgs::step(128 - hit, 0)
+                };
+                ok(m.allocate_slots(&id, &args, Some(&found)));
+            }
+        }
+        hit
+    };
+    assert_eq!(last_hit(None, false), 64);
+    assert_eq!(last_hit(Some(0), false), 0);
+    assert_eq!(last_hit(Some(0), true), 64);
+}

@@ -493,13 +493,17 @@ impl PyManager {
 
     /// Brings a request up to date with the engine's view of it: `token_ids` and
     /// `block_hashes` are the request's whole lists; only the items past what the
-    /// manager holds are read (a slice of each).
+    /// manager holds are read (a slice of each). `shared_prefix_boundary`: the
+    /// engine's pin for sparse-retention groups (vLLM's request field).
+    #[pyo3(signature = (request_id, token_ids, block_hashes, shared_prefix_boundary = 0))]
     fn sync_request(
         slf: &Bound<'_, Self>,
         request_id: &str,
         token_ids: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
+        shared_prefix_boundary: i64,
     ) -> PkResult<()> {
+        let spb = count("shared_prefix_boundary", shared_prefix_boundary)?;
         let at = {
             let this = borrow(slf)?;
             (
@@ -515,12 +519,12 @@ impl PyManager {
             Some(h) => block_hash_list(&h)?,
             None => Vec::new(),
         };
-        if new_tokens.is_empty() && new_hashes.is_empty() {
-            return Ok(());
+        let mut this = borrow_mut(slf)?;
+        if !(new_tokens.is_empty() && new_hashes.is_empty()) {
+            this.inner
+                .extend_request(request_id, at, &new_tokens, &new_hashes)?;
         }
-        Ok(borrow_mut(slf)?
-            .inner
-            .extend_request(request_id, at, &new_tokens, &new_hashes)?)
+        Ok(this.inner.set_shared_prefix_boundary(request_id, spb)?)
     }
 
     /// Detaches the request's blocks (allocation order) and forgets the request;

@@ -58,6 +58,32 @@ impl KvCacheManager {
         Ok(())
     }
 
+    /// Sets the request's shared-prefix boundary (vLLM's
+    /// `Request.shared_prefix_boundary`, which its scheduler copies from the
+    /// lookup): sparse-retention groups keep the block ending there cached.
+    ///
+    /// # Errors
+    /// Unknown request; a manager that sets the boundary at lookup itself; a
+    /// boundary past `max_model_len`.
+    pub fn set_shared_prefix_boundary(&mut self, id: &str, boundary: u64) -> Result<()> {
+        if !self.cfg.external_block_hashes {
+            return Err(invalid(
+                "set_shared_prefix_boundary needs a manager built with external_block_hashes",
+            ));
+        }
+        if boundary > self.cfg.max_model_len {
+            return Err(invalid(format!(
+                "shared_prefix_boundary {boundary} is past max_model_len {}",
+                self.cfg.max_model_len
+            )));
+        }
+        let slot = self.table.slot(id)?;
+        self.table
+            .get_mut(slot)
+            .set_shared_prefix_boundary(boundary);
+        Ok(())
+    }
+
     /// Detaches the request's blocks without returning them to the pool and
     /// forgets the request: the blocks, in allocation order (group by group,
     /// leading null blocks dropped), stay referenced until

@@ -128,8 +128,8 @@ class KVCacheManager:
         self._blocks = [
             PagedBlock(i, self._core, i == 0) for i in range(kv_cache_config.num_blocks)
         ]
-        # Requests the core holds (vLLM forgets a request at free()).
-        self._live: set[str] = set()
+        # Requests the core holds, by id (vLLM forgets a request at free()).
+        self._live: dict[str, Request] = {}
         self._live_stats = _LiveStats(self._core) if log_stats else None
         self.block_pool = BlockPoolView(self)
         self.coordinator = CoordinatorView(self)
@@ -141,7 +141,11 @@ class KVCacheManager:
         core the tokens and block hashes the request gained since."""
         rid = request.request_id
         core = self._core
-        if rid not in self._live:
+        if self._live.get(rid) is not request:
+            if rid in self._live:
+                # Another request object under a known id (a lookup that was
+                # never scheduled, then a new request): start over.
+                core.remove_request(rid)
             lora = request.lora_request
             n = request.num_prompt_tokens
             core.add_request(
@@ -153,7 +157,7 @@ class KVCacheManager:
                 mm_features=[_mm_tuple(f) for f in request.mm_features] or None,
                 session_id=request.session_id,
             )
-            self._live.add(rid)
+            self._live[rid] = request
         core.sync_request(
             rid, request.all_token_ids, request.block_hashes, request.shared_prefix_boundary
         )
@@ -284,17 +288,15 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Releases the request's blocks, tail first, and forgets it."""
         rid = request.request_id
-        if rid in self._live:
-            self._live.discard(rid)
+        if self._live.pop(rid, None) is not None:
             self._core.remove_request(rid)
 
     def pop_blocks_for_free(self, request: Request) -> list[PagedBlock]:
         """Forgets the request and returns its blocks, still referenced, in
         allocation order; ``block_pool.free_blocks`` returns them later."""
         rid = request.request_id
-        if rid not in self._live:
+        if self._live.pop(rid, None) is None:
             return []
-        self._live.discard(rid)
         blocks = self._blocks
         return [blocks[i] for i in self._core.pop_blocks_for_free(rid).tolist()]
 

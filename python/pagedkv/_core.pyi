@@ -260,7 +260,12 @@ class KVCacheManager:
     @property
     def num_detached_block_refs(self) -> int: ...
     def computed_blocks_from_ids(
-        self, request_id: str, block_ids: Iterable[Iterable[int]], num_computed_tokens: int
+        self,
+        request_id: str,
+        block_ids: Iterable[Iterable[int]],
+        num_computed_tokens: int,
+        *,
+        check_cached: bool = True,
     ) -> ComputedBlocks: ...
     def num_blocks_to_allocate(
         self,

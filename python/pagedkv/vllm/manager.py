@@ -235,8 +235,12 @@ class KVCacheManager:
             return kept[2]
         if num_new_computed_tokens == 0 and not any(blocks.blocks):
             return None
+        # Blocks the caller built itself (a connector's, a test's): vLLM adopts
+        # whatever it is handed.
         ids = [[b.block_id for b in g] for g in blocks.blocks]
-        return self._core.computed_blocks_from_ids(rid, ids, num_new_computed_tokens)
+        return self._core.computed_blocks_from_ids(
+            rid, ids, num_new_computed_tokens, check_cached=False
+        )
 
     def allocate_slots(
         self,

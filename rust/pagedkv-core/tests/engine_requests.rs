@@ -194,7 +194,7 @@ fn a_hit_named_by_block_ids_is_checked_against_the_cache() {
     add(&mut m, "r0", seq(0, 55), &hashes);
     admit(&mut m, "r0");
     add(&mut m, "r1", seq(0, 55), &hashes);
-    let hit = ok(m.computed_blocks_from_ids("r1", vec![vec![1, 2]], 32));
+    let hit = ok(m.computed_blocks_from_ids("r1", vec![vec![1, 2]], 32, true));
     let args = AllocateArgs {
         num_new_computed_tokens: 32,
         ..AllocateArgs::step(23, 0)
@@ -202,17 +202,29 @@ fn a_hit_named_by_block_ids_is_checked_against_the_cache() {
     let new = ok(m.allocate_slots("r1", &args, Some(&hit))).map(|g| g[0].clone());
     assert_eq!(new, Some(vec![5, 6]));
     assert_eq!(m.pool().ref_cnt(2), 2);
-    // Block 4 is r0's unhashed tail; 9 is out of range for r1's position 0.
+    // Block 4 is r0's unhashed tail; 99 is out of range.
     add(&mut m, "r2", seq(0, 55), &hashes);
     assert!(matches!(
-        m.computed_blocks_from_ids("r2", vec![vec![1, 4]], 32),
+        m.computed_blocks_from_ids("r2", vec![vec![1, 4]], 32, true),
         Err(Error::StaleComputedBlocks(_))
     ));
     assert!(
-        m.computed_blocks_from_ids("r2", vec![vec![99]], 16)
+        m.computed_blocks_from_ids("r2", vec![vec![99]], 16, false)
             .is_err()
     );
-    assert!(m.computed_blocks_from_ids("r2", vec![], 0).is_err());
+    assert!(m.computed_blocks_from_ids("r2", vec![], 0, false).is_err());
+    // Unchecked, the engine vouches: two free, uncached blocks are adopted
+    // (vLLM's test_cache_hit_local_and_external hands in free-queue blocks).
+    let free = m.pool().free_queue();
+    let vouched = ok(m.computed_blocks_from_ids("r2", vec![free[..2].to_vec()], 32, false));
+    let args = AllocateArgs {
+        num_new_computed_tokens: 32,
+        ..AllocateArgs::step(23, 0)
+    };
+    ok(m.allocate_slots("r2", &args, Some(&vouched)));
+    assert_eq!(&ok(m.block_ids("r2"))[0][..2], &free[..2]);
+    assert_eq!(m.pool().ref_cnt(free[0]), 1);
+    ok(m.check_invariants());
 }
 
 #[test]

@@ -568,13 +568,16 @@ impl PyManager {
         self.inner.num_detached_block_refs()
     }
 
-    /// A prefix hit named by block ids per group, checked against the request's
-    /// cached blocks (a hit an engine kept as block objects).
+    /// A prefix hit named by block ids per group (a hit an engine kept as block
+    /// objects), checked against the request's cached blocks unless
+    /// `check_cached=False` (the engine vouches for them).
+    #[pyo3(signature = (request_id, block_ids, num_computed_tokens, *, check_cached = true))]
     fn computed_blocks_from_ids(
         slf: &Bound<'_, Self>,
         request_id: &str,
         block_ids: &Bound<'_, PyAny>,
         num_computed_tokens: i64,
+        check_cached: bool,
     ) -> PkResult<PyComputedBlocks> {
         let py = slf.py();
         let mut groups = Vec::new();
@@ -585,7 +588,8 @@ impl PyManager {
         let (inner, empty) = {
             let this = borrow(slf)?;
             (
-                this.inner.computed_blocks_from_ids(request_id, groups, n)?,
+                this.inner
+                    .computed_blocks_from_ids(request_id, groups, n, check_cached)?,
                 this.empty.clone_ref(py),
             )
         };

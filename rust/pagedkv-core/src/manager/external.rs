@@ -177,17 +177,20 @@ impl KvCacheManager {
     }
 
     /// A prefix hit named by block ids per group (what an engine hands back
-    /// from an earlier lookup), checked block by block: every block must be
-    /// cached under the request's own hash at its position.
+    /// from an earlier lookup). With `check_cached`, every block must be cached
+    /// under the request's own hash at its position; without, the engine
+    /// vouches for them (vLLM adopts whatever blocks its caller passes, e.g. a
+    /// connector's freshly taken blocks), and each block only has to exist.
     ///
     /// # Errors
-    /// Unknown request; a block that is not (or no longer) the request's
+    /// Unknown request; a block out of range, or (checked) not the request's
     /// cached block there; the wrong number of groups.
     pub fn computed_blocks_from_ids(
         &self,
         id: &str,
         block_ids: Vec<Vec<BlockId>>,
         num_computed_tokens: u64,
+        check_cached: bool,
     ) -> Result<ComputedBlocks> {
         let slot = self.table.slot(id)?;
         let req = self.table.get(slot);
@@ -208,7 +211,10 @@ impl KvCacheManager {
         if let Some(&b) = block_ids.iter().flatten().find(|&&b| b >= n) {
             return Err(invalid(format!("block id {b} is out of range (0..{n})")));
         }
-        if let Some(b) = self.coord.first_stale_hit_block(req, &block_ids) {
+        if let Some(b) = check_cached
+            .then(|| self.coord.first_stale_hit_block(req, &block_ids))
+            .flatten()
+        {
             return Err(Error::StaleComputedBlocks(format!(
                 "block {b} is not the request's cached block at its position"
             )));

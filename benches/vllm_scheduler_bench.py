@@ -92,7 +92,7 @@ def run_once(
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=4096,
+        max_model_len=2048,  # facebook/opt-125m's positions
     )
     mgr = sched.kv_cache_manager
     assert (type(mgr).__module__.startswith("pagedkv")) == (side == "pagedkv"), type(mgr)

@@ -128,6 +128,10 @@ ID_METHODS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "pop_blocks_for_free": lambda m, r: m.pop_blocks_for_free(r),
     "computed_blocks_from_ids": lambda m, r: m.computed_blocks_from_ids(r, [[]], 0),
     "num_cached_blocks": lambda m, r: m.num_cached_blocks(r),
+    "estimate_cached_tokens": lambda m, r: m.estimate_cached_tokens(r),
+    "allocate_slots_synced": lambda m, r: m.allocate_slots_synced(
+        r, [1], [], 0, 1, 54, 0, None, 0, 0, False, 0, False, 0, True, 0
+    ),
 }
 # Batch calls also take the int handles add_request returns.
 HANDLE_METHODS = ("allocate_slots_batch", "append_token_ids_batch")

@@ -182,6 +182,24 @@ def test_capped_lookup_and_hits_named_by_block_ids() -> None:
     assert m.block_ref_count(2) == 2
 
 
+def test_allocate_slots_synced_syncs_then_allocates_as_vllm() -> None:
+    m = engine_manager(num_blocks=5)
+    tokens = list(range(40))
+    m.add_request("r", tokens[:20])
+    args = [0, 40, 0, 0, None, 0, 0, False, 0, False, 0, True, 0]
+    new = m.allocate_slots_synced("r", tokens, [b"\x01" * 8], *args)
+    assert new is not None and new[0].tolist() == [1, 2, 3]
+    assert (m.num_tokens("r"), m.block_hashes("r")) == (40, [b"\x01" * 8])
+    # A bad count is refused before anything changes.
+    bad = [0, -1, *args[2:]]
+    with pytest.raises(InvalidArgumentError):
+        m.allocate_slots_synced("r", [*tokens, 5], [b"\x01" * 8], *bad)
+    assert m.num_tokens("r") == 40
+    # A request that can never fit: vLLM's None, not CannotFitError.
+    m.add_request("big", list(range(100)))
+    assert m.allocate_slots_synced("big", list(range(100)), [], 0, 100, *args[2:]) is None
+
+
 def test_vllm_lenient_returns_none_where_pagedkv_raises() -> None:
     m = engine_manager(num_blocks=5)
     m.add_request("big", list(range(100)))

@@ -253,6 +253,26 @@ class KVCacheManager:
         block_hashes: Sequence[bytes],
         shared_prefix_boundary: int = 0,
     ) -> None: ...
+    def allocate_slots_synced(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        block_hashes: Sequence[bytes],
+        shared_prefix_boundary: int,
+        num_new_tokens: int,
+        num_computed_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: ComputedBlocks | None,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        delay_cache_blocks: bool,
+        num_encoder_tokens: int,
+        full_sequence_must_fit: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+        num_in_flight_tokens: int,
+        /,
+    ) -> tuple[_IdArray, ...] | None: ...
     def pop_blocks_for_free(self, request_id: str) -> _IdArray: ...
     def free_blocks(self, block_ids: Iterable[int]) -> None: ...
     def get_new_blocks(self, n: int) -> _IdArray | None: ...
@@ -278,6 +298,7 @@ class KVCacheManager:
         apply_admission_cap: bool = False,
     ) -> int: ...
     def cached_block_num_tokens(self, block_id: int) -> int | None: ...
+    def estimate_cached_tokens(self, request_id: str) -> int: ...
     def free_neighbors(self, block_id: int) -> tuple[int, int] | None: ...
     def record_prefix_cache_stats(
         self, num_tokens: int, num_hits: int, preempted: bool

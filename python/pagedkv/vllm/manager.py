@@ -139,6 +139,14 @@ class KVCacheManager:
     def _sync(self, request: Request) -> str:
         """Registers the request with the core on first sight, then hands the
         core the tokens and block hashes the request gained since."""
+        rid = self._register(request)
+        self._core.sync_request(
+            rid, _token_list(request), request.block_hashes, request.shared_prefix_boundary
+        )
+        return rid
+
+    def _register(self, request: Request) -> str:
+        """Registers the request with the core on first sight (its prompt)."""
         rid = request.request_id
         core = self._core
         if self._live.get(rid) is not request:
@@ -150,7 +158,7 @@ class KVCacheManager:
             n = request.num_prompt_tokens
             core.add_request(
                 rid,
-                request.all_token_ids[:n],
+                _token_list(request)[:n],
                 lora_name=lora.lora_name if lora is not None else None,
                 lora_id=lora.lora_int_id if lora is not None else None,
                 cache_salt=request.cache_salt,
@@ -158,15 +166,13 @@ class KVCacheManager:
                 session_id=request.session_id,
             )
             self._live[rid] = request
-        core.sync_request(
-            rid, request.all_token_ids, request.block_hashes, request.shared_prefix_boundary
-        )
         return rid
 
     def _wrap(self, groups: Sequence[Any]) -> KVCacheBlocks:
+        if not any(map(len, groups)):  # most decode steps allocate nothing
+            return self.empty_kv_cache_blocks
         blocks = self._blocks
-        lists = tuple([blocks[i] for i in g.tolist()] for g in groups)
-        return KVCacheBlocks(lists) if any(lists) else self.empty_kv_cache_blocks
+        return KVCacheBlocks(tuple([blocks[i] for i in g.tolist()] for g in groups))
 
     # ---- properties ----------------------------------------------------------
 
@@ -267,23 +273,26 @@ class KVCacheManager:
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
             )
-        rid = self._sync(request)
+        rid = self._register(request)
         hit = self._hit(rid, new_computed_blocks, num_new_computed_tokens)
-        new = self._core.allocate_slots(
+        # One crossing: the request's new tokens and hashes, then the allocation.
+        new = self._core.allocate_slots_synced(
             rid,
+            _token_list(request),
+            request.block_hashes,
+            request.shared_prefix_boundary,
             num_new_tokens,
-            num_computed_tokens=request.num_computed_tokens,
-            num_new_computed_tokens=num_new_computed_tokens,
-            new_computed_blocks=hit,
-            num_lookahead_tokens=num_lookahead_tokens,
-            num_external_computed_tokens=num_external_computed_tokens,
-            delay_cache_blocks=delay_cache_blocks,
-            num_encoder_tokens=num_encoder_tokens,
-            full_sequence_must_fit=full_sequence_must_fit,
-            reserved_blocks=reserved_blocks,
-            has_scheduled_reqs=has_scheduled_reqs,
-            num_in_flight_tokens=request.num_in_flight_tokens,
-            vllm_lenient=True,
+            request.num_computed_tokens,
+            num_new_computed_tokens,
+            hit,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+            request.num_in_flight_tokens,
         )
         return None if new is None else self._wrap(new)
 
@@ -365,20 +374,9 @@ class KVCacheManager:
 
     def estimate_cached_tokens(self, request: Request) -> int:
         """Tokens of the request's prefix that its blocks hold cached."""
-        cached: int | None = None
-        for group, blocks in zip(
-            self.kv_cache_config.kv_cache_groups,
-            self.get_blocks(request.request_id).blocks,
-            strict=True,
-        ):
-            spec = group.kv_cache_spec
-            if not spec.prefix_cacheable or isinstance(
-                spec, (CrossAttentionSpec, EncoderOnlyAttentionSpec)
-            ):
-                continue
-            n = max((b.block_hash_num_tokens or 0 for b in blocks), default=0)
-            cached = n if cached is None else min(cached, n)
-        return cached or 0
+        if request.request_id not in self._live:
+            return 0
+        return self._core.estimate_cached_tokens(request.request_id)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Always zeros, as vLLM 0.33 (cascade attention was removed)."""
@@ -464,6 +462,13 @@ class KVCacheManager:
             else:
                 out.append(VllmAllBlocksCleared())
         return out
+
+
+def _token_list(request: Request) -> Any:
+    """The request's own token list behind its read-only ``all_token_ids`` view
+    when it has one (a plain list converts without Python calls)."""
+    tokens = getattr(request, "_all_token_ids", None)
+    return request.all_token_ids if tokens is None else tokens
 
 
 _StatsTuple = tuple[bool, int, int, int, int, int, int]

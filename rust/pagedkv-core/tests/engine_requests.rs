@@ -504,3 +504,14 @@ fn the_engine_pins_the_shared_prefix_boundary() {
     assert_eq!(last_hit(Some(0), false), 0);
     assert_eq!(last_hit(Some(0), true), 64);
 }
+
+#[test]
+fn cached_tokens_are_estimated_from_the_requests_blocks() {
+    // vLLM's estimate_cached_tokens: the deepest cached block of the request.
+    let mut m = engine_mgr(11, 16);
+    add(&mut m, "r", seq(0, 55), &[h(1, 0), h(1, 1), h(1, 2)]);
+    assert_eq!(ok(m.estimate_cached_tokens("r")), 0);
+    admit(&mut m, "r");
+    assert_eq!(ok(m.estimate_cached_tokens("r")), 48);
+    assert!(m.estimate_cached_tokens("nope").is_err());
+}

@@ -118,6 +118,15 @@ pub fn suffix<'py>(obj: &Bound<'py, PyAny>, from: usize) -> PkResult<Option<Boun
 /// Token ids of an engine's request: ints in `0..2**32 - 1`, or `-1` (vLLM's
 /// multimodal placeholder, kept as [`PLACEHOLDER_TOKEN`]).
 pub fn engine_tokens(obj: &Bound<'_, PyAny>) -> PkResult<Vec<u32>> {
+    // A list of plain token ids takes the fast path; placeholders (and every
+    // error) the item-by-item one below.
+    if let Ok(list) = obj.cast::<PyList>() {
+        if let Ok(t) = list_tokens(list) {
+            if !t.contains(&PLACEHOLDER_TOKEN) {
+                return Ok(t);
+            }
+        }
+    }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error("token ids must be a sequence of ints"));
     }

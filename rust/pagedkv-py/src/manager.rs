@@ -379,19 +379,59 @@ impl PyManager {
             num_in_flight_tokens: count("num_in_flight_tokens", num_in_flight_tokens)?,
             vllm_lenient,
         };
-        let py = slf.py();
-        let groups = {
-            let mut this = borrow_mut(slf)?;
-            let this = &mut *this;
-            match this.inner.allocate_slots(request_id, &args, hit)? {
-                None => return Ok(None),
-                Some(g) if g.iter().all(Vec::is_empty) => {
-                    return Ok(Some(this.empty.clone_ref(py)));
-                }
-                Some(g) => groups_i32(g),
-            }
+        Self::allocate(slf, request_id, &args, hit)
+    }
+
+    /// vLLM's `allocate_slots` for an engine that owns its requests, in one
+    /// crossing: `sync_request(request_id, token_ids, block_hashes,
+    /// shared_prefix_boundary)`, then `allocate_slots` with vLLM's answers
+    /// (`vllm_lenient`). Arguments are positional, in vLLM's order.
+    #[pyo3(signature = (request_id, token_ids, block_hashes, shared_prefix_boundary,
+        num_new_tokens, num_computed_tokens, num_new_computed_tokens, new_computed_blocks,
+        num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+        num_encoder_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
+        num_in_flight_tokens, /))]
+    #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
+    fn allocate_slots_synced(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        token_ids: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyAny>,
+        shared_prefix_boundary: i64,
+        num_new_tokens: i64,
+        num_computed_tokens: i64,
+        num_new_computed_tokens: i64,
+        new_computed_blocks: Option<PyRef<'_, PyComputedBlocks>>,
+        num_lookahead_tokens: i64,
+        num_external_computed_tokens: i64,
+        delay_cache_blocks: bool,
+        num_encoder_tokens: i64,
+        full_sequence_must_fit: bool,
+        reserved_blocks: i64,
+        has_scheduled_reqs: bool,
+        num_in_flight_tokens: i64,
+    ) -> PkResult<Option<Py<PyTuple>>> {
+        let args = AllocateArgs {
+            num_new_tokens: count("num_new_tokens", num_new_tokens)?,
+            num_computed_tokens: count("num_computed_tokens", num_computed_tokens)?,
+            num_new_computed_tokens: count("num_new_computed_tokens", num_new_computed_tokens)?,
+            num_lookahead_tokens: count("num_lookahead_tokens", num_lookahead_tokens)?,
+            num_external_computed_tokens: count(
+                "num_external_computed_tokens",
+                num_external_computed_tokens,
+            )?,
+            delay_cache_blocks,
+            num_encoder_tokens: count("num_encoder_tokens", num_encoder_tokens)?,
+            full_sequence_must_fit,
+            reserved_blocks: count("reserved_blocks", reserved_blocks)?,
+            has_scheduled_reqs,
+            num_in_flight_tokens: count("num_in_flight_tokens", num_in_flight_tokens)?,
+            vllm_lenient: true,
         };
-        Ok(Some(groups_tuple(py, groups)?.unbind()))
+        let spb = count("shared_prefix_boundary", shared_prefix_boundary)?;
+        Self::sync(slf, request_id, token_ids, block_hashes, spb)?;
+        let hit = new_computed_blocks.as_ref().map(|h| &h.inner);
+        Self::allocate(slf, request_id, &args, hit)
     }
 
     /// One decode step of many running requests in one call (per-request
@@ -504,27 +544,7 @@ impl PyManager {
         shared_prefix_boundary: i64,
     ) -> PkResult<()> {
         let spb = count("shared_prefix_boundary", shared_prefix_boundary)?;
-        let at = {
-            let this = borrow(slf)?;
-            (
-                this.inner.num_tokens(request_id)?,
-                this.inner.block_hashes(request_id)?.len(),
-            )
-        };
-        let new_tokens = match suffix(token_ids, at.0)? {
-            Some(t) => engine_tokens(&t)?,
-            None => Vec::new(),
-        };
-        let new_hashes = match suffix(block_hashes, at.1)? {
-            Some(h) => block_hash_list(&h)?,
-            None => Vec::new(),
-        };
-        let mut this = borrow_mut(slf)?;
-        if !(new_tokens.is_empty() && new_hashes.is_empty()) {
-            this.inner
-                .extend_request(request_id, at, &new_tokens, &new_hashes)?;
-        }
-        Ok(this.inner.set_shared_prefix_boundary(request_id, spb)?)
+        Self::sync(slf, request_id, token_ids, block_hashes, spb)
     }
 
     /// Detaches the request's blocks (allocation order) and forgets the request;
@@ -643,6 +663,13 @@ impl PyManager {
         }
         let id = pool.block_id(block_id)?;
         Ok(pool.free_neighbors(id).map(|(p, n)| (end(p), end(n))))
+    }
+
+    /// vLLM's `estimate_cached_tokens` for a request: the fewest, over the
+    /// cacheable groups, of the most prefix tokens any of its blocks is cached
+    /// for.
+    fn estimate_cached_tokens(slf: &Bound<'_, Self>, request_id: &str) -> PkResult<u64> {
+        Ok(borrow(slf)?.inner.estimate_cached_tokens(request_id)?)
     }
 
     /// Prefix tokens the cached block's hash covers, or None if not cached.
@@ -780,6 +807,63 @@ impl PyManager {
         };
         let ids = ids_i32(&borrow(slf)?.inner.pool().cached_blocks(&key));
         Ok(PyArray1::from_vec(slf.py(), ids))
+    }
+}
+
+impl PyManager {
+    /// `sync_request`'s work: the suffixes past what the core holds, then the
+    /// engine's shared-prefix boundary.
+    fn sync(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        token_ids: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyAny>,
+        spb: u64,
+    ) -> PkResult<()> {
+        let at = {
+            let this = borrow(slf)?;
+            (
+                this.inner.num_tokens(request_id)?,
+                this.inner.block_hashes(request_id)?.len(),
+            )
+        };
+        let new_tokens = match suffix(token_ids, at.0)? {
+            Some(t) => engine_tokens(&t)?,
+            None => Vec::new(),
+        };
+        let new_hashes = match suffix(block_hashes, at.1)? {
+            Some(h) => block_hash_list(&h)?,
+            None => Vec::new(),
+        };
+        let mut this = borrow_mut(slf)?;
+        if !(new_tokens.is_empty() && new_hashes.is_empty()) {
+            this.inner
+                .extend_request(request_id, at, &new_tokens, &new_hashes)?;
+        }
+        Ok(this.inner.set_shared_prefix_boundary(request_id, spb)?)
+    }
+
+    /// The core's `allocate_slots` and its result as int32 arrays per group
+    /// (the shared empty tuple when nothing was allocated).
+    fn allocate(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        args: &AllocateArgs,
+        hit: Option<&ComputedBlocks>,
+    ) -> PkResult<Option<Py<PyTuple>>> {
+        let py = slf.py();
+        let groups = {
+            let mut this = borrow_mut(slf)?;
+            let this = &mut *this;
+            match this.inner.allocate_slots(request_id, args, hit)? {
+                None => return Ok(None),
+                Some(g) if g.iter().all(Vec::is_empty) => {
+                    return Ok(Some(this.empty.clone_ref(py)));
+                }
+                Some(g) => groups_i32(g),
+            }
+        };
+        Ok(Some(groups_tuple(py, groups)?.unbind()))
     }
 }
 

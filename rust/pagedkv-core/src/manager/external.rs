@@ -169,6 +169,32 @@ impl KvCacheManager {
         Ok(req.groups.iter().map(GroupBlocks::num_cached).collect())
     }
 
+    /// vLLM's `estimate_cached_tokens`: over the prefix-cacheable groups, the
+    /// fewest of (the most prefix tokens any of the request's blocks is cached
+    /// for) in each group; 0 when none.
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn estimate_cached_tokens(&self, id: &str) -> Result<u64> {
+        let req = self.table.get(self.table.slot(id)?);
+        let pool = self.coord.pool();
+        let per_group = self
+            .coord
+            .groups()
+            .iter()
+            .zip(&req.groups)
+            .filter(|(gm, _)| gm.prefix_cacheable())
+            .map(|(_, gb)| {
+                gb.blocks()
+                    .iter()
+                    .filter(|&&b| b != NULL_BLOCK)
+                    .filter_map(|&b| pool.primary_tokens(b))
+                    .max()
+                    .unwrap_or(0)
+            });
+        Ok(per_group.min().map_or(0, u64::from))
+    }
+
     /// Block references detached by [`Self::pop_blocks_for_free`] and not yet
     /// returned.
     #[must_use]

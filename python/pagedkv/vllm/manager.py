@@ -10,6 +10,7 @@ cost no allocation per step beyond the lists ``KVCacheBlocks`` holds.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -19,15 +20,19 @@ from vllm.distributed.kv_events import BlockStored as VllmBlockStored
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash, partial_hash_hits_enabled
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    UniformTypeKVCacheSpecs,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
 )
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request
 
@@ -35,6 +40,8 @@ from pagedkv import _core
 from pagedkv.errors import InvalidConfigError
 from pagedkv.manager import _mm_tuple
 from pagedkv.vllm.views import BlockPoolView, CoordinatorView, PagedBlock, core_group
+
+logger = logging.getLogger(__name__)
 
 
 class KVCacheManager:
@@ -65,10 +72,41 @@ class KVCacheManager:
             "hisparse_host_num_blocks": getattr(kv_cache_config, "hisparse_host_num_blocks", None)
             is not None,
         }
+        mamba = [
+            spec
+            for g in kv_cache_config.kv_cache_groups
+            for spec in _layer_specs(g.kv_cache_spec)
+            if isinstance(spec, MambaSpec)
+        ]
+        unsupported["Mamba prefill checkpoints"] = any(
+            getattr(m, "num_prefill_checkpoint_blocks", 0)
+            or getattr(m, "prefill_checkpoint_alignment", None) is not None
+            for m in mamba
+        )
         missing = [k for k, v in unsupported.items() if v]
         if missing:
             raise NotImplementedError(
                 f"pagedkv's vLLM manager does not support {', '.join(missing)} yet"
+            )
+        # Sub-block Mamba hits, where vLLM's coordinator enables them ("align"
+        # states hashed finer than their blocks): pagedkv's hits stop at block
+        # boundaries there. Fewer cached tokens, never wrong ones; said once.
+        if (
+            enable_caching
+            and mamba
+            and partial_hash_hits_enabled(
+                kv_cache_config.kv_cache_groups,
+                hash_block_size,
+                dcp_world_size,
+                [
+                    KVCacheSpecRegistry.get_manager_class(g.kv_cache_spec, getattr(g, "role", None))
+                    for g in kv_cache_config.kv_cache_groups
+                ],
+            )
+        ):
+            logger.warning(
+                "pagedkv: sub-block (partial) Mamba prefix hits are not supported; "
+                "hits end at Mamba block boundaries"
             )
         assert watermark >= 0.0, "watermark must be non-negative"
         groups = [
@@ -462,6 +500,13 @@ class KVCacheManager:
             else:
                 out.append(VllmAllBlocksCleared())
         return out
+
+
+def _layer_specs(spec: KVCacheSpec) -> list[KVCacheSpec]:
+    """The per-layer specs of a group's spec."""
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return list(spec.kv_cache_specs.values())
+    return [spec]
 
 
 def _token_list(request: Request) -> Any:

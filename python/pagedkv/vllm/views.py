@@ -18,6 +18,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 if TYPE_CHECKING:
     from pagedkv import _core
@@ -338,6 +339,11 @@ class _NumCachedBlock(Mapping[str, int]):
 class SingleTypeManagerView:
     """One KV-cache group's manager, as the scheduler reads it."""
 
+    # Class attributes: they stand in front of vLLM's properties of the same
+    # names on the view classes that also derive from vLLM's manager classes.
+    records_new_block_ids = False
+    retains_longer_hit = False
+
     def __init__(
         self, owner: KVCacheManager, group: int, spec: KVCacheSpec, block_size: int
     ) -> None:
@@ -351,8 +357,6 @@ class SingleTypeManagerView:
         self.num_cached_block = _NumCachedBlock(owner, group)
         self._null_block = owner._blocks[0]
         self.cache_hit_alignment_tokens = owner.scheduler_block_size
-        self.retains_longer_hit = False
-        self.records_new_block_ids = False
         self.new_block_ids: list[int] = []
 
     def take_new_block_ids(self) -> list[int]:
@@ -370,6 +374,26 @@ class SingleTypeManagerView:
         return None
 
 
+_VIEW_CLASSES: dict[type, type[SingleTypeManagerView]] = {}
+
+
+def _view_class(group: Any) -> type[SingleTypeManagerView]:
+    """The view's class for a group: also an instance of the single-type
+    manager class vLLM would build for it (``isinstance`` checks on
+    ``single_type_managers`` see the kind), with the view's state and methods
+    first in line. vLLM's own ``__init__`` never runs."""
+    vllm_cls = KVCacheSpecRegistry.get_manager_class(
+        group.kv_cache_spec, getattr(group, "role", None)
+    )
+    if vllm_cls is None:
+        return SingleTypeManagerView
+    cls = _VIEW_CLASSES.get(vllm_cls)
+    if cls is None:
+        cls = type(f"PagedKV{vllm_cls.__name__}View", (SingleTypeManagerView, vllm_cls), {})
+        _VIEW_CLASSES[vllm_cls] = cls
+    return cls
+
+
 class CoordinatorView:
     """The coordinator, as the scheduler reads it."""
 
@@ -378,7 +402,7 @@ class CoordinatorView:
         self.block_pool = owner.block_pool
         self.enable_caching = owner.enable_caching
         self.single_type_managers = tuple(
-            SingleTypeManagerView(owner, g, group.kv_cache_spec, owner._group_block_sizes[g])
+            _view_class(group)(owner, g, group.kv_cache_spec, owner._group_block_sizes[g])
             for g, group in enumerate(owner.kv_cache_config.kv_cache_groups)
         )
         self.num_single_type_manager = len(self.single_type_managers)

@@ -91,6 +91,10 @@ def test_sync_request_reads_only_what_the_manager_lacks() -> None:
     with pytest.raises(InvalidArgumentError, match="outside"):
         m.sync_request("r", [*tokens, 7, -1, -2], [h0])
     assert (m.num_tokens("r"), m.block_hashes("r")) == (22, [h0])
+    # A boundary past max_model_len refuses the whole sync: no token lands.
+    with pytest.raises(InvalidArgumentError, match="max_model_len"):
+        m.sync_request("r", [*tokens, 7, -1, 8], [h0], 10**9)
+    assert m.num_tokens("r") == 22
 
 
 @pytest.mark.parametrize(

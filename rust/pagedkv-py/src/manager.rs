@@ -359,26 +359,24 @@ impl PyManager {
         let num_new_computed_tokens = num_new_computed_tokens
             .map(|v| count("num_new_computed_tokens", v))
             .transpose()?;
-        let args = AllocateArgs {
-            num_new_tokens: count("num_new_tokens", num_new_tokens)?,
-            num_computed_tokens: count("num_computed_tokens", num_computed_tokens)?,
-            num_new_computed_tokens: AllocateArgs::num_new_computed_tokens_or_hit(
-                num_new_computed_tokens,
-                hit,
-            ),
-            num_lookahead_tokens: count("num_lookahead_tokens", num_lookahead_tokens)?,
-            num_external_computed_tokens: count(
-                "num_external_computed_tokens",
-                num_external_computed_tokens,
-            )?,
-            delay_cache_blocks,
-            num_encoder_tokens: count("num_encoder_tokens", num_encoder_tokens)?,
-            full_sequence_must_fit,
-            reserved_blocks: count("reserved_blocks", reserved_blocks)?,
-            has_scheduled_reqs,
-            num_in_flight_tokens: count("num_in_flight_tokens", num_in_flight_tokens)?,
-            vllm_lenient,
-        };
+        let args = Counts {
+            num_new_tokens,
+            num_computed_tokens,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            num_encoder_tokens,
+            reserved_blocks,
+            num_in_flight_tokens,
+        }
+        .args(
+            AllocateArgs::num_new_computed_tokens_or_hit(num_new_computed_tokens, hit),
+            Flags {
+                delay_cache_blocks,
+                full_sequence_must_fit,
+                has_scheduled_reqs,
+                vllm_lenient,
+            },
+        )?;
         Self::allocate(slf, request_id, &args, hit)
     }
 
@@ -411,23 +409,24 @@ impl PyManager {
         has_scheduled_reqs: bool,
         num_in_flight_tokens: i64,
     ) -> PkResult<Option<Py<PyTuple>>> {
-        let args = AllocateArgs {
-            num_new_tokens: count("num_new_tokens", num_new_tokens)?,
-            num_computed_tokens: count("num_computed_tokens", num_computed_tokens)?,
-            num_new_computed_tokens: count("num_new_computed_tokens", num_new_computed_tokens)?,
-            num_lookahead_tokens: count("num_lookahead_tokens", num_lookahead_tokens)?,
-            num_external_computed_tokens: count(
-                "num_external_computed_tokens",
-                num_external_computed_tokens,
-            )?,
-            delay_cache_blocks,
-            num_encoder_tokens: count("num_encoder_tokens", num_encoder_tokens)?,
-            full_sequence_must_fit,
-            reserved_blocks: count("reserved_blocks", reserved_blocks)?,
-            has_scheduled_reqs,
-            num_in_flight_tokens: count("num_in_flight_tokens", num_in_flight_tokens)?,
-            vllm_lenient: true,
-        };
+        let args = Counts {
+            num_new_tokens,
+            num_computed_tokens,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            num_encoder_tokens,
+            reserved_blocks,
+            num_in_flight_tokens,
+        }
+        .args(
+            count("num_new_computed_tokens", num_new_computed_tokens)?,
+            Flags {
+                delay_cache_blocks,
+                full_sequence_must_fit,
+                has_scheduled_reqs,
+                vllm_lenient: true,
+            },
+        )?;
         let spb = count("shared_prefix_boundary", shared_prefix_boundary)?;
         Self::sync(slf, request_id, token_ids, block_hashes, spb)?;
         let hit = new_computed_blocks.as_ref().map(|h| &h.inner);
@@ -820,13 +819,7 @@ impl PyManager {
         block_hashes: &Bound<'_, PyAny>,
         spb: u64,
     ) -> PkResult<()> {
-        let at = {
-            let this = borrow(slf)?;
-            (
-                this.inner.num_tokens(request_id)?,
-                this.inner.block_hashes(request_id)?.len(),
-            )
-        };
+        let at = borrow(slf)?.inner.request_lengths(request_id)?;
         let new_tokens = match suffix(token_ids, at.0)? {
             Some(t) => engine_tokens(&t)?,
             None => Vec::new(),
@@ -835,12 +828,13 @@ impl PyManager {
             Some(h) => block_hash_list(&h)?,
             None => Vec::new(),
         };
-        let mut this = borrow_mut(slf)?;
-        if !(new_tokens.is_empty() && new_hashes.is_empty()) {
-            this.inner
-                .extend_request(request_id, at, &new_tokens, &new_hashes)?;
-        }
-        Ok(this.inner.set_shared_prefix_boundary(request_id, spb)?)
+        Ok(borrow_mut(slf)?.inner.sync_request(
+            request_id,
+            at,
+            &new_tokens,
+            &new_hashes,
+            Some(spb),
+        )?)
     }
 
     /// The core's `allocate_slots` and its result as int32 arrays per group
@@ -864,6 +858,49 @@ impl PyManager {
             }
         };
         Ok(Some(groups_tuple(py, groups)?.unbind()))
+    }
+}
+
+/// `allocate_slots`' counts as Python passed them (checked by [`Counts::args`]).
+struct Counts {
+    num_new_tokens: i64,
+    num_computed_tokens: i64,
+    num_lookahead_tokens: i64,
+    num_external_computed_tokens: i64,
+    num_encoder_tokens: i64,
+    reserved_blocks: i64,
+    num_in_flight_tokens: i64,
+}
+
+/// `allocate_slots`' switches.
+#[allow(clippy::struct_excessive_bools)]
+struct Flags {
+    delay_cache_blocks: bool,
+    full_sequence_must_fit: bool,
+    has_scheduled_reqs: bool,
+    vllm_lenient: bool,
+}
+
+impl Counts {
+    /// The core's arguments; a negative count is refused by name.
+    fn args(&self, num_new_computed_tokens: u64, f: Flags) -> PkResult<AllocateArgs> {
+        Ok(AllocateArgs {
+            num_new_tokens: count("num_new_tokens", self.num_new_tokens)?,
+            num_computed_tokens: count("num_computed_tokens", self.num_computed_tokens)?,
+            num_new_computed_tokens,
+            num_lookahead_tokens: count("num_lookahead_tokens", self.num_lookahead_tokens)?,
+            num_external_computed_tokens: count(
+                "num_external_computed_tokens",
+                self.num_external_computed_tokens,
+            )?,
+            delay_cache_blocks: f.delay_cache_blocks,
+            num_encoder_tokens: count("num_encoder_tokens", self.num_encoder_tokens)?,
+            full_sequence_must_fit: f.full_sequence_must_fit,
+            reserved_blocks: count("reserved_blocks", self.reserved_blocks)?,
+            has_scheduled_reqs: f.has_scheduled_reqs,
+            num_in_flight_tokens: count("num_in_flight_tokens", self.num_in_flight_tokens)?,
+            vllm_lenient: f.vllm_lenient,
+        })
     }
 }
 

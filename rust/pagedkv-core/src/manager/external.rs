@@ -31,10 +31,25 @@ impl KvCacheManager {
         tokens: &[u32],
         hashes: &[BlockHash],
     ) -> Result<()> {
-        if !self.cfg.external_block_hashes {
-            return Err(invalid(
-                "extend_request needs a manager built with external_block_hashes",
-            ));
+        self.sync_request(id, at, tokens, hashes, None)
+    }
+
+    /// [`Self::extend_request`] and, with `Some`, [`Self::set_shared_prefix_boundary`]
+    /// in one call: everything is checked before anything changes.
+    ///
+    /// # Errors
+    /// As those two.
+    pub fn sync_request(
+        &mut self,
+        id: &str,
+        at: (usize, usize),
+        tokens: &[u32],
+        hashes: &[BlockHash],
+        shared_prefix_boundary: Option<u64>,
+    ) -> Result<()> {
+        self.check_engine_mode("sync_request")?;
+        if let Some(b) = shared_prefix_boundary {
+            self.check_boundary(b)?;
         }
         let slot = self.table.slot(id)?;
         let req = self.table.get_mut(slot);
@@ -55,7 +70,20 @@ impl KvCacheManager {
             )));
         }
         req.extend_external(tokens, hashes);
+        if let Some(b) = shared_prefix_boundary {
+            req.set_shared_prefix_boundary(b);
+        }
         Ok(())
+    }
+
+    /// The request's token and block-hash counts (where an engine's next
+    /// [`Self::sync_request`] starts).
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn request_lengths(&self, id: &str) -> Result<(usize, usize)> {
+        let req = self.table.get(self.table.slot(id)?);
+        Ok((req.num_tokens(), req.hashes.len()))
     }
 
     /// Sets the request's shared-prefix boundary (vLLM's
@@ -66,21 +94,32 @@ impl KvCacheManager {
     /// Unknown request; a manager that sets the boundary at lookup itself; a
     /// boundary past `max_model_len`.
     pub fn set_shared_prefix_boundary(&mut self, id: &str, boundary: u64) -> Result<()> {
-        if !self.cfg.external_block_hashes {
-            return Err(invalid(
-                "set_shared_prefix_boundary needs a manager built with external_block_hashes",
-            ));
+        self.check_engine_mode("set_shared_prefix_boundary")?;
+        self.check_boundary(boundary)?;
+        let slot = self.table.slot(id)?;
+        self.table
+            .get_mut(slot)
+            .set_shared_prefix_boundary(boundary);
+        Ok(())
+    }
+
+    fn check_engine_mode(&self, call: &str) -> Result<()> {
+        if self.cfg.external_block_hashes {
+            Ok(())
+        } else {
+            Err(invalid(format!(
+                "{call} needs a manager built with external_block_hashes"
+            )))
         }
+    }
+
+    fn check_boundary(&self, boundary: u64) -> Result<()> {
         if boundary > self.cfg.max_model_len {
             return Err(invalid(format!(
                 "shared_prefix_boundary {boundary} is past max_model_len {}",
                 self.cfg.max_model_len
             )));
         }
-        let slot = self.table.slot(id)?;
-        self.table
-            .get_mut(slot)
-            .set_shared_prefix_boundary(boundary);
         Ok(())
     }
 

@@ -469,14 +469,6 @@ def test_mamba_align_larger_than_hash_block_caches_past_the_lcm() -> None:
     assert hit.shared_prefix_boundary == 96
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "pagedkv caches a Mamba 'align' state once per block; vLLM 0.33 re-keys the state "
-        "at the prompt's last hash boundary whenever cache_blocks reaches it, so a state "
-        "whose key was dropped by evict_blocks is cached again by the next chunk"
-    ),
-)
 def test_mamba_align_prompt_boundary_state_is_rekeyed_after_evict() -> None:
     mgr = manager(20, [full(16), mamba(16)])
     mgr.add_request("a", list(range(40)))

@@ -132,6 +132,8 @@ ID_METHODS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "allocate_slots_synced": lambda m, r: m.allocate_slots_synced(
         r, [1], [], 0, 1, 54, 0, None, 0, 0, False, 0, False, 0, True, 0
     ),
+    "partial_hit": lambda m, r: m.partial_hit(r, 0),
+    "mamba_checkpoint": lambda m, r: m.mamba_checkpoint(r, 0),
 }
 # Batch calls also take the int handles add_request returns.
 HANDLE_METHODS = ("allocate_slots_batch", "append_token_ids_batch")
@@ -263,6 +265,11 @@ COUNT_PARAMS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "get_new_blocks.n": lambda m, v: m.get_new_blocks(v),
     "cached_block_num_tokens.block_id": lambda m, v: m.cached_block_num_tokens(v),
     "free_neighbors.block_id": lambda m, v: m.free_neighbors(v),
+    "partial_hit.group": lambda m, v: m.partial_hit("run", v),
+    "mamba_checkpoint.group": lambda m, v: m.mamba_checkpoint("run", v),
+    "prefix_cache_retention_interval.set": lambda m, v: setattr(
+        m, "prefix_cache_retention_interval", v
+    ),
 }
 BAD_COUNTS: dict[str, tuple[Any, type[BaseException]]] = {
     "negative": (-1, InvalidArgumentError),
@@ -291,6 +298,8 @@ COUNT_EXCEPTIONS: dict[tuple[str, str], type[BaseException] | None] = {
     ("free_neighbors.block_id", "negative"): None,
     # Past 2**32 blocks: refused as a count, not answered None.
     ("get_new_blocks.n", "huge"): InvalidArgumentError,
+    # None is dense retention.
+    ("prefix_cache_retention_interval.set", "none"): None,
 }
 
 
@@ -620,6 +629,34 @@ BAD_CONFIGS: dict[str, tuple[Callable[[], Any], type[BaseException]]] = {
         lambda: pk.KVCacheManager(config(), max_model_len=64, hash_truncate_bytes=300),
         InvalidConfigError,
     ),
+    "num_prefill_lookahead_negative": (
+        lambda: pk.KVCacheManager(config(), max_model_len=64, num_prefill_lookahead=-1),
+        InvalidConfigError,
+    ),
+    "num_prefill_lookahead_past_block_with_eagle": (
+        lambda: pk.KVCacheManager(
+            config(), max_model_len=64, use_eagle=True, num_prefill_lookahead=BS + 1
+        ),
+        InvalidConfigError,
+    ),
+    "dcp_world_size_zero": (
+        lambda: pk.KVCacheManager(config(), max_model_len=64, dcp_world_size=0),
+        InvalidConfigError,
+    ),
+    "partial_hash_hits_int": (
+        lambda: pk.KVCacheManager(config(), max_model_len=64, partial_hash_hits=1),  # type: ignore[arg-type]
+        TypeError,
+    ),
+    "prefill_checkpoint_alignment_zero": (
+        lambda: pk.MambaSpec(
+            16, ((1,),), ("float32",), mamba_cache_mode="align", prefill_checkpoint_alignment=0
+        ),
+        InvalidConfigError,
+    ),
+    "prefill_checkpoint_alignment_without_align": (
+        lambda: pk.MambaSpec(16, ((1,),), ("float32",), prefill_checkpoint_alignment=16),
+        InvalidConfigError,
+    ),
     "retention_without_sparse_group": (
         lambda: pk.KVCacheManager(config(), max_model_len=64, prefix_cache_retention_interval=16),
         InvalidConfigError,
@@ -645,6 +682,7 @@ def test_every_public_method_is_in_the_matrix() -> None:
         # (test_vllm_dropin.py):
         "_prefix_cache_stats",
         "num_detached_block_refs",
+        "take_block_copies",
         "allocate_slots",
         "add_request",
         # No arguments to get wrong:
@@ -671,6 +709,8 @@ def test_every_public_method_is_in_the_matrix() -> None:
         "enable_caching",
         "log_stats",
         "kv_cache_metrics",
+        "partial_hash_hits",
+        "mamba_shared_prefix_checkpoint",
     }
     public = {n for n in dir(pk.KVCacheManager) if not n.startswith("_")}
     assert public - covered == set()

@@ -112,6 +112,19 @@ class ManagerOptions(TypedDict, total=False):
       block hash covers this many tokens after the block (needs
       ``external_block_hashes``); ``BlockStored`` events carry them
       (``lookahead_token_ids``).
+    - ``num_prefill_lookahead`` (0): vLLM's multi-module MTP prefill lookahead:
+      the last ``num_prefill_lookahead - 1`` computed tokens may be prefilled
+      again and are never cached.
+    - ``partial_hash_hits`` (False): vLLM's fine-grained prefix hits. In a hybrid
+      model with a Mamba ``"align"`` group finer-hashed than its blocks, hits may
+      end on any hash-block boundary; a hit ending inside a block continues in a
+      private copy, drained with ``take_block_copies`` (both endpoints stay
+      referenced until ``free_blocks`` returns them). Mamba groups with
+      ``prefill_checkpoint_alignment`` then reserve prefill checkpoints.
+    - ``dcp_world_size`` (1): decode context parallelism (block sizes given are
+      already scaled); it only decides where partial hits apply.
+    - ``mamba_shared_prefix_checkpoint`` (False): an EAGLE model's Mamba groups
+      also register the state at a shared-prefix junction.
     """
 
     enable_caching: bool
@@ -131,6 +144,10 @@ class ManagerOptions(TypedDict, total=False):
     external_block_hashes: bool
     record_stats_at_admission: bool
     num_hash_lookahead_tokens: int
+    num_prefill_lookahead: int
+    partial_hash_hits: bool
+    dcp_world_size: int
+    mamba_shared_prefix_checkpoint: bool
 
 
 class KVCacheManager(_core.KVCacheManager):

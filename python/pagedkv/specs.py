@@ -468,6 +468,11 @@ class MambaSpec(KVCacheSpec):
     kept from earlier versions). ``num_speculative_blocks``: extra state blocks
     for speculative decoding (``num_speculative_tokens``). ``page_size_padded``:
     the page enlarged to the attention page of a hybrid model.
+    ``prefill_checkpoint_alignment`` (``"align"`` only; vLLM's prefill
+    checkpoints, one checkpoint block): with partial hits on, the chunk that
+    ends a prefill reserves one more state block where the kernel exports the
+    state at the prompt's reusable boundary (a multiple of this many tokens past
+    the chunk start), so a later request can resume inside a block.
     """
 
     shapes: tuple[tuple[int, ...], ...]
@@ -475,6 +480,7 @@ class MambaSpec(KVCacheSpec):
     page_size_padded: int | None = field(default=None, kw_only=True)
     mamba_cache_mode: str = field(default="none", kw_only=True)
     num_speculative_blocks: int = field(default=0, kw_only=True)
+    prefill_checkpoint_alignment: int | None = field(default=None, kw_only=True)
 
     kind: ClassVar[str] = "mamba"
 
@@ -498,6 +504,12 @@ class MambaSpec(KVCacheSpec):
                 f"got {self.mamba_cache_mode!r}"
             )
         _check_non_negative_int("num_speculative_blocks", self.num_speculative_blocks)
+        if self.prefill_checkpoint_alignment is not None:
+            _check_positive_int("prefill_checkpoint_alignment", self.prefill_checkpoint_alignment)
+            if self.mamba_cache_mode != "align":
+                raise InvalidConfigError(
+                    "prefill_checkpoint_alignment needs mamba_cache_mode='align'"
+                )
         if self.real_page_size_bytes <= 0:
             raise InvalidConfigError("a MambaSpec's state tensors must not be empty")
         if self.page_size_padded is not None:
@@ -530,11 +542,13 @@ class MambaSpec(KVCacheSpec):
         max_num_encoder_input_tokens: int | None = None,
     ) -> int:
         """``"none"``: ``page * (1 + num_speculative_blocks)``; ``"align"``:
-        ``page * (2 + num_speculative_blocks)``; ``"all"``:
+        ``page * (2 + num_speculative_blocks)`` (one more with prefill
+        checkpoints); ``"all"``:
         ``cdiv(max_model_len, block_size) * page``."""
         _check_sizing(max_model_len, max_in_flight_tokens)
         if self.mamba_cache_mode == "align":
-            return self.page_size_bytes * (2 + self.num_speculative_blocks)
+            checkpoint = int(self.prefill_checkpoint_alignment is not None)
+            return self.page_size_bytes * (2 + self.num_speculative_blocks + checkpoint)
         if self.mamba_cache_mode == "all":
             return cdiv(max_model_len, self.block_size) * self.page_size_bytes
         return self.page_size_bytes * (1 + self.num_speculative_blocks)
@@ -544,6 +558,7 @@ class MambaSpec(KVCacheSpec):
             **super().core_spec(),
             "mamba_cache_mode": self.mamba_cache_mode,
             "num_speculative_blocks": self.num_speculative_blocks,
+            "prefill_checkpoint_alignment": self.prefill_checkpoint_alignment,
         }
 
 

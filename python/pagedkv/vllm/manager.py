@@ -20,19 +20,17 @@ from vllm.distributed.kv_events import BlockStored as VllmBlockStored
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash, partial_hash_hits_enabled
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy, maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
-    MambaSpec,
     UniformTypeKVCacheSpecs,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
 )
-from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request
 
@@ -67,46 +65,14 @@ class KVCacheManager:
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
         unsupported = {
-            "num_prefill_lookahead": num_prefill_lookahead != 0,
             "metrics_collector": metrics_collector is not None,
             "hisparse_host_num_blocks": getattr(kv_cache_config, "hisparse_host_num_blocks", None)
             is not None,
         }
-        mamba = [
-            spec
-            for g in kv_cache_config.kv_cache_groups
-            for spec in _layer_specs(g.kv_cache_spec)
-            if isinstance(spec, MambaSpec)
-        ]
-        unsupported["Mamba prefill checkpoints"] = any(
-            getattr(m, "num_prefill_checkpoint_blocks", 0)
-            or getattr(m, "prefill_checkpoint_alignment", None) is not None
-            for m in mamba
-        )
         missing = [k for k, v in unsupported.items() if v]
         if missing:
             raise NotImplementedError(
                 f"pagedkv's vLLM manager does not support {', '.join(missing)} yet"
-            )
-        # Sub-block Mamba hits, where vLLM's coordinator enables them ("align"
-        # states hashed finer than their blocks): pagedkv's hits stop at block
-        # boundaries there. Fewer cached tokens, never wrong ones; said once.
-        if (
-            enable_caching
-            and mamba
-            and partial_hash_hits_enabled(
-                kv_cache_config.kv_cache_groups,
-                hash_block_size,
-                dcp_world_size,
-                [
-                    KVCacheSpecRegistry.get_manager_class(g.kv_cache_spec, getattr(g, "role", None))
-                    for g in kv_cache_config.kv_cache_groups
-                ],
-            )
-        ):
-            logger.warning(
-                "pagedkv: sub-block (partial) Mamba prefix hits are not supported; "
-                "hits end at Mamba block boundaries"
             )
         assert watermark >= 0.0, "watermark must be non-negative"
         groups = [
@@ -129,6 +95,11 @@ class KVCacheManager:
             "external_block_hashes": True,
             "record_stats_at_admission": False,
             "num_hash_lookahead_tokens": num_hash_lookahead_tokens,
+            "num_prefill_lookahead": num_prefill_lookahead,
+            # vLLM's coordinator allows fine-grained hits wherever they apply.
+            "partial_hash_hits": True,
+            "dcp_world_size": dcp_world_size,
+            "mamba_shared_prefix_checkpoint": enable_mamba_shared_prefix_checkpoint,
         }
         if max_in_flight_tokens is not None:
             options["max_in_flight_tokens"] = max_in_flight_tokens
@@ -142,6 +113,7 @@ class KVCacheManager:
         except InvalidConfigError as e:
             raise ValueError(str(e)) from e
         self.max_model_len = max_model_len
+        self.num_prefill_lookahead = num_prefill_lookahead
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
         self.use_eagle = use_eagle
@@ -152,7 +124,7 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.scheduler_block_size = scheduler_block_size
         self.hash_block_size = hash_block_size
-        self.mamba_shared_prefix_checkpoint = False
+        self.mamba_shared_prefix_checkpoint: bool = self._core.mamba_shared_prefix_checkpoint
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.kv_cache_event_metadata = tuple(
             (
@@ -447,9 +419,15 @@ class KVCacheManager:
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         """No group records blocks for zeroing."""
 
-    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[PagedBlock]]:
-        """Copy-on-write copies: none (Mamba checkpoints are not supported)."""
-        return [], []
+    def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[PagedBlock]]:
+        """The block copies queued since the last call (a prefix hit ending inside
+        a block continues in a private copy) and their endpoints, each holding
+        one reference the caller returns with ``block_pool.free_blocks`` once
+        the copy has run."""
+        pairs = self._core.take_block_copies()
+        blocks = self._blocks
+        copies = [KVCacheBlockCopy(src_block_id=s, dst_block_id=d) for s, d in pairs]
+        return copies, [blocks[b] for pair in pairs for b in pair]
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         """Mamba boundary-state hand-offs: none."""

@@ -55,11 +55,16 @@ def _core_kind(spec: KVCacheSpec) -> dict[str, Any]:
     name = type(spec).__name__
     bs = spec.block_size
     if isinstance(spec, MambaSpec):
+        # Prefill checkpoints need both the reserved block and an alignment.
+        checkpoints = getattr(spec, "num_prefill_checkpoint_blocks", 0) > 0
         return {
             "kind": "mamba",
             "block_size": bs,
             "mamba_cache_mode": spec.mamba_cache_mode,
             "num_speculative_blocks": spec.num_speculative_blocks,
+            "prefill_checkpoint_alignment": getattr(spec, "prefill_checkpoint_alignment", None)
+            if checkpoints
+            else None,
         }
     if isinstance(spec, CrossAttentionSpec):
         return {"kind": "cross_attention", "block_size": bs}
@@ -336,6 +341,59 @@ class _NumCachedBlock(Mapping[str, int]):
         return sum(1 for _ in self)
 
 
+class _Checkpoints(Mapping[str, tuple[int, int]]):
+    """``_checkpoints`` of a Mamba group: request id -> ``(position, column)``
+    of the prefill checkpoint its last allocation reserved."""
+
+    def __init__(self, owner: KVCacheManager, group: int) -> None:
+        self._owner = owner
+        self._group = group
+
+    def _get(self, request_id: str) -> tuple[int, int] | None:
+        if request_id not in self._owner._live:
+            return None
+        return self._owner._core.mamba_checkpoint(request_id, self._group)
+
+    def __getitem__(self, request_id: str) -> tuple[int, int]:
+        c = self._get(request_id)
+        if c is None:
+            raise KeyError(request_id)
+        return c
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([r for r in sorted(self._owner._live) if self._get(r) is not None])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class _PartialHits(Mapping[str, tuple[int, PagedBlock]]):
+    """``_partial_hit_reqs`` of one group: request id -> ``(index, block)`` of a
+    hit ending inside that block, copied on write at the next allocation."""
+
+    def __init__(self, owner: KVCacheManager, group: int) -> None:
+        self._owner = owner
+        self._group = group
+
+    def _get(self, request_id: str) -> tuple[int, PagedBlock] | None:
+        if request_id not in self._owner._live:
+            return None
+        hit = self._owner._core.partial_hit(request_id, self._group)
+        return None if hit is None else (hit[0], self._owner._blocks[hit[1]])
+
+    def __getitem__(self, request_id: str) -> tuple[int, PagedBlock]:
+        h = self._get(request_id)
+        if h is None:
+            raise KeyError(request_id)
+        return h
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([r for r in sorted(self._owner._live) if self._get(r) is not None])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class SingleTypeManagerView:
     """One KV-cache group's manager, as the scheduler reads it."""
 
@@ -356,8 +414,18 @@ class SingleTypeManagerView:
         self.req_to_blocks = _ReqToBlocks(owner, group)
         self.num_cached_block = _NumCachedBlock(owner, group)
         self._null_block = owner._blocks[0]
-        self.cache_hit_alignment_tokens = owner.scheduler_block_size
+        core = owner._core
+        self.cache_hit_alignment_tokens = (
+            owner.hash_block_size if core.partial_hash_hits else owner.scheduler_block_size
+        )
         self.new_block_ids: list[int] = []
+        self._partial_hit_reqs = _PartialHits(owner, group)
+        if isinstance(spec, MambaSpec):
+            self.mamba_cache_mode = spec.mamba_cache_mode
+            self.num_speculative_blocks = spec.num_speculative_blocks
+            self._checkpoints = _Checkpoints(owner, group)
+            self.drop_eagle_checkpoint_block = owner.use_eagle
+            self.shared_prefix_checkpoint = core.mamba_shared_prefix_checkpoint
 
     def take_new_block_ids(self) -> list[int]:
         return []
@@ -406,7 +474,7 @@ class CoordinatorView:
             for g, group in enumerate(owner.kv_cache_config.kv_cache_groups)
         )
         self.num_single_type_manager = len(self.single_type_managers)
-        self.enable_partial_hash_hits = False
+        self.enable_partial_hash_hits: bool = owner._core.partial_hash_hits
         flagged = {
             i
             for i, g in enumerate(owner.kv_cache_config.kv_cache_groups)
@@ -415,14 +483,21 @@ class CoordinatorView:
         self.eagle_group_ids = flagged or (
             set(range(len(self.single_type_managers))) if owner.use_eagle else set()
         )
-        self.num_reprefillable_tokens = 0
+        self.num_reprefillable_tokens = max(0, owner.num_prefill_lookahead - 1)
         self.use_eagle = owner.use_eagle
         self.max_model_len = owner.max_model_len
         self.scheduler_block_size = owner.scheduler_block_size
         self.hash_block_size = owner.hash_block_size
-        self.retention_interval = getattr(
-            owner.kv_cache_config, "prefix_cache_retention_interval", None
-        )
+
+    @property
+    def retention_interval(self) -> int | None:
+        """Sparse retention of sliding-window and Mamba states (settable)."""
+        interval: int | None = self._owner._core.prefix_cache_retention_interval
+        return interval
+
+    @retention_interval.setter
+    def retention_interval(self, interval: int | None) -> None:
+        self._owner._core.prefix_cache_retention_interval = interval
 
     def get_num_blocks_to_allocate(
         self,

@@ -57,6 +57,15 @@ pub(crate) struct Coordinator {
     scheduler_block_size: u64,
     use_eagle: bool,
     retention_interval: Option<u64>,
+    /// Fine-grained (partial) prefix hits are on: hits align to the hash block.
+    partial_hits: bool,
+    /// Tokens every hit is aligned to: the hash block with partial hits, the
+    /// scheduler block otherwise (vLLM's `_cache_hit_alignment_tokens`).
+    alignment: u64,
+    /// Tokens at the end of the computed prefix never cached (multi-module MTP).
+    reprefillable: u64,
+    /// Mamba groups register shared-prefix junction states.
+    shared_prefix_checkpoint: bool,
     /// Tokens past each block that the engine's block hashes cover (events
     /// publish them per stored block).
     lookahead: usize,
@@ -80,6 +89,12 @@ impl Coordinator {
         .with_metrics(cfg.kv_cache_metrics);
         let sbs = cfg.scheduler_block_size();
         let single = cfg.groups.len() == 1;
+        let partial_hits = cfg.partial_hash_hits_enabled(hbs);
+        let alignment = if partial_hits { u64::from(hbs) } else { sbs };
+        let shared_prefix_checkpoint = cfg.mamba_shared_prefix_checkpoint
+            && cfg.has_eagle_groups()
+            && partial_hits
+            && cfg.num_reprefillable_tokens() == 0;
         // EAGLE's drop applies to every group of a spec group (groups with equal
         // specs) that holds an EAGLE group, as vLLM's spec groups share it.
         let eagle: Vec<bool> = cfg
@@ -101,11 +116,14 @@ impl Coordinator {
                 let searched = single || g.kind != AttentionKind::CrossAttention;
                 let p = GroupParams {
                     hash_block_size: hbs,
-                    alignment: sbs,
+                    alignment,
                     max_in_flight_tokens: cfg.max_in_flight_tokens.unwrap_or(cfg.max_model_len),
                     max_model_len: cfg.max_model_len,
                     num_gpu_blocks: cfg.num_blocks,
                     use_eagle: cfg.enable_caching && eagle[i] && searched,
+                    lookahead: cfg.num_hash_lookahead_tokens,
+                    model_eagle: cfg.use_eagle,
+                    shared_prefix_checkpoint,
                 };
                 GroupManager::new(g.clone(), i as u32, &p)
             })
@@ -152,6 +170,10 @@ impl Coordinator {
             scheduler_block_size: sbs,
             use_eagle: cfg.use_eagle,
             retention_interval: cfg.prefix_cache_retention_interval,
+            partial_hits,
+            alignment,
+            reprefillable: cfg.num_reprefillable_tokens(),
+            shared_prefix_checkpoint,
             lookahead: cfg.num_hash_lookahead_tokens as usize,
             any_skipping: cfg
                 .groups
@@ -257,7 +279,8 @@ impl Coordinator {
         mut out: Vec<Vec<BlockId>>,
     ) -> Hit {
         let n = self.groups.len();
-        let sbs = self.scheduler_block_size as usize;
+        let align = self.alignment as usize;
+        let hbs = self.hash_block_size;
         let mut hit_length = max_len;
         let mut longest = 0usize;
         let mut searched = vec![false; n];
@@ -276,15 +299,24 @@ impl Coordinator {
                 let drop = ag.use_eagle && !eagle_verified[idx];
                 let mut max_length = curr;
                 if drop && !ag.is_mamba {
-                    // Match one block past the candidate, then drop it.
-                    max_length =
-                        (curr + gm.block_size() as usize).min(hashes.len() * self.hash_block_size);
+                    // Match one drop unit past the candidate, then drop it: a hash
+                    // block for fine-grained lookups, else a block.
+                    let bs = gm.block_size() as usize;
+                    let margin = if self.partial_hits
+                        && gm.spec().kind.supports_fine_grained_lookup()
+                        && bs > hbs
+                    {
+                        hbs
+                    } else {
+                        bs
+                    };
+                    max_length = (curr + margin).min(hashes.len() * hbs);
                 }
                 let q = Lookup {
                     hashes,
                     max_len: max_length,
                     drop_eagle_block: drop,
-                    alignment: sbs,
+                    alignment: align,
                 };
                 let new_hit = gm.find_longest_cache_hit(&self.pool, &q, &ag.group_ids, &mut out);
                 if drop {
@@ -363,7 +395,9 @@ impl Coordinator {
                 let enc = Need {
                     num_tokens: num_encoder_tokens,
                     total_computed: 0,
+                    num_local: 0,
                     main_model: num_encoder_tokens,
+                    prefill_end: 0,
                     cap: n.cap,
                 };
                 gm.num_blocks_to_allocate(&self.pool, &req.groups[g], &[], &enc)
@@ -450,7 +484,7 @@ impl Coordinator {
         main_model: u64,
         num_encoder_tokens: u64,
     ) {
-        for (g, gm) in self.groups.iter().enumerate() {
+        for (g, gm) in self.groups.iter_mut().enumerate() {
             let out = &mut self.new_blocks[g];
             out.clear();
             let (n, main) = if gm.prefix_cacheable() {
@@ -484,10 +518,15 @@ impl Coordinator {
 
     /// Publishes the request's full blocks covering `num_tokens` into the prefix
     /// cache, with their `BlockStored` events and provenance records.
-    pub(crate) fn cache_blocks(&mut self, req: &mut Request, num_tokens: usize) {
+    pub(crate) fn cache_blocks(&mut self, req: &mut Request, num_tokens: usize, num_computed: u64) {
         let hbs = self.hash_block_size;
-        let sbs = self.scheduler_block_size as usize;
         let hybrid = matches!(self.mode, Mode::Hybrid { .. });
+        let cacheable = Cacheable {
+            hybrid,
+            partial_hits: self.partial_hits,
+            sbs: self.scheduler_block_size as usize,
+            reprefillable: self.reprefillable as usize,
+        };
         // Most decode steps fill no block: nothing new to publish in any group.
         let hashed = req.hashes.len() * hbs;
         if !hybrid
@@ -498,26 +537,18 @@ impl Coordinator {
         {
             return;
         }
-        let (boundaries, nb) =
-            replay_boundaries(req.num_prompt_tokens as u64, sbs as u64, self.use_eagle);
+        let (boundaries, nb) = replay_boundaries(
+            req.num_prompt_tokens as u64,
+            self.scheduler_block_size,
+            self.use_eagle,
+        );
         let retention = Retention {
             interval: self.retention_interval,
             boundaries: &boundaries[..nb],
         };
         for (g, gm) in self.groups.iter_mut().enumerate() {
             let cached_before = req.groups[g].num_cached().unwrap_or(0);
-            // Nothing past the last aligned boundary can ever be hit in a hybrid
-            // model (EAGLE groups keep one block past it).
-            let n = if hybrid {
-                let aligned = num_tokens / sbs * sbs;
-                if gm.use_eagle() && aligned > 0 {
-                    num_tokens.min(aligned + gm.block_size() as usize)
-                } else {
-                    aligned
-                }
-            } else {
-                num_tokens
-            };
+            let n = cacheable.tokens(gm, num_tokens);
             if let Some((from, to, mask)) =
                 gm.cache_blocks(&mut self.pool, req, g, n, hbs, &retention)
             {
@@ -529,10 +560,20 @@ impl Coordinator {
             // Partial prompt-tail entries exist where vLLM allows a hash block
             // below the group block size: hybrid models. (A single group with a
             // finer hash is pagedkv's extension; it caches whole blocks only.)
-            let partial = if hybrid {
+            let partial = if !hybrid {
+                None
+            } else if gm.spec().kind.is_full_attention() {
                 gm.cache_partial_tail(&mut self.pool, req, g, n, hbs)
             } else {
-                None
+                gm.cache_mamba_partial_tail(
+                    &mut self.pool,
+                    req,
+                    g,
+                    n as u64,
+                    self.retention_interval,
+                    num_computed,
+                )
+                .map(|b| b as usize)
             };
             if let Some(boundary) = partial {
                 if self.pool.events_enabled() {
@@ -552,6 +593,51 @@ impl Coordinator {
                 }
             }
         }
+    }
+
+    /// Records each Mamba group's prefill checkpoint for this step (vLLM does so
+    /// while counting the blocks the step needs).
+    pub(crate) fn record_checkpoints(&self, req: &mut Request, n: &Need) {
+        for (g, gm) in self.groups.iter().enumerate() {
+            gm.record_checkpoint(&mut req.groups[g], n);
+        }
+    }
+
+    /// Drains every group's copy-on-write pairs `(source, copy)`; each endpoint
+    /// holds one reference the caller now owns.
+    pub(crate) fn take_pending_cow(&mut self) -> Vec<(BlockId, BlockId)> {
+        let mut out = Vec::new();
+        for gm in &mut self.groups {
+            gm.take_pending_cow(&mut out);
+        }
+        out
+    }
+
+    /// Block references held for copies not yet handed out.
+    pub(crate) fn pending_cow_refs(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.groups
+            .iter()
+            .flat_map(|gm| gm.pending_cow().iter().flat_map(|&(a, b)| [a, b]))
+    }
+
+    /// Whether fine-grained (partial) prefix hits are on.
+    pub(crate) fn partial_hits(&self) -> bool {
+        self.partial_hits
+    }
+
+    /// Whether Mamba groups register shared-prefix junction states.
+    pub(crate) fn shared_prefix_checkpoint(&self) -> bool {
+        self.shared_prefix_checkpoint
+    }
+
+    /// The sparse-retention interval of sliding-window and Mamba groups.
+    pub(crate) fn retention_interval(&self) -> Option<u64> {
+        self.retention_interval
+    }
+
+    /// Changes the sparse-retention interval (applies to later caching).
+    pub(crate) fn set_retention_interval(&mut self, interval: Option<u64>) {
+        self.retention_interval = interval;
     }
 
     /// Drains the pool's KV events, annotated with each group's spec kind.
@@ -655,6 +741,39 @@ impl Coordinator {
             }
         }
         Ok(())
+    }
+}
+
+/// vLLM's `get_num_cacheable_tokens`: the prefix of a step's tokens a group may
+/// cache. Tokens that may be prefilled again never are; in a hybrid model
+/// nothing past the last aligned boundary can ever be hit (EAGLE groups keep one
+/// block past it; partial hits need no rounding).
+struct Cacheable {
+    hybrid: bool,
+    partial_hits: bool,
+    sbs: usize,
+    reprefillable: usize,
+}
+
+impl Cacheable {
+    fn tokens(&self, gm: &GroupManager, num_tokens: usize) -> usize {
+        let finalized = num_tokens.saturating_sub(self.reprefillable);
+        if !self.hybrid {
+            return finalized;
+        }
+        let align = |n: usize| {
+            if self.partial_hits {
+                n
+            } else {
+                n / self.sbs * self.sbs
+            }
+        };
+        let aligned = align(num_tokens);
+        if gm.use_eagle() && aligned > 0 {
+            finalized.min(align(finalized) + gm.block_size() as usize)
+        } else {
+            aligned
+        }
     }
 }
 

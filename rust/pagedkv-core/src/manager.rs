@@ -8,6 +8,7 @@
 
 mod batch;
 mod external;
+mod partial;
 mod validate;
 
 use crate::coordinator::Coordinator;
@@ -505,7 +506,9 @@ impl KvCacheManager {
         let need_args = Need {
             num_tokens: need_slot,
             total_computed: local + a.num_external_computed_tokens,
+            num_local: local,
             main_model,
+            prefill_end: req.prefill_end(),
             cap: false,
         };
         // The need does not change when skipped blocks are nulled below, so a
@@ -524,6 +527,7 @@ impl KvCacheManager {
                 total_computed,
                 main_model: full,
                 cap: true,
+                ..need_args
             };
             let (need, blocked) = self
                 .coord
@@ -542,6 +546,7 @@ impl KvCacheManager {
             let req = self.table.get_mut(slot);
             let processed = total_computed.saturating_sub(a.num_in_flight_tokens);
             self.coord.remove_skipped_blocks(req, processed);
+            self.coord.record_checkpoints(req, &need_args);
             self.coord
                 .num_blocks_to_allocate(req, &need_args, hit_blocks, enc)
                 .0
@@ -556,6 +561,7 @@ impl KvCacheManager {
         // Stage 2: adopt the prefix hit (an empty hit is no hit: vLLM returns
         // its shared empty sentinel then).
         let req = self.table.get_mut(slot);
+        req.num_computed_at_step = a.num_computed_tokens;
         let running = req.is_running();
         let has_hit = hit.is_some_and(|h| !h.is_empty());
         if (has_hit || a.num_external_computed_tokens > 0) && !running {
@@ -573,7 +579,8 @@ impl KvCacheManager {
         // Stage 4: publish full blocks of committed tokens into the prefix cache.
         if self.cfg.enable_caching && !a.delay_cache_blocks {
             let to_cache = (total_computed + a.num_new_tokens).min(num_tokens);
-            self.coord.cache_blocks(req, to_cache as usize);
+            self.coord
+                .cache_blocks(req, to_cache as usize, a.num_computed_tokens);
         }
 
         // Stats are recorded at admission, when a lookup preceded it.
@@ -620,7 +627,9 @@ impl KvCacheManager {
             )));
         }
         if self.cfg.enable_caching {
-            self.coord.cache_blocks(req, num_computed_tokens as usize);
+            let at = req.num_computed_at_step;
+            self.coord
+                .cache_blocks(req, num_computed_tokens as usize, at);
         }
         Ok(())
     }
@@ -714,6 +723,9 @@ impl KvCacheManager {
         }
         for (&b, &n) in &self.detached {
             refs[b as usize] += n;
+        }
+        for b in self.coord.pending_cow_refs() {
+            refs[b as usize] += 1;
         }
         if admitted != self.num_admitted {
             return Err(Error::InvariantViolation(

@@ -371,6 +371,18 @@ impl BlockPool {
         }
     }
 
+    /// One more reference to a block (a copy-on-write endpoint held until the
+    /// copy has run); a free block leaves the free queue.
+    pub fn add_ref(&mut self, id: BlockId) {
+        if id == NULL_BLOCK {
+            return;
+        }
+        if self.blocks[id as usize].ref_cnt == 0 {
+            self.unlink(id);
+        }
+        self.blocks[id as usize].ref_cnt += 1;
+    }
+
     /// Drops one reference from each block, given in eviction order (first =
     /// evicted first). Blocks reaching 0 go back to the free queue: with caching,
     /// unhashed ones to the front (reused first) and hashed ones to the back (LRU);
@@ -577,6 +589,44 @@ impl BlockPool {
         }
         self.insert_block_hash(id, key, tokens);
         !already
+    }
+
+    /// `cache_partial_block` with `replace_existing_hashes`: the block's data
+    /// was replaced, so every key it carried goes (`BlockRemoved`) before `key`
+    /// becomes its only one. The null block is never cached.
+    pub fn replace_block_hashes(&mut self, id: BlockId, key: CacheKey, tokens: u32) -> bool {
+        if id == NULL_BLOCK {
+            return false;
+        }
+        self.remove_block_hashes(id);
+        self.insert_block_hash(id, key, tokens)
+    }
+
+    /// vLLM's `move_block_hashes`: every key of `src` now points to `dst` (which
+    /// carries none), the primary one first with its token count. The entries
+    /// stay live: no events.
+    pub fn move_block_hashes(&mut self, src: BlockId, dst: BlockId) {
+        let slot = self.blocks[src as usize].key;
+        if slot == NIL || src == dst || dst == NULL_BLOCK {
+            return;
+        }
+        let tokens = self.key_tokens[slot as usize];
+        let mut keys = vec![self.keys[slot as usize]];
+        if let Some(extra) = self.secondary.remove(&src) {
+            keys.extend(extra);
+        }
+        self.blocks[src as usize].key = NIL;
+        self.free_keys.push(slot);
+        let mut moved = Vec::with_capacity(keys.len());
+        for key in keys {
+            if self.map_pop(&key, src) {
+                moved.push(key);
+            }
+        }
+        self.epoch += 1;
+        for key in moved {
+            self.insert_block_hash(dst, key, tokens);
+        }
     }
 
     /// Drops a block's keys from the map (vLLM's `_maybe_evict_cached_block`),

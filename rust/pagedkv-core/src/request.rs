@@ -92,6 +92,9 @@ pub(crate) struct Request {
     /// admission, as vLLM's scheduler does).
     pub pending_lookup: bool,
     pub shared_prefix_boundary: u64,
+    /// Tokens computed when the last allocation started (vLLM reads
+    /// `request.num_computed_tokens` while caching).
+    pub num_computed_at_step: u64,
     /// Holds an allocation (between a successful `allocate_slots` and `free`).
     pub admitted: bool,
     pub groups: Vec<GroupBlocks>,
@@ -178,9 +181,16 @@ impl Request {
             num_preemptions: 0,
             pending_lookup: false,
             shared_prefix_boundary: 0,
+            num_computed_at_step: 0,
             admitted: false,
             groups: vec![GroupBlocks::default(); num_groups],
         })
+    }
+
+    /// Where the prefill ends: the prompt, or all but the last token of a
+    /// resumed request replaying its output.
+    pub fn prefill_end(&self) -> u64 {
+        (self.num_prompt_tokens as u64).max((self.num_tokens() as u64).saturating_sub(1))
     }
 
     pub fn num_tokens(&self) -> usize {

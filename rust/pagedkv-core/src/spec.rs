@@ -51,6 +51,12 @@ pub enum AttentionKind {
         mode: MambaCacheMode,
         /// Extra state blocks for speculative decoding.
         num_speculative_blocks: u32,
+        /// "align" prefill checkpoints (vLLM's `num_prefill_checkpoint_blocks`
+        /// with its `prefill_checkpoint_alignment`): a chunk that ends a prefill
+        /// reserves one more state block, where the kernel exports the state at
+        /// the prompt's reusable boundary (a multiple of this many tokens past
+        /// the chunk start). `None`: no checkpoints.
+        prefill_checkpoint_alignment: Option<u32>,
     },
     /// Encoder-decoder cross attention: blocks for the encoder output, allocated
     /// once per request, never cached.
@@ -95,6 +101,13 @@ impl AttentionKind {
             self,
             Self::FullAttention | Self::MlaAttention | Self::SinkFullAttention { .. }
         )
+    }
+
+    /// Whether hits can end inside a block (vLLM's
+    /// `supports_fine_grained_hash_lookup`): full attention and Mamba.
+    #[must_use]
+    pub fn supports_fine_grained_lookup(&self) -> bool {
+        self.is_full_attention() || matches!(self, Self::Mamba { .. })
     }
 
     /// Sliding-window and Mamba groups cache sparsely under a retention interval.
@@ -196,6 +209,25 @@ pub struct ManagerConfig {
     /// this many tokens after the block. The engine hashes (so it needs
     /// `external_block_hashes`); events publish those tokens per stored block.
     pub num_hash_lookahead_tokens: u32,
+    /// vLLM's `num_prefill_lookahead` (multi-module MTP): the last
+    /// `num_prefill_lookahead - 1` computed tokens may be prefilled again, so
+    /// they are never cached.
+    pub num_prefill_lookahead: u32,
+    /// vLLM's fine-grained (partial) prefix hits: in a hybrid model with a Mamba
+    /// "align" group whose block spans several hash blocks, hits may end on any
+    /// hash-block boundary; a hit ending inside a block is copied on write, and
+    /// the engine drains the copies ([`crate::KvCacheManager::take_block_copies`]).
+    /// vLLM's drop-in turns it on (vLLM's default); off, hits end on block
+    /// boundaries and no block is ever copied.
+    pub partial_hash_hits: bool,
+    /// Decode context parallelism: the group block sizes given are already
+    /// scaled by it; it only decides where partial hits apply (a Mamba block
+    /// may then equal the hash block).
+    pub dcp_world_size: u32,
+    /// vLLM's `enable_mamba_shared_prefix_checkpoint`: an EAGLE model's Mamba
+    /// groups also register the state at a shared-prefix junction the
+    /// scheduler ended a chunk on (needs partial hits, no prefill lookahead).
+    pub mamba_shared_prefix_checkpoint: bool,
 }
 
 /// Largest `max_model_len` / `max_in_flight_tokens`: token counts stay far from
@@ -228,6 +260,10 @@ impl ManagerConfig {
             external_block_hashes: false,
             record_stats_at_admission: true,
             num_hash_lookahead_tokens: 0,
+            num_prefill_lookahead: 0,
+            partial_hash_hits: false,
+            dcp_world_size: 1,
+            mamba_shared_prefix_checkpoint: false,
         }
     }
 
@@ -246,6 +282,47 @@ impl ManagerConfig {
     #[must_use]
     pub fn is_eagle_group(&self, g: usize) -> bool {
         self.use_eagle && (self.eagle_groups.is_empty() || self.eagle_groups.contains(&(g as u32)))
+    }
+
+    /// Whether any group is an EAGLE group (vLLM's non-empty `eagle_group_ids`:
+    /// named groups, or every group under `use_eagle`).
+    #[must_use]
+    pub fn has_eagle_groups(&self) -> bool {
+        self.use_eagle || !self.eagle_groups.is_empty()
+    }
+
+    /// vLLM's `partial_hash_hits_enabled`: several groups, prefix caching on, a
+    /// Mamba "align" group whose block is finer-hashed (or equal under DCP), and
+    /// every other cacheable group able to look up at hash granularity (full
+    /// attention, MLA, sinks, Mamba) or blocked at the hash size.
+    #[must_use]
+    pub fn partial_hash_hits_enabled(&self, hbs: u32) -> bool {
+        if !self.partial_hash_hits || !self.enable_caching || self.groups.len() < 2 {
+            return false;
+        }
+        let dcp = self.dcp_world_size.max(1);
+        let mamba = self.groups.iter().any(|g| {
+            matches!(
+                g.kind,
+                AttentionKind::Mamba {
+                    mode: MambaCacheMode::Align,
+                    ..
+                }
+            ) && ((dcp == 1 && g.block_size > hbs) || (dcp > 1 && g.block_size >= hbs))
+        });
+        mamba
+            && self.groups.iter().all(|g| {
+                g.kind == AttentionKind::CrossAttention
+                    || g.kind.supports_fine_grained_lookup()
+                    || g.block_size == hbs
+            })
+    }
+
+    /// Tokens at the end of the computed prefix that may be prefilled again
+    /// (multi-module MTP) and are never cached.
+    #[must_use]
+    pub fn num_reprefillable_tokens(&self) -> u64 {
+        u64::from(self.num_prefill_lookahead.saturating_sub(1))
     }
 
     /// The scheduler block size: the LCM of every group's block size.
@@ -379,6 +456,33 @@ impl ManagerConfig {
                  combined with external_block_hashes"
                     .into(),
             );
+        }
+        if self.dcp_world_size == 0 {
+            return bad("dcp_world_size must be at least 1".into());
+        }
+        if let Some((i, _)) = self.groups.iter().enumerate().find(|(_, g)| {
+            matches!(
+                g.kind,
+                AttentionKind::Mamba {
+                    prefill_checkpoint_alignment: Some(0),
+                    ..
+                }
+            )
+        }) {
+            return bad(format!(
+                "group {i}: prefill_checkpoint_alignment must be positive"
+            ));
+        }
+        if self.enable_caching
+            && self.has_eagle_groups()
+            && self.scheduler_block_size() < u64::from(self.num_prefill_lookahead)
+        {
+            return bad(format!(
+                "Multi-module MTP with prefix caching requires scheduler_block_size (={}) \
+                 >= num_speculative_tokens (={})",
+                self.scheduler_block_size(),
+                self.num_prefill_lookahead
+            ));
         }
         if let Some(n) = self.max_in_flight_tokens {
             if n == 0 || n >= MAX_TOKENS {

@@ -47,6 +47,7 @@ fn layouts() -> Vec<Vec<GroupSpec>> {
     let align = AttentionKind::Mamba {
         mode: MambaCacheMode::Align,
         num_speculative_blocks: 0,
+        prefill_checkpoint_alignment: None,
     };
     vec![
         vec![g(AttentionKind::FullAttention, 4), g(swa(8), 4)],
@@ -77,6 +78,7 @@ fn layouts() -> Vec<Vec<GroupSpec>> {
                 AttentionKind::Mamba {
                     mode: MambaCacheMode::All,
                     num_speculative_blocks: 1,
+                    prefill_checkpoint_alignment: None,
                 },
                 4,
             ),
@@ -87,6 +89,7 @@ fn layouts() -> Vec<Vec<GroupSpec>> {
                 AttentionKind::Mamba {
                     mode: MambaCacheMode::Align,
                     num_speculative_blocks: 2,
+                    prefill_checkpoint_alignment: None,
                 },
                 4,
             ),

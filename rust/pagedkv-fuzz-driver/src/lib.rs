@@ -107,6 +107,7 @@ fn mamba(mode: MambaCacheMode, num_speculative_blocks: u32) -> AttentionKind {
     AttentionKind::Mamba {
         mode,
         num_speculative_blocks,
+        prefill_checkpoint_alignment: None,
     }
 }
 

@@ -117,6 +117,7 @@ fn mamba_align_allocation_with_a_huge_count_is_capped_or_refused() {
             AttentionKind::Mamba {
                 mode: pagedkv_core::MambaCacheMode::Align,
                 num_speculative_blocks: 0,
+                prefill_checkpoint_alignment: None,
             },
             8,
         ),

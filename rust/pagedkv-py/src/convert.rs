@@ -390,6 +390,12 @@ fn group_spec(d: &Bound<'_, PyDict>) -> PkResult<GroupSpec> {
                 Some(v) => config_int("num_speculative_blocks", v.extract()?)?,
                 None => 0,
             };
+            let prefill_checkpoint_alignment = match d.get_item("prefill_checkpoint_alignment")? {
+                Some(v) if !v.is_none() => {
+                    Some(config_int("prefill_checkpoint_alignment", v.extract()?)?)
+                }
+                _ => None,
+            };
             AttentionKind::Mamba {
                 mode: MambaCacheMode::from_name(&mode).ok_or_else(|| {
                     invalid_config(format!(
@@ -397,6 +403,7 @@ fn group_spec(d: &Bound<'_, PyDict>) -> PkResult<GroupSpec> {
                     ))
                 })?,
                 num_speculative_blocks,
+                prefill_checkpoint_alignment,
             }
         }
         other => {
@@ -463,6 +470,14 @@ pub fn manager_config(
             "record_stats_at_admission" => cfg.record_stats_at_admission = option(name, &v)?,
             "num_hash_lookahead_tokens" => {
                 cfg.num_hash_lookahead_tokens = option_int(name, &v)?.unwrap_or(0);
+            }
+            "num_prefill_lookahead" => {
+                cfg.num_prefill_lookahead = option_int(name, &v)?.unwrap_or(0);
+            }
+            "partial_hash_hits" => cfg.partial_hash_hits = option(name, &v)?,
+            "dcp_world_size" => cfg.dcp_world_size = option_int(name, &v)?.unwrap_or(1),
+            "mamba_shared_prefix_checkpoint" => {
+                cfg.mamba_shared_prefix_checkpoint = option(name, &v)?;
             }
             other => {
                 return Err(type_error(format!(

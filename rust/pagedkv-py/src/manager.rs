@@ -671,6 +671,74 @@ impl PyManager {
         Ok(borrow(slf)?.inner.estimate_cached_tokens(request_id)?)
     }
 
+    /// Drains the block copies queued since the last call as `[(source, copy)]`;
+    /// both endpoints of each stay referenced (detached) until `free_blocks`
+    /// returns them once the copy has run.
+    fn take_block_copies(slf: &Bound<'_, Self>) -> PkResult<Vec<(u32, u32)>> {
+        Ok(borrow_mut(slf)?.inner.take_block_copies())
+    }
+
+    /// Whether fine-grained (partial) prefix hits are on.
+    #[getter]
+    fn partial_hash_hits(&self) -> bool {
+        self.inner.partial_hash_hits()
+    }
+
+    /// Whether Mamba groups register shared-prefix junction states.
+    #[getter]
+    fn mamba_shared_prefix_checkpoint(&self) -> bool {
+        self.inner.mamba_shared_prefix_checkpoint()
+    }
+
+    /// The request's pending copy-on-write in group `group`: `(index, block)`
+    /// of a prefix hit ending inside that block, or None.
+    fn partial_hit(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        group: i64,
+    ) -> PkResult<Option<(usize, u32)>> {
+        Ok(borrow(slf)?
+            .inner
+            .partial_hit(request_id, group_index(group)?)?)
+    }
+
+    /// The prefill checkpoint the request's last allocation reserved in Mamba
+    /// group `group`: `(position, block column)`, or None.
+    fn mamba_checkpoint(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        group: i64,
+    ) -> PkResult<Option<(u64, usize)>> {
+        Ok(borrow(slf)?
+            .inner
+            .mamba_checkpoint(request_id, group_index(group)?)?)
+    }
+
+    /// The sparse-retention interval (None: dense); settable.
+    #[getter]
+    fn prefix_cache_retention_interval(&self) -> Option<u64> {
+        self.inner.prefix_cache_retention_interval()
+    }
+
+    #[setter]
+    fn set_prefix_cache_retention_interval(
+        slf: &Bound<'_, Self>,
+        interval: Option<i64>,
+    ) -> PkResult<()> {
+        let interval = interval
+            .map(|v| {
+                u64::try_from(v).map_err(|_| {
+                    pagedkv_core::Error::InvalidArgument(format!(
+                        "prefix_cache_retention_interval must be non-negative, got {v}"
+                    ))
+                })
+            })
+            .transpose()?;
+        Ok(borrow_mut(slf)?
+            .inner
+            .set_prefix_cache_retention_interval(interval)?)
+    }
+
     /// Prefix tokens the cached block's hash covers, or None if not cached.
     fn cached_block_num_tokens(slf: &Bound<'_, Self>, block_id: i64) -> PkResult<Option<u32>> {
         let this = borrow(slf)?;
@@ -929,4 +997,11 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.add(name, kind as u8)?;
     }
     Ok(())
+}
+
+/// A KV-cache group index given from Python.
+fn group_index(group: i64) -> Result<usize, pagedkv_core::Error> {
+    usize::try_from(group).map_err(|_| {
+        pagedkv_core::Error::InvalidArgument(format!("group must be non-negative, got {group}"))
+    })
 }

@@ -358,7 +358,9 @@ impl KvCacheManager {
         let need = Need {
             num_tokens: num_tokens.min(max_len),
             total_computed: total_computed.min(max_len),
+            num_local: total_computed.min(max_len),
             main_model: num_tokens_main_model.min(max_len),
+            prefill_end: 0,
             cap: apply_admission_cap,
         };
         let blank;

@@ -160,7 +160,9 @@ impl KvCacheManager {
                 num_tokens: (num_computed_tokens[i] + num_new_tokens[i] + num_lookahead_tokens)
                     .min(max_len),
                 total_computed: num_computed_tokens[i],
+                num_local: num_computed_tokens[i],
                 main_model: (num_computed_tokens[i] + num_new_tokens[i]).min(max_len),
+                prefill_end: self.table.get(slot).prefill_end(),
                 cap: false,
             };
             let req = self.table.get(slot);

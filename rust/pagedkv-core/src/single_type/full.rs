@@ -29,6 +29,22 @@ impl GroupManager {
             n += 1;
         }
         let mut hit = n * bs;
+        // Fine-grained lookups (partial hits, `alignment` = the hash block) go on
+        // into the first block that missed, probing its interior hash-block
+        // boundaries from the highest down.
+        let a = q.alignment;
+        if a < bs && bs % a == 0 {
+            let scale = bs / a;
+            let first = n * scale;
+            let last = (first + scale - 1).min(q.max_len / a).min(q.hashes.len());
+            for j in (first..last).rev() {
+                if Self::lookup_all(pool, q.hashes[j], group_ids, &mut found) {
+                    Self::push_all(out, group_ids, &found);
+                    hit = (j + 1) * a;
+                    break;
+                }
+            }
+        }
         if q.drop_eagle_block && hit > 0 {
             hit -= q.alignment.min(bs);
         }

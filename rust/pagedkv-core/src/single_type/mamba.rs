@@ -5,7 +5,8 @@
 //! state is released one step later.
 
 use super::{GroupBlocks, GroupManager, Lookup};
-use crate::pool::{BlockId, BlockPool, NULL_BLOCK};
+use crate::pool::{BlockId, BlockPool, CacheKey, NULL_BLOCK};
+use crate::request::Request;
 use crate::spec::AttentionKind;
 
 impl GroupManager {
@@ -18,6 +19,23 @@ impl GroupManager {
     ) -> usize {
         let bs = self.block_size as usize;
         let mut found = Vec::with_capacity(group_ids.len());
+        let a = q.alignment;
+        if a < bs && bs % a == 0 {
+            // Fine-grained: the rightmost hash-block boundary with a cached state
+            // (a state registered inside a block, or a full one).
+            let scale = bs / a;
+            for j in (0..(q.max_len / a).min(q.hashes.len())).rev() {
+                if Self::lookup_all(pool, q.hashes[j], group_ids, &mut found) {
+                    for (&g, &b) in group_ids.iter().zip(&found) {
+                        let v = &mut out[g as usize];
+                        v.resize(j / scale, NULL_BLOCK);
+                        v.push(b);
+                    }
+                    return (j + 1) * a;
+                }
+            }
+            return 0;
+        }
         for i in (0..q.max_len / bs).rev() {
             let Some(hash) = self.hash_at(q.hashes, i) else {
                 continue;
@@ -49,9 +67,11 @@ impl GroupManager {
 
     /// Mamba "align": a request holds only the running state block (plus
     /// speculative blocks); earlier positions are null, the previous state block
-    /// is released one step later (`remove_skipped_blocks`).
+    /// is released one step later (`remove_skipped_blocks`). A reserved prefill
+    /// checkpoint keeps one more column; a partial hit takes a private copy of
+    /// its shared state block (vLLM's `MambaManager.allocate_new_blocks`).
     pub(super) fn allocate_mamba_align(
-        &self,
+        &mut self,
         pool: &mut BlockPool,
         gb: &mut GroupBlocks,
         num_tokens: u64,
@@ -61,24 +81,32 @@ impl GroupManager {
         let bs = u64::from(self.block_size);
         let spec = spec as usize;
         let required = num_tokens.div_ceil(bs) as usize + spec;
-        if required <= gb.blocks.len() {
+        let checkpoint = usize::from(gb.checkpoint.is_some());
+        let partial = gb.partial_hit;
+        if required <= gb.blocks.len() && partial.is_none() && checkpoint == 0 {
             gb.mamba_allocated = true;
             return;
         }
         let prev_len = gb.blocks.len();
-        if gb.mamba_allocated {
+        let allocated = gb.mamba_allocated;
+        if allocated {
             gb.mamba_last_state = Some(prev_len - 1 - spec);
         } else if prev_len > 0 {
             gb.mamba_last_state = Some(prev_len - 1);
         }
         let skipped = required - spec - 1;
         if prev_len < skipped {
-            gb.blocks.resize(skipped, NULL_BLOCK);
+            // The checkpoint column is left for a block.
+            let null_end = skipped.saturating_sub(checkpoint);
+            if null_end > prev_len {
+                gb.blocks.resize(null_end, NULL_BLOCK);
+            }
         }
-        if gb.mamba_allocated {
-            // Speculative blocks move forward; their old slots become null.
+        if allocated {
+            // Speculative blocks move forward; their old slots become null. In a
+            // checkpoint step the one at the checkpoint column stays.
             for idx in prev_len - spec..prev_len {
-                if idx >= skipped {
+                if idx >= skipped.saturating_sub(checkpoint) {
                     break;
                 }
                 let b = gb.blocks[idx];
@@ -86,11 +114,42 @@ impl GroupManager {
                 gb.blocks[idx] = NULL_BLOCK;
             }
         }
-        let new = required.saturating_sub(gb.blocks.len());
-        out.extend_from_slice(&gb.blocks[prev_len.min(gb.blocks.len())..]);
+        let new = required.saturating_sub(gb.blocks.len()) + usize::from(partial.is_some());
+        let returned = prev_len.min(gb.blocks.len());
         let start = out.len();
+        // Capacity was checked by the caller.
         let _ = pool.get_new_blocks(new as u32, out);
-        gb.blocks.extend_from_slice(&out[start..]);
+        let mut fresh = start;
+        if let Some((idx, source)) = partial {
+            let copy = out[start];
+            fresh += 1;
+            if allocated {
+                // A running request's table is append-only: it stays on the
+                // source block, and the cache entry moves to the copy, which the
+                // queued copy fills before the step overwrites the source.
+                pool.move_block_hashes(source, copy);
+                self.pending_cow.push((source, copy));
+                pool.add_ref(source);
+                gb.producer_tail = None;
+                if let Some(k) = pool.block_key(copy) {
+                    self.cached_this_step.insert(k);
+                }
+                // The copy is not the request's: it is not handed out.
+                out.remove(start);
+                fresh = start;
+            } else {
+                self.apply_cow(pool, gb, idx, source, copy);
+            }
+        }
+        // What the caller gets: the copy (if the request took it), the columns
+        // past the previous end (nulls and relocated blocks), then fresh blocks.
+        let tail: Vec<BlockId> = gb.blocks[returned..].to_vec();
+        let fresh_ids: Vec<BlockId> = out[fresh..].to_vec();
+        out.truncate(fresh);
+        out.extend_from_slice(&tail);
+        out.extend_from_slice(&fresh_ids);
+        gb.blocks.extend_from_slice(&fresh_ids);
+        gb.partial_hit = None;
         gb.mamba_allocated = true;
     }
 
@@ -188,5 +247,97 @@ impl GroupManager {
                 pool.free_blocks([b]);
             }
         }
+    }
+
+    /// vLLM's `MambaManager._cache_partial_tail_block` ("align"): registers the
+    /// state at a boundary inside a block. With a reserved prefill checkpoint,
+    /// the checkpoint block is re-keyed at the checkpoint (or, when that state
+    /// is transient, dropped from the cache); otherwise the prompt's reusable
+    /// boundary (or a shared-prefix junction) when this step reaches it. A
+    /// boundary inside the request's running block makes the next allocation
+    /// move the entry to a private copy. Returns the boundary when a
+    /// `BlockStored` is due.
+    pub(crate) fn cache_mamba_partial_tail(
+        &mut self,
+        pool: &mut BlockPool,
+        req: &mut Request,
+        g: usize,
+        num_tokens: u64,
+        interval: Option<u64>,
+        num_computed: u64,
+    ) -> Option<u64> {
+        self.mamba_align()?;
+        let hbs = u64::from(self.hash_block_size);
+        let bs = u64::from(self.block_size);
+        let prompt = req.num_prompt_tokens as u64;
+        let shared = req.shared_prefix_boundary;
+        let key_at = |n: u64| {
+            let j = (n / hbs) as usize;
+            (j > 0)
+                .then(|| req.hashes.get(j - 1))
+                .flatten()
+                .map(|&hash| CacheKey {
+                    hash,
+                    group: self.group_id,
+                })
+        };
+        let gb = &req.groups[g];
+        if let Some((position, column)) = gb.checkpoint {
+            let block = *gb.blocks.get(column)?;
+            let prompt_checkpoint = position
+                == super::checkpoint_position(
+                    prompt,
+                    self.alignment,
+                    self.drop_eagle_checkpoint,
+                    self.lookahead,
+                );
+            let retained = position % bs == 0 && {
+                let i = (position / bs) as usize - 1;
+                self.mamba_reachable_mask(i, i + 1, interval, &[])
+                    .is_none_or(|m| m[0])
+            };
+            if !prompt_checkpoint && !retained && position != shared {
+                // The transient state overwrites this block: neither it nor a
+                // full-block key registered earlier this step is reusable.
+                if block != NULL_BLOCK {
+                    pool.maybe_evict(block);
+                }
+                return None;
+            }
+            if block == NULL_BLOCK || pool.primary_tokens(block) == Some(position as u32) {
+                return None;
+            }
+            let key = key_at(position)?;
+            pool.replace_block_hashes(block, key, position as u32);
+            self.cached_this_step.insert(key);
+            return Some(position);
+        }
+        if num_tokens == 0 || num_tokens % hbs != 0 {
+            return None;
+        }
+        let latest =
+            super::checkpoint_position(prompt, hbs, self.drop_eagle_checkpoint, self.lookahead);
+        let junction = self.shared_prefix_checkpoint
+            && num_tokens == shared
+            && num_computed < num_tokens
+            && num_tokens <= prompt;
+        if num_tokens != latest && !junction {
+            return None;
+        }
+        let idx = (num_tokens.div_ceil(bs) - 1) as usize;
+        let block = *gb.blocks.get(idx)?;
+        if block == NULL_BLOCK || pool.primary_tokens(block) == Some(num_tokens as u32) {
+            return None;
+        }
+        let key = key_at(num_tokens)?;
+        let new = pool.cache_partial_block(block, key, num_tokens as u32);
+        self.cached_this_step.insert(key);
+        if num_tokens % bs != 0 {
+            let gb = &mut req.groups[g];
+            gb.partial_hit = Some((idx, block));
+            gb.num_cached = Some(idx);
+            gb.producer_tail = Some((block, num_tokens));
+        }
+        new.then_some(num_tokens)
     }
 }

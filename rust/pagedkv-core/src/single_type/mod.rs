@@ -39,6 +39,16 @@ pub(crate) struct GroupBlocks {
     mamba_last_state: Option<usize>,
     /// Mamba "align": blocks before this index were already retired.
     mamba_retired: usize,
+    /// A prefix hit ending inside a block: `(index, shared block)`, copied on
+    /// write into a private block at the next allocation (vLLM's
+    /// `_partial_hit_reqs`).
+    partial_hit: Option<(usize, BlockId)>,
+    /// Mamba "align": the prefill checkpoint this step reserved, `(position,
+    /// column)` (vLLM's `_checkpoints`).
+    checkpoint: Option<(u64, usize)>,
+    /// Mamba "align": the request registered its own prompt boundary inside a
+    /// block it keeps writing, `(block, boundary tokens)`.
+    producer_tail: Option<(BlockId, u64)>,
 }
 
 impl GroupBlocks {
@@ -50,6 +60,16 @@ impl GroupBlocks {
     /// Leading blocks already cached; `Some` once the request runs in the group.
     pub(crate) fn num_cached(&self) -> Option<usize> {
         self.num_cached
+    }
+
+    /// The pending copy-on-write of a prefix hit ending inside a block.
+    pub(crate) fn partial_hit(&self) -> Option<(usize, BlockId)> {
+        self.partial_hit
+    }
+
+    /// Mamba "align": the prefill checkpoint reserved this step.
+    pub(crate) fn checkpoint(&self) -> Option<(u64, usize)> {
+        self.checkpoint
     }
 }
 
@@ -68,7 +88,12 @@ pub(crate) struct Lookup<'a> {
 pub(crate) struct Need {
     pub num_tokens: u64,
     pub total_computed: u64,
+    /// Tokens computed locally (the request's own plus the prefix hit).
+    pub num_local: u64,
     pub main_model: u64,
+    /// Where the request's prefill ends (`max(prompt, num_tokens - 1)`): Mamba
+    /// reserves a checkpoint only on the chunk reaching it.
+    pub prefill_end: u64,
     /// Apply the recycling-aware admission cap (full-sequence gate only).
     pub cap: bool,
 }
@@ -100,6 +125,17 @@ pub struct GroupManager {
     admission_cap: Option<u64>,
     /// Mamba: state blocks cached this step (a hit on one cannot be used yet).
     cached_this_step: FxHashSet<CacheKey>,
+    /// Tokens per hash block.
+    hash_block_size: u32,
+    /// Tokens past each block that block hashes cover (lookahead hashing).
+    lookahead: u32,
+    /// Mamba: checkpoints sit one hash block lower, at EAGLE's replay boundary.
+    drop_eagle_checkpoint: bool,
+    /// Mamba: also register the state at a shared-prefix junction.
+    shared_prefix_checkpoint: bool,
+    /// Copy-on-write pairs `(source, copy)` not yet handed out; each endpoint
+    /// holds one extra reference until the copy has run.
+    pending_cow: Vec<(BlockId, BlockId)>,
     num_gpu_blocks: u32,
     /// `log2(block_size)` for power-of-two block sizes (divisions on the hot path
     /// become shifts), `None` otherwise.
@@ -119,6 +155,12 @@ pub(crate) struct GroupParams {
     pub num_gpu_blocks: u32,
     /// EAGLE applies to this group (prefix-cached groups of an EAGLE model).
     pub use_eagle: bool,
+    /// Tokens past each block that block hashes cover.
+    pub lookahead: u32,
+    /// The model runs EAGLE (Mamba checkpoints follow its replay boundary).
+    pub model_eagle: bool,
+    /// Mamba: register shared-prefix junction states.
+    pub shared_prefix_checkpoint: bool,
 }
 
 impl GroupManager {
@@ -130,7 +172,11 @@ impl GroupManager {
             max_model_len,
             num_gpu_blocks,
             use_eagle,
+            lookahead,
+            model_eagle,
+            shared_prefix_checkpoint,
         } = *p;
+        let is_mamba = matches!(spec.kind, AttentionKind::Mamba { .. });
         let block_size = spec.block_size;
         let bs = u64::from(block_size);
         let admission_cap = match spec.kind {
@@ -153,6 +199,11 @@ impl GroupManager {
             use_eagle,
             admission_cap,
             cached_this_step: FxHashSet::default(),
+            hash_block_size,
+            lookahead,
+            drop_eagle_checkpoint: model_eagle && is_mamba,
+            shared_prefix_checkpoint: shared_prefix_checkpoint && is_mamba,
+            pending_cow: Vec::new(),
             num_gpu_blocks,
             shift: block_size
                 .is_power_of_two()
@@ -205,6 +256,7 @@ impl GroupManager {
             AttentionKind::Mamba {
                 mode: MambaCacheMode::Align,
                 num_speculative_blocks,
+                ..
             } => Some(u64::from(num_speculative_blocks)),
             _ => None,
         }
@@ -323,6 +375,7 @@ impl GroupManager {
         if let AttentionKind::Mamba {
             num_speculative_blocks,
             mode,
+            ..
         } = self.spec.kind
         {
             if self.hit_cached_this_step(pool, hit) {
@@ -334,8 +387,17 @@ impl GroupManager {
                 let spec = u64::from(num_speculative_blocks);
                 let required = num_tokens_main_model.div_ceil(bs) + spec;
                 let mut new = required as i64 - hit.len() as i64 - gb.blocks.len() as i64;
+                let partial =
+                    self.has_partial_local_hit(hit, n.num_local) || gb.partial_hit.is_some();
+                if partial {
+                    new = new.max(0) + 1;
+                }
+                let checkpoint = u64::from(self.mamba_checkpoint(gb, n).is_some());
                 if new > 0 {
-                    let cap = 1 + if gb.mamba_allocated { 0 } else { spec };
+                    let cap = 1
+                        + u64::from(partial)
+                        + checkpoint
+                        + if gb.mamba_allocated { 0 } else { spec };
                     new = new.min(cap as i64);
                 }
                 return new + evictable(hit);
@@ -356,7 +418,66 @@ impl GroupManager {
         let local = hit.len() as u64 + have;
         let fresh = required.saturating_sub(skipped_blocks.max(local));
         let skip_hits = (skipped_blocks.saturating_sub(have) as usize).min(hit.len());
-        fresh as i64 + evictable(&hit[skip_hits..])
+        // A hit ending inside a block takes one more block for its copy.
+        let cow = i64::from(self.has_partial_local_hit(hit, n.num_local));
+        fresh as i64 + cow + evictable(&hit[skip_hits..])
+    }
+
+    /// vLLM's `_has_partial_local_hit`: the local prefix hit ends inside one of
+    /// this group's blocks, so its shared tail block is copied on write.
+    fn has_partial_local_hit(&self, hit: &[BlockId], num_local: u64) -> bool {
+        !hit.is_empty() && num_local % u64::from(self.block_size) != 0
+    }
+
+    /// Mamba "align": the prefill checkpoint this step reserves, `(position,
+    /// column)`: the reusable boundary below the chunk end (vLLM's
+    /// `get_mamba_prefill_checkpoint_position`), when the chunk reaches the end
+    /// of the prefill and the kernel can export it there
+    /// (`_needs_internal_checkpoint`).
+    pub(crate) fn mamba_checkpoint(&self, gb: &GroupBlocks, n: &Need) -> Option<(u64, usize)> {
+        let AttentionKind::Mamba {
+            mode: MambaCacheMode::Align,
+            num_speculative_blocks,
+            prefill_checkpoint_alignment: Some(align),
+        } = self.spec.kind
+        else {
+            return None;
+        };
+        let bs = i64::from(self.block_size);
+        let end = n.main_model;
+        let position = checkpoint_position(
+            end,
+            self.alignment,
+            self.drop_eagle_checkpoint,
+            self.lookahead,
+        );
+        let start = n.total_computed as i64;
+        let (pos, end_i) = (position as i64, end as i64);
+        let hbs = i64::from(self.hash_block_size);
+        let column = (end_i + bs - 1).div_euclid(bs) - 2;
+        let valid = start % hbs == 0
+            && column > (start - 1).div_euclid(bs)
+            && start + hbs <= pos
+            && start < pos
+            && pos < end_i
+            && (pos - start) % i64::from(align) == 0;
+        if end < n.prefill_end || !valid || column < 0 {
+            return None;
+        }
+        let c = column as usize;
+        let len = gb.blocks.len();
+        let free_column = c >= len
+            || gb.blocks[c] == NULL_BLOCK
+            || (gb.mamba_allocated && c + num_speculative_blocks as usize >= len);
+        free_column.then_some((position, c))
+    }
+
+    /// Records the checkpoint [`Self::mamba_checkpoint`] reserves (vLLM records it
+    /// while counting the blocks a step needs).
+    pub(crate) fn record_checkpoint(&self, gb: &mut GroupBlocks, n: &Need) {
+        if self.mamba_align().is_some() {
+            gb.checkpoint = self.mamba_checkpoint(gb, n);
+        }
     }
 
     /// Adopts the prefix hit at admission: touches the hit blocks, pads skipped
@@ -382,6 +503,13 @@ impl GroupManager {
             .extend(std::iter::repeat_n(NULL_BLOCK, skipped_blocks));
         gb.blocks.extend_from_slice(hit);
         gb.num_cached = Some(gb.blocks.len());
+        if let Some(&last) = hit.last().filter(|_| num_local % bs != 0) {
+            // The hit ends inside its last block: the next allocation copies it
+            // into a private block, which is cached again once full.
+            let idx = (num_local / bs) as usize;
+            gb.partial_hit = Some((idx, last));
+            gb.num_cached = Some(idx);
+        }
     }
 
     /// Fresh blocks for tokens whose KV an external connector supplies.
@@ -414,7 +542,7 @@ impl GroupManager {
 
     /// Grows the block list to cover `num_tokens`, returning the new ids in `out`.
     pub(crate) fn allocate_new_blocks(
-        &self,
+        &mut self,
         pool: &mut BlockPool,
         gb: &mut GroupBlocks,
         mut num_tokens: u64,
@@ -425,6 +553,7 @@ impl GroupManager {
         if let AttentionKind::Mamba {
             mode,
             num_speculative_blocks,
+            ..
         } = self.spec.kind
         {
             if mode == MambaCacheMode::Align {
@@ -439,14 +568,49 @@ impl GroupManager {
             }
             num_tokens += bs * u64::from(num_speculative_blocks);
         }
+        if let Some((idx, source)) = gb.partial_hit.take() {
+            // The shared tail block of a partial hit: the request continues in a
+            // private copy (capacity was checked by the caller).
+            let _ = pool.get_new_blocks(1, out);
+            let copy = out[out.len() - 1];
+            self.apply_cow(pool, gb, idx, source, copy);
+        }
         let required = self.blocks_ceil(num_tokens);
         let have = gb.blocks.len() as u64;
         if required <= have {
             return;
         }
-        // Capacity was checked by the caller.
+        let start = out.len();
         let _ = pool.get_new_blocks((required - have) as u32, out);
-        gb.blocks.extend_from_slice(out);
+        gb.blocks.extend_from_slice(&out[start..]);
+    }
+
+    /// vLLM's `_apply_cow`: the request's block `idx` becomes `copy`; both
+    /// endpoints stay referenced until the copy has run (the source keeps the
+    /// hit's reference, the copy takes one more).
+    fn apply_cow(
+        &mut self,
+        pool: &mut BlockPool,
+        gb: &mut GroupBlocks,
+        idx: usize,
+        source: BlockId,
+        copy: BlockId,
+    ) {
+        debug_assert_eq!(gb.blocks.get(idx), Some(&source));
+        gb.blocks[idx] = copy;
+        self.pending_cow.push((source, copy));
+        pool.add_ref(copy);
+    }
+
+    /// Drains the copy-on-write pairs `(source, copy)` made since the last call;
+    /// each endpoint still holds the one reference the caller now owns.
+    pub(crate) fn take_pending_cow(&mut self, out: &mut Vec<(BlockId, BlockId)>) {
+        out.append(&mut self.pending_cow);
+    }
+
+    /// The copy-on-write pairs not yet handed out.
+    pub(crate) fn pending_cow(&self) -> &[(BlockId, BlockId)] {
+        &self.pending_cow
     }
 
     /// Caches the request's newly full blocks covering `num_tokens`; returns the
@@ -534,6 +698,9 @@ impl GroupManager {
         gb.mamba_allocated = false;
         gb.mamba_last_state = None;
         gb.mamba_retired = 0;
+        gb.partial_hit = None;
+        gb.checkpoint = None;
+        gb.producer_tail = None;
     }
 
     /// Blocks `remove_skipped_blocks(total_computed)` would release (dry run).
@@ -584,6 +751,29 @@ impl GroupManager {
     pub(crate) fn new_step_starts(&mut self) {
         self.cached_this_step.clear();
     }
+}
+
+/// vLLM's `get_mamba_prefill_checkpoint_position`: the reusable Mamba state
+/// boundary of a prefill of `num_tokens` tokens, a multiple of `alignment`
+/// leaving tokens for the logits (and the lookahead hash) to recompute; with
+/// EAGLE one unit lower, at its replay boundary.
+pub(crate) fn checkpoint_position(
+    num_tokens: u64,
+    alignment: u64,
+    eagle: bool,
+    lookahead: u32,
+) -> u64 {
+    let limit = if eagle {
+        num_tokens as i64
+    } else {
+        num_tokens as i64 - i64::from(lookahead.max(1))
+    };
+    let a = alignment as i64;
+    let mut p = limit.div_euclid(a) * a;
+    if eagle {
+        p -= a;
+    }
+    p.max(0) as u64
 }
 
 #[cfg(test)]

@@ -10,6 +10,9 @@ fn manager(kind: AttentionKind, block_size: u32) -> GroupManager {
         max_model_len: 1 << 20,
         num_gpu_blocks: 2000,
         use_eagle: false,
+        lookahead: 0,
+        model_eagle: false,
+        shared_prefix_checkpoint: false,
     };
     GroupManager::new(spec, 0, &p)
 }
@@ -166,6 +169,8 @@ fn blocks_to_allocate_count_evictable_hits_but_not_null_padding() {
         let n = Need {
             num_tokens: 40,
             total_computed: 0,
+            num_local: 0,
+            prefill_end: 0,
             main_model: 40,
             cap: false,
         };
@@ -186,6 +191,9 @@ fn sliding_window_admission_cap_bounds_full_sequence_need() {
         max_model_len: 1 << 20,
         num_gpu_blocks: 2000,
         use_eagle: false,
+        lookahead: 0,
+        model_eagle: false,
+        shared_prefix_checkpoint: false,
     };
     let m = GroupManager::new(spec, 0, &p);
     let pool = BlockPool::new(100, true, false);
@@ -193,6 +201,8 @@ fn sliding_window_admission_cap_bounds_full_sequence_need() {
     let n = Need {
         num_tokens: 10_000,
         total_computed: 0,
+        num_local: 0,
+        prefill_end: 0,
         main_model: 10_000,
         cap: true,
     };
@@ -206,6 +216,7 @@ fn mamba_keeps_only_the_rightmost_aligned_state() {
         AttentionKind::Mamba {
             mode: MambaCacheMode::Align,
             num_speculative_blocks: 0,
+            prefill_checkpoint_alignment: None,
         },
         2,
     );

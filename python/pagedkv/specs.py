@@ -554,12 +554,14 @@ class MambaSpec(KVCacheSpec):
         return self.page_size_bytes * (1 + self.num_speculative_blocks)
 
     def core_spec(self) -> dict[str, Any]:
-        return {
+        spec = {
             **super().core_spec(),
             "mamba_cache_mode": self.mamba_cache_mode,
             "num_speculative_blocks": self.num_speculative_blocks,
-            "prefill_checkpoint_alignment": self.prefill_checkpoint_alignment,
         }
+        if self.prefill_checkpoint_alignment is not None:
+            spec["prefill_checkpoint_alignment"] = self.prefill_checkpoint_alignment
+        return spec
 
 
 def _uniform_type_base(spec: KVCacheSpec) -> type[KVCacheSpec]:

@@ -134,6 +134,7 @@ ID_METHODS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     ),
     "partial_hit": lambda m, r: m.partial_hit(r, 0),
     "mamba_checkpoint": lambda m, r: m.mamba_checkpoint(r, 0),
+    "finalize_partial_tail_offloads": lambda m, r: m.finalize_partial_tail_offloads(r, 0, 0),
 }
 # Batch calls also take the int handles add_request returns.
 HANDLE_METHODS = ("allocate_slots_batch", "append_token_ids_batch")
@@ -267,6 +268,12 @@ COUNT_PARAMS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "free_neighbors.block_id": lambda m, v: m.free_neighbors(v),
     "partial_hit.group": lambda m, v: m.partial_hit("run", v),
     "mamba_checkpoint.group": lambda m, v: m.mamba_checkpoint("run", v),
+    "finalize_partial_tail_offloads.num_computed_tokens": lambda m, v: (
+        m.finalize_partial_tail_offloads("run", v, 0)
+    ),
+    "finalize_partial_tail_offloads.num_in_flight_tokens": lambda m, v: (
+        m.finalize_partial_tail_offloads("run", 0, v)
+    ),
     "prefix_cache_retention_interval.set": lambda m, v: setattr(
         m, "prefix_cache_retention_interval", v
     ),
@@ -683,6 +690,7 @@ def test_every_public_method_is_in_the_matrix() -> None:
         "_prefix_cache_stats",
         "num_detached_block_refs",
         "take_block_copies",
+        "take_boundary_state_offloads",
         "allocate_slots",
         "add_request",
         # No arguments to get wrong:

@@ -27,6 +27,7 @@ from vllm.v1.kv_cache_interface import (
     EncoderOnlyAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
     UniformTypeKVCacheSpecs,
     get_kv_cache_spec_kind,
     get_kv_cache_spec_sliding_window,
@@ -406,6 +407,10 @@ class KVCacheManager:
         ):
             assert num_computed_tokens % manager.block_size == 0
             n = num_computed_tokens // manager.block_size
+            # An external hit may supply the final Mamba state where the local
+            # Mamba hit ends earlier; every other group must cover the end.
+            if isinstance(manager.kv_cache_spec, MambaSpec):
+                n = min(n, len(group_blocks))
             assert n <= len(group_blocks)
             out.append(list(group_blocks[:n]))
         return self.create_kv_cache_blocks(tuple(out))
@@ -430,12 +435,22 @@ class KVCacheManager:
         return copies, [blocks[b] for pair in pairs for b in pair]
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """Mamba boundary-state hand-offs: none."""
-        return {}
+        """This step's Mamba boundary-state hand-offs for a KV connector:
+        ``{request_id: [(group_id, block_id, boundary_tokens), ...]}``."""
+        offloads: dict[str, list[tuple[int, int, int]]] = {}
+        for rid, group, block, tokens in self._core.take_boundary_state_offloads():
+            offloads.setdefault(rid, []).append((group, block, tokens))
+        return offloads
 
     def finalize_partial_tail_offloads(self, request: Request) -> list[tuple[int, int, int]]:
-        """Mamba partial tails: none."""
-        return []
+        """The boundaries a finishing request registered inside its running
+        Mamba state blocks, when nothing was forwarded past them."""
+        rid = request.request_id
+        if rid not in self._live:
+            return []
+        return self._core.finalize_partial_tail_offloads(
+            rid, request.num_computed_tokens, request.num_in_flight_tokens
+        )
 
     # ---- events -------------------------------------------------------------------
 

@@ -3,8 +3,8 @@ block objects, the block pool, the coordinator and its per-group managers."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
 from vllm.v1.kv_cache_interface import (
@@ -286,19 +286,50 @@ class BlockPoolView:
         return self._owner.take_events()
 
 
-class _ReqToBlocks(Mapping[str, list[PagedBlock]]):
-    """``req_to_blocks`` of one group: request id -> its blocks (read-only)."""
+class _LiveBlocks(Sequence[PagedBlock]):
+    """One request's blocks in one group, read from the core at each access (a
+    list vLLM's managers keep and mutate in place, so a caller holding it sees
+    later allocations)."""
+
+    def __init__(self, rows: _ReqToBlocks, request_id: str) -> None:
+        self._rows = rows
+        self._request_id = request_id
+
+    def _list(self) -> list[PagedBlock]:
+        ids = self._rows._ids(self._request_id) or []
+        blocks = self._rows._owner._blocks
+        return [blocks[i] for i in ids]
+
+    @overload
+    def __getitem__(self, i: int) -> PagedBlock: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[PagedBlock]: ...
+    def __getitem__(self, i: int | slice) -> PagedBlock | list[PagedBlock]:
+        return self._list()[i]
+
+    def __len__(self) -> int:
+        return len(self._rows._ids(self._request_id) or [])
+
+    def __eq__(self, other: object) -> bool:
+        return self._list() == (list(other) if isinstance(other, Sequence) else other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self._list())
+
+
+class _ReqToBlocks(Mapping[str, Sequence[PagedBlock]]):
+    """``req_to_blocks`` of one group: request id -> its blocks (read-only, live)."""
 
     def __init__(self, owner: KVCacheManager, group: int) -> None:
         self._owner = owner
         self._group = group
 
-    def __getitem__(self, request_id: str) -> list[PagedBlock]:
-        ids = self._ids(request_id)
-        if ids is None:
+    def __getitem__(self, request_id: str) -> Sequence[PagedBlock]:
+        if self._ids(request_id) is None:
             raise KeyError(request_id)
-        blocks = self._owner._blocks
-        return [blocks[i] for i in ids]
+        return _LiveBlocks(self, request_id)
 
     def _ids(self, request_id: str) -> list[int] | None:
         """The request's block ids in this group; None unless it holds blocks
@@ -488,6 +519,14 @@ class CoordinatorView:
         self.max_model_len = owner.max_model_len
         self.scheduler_block_size = owner.scheduler_block_size
         self.hash_block_size = owner.hash_block_size
+
+    @property
+    def _cache_hit_alignment_tokens(self) -> int:
+        """Tokens every hit aligns to: the hash block with partial hits."""
+        owner = self._owner
+        return (
+            owner.hash_block_size if self.enable_partial_hash_hits else owner.scheduler_block_size
+        )
 
     @property
     def retention_interval(self) -> int | None:

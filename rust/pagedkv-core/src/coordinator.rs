@@ -385,6 +385,7 @@ impl Coordinator {
         hit: &[Vec<BlockId>],
         num_encoder_tokens: u64,
     ) -> (i64, bool) {
+        let n = &self.checkpoint_need(n);
         let mut total = 0i64;
         let mut blocked = false;
         for (g, gm) in self.groups.iter().enumerate() {
@@ -492,24 +493,55 @@ impl Coordinator {
             } else {
                 (num_encoder_tokens, num_encoder_tokens)
             };
-            gm.allocate_new_blocks(&mut self.pool, &mut req.groups[g], n, main, out);
+            gm.allocate_new_blocks(&mut self.pool, &req.id, &mut req.groups[g], n, main, out);
         }
     }
 
     /// Releases every block of the request, tail first.
     pub(crate) fn free(&mut self, req: &mut Request) {
         // Group order, each group's blocks tail first.
-        for gb in &mut req.groups {
+        for (gm, gb) in self.groups.iter_mut().zip(&mut req.groups) {
+            gm.drop_boundary_offloads(&req.id);
             GroupManager::free(&mut self.pool, gb);
         }
     }
 
     /// Detaches every block of the request without freeing any: group by
     /// group, allocation order, leading null blocks dropped.
-    pub(crate) fn pop_blocks(req: &mut Request) -> Vec<BlockId> {
+    pub(crate) fn pop_blocks(&mut self, req: &mut Request) -> Vec<BlockId> {
         let mut out = Vec::new();
-        for gb in &mut req.groups {
+        for (gm, gb) in self.groups.iter_mut().zip(&mut req.groups) {
+            gm.drop_boundary_offloads(&req.id);
             GroupManager::pop_blocks(gb, &mut out);
+        }
+        out
+    }
+
+    /// Drains every group's boundary-state offers, `(request id, group, block,
+    /// tokens)`.
+    pub(crate) fn take_boundary_offloads(&mut self) -> Vec<(String, u32, BlockId, u64)> {
+        let mut out = Vec::new();
+        for gm in &mut self.groups {
+            gm.take_boundary_offloads(&mut out);
+        }
+        out
+    }
+
+    /// The producer partial tails a finishing request leaves as valid sources,
+    /// `(group, block, tokens)`.
+    pub(crate) fn finalize_partial_tails(
+        &self,
+        req: &mut Request,
+        num_computed: u64,
+        num_in_flight: u64,
+    ) -> Vec<(u32, BlockId, u64)> {
+        let mut out = Vec::new();
+        for (g, gm) in self.groups.iter().enumerate() {
+            if let Some((b, t)) =
+                gm.finalize_partial_tail(&mut req.groups[g], num_computed, num_in_flight)
+            {
+                out.push((g as u32, b, t));
+            }
         }
         out
     }
@@ -549,11 +581,11 @@ impl Coordinator {
         for (g, gm) in self.groups.iter_mut().enumerate() {
             let cached_before = req.groups[g].num_cached().unwrap_or(0);
             let n = cacheable.tokens(gm, num_tokens);
-            if let Some((from, to, mask)) =
-                gm.cache_blocks(&mut self.pool, req, g, n, hbs, &retention)
-            {
+            let published = gm.cache_blocks(&mut self.pool, req, g, n, hbs, &retention);
+            if let Some((from, to, mask)) = &published {
                 if self.pool.events_enabled() {
-                    let ev = stored_event(gm, req, g, (from, to), mask.as_deref(), self.lookahead);
+                    let ev =
+                        stored_event(gm, req, g, (*from, *to), mask.as_deref(), self.lookahead);
                     self.pool.push_event(KvEvent::BlockStored(ev));
                 }
             }
@@ -581,6 +613,9 @@ impl Coordinator {
                     self.pool.push_event(KvEvent::BlockStored(ev));
                 }
             }
+            if let Some((from, to, _)) = published {
+                gm.offer_boundary_states(&self.pool, req, g, from..to);
+            }
             if req.verify {
                 let bs = gm.block_size() as usize;
                 let cached_after = req.groups[g].num_cached().unwrap_or(0);
@@ -598,8 +633,23 @@ impl Coordinator {
     /// Records each Mamba group's prefill checkpoint for this step (vLLM does so
     /// while counting the blocks the step needs).
     pub(crate) fn record_checkpoints(&self, req: &mut Request, n: &Need) {
+        let n = &self.checkpoint_need(n);
         for (g, gm) in self.groups.iter().enumerate() {
             gm.record_checkpoint(&mut req.groups[g], n);
+        }
+    }
+
+    /// Under dense or interval retention every prefill chunk publishes a state,
+    /// so a Mamba checkpoint is reserved on every chunk (`prefill_end` 0); only
+    /// with the replay boundary alone does it wait for the prefill's end.
+    fn checkpoint_need(&self, n: &Need) -> Need {
+        Need {
+            prefill_end: if self.retention_interval == Some(0) {
+                n.prefill_end
+            } else {
+                0
+            },
+            ..*n
         }
     }
 

@@ -476,12 +476,14 @@ impl KvCacheManager {
             self.validate_hit(slot, h, a.num_new_computed_tokens)?;
             a.num_new_computed_tokens
         } else {
-            if a.num_new_computed_tokens > 0 {
+            if a.num_new_computed_tokens > 0 && !a.vllm_lenient {
                 return Err(invalid(
                     "num_new_computed_tokens > 0 needs the new_computed_blocks it came from",
                 ));
             }
-            0
+            // vLLM counts computed tokens handed without blocks as computed
+            // (they get fresh blocks like the tokens to compute).
+            a.num_new_computed_tokens
         };
         let max_len = self.cfg.max_model_len;
         let req = self.table.get(slot);

@@ -678,6 +678,32 @@ impl PyManager {
         Ok(borrow_mut(slf)?.inner.take_block_copies())
     }
 
+    /// Drains the committed Mamba boundary states offered since the last call,
+    /// as `[(request_id, group, block_id, boundary_tokens)]`.
+    fn take_boundary_state_offloads(
+        slf: &Bound<'_, Self>,
+    ) -> PkResult<Vec<(String, u32, u32, u64)>> {
+        Ok(borrow_mut(slf)?.inner.take_boundary_state_offloads())
+    }
+
+    /// The boundaries a finishing request registered inside its running Mamba
+    /// state blocks, `[(group, block_id, boundary_tokens)]`, when nothing was
+    /// forwarded past them.
+    fn finalize_partial_tail_offloads(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        num_computed_tokens: i64,
+        num_in_flight_tokens: i64,
+    ) -> PkResult<Vec<(u32, u32, u64)>> {
+        let (c, f) = (
+            count("num_computed_tokens", num_computed_tokens)?,
+            count("num_in_flight_tokens", num_in_flight_tokens)?,
+        );
+        Ok(borrow_mut(slf)?
+            .inner
+            .finalize_partial_tail_offloads(request_id, c, f)?)
+    }
+
     /// Whether fine-grained (partial) prefix hits are on.
     #[getter]
     fn partial_hash_hits(&self) -> bool {

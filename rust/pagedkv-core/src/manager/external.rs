@@ -6,7 +6,6 @@
 use rustc_hash::FxHashMap;
 
 use super::{ComputedBlocks, KvCacheManager};
-use crate::coordinator::Coordinator;
 use crate::error::{Error, Result, invalid};
 use crate::hash::BlockHash;
 use crate::pool::{BlockId, NULL_BLOCK};
@@ -137,7 +136,7 @@ impl KvCacheManager {
         if req.release(false) {
             self.num_admitted -= 1;
         }
-        let blocks = Coordinator::pop_blocks(req);
+        let blocks = self.coord.pop_blocks(req);
         self.table.remove(id, slot);
         for &b in &blocks {
             if b != NULL_BLOCK {

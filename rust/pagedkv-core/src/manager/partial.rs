@@ -5,6 +5,7 @@
 use super::KvCacheManager;
 use crate::error::{Error, Result, invalid};
 use crate::pool::{BlockId, NULL_BLOCK};
+use crate::spec::MAX_TOKENS;
 
 impl KvCacheManager {
     /// Drains the block copies the last steps queued, `(source, copy)`: a
@@ -24,6 +25,42 @@ impl KvCacheManager {
             }
         }
         pairs
+    }
+
+    /// Drains the committed Mamba boundary states offered since the last call,
+    /// `(request id, group, block, boundary tokens)`: every retained state a
+    /// step cached, and the private copy of a request's own boundary inside its
+    /// running block. The blocks hold no extra reference (vLLM's
+    /// `take_boundary_state_offloads`).
+    pub fn take_boundary_state_offloads(&mut self) -> Vec<(String, u32, BlockId, u64)> {
+        self.coord.take_boundary_offloads()
+    }
+
+    /// vLLM's `finalize_partial_tail_offloads` for a finishing request: the
+    /// boundaries it registered inside its running state blocks, `(group,
+    /// block, tokens)`, when nothing was forwarded past them.
+    ///
+    /// # Errors
+    /// Unknown request, or a count past 2**40.
+    pub fn finalize_partial_tail_offloads(
+        &mut self,
+        id: &str,
+        num_computed_tokens: u64,
+        num_in_flight_tokens: u64,
+    ) -> Result<Vec<(u32, BlockId, u64)>> {
+        if let Some(n) = [num_computed_tokens, num_in_flight_tokens]
+            .into_iter()
+            .find(|&n| n > MAX_TOKENS)
+        {
+            return Err(invalid(format!(
+                "count {n} is out of range (at most 2**40)"
+            )));
+        }
+        let slot = self.table.slot(id)?;
+        let req = self.table.get_mut(slot);
+        Ok(self
+            .coord
+            .finalize_partial_tails(req, num_computed_tokens, num_in_flight_tokens))
     }
 
     /// Whether fine-grained (partial) prefix hits are on

@@ -73,6 +73,7 @@ impl GroupManager {
     pub(super) fn allocate_mamba_align(
         &mut self,
         pool: &mut BlockPool,
+        id: &str,
         gb: &mut GroupBlocks,
         num_tokens: u64,
         spec: u32,
@@ -130,7 +131,11 @@ impl GroupManager {
                 pool.move_block_hashes(source, copy);
                 self.pending_cow.push((source, copy));
                 pool.add_ref(source);
-                gb.producer_tail = None;
+                if let Some((_, boundary)) = gb.producer_tail.take() {
+                    // The copy preserves the request's own boundary state: a
+                    // connector may offload it once the copy has run.
+                    self.boundary_offloads.push((id.to_owned(), copy, boundary));
+                }
                 if let Some(k) = pool.block_key(copy) {
                     self.cached_this_step.insert(k);
                 }
@@ -339,5 +344,64 @@ impl GroupManager {
             gb.producer_tail = Some((block, num_tokens));
         }
         new.then_some(num_tokens)
+    }
+
+    /// Mamba "align": offers the boundary states of blocks `range` that are
+    /// cached now, with their exact token boundaries (vLLM's boundary-state
+    /// hand-off: a Mamba table is not append-only, so a connector is told the
+    /// block rather than left to find it by position).
+    pub(crate) fn offer_boundary_states(
+        &mut self,
+        pool: &BlockPool,
+        req: &Request,
+        g: usize,
+        range: std::ops::Range<usize>,
+    ) {
+        if self.mamba_align().is_none() {
+            return;
+        }
+        let blocks = req.groups[g].blocks();
+        for &b in &blocks[range.start.min(blocks.len())..range.end.min(blocks.len())] {
+            if b == NULL_BLOCK {
+                continue;
+            }
+            if let Some(tokens) = pool.block_key(b).and_then(|_| pool.primary_tokens(b)) {
+                self.boundary_offloads
+                    .push((req.id.clone(), b, u64::from(tokens)));
+            }
+        }
+    }
+
+    /// Drains the boundary states offered since the last call, `(request id,
+    /// block, tokens)`.
+    pub(crate) fn take_boundary_offloads(&mut self, out: &mut Vec<(String, u32, BlockId, u64)>) {
+        let g = self.group_id;
+        out.extend(
+            self.boundary_offloads
+                .drain(..)
+                .map(|(r, b, t)| (r, g, b, t)),
+        );
+    }
+
+    /// Forgets the offers of a request whose blocks go back to the pool: a
+    /// connector must not claim a block another request may be handed.
+    pub(crate) fn drop_boundary_offloads(&mut self, id: &str) {
+        if !self.boundary_offloads.is_empty() {
+            self.boundary_offloads.retain(|(r, _, _)| r != id);
+        }
+    }
+
+    /// vLLM's `finalize_partial_tail_offload`: when a request that registered
+    /// its own boundary inside its running state block finishes with nothing
+    /// forwarded past it, that block is a valid source: `(block, boundary)`.
+    pub(crate) fn finalize_partial_tail(
+        &self,
+        gb: &mut GroupBlocks,
+        num_computed: u64,
+        num_in_flight: u64,
+    ) -> Option<(BlockId, u64)> {
+        self.mamba_align()?;
+        let (block, boundary) = gb.producer_tail.take()?;
+        (num_in_flight == 0 && num_computed == boundary).then_some((block, boundary))
     }
 }

@@ -136,6 +136,9 @@ pub struct GroupManager {
     /// Copy-on-write pairs `(source, copy)` not yet handed out; each endpoint
     /// holds one extra reference until the copy has run.
     pending_cow: Vec<(BlockId, BlockId)>,
+    /// Mamba "align": committed boundary states offered to a KV connector,
+    /// `(request id, block, boundary tokens)`.
+    boundary_offloads: Vec<(String, BlockId, u64)>,
     num_gpu_blocks: u32,
     /// `log2(block_size)` for power-of-two block sizes (divisions on the hot path
     /// become shifts), `None` otherwise.
@@ -204,6 +207,7 @@ impl GroupManager {
             drop_eagle_checkpoint: model_eagle && is_mamba,
             shared_prefix_checkpoint: shared_prefix_checkpoint && is_mamba,
             pending_cow: Vec::new(),
+            boundary_offloads: Vec::new(),
             num_gpu_blocks,
             shift: block_size
                 .is_power_of_two()
@@ -544,6 +548,7 @@ impl GroupManager {
     pub(crate) fn allocate_new_blocks(
         &mut self,
         pool: &mut BlockPool,
+        id: &str,
         gb: &mut GroupBlocks,
         mut num_tokens: u64,
         num_tokens_main_model: u64,
@@ -559,6 +564,7 @@ impl GroupManager {
             if mode == MambaCacheMode::Align {
                 self.allocate_mamba_align(
                     pool,
+                    id,
                     gb,
                     num_tokens_main_model,
                     num_speculative_blocks,

@@ -89,7 +89,7 @@ def test_sync_request_reads_only_what_the_manager_lacks() -> None:
     with pytest.raises(TypeError, match="bytes"):
         m.sync_request("r", [*tokens, 7, -1], [h0, "not bytes"])
     with pytest.raises(InvalidArgumentError, match="outside"):
-        m.sync_request("r", [*tokens, 7, -1, -2], [h0])
+        m.sync_request("r", [*tokens, 7, -1, 2**31], [h0])
     assert (m.num_tokens("r"), m.block_hashes("r")) == (22, [h0])
     # A boundary past max_model_len refuses the whole sync: no token lands.
     with pytest.raises(InvalidArgumentError, match="max_model_len"):
@@ -104,8 +104,9 @@ def test_sync_request_reads_only_what_the_manager_lacks() -> None:
         ([None], TypeError),
         ([1.0], TypeError),
         ("abc", TypeError),
-        ([-2], InvalidArgumentError),
-        ([2**32 - 1], InvalidArgumentError),  # the placeholder's own code
+        ([-(2**31) - 1], InvalidArgumentError),
+        ([2**31], InvalidArgumentError),  # past a signed 32-bit id
+        ([2**32 - 1], InvalidArgumentError),  # the placeholder's unsigned code
         ([2**32], InvalidArgumentError),
         ([2**70], InvalidArgumentError),
     ],
@@ -131,6 +132,18 @@ def test_placeholder_tokens_come_back_as_minus_one_in_events() -> None:
     admit(m, "r")
     (stored,) = [e for e in m.take_events() if isinstance(e, pk.BlockStored)]
     assert stored.token_ids == [5, -1, -1, 6]
+
+
+def test_engine_token_ids_are_signed_32_bit() -> None:
+    # vLLM's token ids are Python ints; its tests use other negative ids as
+    # markers. They come back in events as they went in, at both ends of the range.
+    m = engine_manager(block_size=4)
+    prompt = [-2, -(2**31), 2**31 - 1, 0, 9]
+    m.add_request("r", prompt)
+    m.sync_request("r", [*prompt, -3], [b"\x01" * 8])
+    admit(m, "r")
+    (stored,) = [e for e in m.take_events() if isinstance(e, pk.BlockStored)]
+    assert stored.token_ids == [-2, -(2**31), 2**31 - 1, 0]
 
 
 def test_a_hashing_manager_refuses_engine_hashes() -> None:

@@ -9,7 +9,7 @@ use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString, PyTuple};
 
 use pagedkv_core::{
     AttentionKind, BlockHash, BlockId, CborValue, GroupSpec, HashAlgo, MambaCacheMode,
-    ManagerConfig, PLACEHOLDER_TOKEN, RequestRefs,
+    ManagerConfig, RequestRefs,
 };
 
 use crate::errors::{PkResult, PyPkError, invalid_arg, invalid_config, type_error};
@@ -115,14 +115,15 @@ pub fn suffix<'py>(obj: &Bound<'py, PyAny>, from: usize) -> PkResult<Option<Boun
     Ok(Some(obj.get_item(slice)?))
 }
 
-/// Token ids of an engine's request: ints in `0..2**32 - 1`, or `-1` (vLLM's
-/// multimodal placeholder, kept as [`PLACEHOLDER_TOKEN`]).
+/// Token ids of an engine's request: signed 32-bit ints (`-2**31..2**31`),
+/// stored in two's complement, so vLLM's `-1` multimodal placeholder is
+/// [`pagedkv_core::PLACEHOLDER_TOKEN`] and events give every id back as it came in.
 pub fn engine_tokens(obj: &Bound<'_, PyAny>) -> PkResult<Vec<u32>> {
-    // A list of plain token ids takes the fast path; placeholders (and every
-    // error) the item-by-item one below.
+    // A list of non-negative token ids takes the fast path; negative ids (and
+    // every error) the item-by-item one below.
     if let Ok(list) = obj.cast::<PyList>() {
         if let Ok(t) = list_tokens(list) {
-            if !t.contains(&PLACEHOLDER_TOKEN) {
+            if t.iter().all(|v| *v <= 0x7fff_ffff) {
                 return Ok(t);
             }
         }
@@ -137,14 +138,10 @@ pub fn engine_tokens(obj: &Bound<'_, PyAny>) -> PkResult<Vec<u32>> {
             let shown = item.repr().map(|r| r.to_string()).unwrap_or_default();
             return Err(type_error(format!("token ids must be ints, got {shown}")));
         }
-        let v = item.extract::<i64>().unwrap_or(i64::MIN);
-        out.push(match v {
-            -1 => PLACEHOLDER_TOKEN,
-            v => u32::try_from(v)
-                .ok()
-                .filter(|&t| t != PLACEHOLDER_TOKEN)
-                .ok_or_else(|| invalid_arg(format!("token id {item} is outside -1..2**32 - 1")))?,
-        });
+        let v = item
+            .extract::<i32>()
+            .map_err(|_| invalid_arg(format!("token id {item} is outside -2**31..2**31")))?;
+        out.push(u32::from_ne_bytes(v.to_ne_bytes()));
     }
     Ok(out)
 }

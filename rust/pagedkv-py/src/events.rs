@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple, PyType};
 use pyo3::{Borrowed, intern};
 
-use pagedkv_core::{BlockHash, EventExtraKey, KvEvent, PLACEHOLDER_TOKEN};
+use pagedkv_core::{BlockHash, EventExtraKey, KvEvent};
 
 /// Field tuple, repr, equality, hash and pickling of an event class, from its
 /// field names (the order of its constructor's arguments).
@@ -98,18 +98,18 @@ fn gpu(py: Python<'_>) -> Py<PyAny> {
     intern!(py, "GPU").clone().into_any().unbind()
 }
 
-/// Event token ids: the placeholder goes back out as vLLM's `-1`.
-fn event_tokens(tokens: &[u32]) -> Vec<i64> {
-    tokens
-        .iter()
-        .map(|&t| {
-            if t == PLACEHOLDER_TOKEN {
-                -1
-            } else {
-                i64::from(t)
-            }
-        })
-        .collect()
+/// Event token ids. An engine's ids are signed 32-bit values stored in two's
+/// complement, so vLLM's `-1` placeholder ([`pagedkv_core::PLACEHOLDER_TOKEN`]) and any other
+/// negative id go back out as they came in; pagedkv's own ids are unsigned.
+fn event_tokens(tokens: &[u32], signed: bool) -> Vec<i64> {
+    if signed {
+        tokens
+            .iter()
+            .map(|&t| i64::from(i32::from_ne_bytes(t.to_ne_bytes())))
+            .collect()
+    } else {
+        tokens.iter().map(|&t| i64::from(t)).collect()
+    }
 }
 
 fn none_or(py: Python<'_>, v: Option<Py<PyAny>>) -> Py<PyAny> {
@@ -295,6 +295,7 @@ pub fn to_python(
     py: Python<'_>,
     events: Vec<KvEvent>,
     raw_hashes: bool,
+    signed_tokens: bool,
 ) -> PyResult<Bound<'_, PyList>> {
     let mut out = Vec::with_capacity(events.len());
     for ev in events {
@@ -322,7 +323,7 @@ pub fn to_python(
                         parent_block_hash: s
                             .parent_block_hash
                             .map_or_else(|| py.None(), |h| hash_obj(py, &h, raw_hashes).unbind()),
-                        token_ids: event_tokens(&s.token_ids)
+                        token_ids: event_tokens(&s.token_ids, signed_tokens)
                             .into_pyobject(py)?
                             .into_any()
                             .unbind(),
@@ -345,7 +346,11 @@ pub fn to_python(
                         session_id: s.session_id.into_pyobject(py)?.into_any().unbind(),
                         lookahead_token_ids: s
                             .lookahead_token_ids
-                            .map(|l| l.iter().map(|t| event_tokens(t)).collect::<Vec<_>>())
+                            .map(|l| {
+                                l.iter()
+                                    .map(|t| event_tokens(t, signed_tokens))
+                                    .collect::<Vec<_>>()
+                            })
                             .into_pyobject(py)?
                             .into_any()
                             .unbind(),

@@ -822,8 +822,12 @@ impl PyManager {
     /// the full digest bytes with `raw_hashes`.
     #[pyo3(signature = (*, raw_hashes = false))]
     fn take_events<'py>(slf: &Bound<'py, Self>, raw_hashes: bool) -> PkResult<Bound<'py, PyList>> {
-        let evs = borrow_mut(slf)?.inner.take_events();
-        Ok(events::to_python(slf.py(), evs, raw_hashes)?)
+        let mut m = borrow_mut(slf)?;
+        // An engine's token ids are signed (see `engine_tokens`).
+        let signed = m.inner.config().external_block_hashes;
+        let evs = m.inner.take_events();
+        drop(m);
+        Ok(events::to_python(slf.py(), evs, raw_hashes, signed)?)
     }
 
     /// `(reset, requests, queries, hits, preempted_requests, preempted_queries,

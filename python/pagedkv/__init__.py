@@ -41,6 +41,7 @@ from .presets import ModelPreset
 from .specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
@@ -63,6 +64,7 @@ __all__ = [
     "BlockStored",
     "CannotFitError",
     "ChunkedLocalAttentionSpec",
+    "CircularBufferSpec",
     "ComputedBlocks",
     "CrossAttentionSpec",
     "DuplicateRequestError",

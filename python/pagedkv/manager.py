@@ -125,6 +125,10 @@ class ManagerOptions(TypedDict, total=False):
       already scaled); it only decides where partial hits apply.
     - ``mamba_shared_prefix_checkpoint`` (False): an EAGLE model's Mamba groups
       also register the state at a shared-prefix junction.
+    - ``zero_new_blocks`` (False): the worker zeroes fresh attention blocks
+      before use (vLLM's ``needs_kv_cache_zeroing``: Mamba hybrids and
+      mixed-precision caches, where a block's bytes may be read before they are
+      written). Allocations list them; ``take_new_block_ids`` drains the list.
     """
 
     enable_caching: bool
@@ -148,6 +152,7 @@ class ManagerOptions(TypedDict, total=False):
     partial_hash_hits: bool
     dcp_world_size: int
     mamba_shared_prefix_checkpoint: bool
+    zero_new_blocks: bool
 
 
 class KVCacheManager(_core.KVCacheManager):

@@ -42,6 +42,7 @@ from .errors import InvalidConfigError
 __all__ = [
     "AttentionSpec",
     "ChunkedLocalAttentionSpec",
+    "CircularBufferSpec",
     "CrossAttentionSpec",
     "FullAttentionSpec",
     "KVCacheConfig",
@@ -364,9 +365,15 @@ class _RecyclingAttentionSpec(AttentionSpec):
 class SlidingWindowSpec(_RecyclingAttentionSpec):
     """Sliding-window attention: the next token sees the last ``sliding_window``
     tokens; blocks entirely before the window are freed (replaced by the null
-    block)."""
+    block).
+
+    ``bounded_replay`` (keyword-only; vLLM's ``SlidingWindowMLASpec`` field):
+    the group's KV is never cached. Prefix hits come from the other groups; after
+    one, the engine recomputes the hit's last ``sliding_window`` tokens for this
+    group, which holds null blocks below them and fresh blocks from there on."""
 
     sliding_window: int
+    bounded_replay: bool = field(default=False, kw_only=True)
 
     kind: ClassVar[str] = "sliding_window"
 
@@ -386,7 +393,10 @@ class SlidingWindowSpec(_RecyclingAttentionSpec):
         return cdiv(num_tokens, self.block_size) + 1
 
     def core_spec(self) -> dict[str, Any]:
-        return {**super().core_spec(), "sliding_window": self.sliding_window}
+        spec = {**super().core_spec(), "sliding_window": self.sliding_window}
+        if self.bounded_replay:
+            spec["bounded_replay"] = True
+        return spec
 
 
 @dataclass(frozen=True)
@@ -441,6 +451,27 @@ class CrossAttentionSpec(AttentionSpec):
             )
         _check_positive_int("max_num_encoder_input_tokens", max_num_encoder_input_tokens)
         return cdiv(max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class CircularBufferSpec(AttentionSpec):
+    """One block per request for its whole life (vLLM's ``CircularBufferSpec``:
+    a ring of the raw keys of the token group still being compressed,
+    ``block_size`` rows). Claimed at the request's first allocation, never
+    prefix-cached, never freed before the request ends."""
+
+    kind: ClassVar[str] = "circular_buffer"
+
+    def max_memory_usage_bytes(
+        self,
+        max_model_len: int,
+        max_in_flight_tokens: int | None = None,
+        *,
+        max_num_encoder_input_tokens: int | None = None,
+    ) -> int:
+        """One page: the ring holds one block whatever the request's length."""
+        _check_sizing(max_model_len, max_in_flight_tokens)
+        return self.page_size_bytes
 
 
 def _normalize_shapes(shapes: Any) -> tuple[tuple[int, ...], ...]:
@@ -583,7 +614,11 @@ def _uniform_type_base(spec: KVCacheSpec) -> type[KVCacheSpec]:
 def _same_type(first: KVCacheSpec, spec: KVCacheSpec) -> bool:
     """vLLM's ``is_uniform_with_collection`` for one pair."""
     if isinstance(first, SlidingWindowSpec):
-        return isinstance(spec, SlidingWindowSpec) and spec.sliding_window == first.sliding_window
+        return (
+            isinstance(spec, SlidingWindowSpec)
+            and spec.sliding_window == first.sliding_window
+            and spec.bounded_replay == first.bounded_replay
+        )
     if isinstance(first, ChunkedLocalAttentionSpec):
         return (
             isinstance(spec, ChunkedLocalAttentionSpec)

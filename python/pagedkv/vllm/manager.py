@@ -36,7 +36,7 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request
 
 from pagedkv import _core
-from pagedkv.errors import InvalidConfigError
+from pagedkv.errors import InvalidArgumentError, InvalidConfigError
 from pagedkv.manager import _mm_tuple
 from pagedkv.vllm.views import BlockPoolView, CoordinatorView, PagedBlock, core_group
 
@@ -101,6 +101,8 @@ class KVCacheManager:
             "partial_hash_hits": True,
             "dcp_world_size": dcp_world_size,
             "mamba_shared_prefix_checkpoint": enable_mamba_shared_prefix_checkpoint,
+            # Mamba layouts and mixed-precision caches zero fresh attention blocks.
+            "zero_new_blocks": bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False)),
         }
         if max_in_flight_tokens is not None:
             options["max_in_flight_tokens"] = max_in_flight_tokens
@@ -304,6 +306,7 @@ class KVCacheManager:
             reserved_blocks,
             has_scheduled_reqs,
             request.num_in_flight_tokens,
+            skip_zeroing_group_ids,
         )
         return None if new is None else self._wrap(new)
 
@@ -405,6 +408,12 @@ class KVCacheManager:
         for group_blocks, manager in zip(
             blocks.blocks, self.coordinator.single_type_managers, strict=True
         ):
+            if not getattr(manager.kv_cache_spec, "prefix_cacheable", True):
+                # A scratch group (a ring, a replayed window) never hits, and
+                # its block size need not divide the endpoint.
+                assert not group_blocks
+                out.append([])
+                continue
             assert num_computed_tokens % manager.block_size == 0
             n = num_computed_tokens // manager.block_size
             # An external hit may supply the final Mamba state where the local
@@ -418,11 +427,18 @@ class KVCacheManager:
     # ---- things pagedkv's layouts never produce -------------------------------
 
     def take_new_block_ids(self) -> list[int]:
-        """New attention blocks to zero: none (no layout here needs zeroing)."""
-        return []
+        """Fresh attention blocks the worker zeroes before use (layouts that
+        need it: Mamba hybrids, mixed-precision caches), listed since the last
+        call, plus copy-on-write copies."""
+        return self._core.take_new_block_ids()
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        """No group records blocks for zeroing."""
+        """Lists the request's blocks from ``start_token`` (block-aligned) on
+        for zeroing again: blocks a failed KV load left unwritten."""
+        try:
+            self._core.record_blocks_for_zeroing(request_id, start_token)
+        except InvalidArgumentError as e:
+            raise AssertionError(str(e)) from e
 
     def take_kv_cache_block_copies(self) -> tuple[list[KVCacheBlockCopy], list[PagedBlock]]:
         """The block copies queued since the last call (a prefix hit ending inside

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
+from vllm.v1.core.kv_cache_coordinator import SpecGroup
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -68,13 +69,17 @@ def _core_kind(spec: KVCacheSpec) -> dict[str, Any]:
         }
     if isinstance(spec, CrossAttentionSpec):
         return {"kind": "cross_attention", "block_size": bs}
-    if isinstance(spec, SlidingWindowSpec) and not getattr(spec, "bounded_replay", False):
-        if name in ("SlidingWindowSpec", "SlidingWindowMLASpec"):
-            return {
-                "kind": "sliding_window",
-                "block_size": bs,
-                "sliding_window": spec.sliding_window,
-            }
+    if isinstance(spec, SlidingWindowSpec) and name in (
+        "SlidingWindowSpec",
+        "SlidingWindowMLASpec",
+    ):
+        group = {"kind": "sliding_window", "block_size": bs, "sliding_window": spec.sliding_window}
+        if getattr(spec, "bounded_replay", False):
+            # Never cached: after a hit the scheduler replays the window.
+            group["bounded_replay"] = True
+        return group
+    if name == "CircularBufferSpec":
+        return {"kind": "circular_buffer", "block_size": bs}
     if isinstance(spec, ChunkedLocalAttentionSpec):
         return {
             "kind": "chunked_local_attention",
@@ -430,7 +435,6 @@ class SingleTypeManagerView:
 
     # Class attributes: they stand in front of vLLM's properties of the same
     # names on the view classes that also derive from vLLM's manager classes.
-    records_new_block_ids = False
     retains_longer_hit = False
 
     def __init__(
@@ -446,10 +450,10 @@ class SingleTypeManagerView:
         self.num_cached_block = _NumCachedBlock(owner, group)
         self._null_block = owner._blocks[0]
         core = owner._core
+        self._core = core
         self.cache_hit_alignment_tokens = (
             owner.hash_block_size if core.partial_hash_hits else owner.scheduler_block_size
         )
-        self.new_block_ids: list[int] = []
         self._partial_hit_reqs = _PartialHits(owner, group)
         if isinstance(spec, MambaSpec):
             self.mamba_cache_mode = spec.mamba_cache_mode
@@ -458,8 +462,13 @@ class SingleTypeManagerView:
             self.drop_eagle_checkpoint_block = owner.use_eagle
             self.shared_prefix_checkpoint = core.mamba_shared_prefix_checkpoint
 
+    @property
+    def records_new_block_ids(self) -> bool:
+        """Whether the worker zeroes this group's fresh blocks."""
+        return self._core.records_new_block_ids[self.kv_cache_group_id]
+
     def take_new_block_ids(self) -> list[int]:
-        return []
+        return self._core.take_new_block_ids(self.kv_cache_group_id)
 
     def take_pending_cow_copies(self) -> list[Any]:
         return []
@@ -476,14 +485,20 @@ class SingleTypeManagerView:
 _VIEW_CLASSES: dict[type, type[SingleTypeManagerView]] = {}
 
 
+def _vllm_manager_class(group: Any) -> type | None:
+    """The single-type manager class vLLM would build for a group."""
+    cls: type | None = KVCacheSpecRegistry.get_manager_class(
+        group.kv_cache_spec, getattr(group, "role", None)
+    )
+    return cls
+
+
 def _view_class(group: Any) -> type[SingleTypeManagerView]:
     """The view's class for a group: also an instance of the single-type
     manager class vLLM would build for it (``isinstance`` checks on
     ``single_type_managers`` see the kind), with the view's state and methods
     first in line. vLLM's own ``__init__`` never runs."""
-    vllm_cls = KVCacheSpecRegistry.get_manager_class(
-        group.kv_cache_spec, getattr(group, "role", None)
-    )
+    vllm_cls = _vllm_manager_class(group)
     if vllm_cls is None:
         return SingleTypeManagerView
     cls = _VIEW_CLASSES.get(vllm_cls)
@@ -519,6 +534,24 @@ class CoordinatorView:
         self.max_model_len = owner.max_model_len
         self.scheduler_block_size = owner.scheduler_block_size
         self.hash_block_size = owner.hash_block_size
+
+    @property
+    def attention_groups(self) -> list[SpecGroup]:
+        """The groups whose hits are looked up together, in lookup order (vLLM's
+        hybrid coordinator's attribute; a single group or caching off has none)."""
+        lookup = self._owner._core.lookup_groups
+        if lookup is None:
+            raise AttributeError("attention_groups: only a hybrid coordinator has them")
+        groups = self._owner.kv_cache_config.kv_cache_groups
+        return [
+            SpecGroup(
+                groups[ids[0]].kv_cache_spec,
+                list(ids),
+                _vllm_manager_class(groups[ids[0]]) or SingleTypeManagerView,
+                eagle,
+            )
+            for ids, eagle in lookup
+        ]
 
     @property
     def _cache_hit_alignment_tokens(self) -> int:

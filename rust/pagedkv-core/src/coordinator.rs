@@ -113,7 +113,7 @@ impl Coordinator {
             .enumerate()
             .map(|(i, g)| {
                 // EAGLE applies to the groups whose hits are searched.
-                let searched = single || g.kind != AttentionKind::CrossAttention;
+                let searched = single || g.kind.prefix_cacheable();
                 let p = GroupParams {
                     hash_block_size: hbs,
                     alignment,
@@ -124,6 +124,7 @@ impl Coordinator {
                     lookahead: cfg.num_hash_lookahead_tokens,
                     model_eagle: cfg.use_eagle,
                     shared_prefix_checkpoint,
+                    zero_new_blocks: cfg.zero_new_blocks,
                 };
                 GroupManager::new(g.clone(), i as u32, &p)
             })
@@ -175,15 +176,31 @@ impl Coordinator {
             reprefillable: cfg.num_reprefillable_tokens(),
             shared_prefix_checkpoint,
             lookahead: cfg.num_hash_lookahead_tokens as usize,
-            any_skipping: cfg
-                .groups
-                .iter()
-                .any(|g| !g.kind.is_full_attention() && g.kind != AttentionKind::CrossAttention),
+            any_skipping: cfg.groups.iter().any(|g| {
+                !g.kind.is_full_attention()
+                    && !matches!(
+                        g.kind,
+                        AttentionKind::CrossAttention | AttentionKind::CircularBuffer
+                    )
+            }),
             verifier: Verifier::new(cfg.verify_cached_tokens, cfg.num_blocks),
         })
     }
 
     // ---- accessors --------------------------------------------------------
+
+    /// Several groups: the groups looked up together (equal specs), in lookup
+    /// order (full attention first), each with whether EAGLE's drop applies.
+    pub(crate) fn lookup_groups(&self) -> Option<Vec<(Vec<u32>, bool)>> {
+        match &self.mode {
+            Mode::Hybrid { attn, .. } => Some(
+                attn.iter()
+                    .map(|a| (a.group_ids.clone(), a.use_eagle))
+                    .collect(),
+            ),
+            Mode::NoPrefixCache | Mode::Unitary => None,
+        }
+    }
 
     /// The block pool.
     pub(crate) fn pool(&self) -> &BlockPool {
@@ -390,9 +407,7 @@ impl Coordinator {
         let mut blocked = false;
         for (g, gm) in self.groups.iter().enumerate() {
             let blocks = hit.get(g).map_or(&[][..], Vec::as_slice);
-            let need = if gm.prefix_cacheable() {
-                gm.num_blocks_to_allocate(&self.pool, &req.groups[g], blocks, n)
-            } else {
+            let need = if gm.is_cross_attention() {
                 let enc = Need {
                     num_tokens: num_encoder_tokens,
                     total_computed: 0,
@@ -402,6 +417,8 @@ impl Coordinator {
                     cap: n.cap,
                 };
                 gm.num_blocks_to_allocate(&self.pool, &req.groups[g], &[], &enc)
+            } else {
+                gm.num_blocks_to_allocate(&self.pool, &req.groups[g], blocks, n)
             };
             blocked |= gm.hit_cached_this_step(&self.pool, blocks);
             total += need;
@@ -452,6 +469,7 @@ impl Coordinator {
         hit: &[Vec<BlockId>],
         num_local: u64,
         num_external: u64,
+        skip_zeroing_groups: u64,
     ) {
         for (g, gm) in self.groups.iter().enumerate() {
             let blocks = hit.get(g).map_or(&[][..], Vec::as_slice);
@@ -464,12 +482,13 @@ impl Coordinator {
             );
         }
         if num_external > 0 {
-            for (g, gm) in self.groups.iter().enumerate() {
+            for (g, gm) in self.groups.iter_mut().enumerate() {
                 gm.allocate_external_computed_blocks(
                     &mut self.pool,
                     &mut req.groups[g],
                     num_local,
                     num_external,
+                    skip_zeroing_groups & (1u64 << g.min(63)) == 0,
                 );
             }
         }
@@ -488,12 +507,34 @@ impl Coordinator {
         for (g, gm) in self.groups.iter_mut().enumerate() {
             let out = &mut self.new_blocks[g];
             out.clear();
-            let (n, main) = if gm.prefix_cacheable() {
-                (num_tokens, main_model)
-            } else {
+            let (n, main) = if gm.is_cross_attention() {
                 (num_encoder_tokens, num_encoder_tokens)
+            } else {
+                (num_tokens, main_model)
             };
             gm.allocate_new_blocks(&mut self.pool, &req.id, &mut req.groups[g], n, main, out);
+        }
+    }
+
+    /// Drains the blocks the worker must zero: group `g`'s, or every group's
+    /// in group order.
+    pub(crate) fn take_new_block_ids(&mut self, group: Option<usize>) -> Vec<BlockId> {
+        let mut out = Vec::new();
+        for (g, gm) in self.groups.iter_mut().enumerate() {
+            if group.is_none_or(|only| only == g) {
+                gm.take_new_block_ids(&mut out);
+            }
+        }
+        out
+    }
+
+    /// Records the request's blocks from `start_token` on for zeroing again, in
+    /// every group that zeroes; `start_token` must be a multiple of each such
+    /// group's block size (checked by the caller).
+    pub(crate) fn record_blocks_for_zeroing(&mut self, req: &Request, start_token: u64) {
+        for (g, gm) in self.groups.iter_mut().enumerate() {
+            let start = (start_token / u64::from(gm.block_size())) as usize;
+            gm.record_blocks_for_zeroing(&req.groups[g], start);
         }
     }
 

@@ -10,6 +10,7 @@ mod batch;
 mod external;
 mod partial;
 mod validate;
+mod zeroing;
 
 use crate::coordinator::Coordinator;
 use crate::error::{Error, Result, invalid};
@@ -80,6 +81,10 @@ pub struct AllocateArgs {
     /// its known tokens (async scheduling counts in-flight output tokens as
     /// computed before they are appended).
     pub vllm_lenient: bool,
+    /// Groups (bit `g` for group `g`) whose blocks for external tokens an async
+    /// load writes after this step: they are not listed for zeroing, which
+    /// would race the load (vLLM's `skip_zeroing_group_ids`).
+    pub skip_zeroing_groups: u64,
 }
 
 impl AllocateArgs {
@@ -99,6 +104,7 @@ impl AllocateArgs {
             has_scheduled_reqs: true,
             num_in_flight_tokens: 0,
             vllm_lenient: false,
+            skip_zeroing_groups: 0,
         }
     }
 
@@ -567,8 +573,13 @@ impl KvCacheManager {
         let running = req.is_running();
         let has_hit = hit.is_some_and(|h| !h.is_empty());
         if (has_hit || a.num_external_computed_tokens > 0) && !running {
-            self.coord
-                .add_computed_blocks(req, hit_blocks, local, a.num_external_computed_tokens);
+            self.coord.add_computed_blocks(
+                req,
+                hit_blocks,
+                local,
+                a.num_external_computed_tokens,
+                a.skip_zeroing_groups,
+            );
         }
 
         // Stage 3: fresh blocks for the tokens to compute (+ lookahead).

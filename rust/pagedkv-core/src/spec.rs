@@ -66,6 +66,17 @@ pub enum AttentionKind {
         /// Sink tokens.
         sink_len: u32,
     },
+    /// Sliding-window attention whose KV is never cached (vLLM's
+    /// `SlidingWindowMLASpec(bounded_replay=True)`): hits come from the other
+    /// groups, and after one the engine recomputes the hit's last `window`
+    /// tokens for this group, whose blocks below that window stay null.
+    ReplayedSlidingWindow {
+        /// Tokens each token attends to (itself included).
+        window: u32,
+    },
+    /// One scratch block per request for its whole life, never cached (vLLM's
+    /// `CircularBufferSpec`: a ring holding the keys still being compressed).
+    CircularBuffer,
 }
 
 impl AttentionKind {
@@ -80,6 +91,8 @@ impl AttentionKind {
             Self::Mamba { .. } => "mamba",
             Self::CrossAttention => "cross_attention",
             Self::SinkFullAttention { .. } => "sink_full_attention",
+            Self::ReplayedSlidingWindow { .. } => "sliding_window_mla",
+            Self::CircularBuffer => "unknown",
         }
     }
 
@@ -87,7 +100,9 @@ impl AttentionKind {
     #[must_use]
     pub fn sliding_window(&self) -> Option<u32> {
         match self {
-            Self::SlidingWindow { window } => Some(*window),
+            Self::SlidingWindow { window } | Self::ReplayedSlidingWindow { window } => {
+                Some(*window)
+            }
             _ => None,
         }
     }
@@ -108,6 +123,16 @@ impl AttentionKind {
     #[must_use]
     pub fn supports_fine_grained_lookup(&self) -> bool {
         self.is_full_attention() || matches!(self, Self::Mamba { .. })
+    }
+
+    /// Whether the group's blocks enter the prefix cache and its hits are looked
+    /// up (vLLM's `prefix_cacheable`, plus cross attention, which never hits).
+    #[must_use]
+    pub fn prefix_cacheable(&self) -> bool {
+        !matches!(
+            self,
+            Self::CrossAttention | Self::ReplayedSlidingWindow { .. } | Self::CircularBuffer
+        )
     }
 
     /// Sliding-window and Mamba groups cache sparsely under a retention interval.
@@ -228,6 +253,10 @@ pub struct ManagerConfig {
     /// groups also register the state at a shared-prefix junction the
     /// scheduler ended a chunk on (needs partial hits, no prefill lookahead).
     pub mamba_shared_prefix_checkpoint: bool,
+    /// The worker zeroes fresh attention blocks before use (vLLM's
+    /// `needs_kv_cache_zeroing`: Mamba layouts and mixed-precision caches): the
+    /// manager lists them ([`crate::KvCacheManager::take_new_block_ids`]).
+    pub zero_new_blocks: bool,
 }
 
 /// Largest `max_model_len` / `max_in_flight_tokens`: token counts stay far from
@@ -264,6 +293,7 @@ impl ManagerConfig {
             partial_hash_hits: false,
             dcp_world_size: 1,
             mamba_shared_prefix_checkpoint: false,
+            zero_new_blocks: false,
         }
     }
 
@@ -312,7 +342,7 @@ impl ManagerConfig {
         });
         mamba
             && self.groups.iter().all(|g| {
-                g.kind == AttentionKind::CrossAttention
+                !g.kind.prefix_cacheable()
                     || g.kind.supports_fine_grained_lookup()
                     || g.block_size == hbs
             })
@@ -369,7 +399,8 @@ impl ManagerConfig {
         }
         for (i, g) in self.groups.iter().enumerate() {
             let bad_kind = match g.kind {
-                AttentionKind::SlidingWindow { window } => window == 0,
+                AttentionKind::SlidingWindow { window }
+                | AttentionKind::ReplayedSlidingWindow { window } => window == 0,
                 AttentionKind::ChunkedLocal { chunk } => chunk == 0,
                 AttentionKind::SinkFullAttention { sink_len } => {
                     sink_len == 0 || sink_len % g.block_size != 0
@@ -398,7 +429,7 @@ impl ManagerConfig {
             let sizes = self
                 .groups
                 .iter()
-                .filter(|g| g.kind != AttentionKind::CrossAttention)
+                .filter(|g| g.kind.prefix_cacheable())
                 .map(|g| u64::from(g.block_size));
             u32::try_from(sizes.fold(0, gcd)).unwrap_or(1).max(1)
         };
@@ -408,7 +439,7 @@ impl ManagerConfig {
         if let Some(g) = self
             .groups
             .iter()
-            .find(|g| g.kind != AttentionKind::CrossAttention && g.block_size % hbs != 0)
+            .find(|g| g.kind.prefix_cacheable() && g.block_size % hbs != 0)
         {
             return bad(format!(
                 "hash_block_size {hbs} must divide every group's block size (found {})",

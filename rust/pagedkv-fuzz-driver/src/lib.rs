@@ -423,6 +423,7 @@ impl Driver {
             has_scheduled_reqs: !(fancy == 2 && b.bool()),
             num_in_flight_tokens: 0,
             vllm_lenient: false,
+            skip_zeroing_groups: 0,
         }
     }
 

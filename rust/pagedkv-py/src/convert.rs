@@ -368,9 +368,19 @@ fn group_spec(d: &Bound<'_, PyDict>) -> PkResult<GroupSpec> {
     let kind = match kind.as_str() {
         "full_attention" => AttentionKind::FullAttention,
         "mla_attention" => AttentionKind::MlaAttention,
-        "sliding_window" => AttentionKind::SlidingWindow {
-            window: get_u32("sliding_window")?,
-        },
+        "sliding_window" => {
+            let window = get_u32("sliding_window")?;
+            let bounded_replay = match d.get_item("bounded_replay")? {
+                Some(v) => v.extract::<bool>()?,
+                None => false,
+            };
+            if bounded_replay {
+                AttentionKind::ReplayedSlidingWindow { window }
+            } else {
+                AttentionKind::SlidingWindow { window }
+            }
+        }
+        "circular_buffer" => AttentionKind::CircularBuffer,
         "chunked_local_attention" => AttentionKind::ChunkedLocal {
             chunk: get_u32("attention_chunk_size")?,
         },
@@ -476,6 +486,7 @@ pub fn manager_config(
             "mamba_shared_prefix_checkpoint" => {
                 cfg.mamba_shared_prefix_checkpoint = option(name, &v)?;
             }
+            "zero_new_blocks" => cfg.zero_new_blocks = option(name, &v)?,
             other => {
                 return Err(type_error(format!(
                     "KVCacheManager() got an unexpected keyword argument '{other}'"

@@ -21,7 +21,7 @@ use crate::convert::{
     BatchIds, block_hash, block_hash_list, count, counts, engine_tokens, groups_i32, groups_tuple,
     ids_i32, manager_config, suffix, tokens,
 };
-use crate::errors::{PkResult, borrow, borrow_mut};
+use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg};
 use crate::events;
 
 /// Result of `get_computed_blocks`.
@@ -336,7 +336,7 @@ impl PyManager {
         new_computed_blocks = None, num_lookahead_tokens = 0, num_external_computed_tokens = 0,
         delay_cache_blocks = false, num_encoder_tokens = 0, full_sequence_must_fit = false,
         reserved_blocks = 0, has_scheduled_reqs = true, num_in_flight_tokens = 0,
-        vllm_lenient = false))]
+        vllm_lenient = false, skip_zeroing_group_ids = None))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
     fn allocate_slots(
         slf: &Bound<'_, Self>,
@@ -354,6 +354,7 @@ impl PyManager {
         has_scheduled_reqs: bool,
         num_in_flight_tokens: i64,
         vllm_lenient: bool,
+        skip_zeroing_group_ids: Option<Vec<i64>>,
     ) -> PkResult<Option<Py<PyTuple>>> {
         let hit = new_computed_blocks.as_ref().map(|h| &h.inner);
         let num_new_computed_tokens = num_new_computed_tokens
@@ -376,6 +377,7 @@ impl PyManager {
                 has_scheduled_reqs,
                 vllm_lenient,
             },
+            skip_zeroing_group_ids.as_deref(),
         )?;
         Self::allocate(slf, request_id, &args, hit)
     }
@@ -388,7 +390,7 @@ impl PyManager {
         num_new_tokens, num_computed_tokens, num_new_computed_tokens, new_computed_blocks,
         num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
         num_encoder_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
-        num_in_flight_tokens, /))]
+        num_in_flight_tokens, skip_zeroing_group_ids, /))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
     fn allocate_slots_synced(
         slf: &Bound<'_, Self>,
@@ -408,6 +410,7 @@ impl PyManager {
         reserved_blocks: i64,
         has_scheduled_reqs: bool,
         num_in_flight_tokens: i64,
+        skip_zeroing_group_ids: Option<Vec<i64>>,
     ) -> PkResult<Option<Py<PyTuple>>> {
         let args = Counts {
             num_new_tokens,
@@ -426,6 +429,7 @@ impl PyManager {
                 has_scheduled_reqs,
                 vllm_lenient: true,
             },
+            skip_zeroing_group_ids.as_deref(),
         )?;
         let spb = count("shared_prefix_boundary", shared_prefix_boundary)?;
         Self::sync(slf, request_id, token_ids, block_hashes, spb)?;
@@ -702,6 +706,45 @@ impl PyManager {
         Ok(borrow_mut(slf)?
             .inner
             .finalize_partial_tail_offloads(request_id, c, f)?)
+    }
+
+    /// Drains the blocks the worker must zero before use, listed since the last
+    /// call (all groups in group order, or group `group` only): fresh blocks of
+    /// attention groups under `zero_new_blocks`, and copy-on-write copies.
+    #[pyo3(signature = (group = None))]
+    fn take_new_block_ids(slf: &Bound<'_, Self>, group: Option<i64>) -> PkResult<Vec<u32>> {
+        let group = group
+            .map(|g| {
+                u32::try_from(g).map_err(|_| invalid_arg(format!("group {g} is out of range")))
+            })
+            .transpose()?;
+        Ok(borrow_mut(slf)?.inner.take_new_block_ids(group)?)
+    }
+
+    /// Lists the request's blocks from `start_token` (a multiple of the block
+    /// size) on for zeroing again, in every group that zeroes.
+    fn record_blocks_for_zeroing(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        start_token: i64,
+    ) -> PkResult<()> {
+        let start = count("start_token", start_token)?;
+        Ok(borrow_mut(slf)?
+            .inner
+            .record_blocks_for_zeroing(request_id, start)?)
+    }
+
+    /// Whether each group's fresh blocks are zeroed by the worker.
+    #[getter]
+    fn records_new_block_ids(&self) -> Vec<bool> {
+        self.inner.records_new_block_ids()
+    }
+
+    /// With several groups and prefix caching on, the groups looked up
+    /// together, `[(group_ids, use_eagle)]` in lookup order; otherwise None.
+    #[getter]
+    fn lookup_groups(&self) -> Option<Vec<(Vec<u32>, bool)>> {
+        self.inner.lookup_groups()
     }
 
     /// Whether fine-grained (partial) prefix hits are on.
@@ -981,7 +1024,21 @@ struct Flags {
 
 impl Counts {
     /// The core's arguments; a negative count is refused by name.
-    fn args(&self, num_new_computed_tokens: u64, f: Flags) -> PkResult<AllocateArgs> {
+    fn args(
+        &self,
+        num_new_computed_tokens: u64,
+        f: Flags,
+        skip_zeroing: Option<&[i64]>,
+    ) -> PkResult<AllocateArgs> {
+        let mut skip_zeroing_groups = 0u64;
+        for &g in skip_zeroing.unwrap_or(&[]) {
+            if !(0..64).contains(&g) {
+                return Err(invalid_arg(format!(
+                    "skip_zeroing_group_ids: group {g} is out of range"
+                )));
+            }
+            skip_zeroing_groups |= 1 << g;
+        }
         Ok(AllocateArgs {
             num_new_tokens: count("num_new_tokens", self.num_new_tokens)?,
             num_computed_tokens: count("num_computed_tokens", self.num_computed_tokens)?,
@@ -998,6 +1055,7 @@ impl Counts {
             has_scheduled_reqs: f.has_scheduled_reqs,
             num_in_flight_tokens: count("num_in_flight_tokens", self.num_in_flight_tokens)?,
             vllm_lenient: f.vllm_lenient,
+            skip_zeroing_groups,
         })
     }
 }

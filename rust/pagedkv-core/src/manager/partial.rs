@@ -63,6 +63,15 @@ impl KvCacheManager {
             .finalize_partial_tails(req, num_computed_tokens, num_in_flight_tokens))
     }
 
+    /// With several groups and prefix caching on: the groups whose hits are
+    /// looked up together (equal specs), in lookup order (full attention
+    /// first), each with whether EAGLE's drop applies (vLLM's hybrid
+    /// coordinator's `attention_groups`). Groups that never hit are in none.
+    #[must_use]
+    pub fn lookup_groups(&self) -> Option<Vec<(Vec<u32>, bool)>> {
+        self.coord.lookup_groups()
+    }
+
     /// Whether fine-grained (partial) prefix hits are on
     /// ([`crate::ManagerConfig::partial_hash_hits_enabled`]).
     #[must_use]

@@ -85,6 +85,12 @@ impl KvCacheManager {
                 req.num_tokens()
             )));
         }
+        let num_groups = self.coord.groups().len();
+        if num_groups < 64 && a.skip_zeroing_groups >> num_groups != 0 {
+            return Err(invalid(format!(
+                "skip_zeroing_group_ids names a group past the manager's {num_groups}"
+            )));
+        }
         for x in [
             a.num_new_tokens,
             a.num_lookahead_tokens,

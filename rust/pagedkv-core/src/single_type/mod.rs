@@ -139,6 +139,12 @@ pub struct GroupManager {
     /// Mamba "align": committed boundary states offered to a KV connector,
     /// `(request id, block, boundary tokens)`.
     boundary_offloads: Vec<(String, BlockId, u64)>,
+    /// The worker zeroes this group's fresh blocks before use (vLLM's
+    /// `records_new_block_ids`): attention groups of a layout that needs it.
+    records_new_block_ids: bool,
+    /// Fresh blocks to zero since the last drain (copy-on-write copies are
+    /// always listed, as vLLM lists them).
+    new_block_ids: Vec<BlockId>,
     num_gpu_blocks: u32,
     /// `log2(block_size)` for power-of-two block sizes (divisions on the hot path
     /// become shifts), `None` otherwise.
@@ -164,6 +170,8 @@ pub(crate) struct GroupParams {
     pub model_eagle: bool,
     /// Mamba: register shared-prefix junction states.
     pub shared_prefix_checkpoint: bool,
+    /// The layout needs fresh blocks zeroed (vLLM's `needs_kv_cache_zeroing`).
+    pub zero_new_blocks: bool,
 }
 
 impl GroupManager {
@@ -178,12 +186,17 @@ impl GroupManager {
             lookahead,
             model_eagle,
             shared_prefix_checkpoint,
+            zero_new_blocks,
         } = *p;
         let is_mamba = matches!(spec.kind, AttentionKind::Mamba { .. });
+        // Attention groups only: Mamba states and the ring are not zeroed.
+        let records_new_block_ids =
+            zero_new_blocks && !is_mamba && spec.kind != AttentionKind::CircularBuffer;
         let block_size = spec.block_size;
         let bs = u64::from(block_size);
         let admission_cap = match spec.kind {
-            AttentionKind::SlidingWindow { window } => {
+            AttentionKind::SlidingWindow { window }
+            | AttentionKind::ReplayedSlidingWindow { window } => {
                 let n = (u64::from(window) - 1 + max_in_flight_tokens).min(max_model_len);
                 Some(n.div_ceil(bs) + 1)
             }
@@ -208,6 +221,8 @@ impl GroupManager {
             shared_prefix_checkpoint: shared_prefix_checkpoint && is_mamba,
             pending_cow: Vec::new(),
             boundary_offloads: Vec::new(),
+            records_new_block_ids,
+            new_block_ids: Vec::new(),
             num_gpu_blocks,
             shift: block_size
                 .is_power_of_two()
@@ -269,7 +284,13 @@ impl GroupManager {
     /// Whether blocks of this group enter the prefix cache.
     #[must_use]
     pub fn prefix_cacheable(&self) -> bool {
-        !matches!(self.spec.kind, AttentionKind::CrossAttention)
+        self.spec.kind.prefix_cacheable()
+    }
+
+    /// Cross attention: blocks for the encoder output, sized by the encoder
+    /// token count.
+    pub(crate) fn is_cross_attention(&self) -> bool {
+        self.spec.kind == AttentionKind::CrossAttention
     }
 
     /// Cache key of the request's `i`-th block of this group. A block spanning
@@ -292,8 +313,12 @@ impl GroupManager {
             AttentionKind::FullAttention
             | AttentionKind::MlaAttention
             | AttentionKind::SinkFullAttention { .. }
-            | AttentionKind::CrossAttention => 0,
-            AttentionKind::SlidingWindow { window } => (n + 1).saturating_sub(u64::from(window)),
+            | AttentionKind::CrossAttention
+            | AttentionKind::CircularBuffer => 0,
+            AttentionKind::SlidingWindow { window }
+            | AttentionKind::ReplayedSlidingWindow { window } => {
+                (n + 1).saturating_sub(u64::from(window))
+            }
             AttentionKind::ChunkedLocal { chunk } => n / u64::from(chunk) * u64::from(chunk),
             AttentionKind::Mamba { .. } => n.saturating_sub(1),
         }
@@ -345,7 +370,9 @@ impl GroupManager {
                 self.find_chunked(pool, q, chunk, group_ids, out)
             }
             AttentionKind::Mamba { .. } => self.find_mamba(pool, q, group_ids, out),
-            AttentionKind::CrossAttention => 0,
+            AttentionKind::CrossAttention
+            | AttentionKind::ReplayedSlidingWindow { .. }
+            | AttentionKind::CircularBuffer => 0,
         }
     }
 
@@ -376,6 +403,10 @@ impl GroupManager {
         let bs = u64::from(self.block_size);
         let evictable =
             |blocks: &[BlockId]| blocks.iter().filter(|&&b| pool.is_evictable(b)).count() as i64;
+        if self.spec.kind == AttentionKind::CircularBuffer {
+            // The ring's one block, claimed once.
+            return i64::from(gb.blocks.is_empty());
+        }
         if let AttentionKind::Mamba {
             num_speculative_blocks,
             mode,
@@ -494,7 +525,10 @@ impl GroupManager {
         num_local: u64,
         num_external: u64,
     ) {
-        if matches!(self.kind(), AttentionKind::CrossAttention) {
+        if matches!(
+            self.kind(),
+            AttentionKind::CrossAttention | AttentionKind::CircularBuffer
+        ) {
             return;
         }
         let bs = u64::from(self.block_size);
@@ -518,14 +552,22 @@ impl GroupManager {
 
     /// Fresh blocks for tokens whose KV an external connector supplies.
     pub(crate) fn allocate_external_computed_blocks(
-        &self,
+        &mut self,
         pool: &mut BlockPool,
         gb: &mut GroupBlocks,
         num_local: u64,
         num_external: u64,
+        record_for_zeroing: bool,
     ) {
-        if matches!(self.kind(), AttentionKind::CrossAttention) {
-            return;
+        match self.kind() {
+            AttentionKind::CrossAttention => return,
+            AttentionKind::CircularBuffer => {
+                if gb.blocks.is_empty() {
+                    let _ = pool.get_new_blocks(1, &mut gb.blocks);
+                }
+                return;
+            }
+            _ => {}
         }
         let total = num_local + num_external;
         let skipped = self.num_skipped_tokens(total);
@@ -541,7 +583,11 @@ impl GroupManager {
             .div_ceil(u64::from(self.block_size))
             .saturating_sub(gb.blocks.len() as u64);
         // Capacity was checked by the caller.
+        let start = gb.blocks.len();
         let _ = pool.get_new_blocks(need as u32, &mut gb.blocks);
+        if self.records_new_block_ids && record_for_zeroing {
+            self.new_block_ids.extend_from_slice(&gb.blocks[start..]);
+        }
     }
 
     /// Grows the block list to cover `num_tokens`, returning the new ids in `out`.
@@ -555,6 +601,14 @@ impl GroupManager {
         out: &mut Vec<BlockId>,
     ) {
         let bs = u64::from(self.block_size);
+        if self.spec.kind == AttentionKind::CircularBuffer {
+            if gb.blocks.is_empty() {
+                let start = out.len();
+                let _ = pool.get_new_blocks(1, out);
+                gb.blocks.extend_from_slice(&out[start..]);
+            }
+            return;
+        }
         if let AttentionKind::Mamba {
             mode,
             num_speculative_blocks,
@@ -580,6 +634,7 @@ impl GroupManager {
             let _ = pool.get_new_blocks(1, out);
             let copy = out[out.len() - 1];
             self.apply_cow(pool, gb, idx, source, copy);
+            self.new_block_ids.push(copy);
         }
         let required = self.blocks_ceil(num_tokens);
         let have = gb.blocks.len() as u64;
@@ -589,6 +644,29 @@ impl GroupManager {
         let start = out.len();
         let _ = pool.get_new_blocks((required - have) as u32, out);
         gb.blocks.extend_from_slice(&out[start..]);
+        if self.records_new_block_ids {
+            self.new_block_ids.extend_from_slice(&out[start..]);
+        }
+    }
+
+    /// Whether the worker zeroes this group's fresh blocks.
+    #[must_use]
+    pub fn records_new_block_ids(&self) -> bool {
+        self.records_new_block_ids
+    }
+
+    /// Drains the blocks to zero recorded since the last call into `out`.
+    pub(crate) fn take_new_block_ids(&mut self, out: &mut Vec<BlockId>) {
+        out.append(&mut self.new_block_ids);
+    }
+
+    /// Records the request's blocks from block `start` on for zeroing again
+    /// (blocks a failed KV load left unwritten).
+    pub(crate) fn record_blocks_for_zeroing(&mut self, gb: &GroupBlocks, start: usize) {
+        if self.records_new_block_ids {
+            self.new_block_ids
+                .extend_from_slice(gb.blocks.get(start..).unwrap_or(&[]));
+        }
     }
 
     /// vLLM's `_apply_cow`: the request's block `idx` becomes `copy`; both

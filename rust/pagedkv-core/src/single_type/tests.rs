@@ -13,6 +13,7 @@ fn manager(kind: AttentionKind, block_size: u32) -> GroupManager {
         lookahead: 0,
         model_eagle: false,
         shared_prefix_checkpoint: false,
+        zero_new_blocks: false,
     };
     GroupManager::new(spec, 0, &p)
 }
@@ -194,6 +195,7 @@ fn sliding_window_admission_cap_bounds_full_sequence_need() {
         lookahead: 0,
         model_eagle: false,
         shared_prefix_checkpoint: false,
+        zero_new_blocks: false,
     };
     let m = GroupManager::new(spec, 0, &p);
     let pool = BlockPool::new(100, true, false);

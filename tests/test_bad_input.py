@@ -130,11 +130,12 @@ ID_METHODS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "num_cached_blocks": lambda m, r: m.num_cached_blocks(r),
     "estimate_cached_tokens": lambda m, r: m.estimate_cached_tokens(r),
     "allocate_slots_synced": lambda m, r: m.allocate_slots_synced(
-        r, [1], [], 0, 1, 54, 0, None, 0, 0, False, 0, False, 0, True, 0
+        r, [1], [], 0, 1, 54, 0, None, 0, 0, False, 0, False, 0, True, 0, None
     ),
     "partial_hit": lambda m, r: m.partial_hit(r, 0),
     "mamba_checkpoint": lambda m, r: m.mamba_checkpoint(r, 0),
     "finalize_partial_tail_offloads": lambda m, r: m.finalize_partial_tail_offloads(r, 0, 0),
+    "record_blocks_for_zeroing": lambda m, r: m.record_blocks_for_zeroing(r, 0),
 }
 # Batch calls also take the int handles add_request returns.
 HANDLE_METHODS = ("allocate_slots_batch", "append_token_ids_batch")
@@ -274,6 +275,8 @@ COUNT_PARAMS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "finalize_partial_tail_offloads.num_in_flight_tokens": lambda m, v: (
         m.finalize_partial_tail_offloads("run", 0, v)
     ),
+    "record_blocks_for_zeroing.start_token": lambda m, v: m.record_blocks_for_zeroing("run", v),
+    "take_new_block_ids.group": lambda m, v: m.take_new_block_ids(v),
     "prefix_cache_retention_interval.set": lambda m, v: setattr(
         m, "prefix_cache_retention_interval", v
     ),
@@ -303,6 +306,8 @@ COUNT_EXCEPTIONS: dict[tuple[str, str], type[BaseException] | None] = {
     ("get_computed_blocks.max_cache_hit_length", "huge"): None,
     # -1 asks for the queue's ends.
     ("free_neighbors.block_id", "negative"): None,
+    # No group: every group's list.
+    ("take_new_block_ids.group", "none"): None,
     # Past 2**32 blocks: refused as a count, not answered None.
     ("get_new_blocks.n", "huge"): InvalidArgumentError,
     # None is dense retention.
@@ -719,6 +724,8 @@ def test_every_public_method_is_in_the_matrix() -> None:
         "kv_cache_metrics",
         "partial_hash_hits",
         "mamba_shared_prefix_checkpoint",
+        "records_new_block_ids",
+        "lookup_groups",
     }
     public = {n for n in dir(pk.KVCacheManager) if not n.startswith("_")}
     assert public - covered == set()

@@ -203,7 +203,7 @@ def test_allocate_slots_synced_syncs_then_allocates_as_vllm() -> None:
     m = engine_manager(num_blocks=5)
     tokens = list(range(40))
     m.add_request("r", tokens[:20])
-    args = [0, 40, 0, 0, None, 0, 0, False, 0, False, 0, True, 0]
+    args = [0, 40, 0, 0, None, 0, 0, False, 0, False, 0, True, 0, None]
     new = m.allocate_slots_synced("r", tokens, [b"\x01" * 8], *args)
     assert new is not None and new[0].tolist() == [1, 2, 3]
     assert (m.num_tokens("r"), m.block_hashes("r")) == (40, [b"\x01" * 8])

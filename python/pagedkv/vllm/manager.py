@@ -11,6 +11,7 @@ cost no allocation per step beyond the lists ``KVCacheBlocks`` holds.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -117,6 +118,7 @@ class KVCacheManager:
             raise ValueError(str(e)) from e
         self.max_model_len = max_model_len
         self.num_prefill_lookahead = num_prefill_lookahead
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
         self.use_eagle = use_eagle
@@ -143,6 +145,8 @@ class KVCacheManager:
         ]
         # Requests the core holds, by id (vLLM forgets a request at free()).
         self._live: dict[str, Request] = {}
+        # req_to_blocks lists handed out, frozen when their request is forgotten.
+        self._live_lists: dict[str, list[weakref.ref[Any]]] = {}
         self._live_stats = _LiveStats(self._core) if log_stats else None
         self.block_pool = BlockPoolView(self)
         self.coordinator = CoordinatorView(self)
@@ -166,6 +170,7 @@ class KVCacheManager:
             if rid in self._live:
                 # Another request object under a known id (a lookup that was
                 # never scheduled, then a new request): start over.
+                self._freeze_lists(rid)
                 core.remove_request(rid)
             lora = request.lora_request
             n = request.num_prompt_tokens
@@ -315,13 +320,23 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Releases the request's blocks, tail first, and forgets it."""
         rid = request.request_id
+        if self._live_lists:
+            self._freeze_lists(rid)
         if self._live.pop(rid, None) is not None:
             self._core.remove_request(rid)
+
+    def _freeze_lists(self, rid: str) -> None:
+        for ref in self._live_lists.pop(rid, ()):
+            live = ref()
+            if live is not None:
+                live._freeze()
 
     def pop_blocks_for_free(self, request: Request) -> list[PagedBlock]:
         """Forgets the request and returns its blocks, still referenced, in
         allocation order; ``block_pool.free_blocks`` returns them later."""
         rid = request.request_id
+        if self._live_lists:
+            self._freeze_lists(rid)
         if self._live.pop(rid, None) is None:
             return []
         blocks = self._blocks

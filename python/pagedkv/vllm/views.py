@@ -3,6 +3,7 @@ block objects, the block pool, the coordinator and its per-group managers."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
@@ -242,6 +243,7 @@ class BlockPoolView:
         self.enable_caching = owner.enable_caching
         self.enable_kv_cache_events = owner.enable_kv_cache_events
         self.hash_block_size = owner.hash_block_size
+        self.num_hash_lookahead_tokens = owner.num_hash_lookahead_tokens
         self.free_block_queue = _FreeQueueView(owner)
         self.cached_block_hash_to_block = _CachedBlocks(owner)
 
@@ -294,16 +296,25 @@ class BlockPoolView:
 class _LiveBlocks(Sequence[PagedBlock]):
     """One request's blocks in one group, read from the core at each access (a
     list vLLM's managers keep and mutate in place, so a caller holding it sees
-    later allocations)."""
+    later allocations). When the manager forgets the request, the list keeps
+    the blocks it held then, as vLLM's popped list does."""
 
     def __init__(self, rows: _ReqToBlocks, request_id: str) -> None:
         self._rows = rows
         self._request_id = request_id
+        self._frozen: list[PagedBlock] | None = None
 
     def _list(self) -> list[PagedBlock]:
+        if self._frozen is not None:
+            return self._frozen
         ids = self._rows._ids(self._request_id) or []
         blocks = self._rows._owner._blocks
         return [blocks[i] for i in ids]
+
+    def _freeze(self) -> None:
+        """Keeps the blocks held now (called before the request is forgotten)."""
+        if self._frozen is None:
+            self._frozen = self._list()
 
     @overload
     def __getitem__(self, i: int) -> PagedBlock: ...
@@ -313,7 +324,7 @@ class _LiveBlocks(Sequence[PagedBlock]):
         return self._list()[i]
 
     def __len__(self) -> int:
-        return len(self._rows._ids(self._request_id) or [])
+        return len(self._list())
 
     def __eq__(self, other: object) -> bool:
         return self._list() == (list(other) if isinstance(other, Sequence) else other)
@@ -334,7 +345,9 @@ class _ReqToBlocks(Mapping[str, Sequence[PagedBlock]]):
     def __getitem__(self, request_id: str) -> Sequence[PagedBlock]:
         if self._ids(request_id) is None:
             raise KeyError(request_id)
-        return _LiveBlocks(self, request_id)
+        live = _LiveBlocks(self, request_id)
+        self._owner._live_lists.setdefault(request_id, []).append(weakref.ref(live))
+        return live
 
     def _ids(self, request_id: str) -> list[int] | None:
         """The request's block ids in this group; None unless it holds blocks
@@ -534,6 +547,7 @@ class CoordinatorView:
         self.max_model_len = owner.max_model_len
         self.scheduler_block_size = owner.scheduler_block_size
         self.hash_block_size = owner.hash_block_size
+        self.num_hash_lookahead_tokens = owner.num_hash_lookahead_tokens
 
     @property
     def attention_groups(self) -> list[SpecGroup]:

@@ -4,6 +4,7 @@
 use super::KvCacheManager;
 use crate::error::{Result, invalid};
 use crate::pool::BlockId;
+use crate::spec::MAX_TOKENS;
 
 impl KvCacheManager {
     /// Whether each group's fresh blocks are listed for zeroing.
@@ -38,11 +39,16 @@ impl KvCacheManager {
     /// `record_blocks_for_zeroing`).
     ///
     /// # Errors
-    /// Unknown request, or `start_token` not a multiple of the block size of a
+    /// Unknown request, `start_token` past 2**40, or not a multiple of the block size of a
     /// group that zeroes (zeroing a partly valid block would wipe its valid
     /// prefix). Nothing is listed then.
     pub fn record_blocks_for_zeroing(&mut self, id: &str, start_token: u64) -> Result<()> {
         let slot = self.table.slot(id)?;
+        if start_token > MAX_TOKENS {
+            return Err(invalid(format!(
+                "start_token {start_token} is out of range (at most 2**40)"
+            )));
+        }
         if let Some(gm) =
             self.coord.groups().iter().find(|gm| {
                 gm.records_new_block_ids() && start_token % u64::from(gm.block_size()) != 0

@@ -136,6 +136,7 @@ ID_METHODS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "mamba_checkpoint": lambda m, r: m.mamba_checkpoint(r, 0),
     "finalize_partial_tail_offloads": lambda m, r: m.finalize_partial_tail_offloads(r, 0, 0),
     "record_blocks_for_zeroing": lambda m, r: m.record_blocks_for_zeroing(r, 0),
+    "get_computed_blocks_for_connector": lambda m, r: m.get_computed_blocks_for_connector(r),
 }
 # Batch calls also take the int handles add_request returns.
 HANDLE_METHODS = ("allocate_slots_batch", "append_token_ids_batch")
@@ -277,6 +278,12 @@ COUNT_PARAMS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     ),
     "record_blocks_for_zeroing.start_token": lambda m, v: m.record_blocks_for_zeroing("run", v),
     "take_new_block_ids.group": lambda m, v: m.take_new_block_ids(v),
+    "get_computed_blocks_for_connector.max_cache_hit_length": lambda m, v: (
+        m.get_computed_blocks_for_connector("wait", v)
+    ),
+    "find_longest_cache_hit_per_group.max_cache_hit_length": lambda m, v: (
+        m.find_longest_cache_hit_per_group([], v)
+    ),
     "prefix_cache_retention_interval.set": lambda m, v: setattr(
         m, "prefix_cache_retention_interval", v
     ),
@@ -308,6 +315,10 @@ COUNT_EXCEPTIONS: dict[tuple[str, str], type[BaseException] | None] = {
     ("free_neighbors.block_id", "negative"): None,
     # No group: every group's list.
     ("take_new_block_ids.group", "none"): None,
+    # As get_computed_blocks: no cap, or a huge one, is only a cap.
+    ("get_computed_blocks_for_connector.max_cache_hit_length", "none"): None,
+    ("get_computed_blocks_for_connector.max_cache_hit_length", "huge"): None,
+    ("find_longest_cache_hit_per_group.max_cache_hit_length", "huge"): None,
     # Past 2**32 blocks: refused as a count, not answered None.
     ("get_new_blocks.n", "huge"): InvalidArgumentError,
     # None is dense retention.
@@ -726,6 +737,7 @@ def test_every_public_method_is_in_the_matrix() -> None:
         "mamba_shared_prefix_checkpoint",
         "records_new_block_ids",
         "lookup_groups",
+        "full_attention_group",
     }
     public = {n for n in dir(pk.KVCacheManager) if not n.startswith("_")}
     assert public - covered == set()

@@ -155,3 +155,59 @@ def test_bounded_replay_is_part_of_the_group_type() -> None:
     ring_spec = pk.CircularBufferSpec(block_size=8, num_kv_heads=1, head_size=4, dtype="float16")
     # One page per request, whatever its length.
     assert ring_spec.max_memory_usage_bytes(8192) == ring_spec.page_size_bytes
+
+
+def seeded_hybrid() -> tuple[pk.KVCacheManager, list[int], list[int]]:
+    """Full attention + Mamba "align" (16-token blocks), a 4-block prompt
+    prefilled one block per step so both groups cache every boundary."""
+    full = pk.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype="float32")
+    mamba = pk.MambaSpec(16, ((1, 1),), ("float32",), mamba_cache_mode="align")
+    config = pk.KVCacheConfig(
+        num_blocks=24,
+        kv_cache_groups=[pk.KVCacheGroupSpec(["fa"], full), pk.KVCacheGroupSpec(["m"], mamba)],
+    )
+    m = pk.KVCacheManager(config, max_model_len=8192, enable_caching=True)
+    m.add_request("fill", list(range(64)))
+    hit = m.get_computed_blocks("fill")
+    states = []
+    for i in range(4):
+        m.allocate_slots(
+            "fill", 16, num_computed_tokens=16 * i, new_computed_blocks=hit if i == 0 else None
+        )
+        states.append(int(m.get_block_ids("fill")[1][i]))
+    fa = [int(b) for b in m.get_block_ids("fill")[0]]
+    m.remove_request("fill")
+    return m, fa, states
+
+
+def test_connector_lookup_reports_a_deeper_full_attention_hit() -> None:
+    m, fa, states = seeded_hybrid()
+    assert (fa, states) == ([1, 3, 5, 7], [2, 4, 6, 8])
+    m.evict_blocks(states[1:])
+    m.new_step_starts()
+    m.add_request("rep", [*range(64), *range(500, 532)])
+    blocks, hits = m.find_longest_cache_hit_per_group(m.block_hashes("rep"), 95) or ((), [])
+    assert (as_lists(blocks), hits) == (([1, 3, 5, 7], [2]), [64, 16])
+    hit, diverged = m.get_computed_blocks_for_connector("rep")
+    assert diverged and hit.num_computed_tokens == 64
+    new = m.allocate_slots(
+        "rep",
+        16,
+        num_computed_tokens=0,
+        new_computed_blocks=hit,
+        num_external_computed_tokens=16,
+    )
+    assert as_lists(new) == ([11], [12])
+    assert as_lists(m.get_block_ids("rep")) == ([1, 3, 5, 7, 9, 11], [0, 0, 0, 0, 10, 12])
+    m.check_invariants()
+
+
+def test_connector_lookup_falls_back_when_mamba_runs_deeper() -> None:
+    m, fa, states = seeded_hybrid()
+    m.evict_blocks([fa[2], fa[3], states[1], states[2]])
+    m.add_request("rep", list(range(80)))
+    hit, diverged = m.get_computed_blocks_for_connector("rep")
+    assert not diverged
+    assert (as_lists(hit.block_ids), hit.num_computed_tokens) == (([1], [2]), 16)
+    assert hit.shared_prefix_boundary == 32
+    assert m.full_attention_group == 0

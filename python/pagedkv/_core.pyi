@@ -212,6 +212,14 @@ class KVCacheManager:
     def get_computed_blocks(
         self, request_id: str, max_cache_hit_length: int | None = None
     ) -> ComputedBlocks: ...
+    def get_computed_blocks_for_connector(
+        self, request_id: str, max_cache_hit_length: int | None = None
+    ) -> tuple[ComputedBlocks, bool]: ...
+    def find_longest_cache_hit_per_group(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> tuple[tuple[_IdArray, ...], list[int]] | None: ...
+    @property
+    def full_attention_group(self) -> int | None: ...
     def allocate_slots(
         self,
         request_id: str,

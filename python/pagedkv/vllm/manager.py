@@ -39,7 +39,7 @@ from vllm.v1.request import Request
 from pagedkv import _core
 from pagedkv.errors import InvalidArgumentError, InvalidConfigError
 from pagedkv.manager import _mm_tuple
-from pagedkv.vllm.views import BlockPoolView, CoordinatorView, PagedBlock, core_group
+from pagedkv.vllm.views import BlockPoolView, PagedBlock, coordinator_view, core_group
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class KVCacheManager:
         self._live_lists: dict[str, list[weakref.ref[Any]]] = {}
         self._live_stats = _LiveStats(self._core) if log_stats else None
         self.block_pool = BlockPoolView(self)
-        self.coordinator = CoordinatorView(self)
+        self.coordinator = coordinator_view(self)
 
     # ---- requests ------------------------------------------------------------
 
@@ -238,18 +238,32 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks, 0, 0
         rid = self._sync(request)
         hit = self._core.get_computed_blocks(rid, max_cache_hit_length)
-        blocks = self._wrap(hit.block_ids)
-        if blocks is not self.empty_kv_cache_blocks:
-            blocks._pagedkv_hit = (rid, blocks.blocks, hit)  # type: ignore[attr-defined]
-        return blocks, hit.num_computed_tokens, hit.shared_prefix_boundary
+        return self._hit_blocks(rid, hit), hit.num_computed_tokens, hit.shared_prefix_boundary
 
     def get_computed_blocks_for_connector(
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[KVCacheBlocks, int, int, bool]:
-        """The local hit for a request scheduled with a KV connector. Per-group
-        hits cannot diverge without a hybrid Mamba layout, so this is the common
-        hit and never flags a lagging group."""
-        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+        """The local hit for a request scheduled with a KV connector. In a
+        hybrid Mamba model, the full-attention hit even where another group's
+        own hit is shorter, flagged (``hit_diverged``): only a connector that
+        supplies the state there makes it usable."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0, False
+        rid = self._sync(request)
+        hit, diverged = self._core.get_computed_blocks_for_connector(rid, max_cache_hit_length)
+        return (
+            self._hit_blocks(rid, hit),
+            hit.num_computed_tokens,
+            hit.shared_prefix_boundary,
+            diverged,
+        )
+
+    def _hit_blocks(self, rid: str, hit: Any) -> KVCacheBlocks:
+        """A lookup's blocks, remembering the core's hit for ``allocate_slots``."""
+        blocks = self._wrap(hit.block_ids)
+        if blocks is not self.empty_kv_cache_blocks:
+            blocks._pagedkv_hit = (rid, blocks.blocks, hit)  # type: ignore[attr-defined]
+        return blocks
 
     def _hit(self, rid: str, blocks: KVCacheBlocks | None, num_new_computed_tokens: int) -> Any:
         if blocks is None or blocks is self.empty_kv_cache_blocks:

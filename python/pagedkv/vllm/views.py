@@ -7,7 +7,12 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
-from vllm.v1.core.kv_cache_coordinator import SpecGroup
+from vllm.v1.core.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
+    KVCacheCoordinatorNoPrefixCache,
+    SpecGroup,
+    UnitaryKVCacheCoordinator,
+)
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -550,6 +555,25 @@ class CoordinatorView:
         self.num_hash_lookahead_tokens = owner.num_hash_lookahead_tokens
 
     @property
+    def full_attention_group_id(self) -> int | None:
+        """The first full-attention group looked up (a hybrid coordinator's)."""
+        group: int | None = self._owner._core.full_attention_group
+        return group
+
+    def find_longest_cache_hit_per_group(
+        self, block_hashes: Sequence[Any], max_cache_hit_length: int
+    ) -> tuple[tuple[list[PagedBlock], ...], tuple[int, ...]]:
+        """Each lookup group's own hit, unreconciled: blocks and tokens per group."""
+        found = self._owner._core.find_longest_cache_hit_per_group(
+            block_hashes, max_cache_hit_length
+        )
+        if found is None:
+            raise AttributeError("per-group hits: only a hybrid coordinator has them")
+        groups, hits = found
+        blocks = self._owner._blocks
+        return tuple([blocks[i] for i in g.tolist()] for g in groups), tuple(hits)
+
+    @property
     def attention_groups(self) -> list[SpecGroup]:
         """The groups whose hits are looked up together, in lookup order (vLLM's
         hybrid coordinator's attribute; a single group or caching off has none)."""
@@ -616,3 +640,24 @@ class CoordinatorView:
 
     def get_blocks(self, request_id: str) -> tuple[list[PagedBlock], ...]:
         return self._owner.get_blocks(request_id).blocks  # type: ignore[return-value]
+
+
+_COORDINATOR_VIEWS: dict[type, type[CoordinatorView]] = {}
+
+
+def coordinator_view(owner: KVCacheManager) -> CoordinatorView:
+    """The coordinator view, also an instance of the coordinator class vLLM
+    would build (no prefix cache, one group, or hybrid), so ``isinstance``
+    checks on ``manager.coordinator`` see the kind. vLLM's own ``__init__``
+    never runs."""
+    if not owner.enable_caching:
+        vllm_cls: type = KVCacheCoordinatorNoPrefixCache
+    elif owner._core.lookup_groups is None:
+        vllm_cls = UnitaryKVCacheCoordinator
+    else:
+        vllm_cls = HybridKVCacheCoordinator
+    cls = _COORDINATOR_VIEWS.get(vllm_cls)
+    if cls is None:
+        cls = type(f"PagedKV{vllm_cls.__name__}View", (CoordinatorView, vllm_cls), {})
+        _COORDINATOR_VIEWS[vllm_cls] = cls
+    return cls(owner)

@@ -284,6 +284,65 @@ impl Coordinator {
         }
     }
 
+    /// EAGLE: how far past a candidate length a group matches before dropping
+    /// the last unit (a hash block for fine-grained lookups, else a block).
+    fn eagle_margin(&self, gm: &GroupManager) -> usize {
+        let bs = gm.block_size() as usize;
+        let hbs = self.hash_block_size;
+        if self.partial_hits && gm.spec().kind.supports_fine_grained_lookup() && bs > hbs {
+            hbs
+        } else {
+            bs
+        }
+    }
+
+    /// vLLM's `find_longest_cache_hit_per_group`: each lookup group searched on
+    /// its own up to `max_len`, with no reconciliation; the blocks and the hit
+    /// length of every group (0 for groups never looked up). `None` unless
+    /// several groups are looked up (vLLM's hybrid coordinator).
+    pub(crate) fn find_per_group(
+        &self,
+        hashes: &[BlockHash],
+        max_len: usize,
+    ) -> Option<(Vec<Vec<BlockId>>, Vec<usize>)> {
+        let Mode::Hybrid { attn, .. } = &self.mode else {
+            return None;
+        };
+        let mut out = vec![Vec::new(); self.groups.len()];
+        let mut hits = vec![0usize; self.groups.len()];
+        for ag in attn {
+            let gm = &self.groups[ag.group_ids[0] as usize];
+            let max_length = if ag.use_eagle && !ag.is_mamba {
+                (max_len + self.eagle_margin(gm)).min(hashes.len() * self.hash_block_size)
+            } else {
+                max_len
+            };
+            let q = Lookup {
+                hashes,
+                max_len: max_length,
+                drop_eagle_block: ag.use_eagle,
+                alignment: self.alignment as usize,
+            };
+            let n = gm.find_longest_cache_hit(&self.pool, &q, &ag.group_ids, &mut out);
+            for &g in &ag.group_ids {
+                hits[g as usize] = n;
+            }
+        }
+        Some((out, hits))
+    }
+
+    /// The first full-attention group looked up (vLLM's
+    /// `full_attention_group_id`), with several groups looked up.
+    pub(crate) fn full_attention_group(&self) -> Option<usize> {
+        match &self.mode {
+            Mode::Hybrid { attn, .. } => attn
+                .first()
+                .filter(|a| a.is_full)
+                .map(|a| a.group_ids[0] as usize),
+            _ => None,
+        }
+    }
+
     /// vLLM's fixed-point search: each attention group accepts the candidate
     /// length or lowers it; repeat until no group lowers it (one pass for a
     /// simple full-attention + one-other-type hybrid).
@@ -316,18 +375,7 @@ impl Coordinator {
                 let drop = ag.use_eagle && !eagle_verified[idx];
                 let mut max_length = curr;
                 if drop && !ag.is_mamba {
-                    // Match one drop unit past the candidate, then drop it: a hash
-                    // block for fine-grained lookups, else a block.
-                    let bs = gm.block_size() as usize;
-                    let margin = if self.partial_hits
-                        && gm.spec().kind.supports_fine_grained_lookup()
-                        && bs > hbs
-                    {
-                        hbs
-                    } else {
-                        bs
-                    };
-                    max_length = (curr + margin).min(hashes.len() * hbs);
+                    max_length = (curr + self.eagle_margin(gm)).min(hashes.len() * hbs);
                 }
                 let q = Lookup {
                     hashes,

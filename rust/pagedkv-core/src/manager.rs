@@ -7,6 +7,8 @@
 //! its group managers and the pool.
 
 mod batch;
+mod connector;
+pub use connector::ConnectorHit;
 mod external;
 mod partial;
 mod validate;
@@ -427,9 +429,7 @@ impl KvCacheManager {
                 epoch,
             });
         }
-        let max_len = max_cache_hit_length.map_or(req.num_tokens().saturating_sub(1), |m| {
-            usize::try_from(m).unwrap_or(usize::MAX)
-        });
+        let max_len = Self::max_hit_len(req.num_tokens(), max_cache_hit_length);
         let hit = self.coord.find_longest_cache_hit(req, max_len);
         let spb = if hit.uncached > 0 {
             (hit.len + hit.uncached) as u64

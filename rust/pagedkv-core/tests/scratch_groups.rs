@@ -1,10 +1,12 @@
-//! Groups that never enter the prefix cache beside a cached full-attention
-//! group: vLLM 0.33's bounded-replay sliding window
-//! (`SlidingWindowMLASpec(bounded_replay=True)`) and `CircularBufferSpec`; and
-//! the fresh-block zeroing lists (`needs_kv_cache_zeroing`). Expected ids are
-//! what vLLM 0.33's own `KVCacheManager` answers for the same calls (full
-//! attention float32 + the scratch group in bfloat16, a mixed-precision layout,
-//! so vLLM zeroes fresh attention blocks).
+//! Hybrid layouts beyond reconciled hits: groups that never enter the prefix
+//! cache beside a cached full-attention group (vLLM 0.33's bounded-replay
+//! sliding window, `SlidingWindowMLASpec(bounded_replay=True)`, and
+//! `CircularBufferSpec`); the fresh-block zeroing lists
+//! (`needs_kv_cache_zeroing`); and per-group lookups for a KV connector in a
+//! full-attention + Mamba model (`get_computed_blocks_for_connector`). Expected
+//! ids are what vLLM 0.33's own `KVCacheManager` answers for the same calls
+//! (the scratch layouts: full attention float32 + the scratch group in
+//! bfloat16, a mixed-precision layout, so vLLM zeroes fresh attention blocks).
 
 use pagedkv_core::{
     AllocateArgs, AttentionKind, Error, GroupSpec, KvCacheManager, KvEvent, ManagerConfig,
@@ -53,6 +55,9 @@ fn ids(m: &KvCacheManager, id: &str) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// Blocks per group.
+type Groups = Vec<Vec<u32>>;
+
 /// Looks the request up and allocates `num_new_tokens` past its hit; returns
 /// the hit (blocks per group, tokens) and the new blocks.
 fn admit(
@@ -61,7 +66,7 @@ fn admit(
     num_new_tokens: u64,
     external: u64,
     skip_zeroing_groups: u64,
-) -> ((Vec<Vec<u32>>, u64), Vec<Vec<u32>>) {
+) -> ((Groups, u64), Groups) {
     let hit = ok(m.get_computed_blocks(id));
     let args = AllocateArgs {
         num_new_computed_tokens: hit.num_computed_tokens,
@@ -229,4 +234,121 @@ fn scratch_groups_are_not_looked_up() {
     assert_eq!(m.lookup_groups(), Some(vec![(vec![0], false)]));
     let single = ok(KvCacheManager::new(ManagerConfig::full_attention(8, 4, 64)));
     assert_eq!(single.lookup_groups(), None);
+}
+
+/// Full attention + Mamba "align" (16-token blocks) with a 4-block prompt
+/// prefilled one block per step, so both groups cache all four boundaries.
+fn seeded_hybrid() -> (KvCacheManager, Groups) {
+    use pagedkv_core::MambaCacheMode;
+    let groups = vec![
+        GroupSpec::new(AttentionKind::FullAttention, 16),
+        GroupSpec::new(
+            AttentionKind::Mamba {
+                mode: MambaCacheMode::Align,
+                num_speculative_blocks: 0,
+                prefill_checkpoint_alignment: None,
+            },
+            16,
+        ),
+    ];
+    let mut m = ok(KvCacheManager::new(ManagerConfig::new(24, groups, 8192)));
+    add(&mut m, "fill", (0..64).collect());
+    let hit = ok(m.get_computed_blocks("fill"));
+    let mut mamba = Vec::new();
+    for i in 0..4u64 {
+        let args = AllocateArgs::step(16, i * 16);
+        let h = (i == 0).then_some(&hit);
+        assert!(ok(m.allocate_slots("fill", &args, h)).is_some());
+        mamba.push(ids(&m, "fill")[1][i as usize]);
+    }
+    let fa = ids(&m, "fill")[0].clone();
+    assert_eq!(
+        (fa.clone(), mamba.clone()),
+        (vec![1, 3, 5, 7], vec![2, 4, 6, 8])
+    );
+    ok(m.remove_request("fill"));
+    (m, vec![fa, mamba])
+}
+
+#[test]
+fn a_connector_lookup_reports_the_deeper_full_attention_hit_as_diverged() {
+    let (mut m, seeded) = seeded_hybrid();
+    let mamba = &seeded[1];
+    ok(m.evict_blocks(&[mamba[1], mamba[2], mamba[3]]));
+    m.new_step_starts();
+    let mut prompt: Vec<u32> = (0..64).collect();
+    prompt.extend(500..532);
+    add(&mut m, "rep", prompt);
+    let hashes = ok(m.block_hashes("rep")).to_vec();
+    assert_eq!(
+        m.find_longest_cache_hit_per_group(&hashes, 95),
+        Some((vec![vec![1, 3, 5, 7], vec![2]], vec![64, 16]))
+    );
+    let conn = ok(m.get_computed_blocks_for_connector("rep", None));
+    assert!(conn.diverged);
+    assert_eq!(
+        (conn.hit.block_ids.clone(), conn.hit.num_computed_tokens),
+        (vec![vec![1, 3, 5, 7], vec![2]], 64)
+    );
+    // A connector supplies 16 tokens (and the Mamba state) past the hit.
+    let args = AllocateArgs {
+        num_new_computed_tokens: 64,
+        num_external_computed_tokens: 16,
+        ..AllocateArgs::step(16, 0)
+    };
+    let new = ok(m.allocate_slots("rep", &args, Some(&conn.hit))).map(<[Vec<u32>]>::to_vec);
+    assert_eq!(new, Some(vec![vec![11], vec![12]]));
+    assert_eq!(
+        ids(&m, "rep"),
+        vec![vec![1, 3, 5, 7, 9, 11], vec![0, 0, 0, 0, 10, 12]]
+    );
+    assert_eq!(m.num_free_blocks(), 15);
+    ok(m.check_invariants());
+    // The reconciled lookup stops where every group agrees.
+    add(&mut m, "other", (0..64).chain([7; 32]).collect());
+    let hit = ok(m.get_computed_blocks("other"));
+    assert_eq!(
+        (hit.block_ids, hit.num_computed_tokens),
+        (vec![vec![1], vec![2]], 16)
+    );
+}
+
+#[test]
+fn a_connector_lookup_falls_back_when_another_group_runs_deeper() {
+    let (mut m, seeded) = seeded_hybrid();
+    let (fa, mamba) = (&seeded[0], &seeded[1]);
+    ok(m.evict_blocks(&[fa[2], fa[3], mamba[1], mamba[2]]));
+    add(&mut m, "rep", (0..80).collect());
+    let hashes = ok(m.block_hashes("rep")).to_vec();
+    assert_eq!(
+        m.find_longest_cache_hit_per_group(&hashes, 79),
+        Some((vec![vec![1, 3], vec![0, 0, 0, 8]], vec![32, 64]))
+    );
+    // Full attention lost its tail: the hit every group agrees on, with the
+    // uncached shared prefix up to the Mamba state's boundary.
+    let conn = ok(m.get_computed_blocks_for_connector("rep", None));
+    assert!(!conn.diverged);
+    assert_eq!(
+        (
+            conn.hit.block_ids,
+            conn.hit.num_computed_tokens,
+            conn.hit.shared_prefix_boundary
+        ),
+        (vec![vec![1], vec![2]], 16, 32)
+    );
+    assert_eq!(m.full_attention_group(), Some(0));
+}
+
+#[test]
+fn connector_lookups_of_a_model_without_mamba_are_the_common_lookup() {
+    let mut m = replayed();
+    add(&mut m, "r0", (0..20).collect());
+    admit(&mut m, "r0", 20, 0, 0);
+    add(&mut m, "r1", (0..24).collect());
+    let conn = ok(m.get_computed_blocks_for_connector("r1", None));
+    assert!(!conn.diverged);
+    assert_eq!(conn.hit.num_computed_tokens, 20);
+    let single = ok(KvCacheManager::new(ManagerConfig::full_attention(8, 4, 64)));
+    assert_eq!(single.find_longest_cache_hit_per_group(&[], 10), None);
+    assert_eq!(single.full_attention_group(), None);
 }

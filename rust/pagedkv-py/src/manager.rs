@@ -313,21 +313,57 @@ impl PyManager {
         request_id: &str,
         max_cache_hit_length: Option<i64>,
     ) -> PkResult<PyComputedBlocks> {
-        let py = slf.py();
         let cap = max_cache_hit_length
             .map(|v| count("max_cache_hit_length", v))
             .transpose()?;
-        let (inner, groups, empty) = {
-            let mut this = borrow_mut(slf)?;
-            let inner = this.inner.get_computed_blocks_up_to(request_id, cap)?;
-            let groups = (!inner.is_empty()).then(|| groups_i32(&inner.block_ids));
-            (inner, groups, this.empty.clone_ref(py))
-        };
-        let block_ids = match groups {
-            None => empty,
-            Some(groups) => groups_tuple(py, groups)?.unbind(),
-        };
-        Ok(PyComputedBlocks { inner, block_ids })
+        let inner = borrow_mut(slf)?
+            .inner
+            .get_computed_blocks_up_to(request_id, cap)?;
+        Self::computed(slf, inner)
+    }
+
+    /// vLLM's `get_computed_blocks_for_connector`: `(hit, diverged)`. In a
+    /// hybrid model with Mamba groups, the full-attention hit even where
+    /// another group's own hit is shorter (`diverged`: only a connector
+    /// supplying the state there makes it usable).
+    #[pyo3(signature = (request_id, max_cache_hit_length = None))]
+    fn get_computed_blocks_for_connector(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        max_cache_hit_length: Option<i64>,
+    ) -> PkResult<(PyComputedBlocks, bool)> {
+        let cap = max_cache_hit_length
+            .map(|v| count("max_cache_hit_length", v))
+            .transpose()?;
+        let r = borrow_mut(slf)?
+            .inner
+            .get_computed_blocks_for_connector(request_id, cap)?;
+        Ok((Self::computed(slf, r.hit)?, r.diverged))
+    }
+
+    /// vLLM's `find_longest_cache_hit_per_group` for these block hashes:
+    /// `(block_ids per group, hit tokens per group)`, each group searched on
+    /// its own; None unless several groups are looked up.
+    fn find_longest_cache_hit_per_group<'py>(
+        slf: &Bound<'py, Self>,
+        block_hashes: &Bound<'py, PyAny>,
+        max_cache_hit_length: i64,
+    ) -> PkResult<Option<(Bound<'py, PyTuple>, Vec<u64>)>> {
+        let hashes = block_hash_list(block_hashes)?;
+        let cap = count("max_cache_hit_length", max_cache_hit_length)?;
+        let found = borrow(slf)?
+            .inner
+            .find_longest_cache_hit_per_group(&hashes, cap);
+        found
+            .map(|(blocks, hits)| Ok((groups_tuple(slf.py(), groups_i32(&blocks))?, hits)))
+            .transpose()
+    }
+
+    /// The first full-attention group looked up, with several groups looked
+    /// up; otherwise None.
+    #[getter]
+    fn full_attention_group(&self) -> Option<u32> {
+        self.inner.full_attention_group()
     }
 
     /// vLLM 0.33's `allocate_slots`: the newly allocated block ids per group, or
@@ -951,6 +987,17 @@ impl PyManager {
 }
 
 impl PyManager {
+    /// A lookup result as Python sees it (the shared empty tuple for no hit).
+    fn computed(slf: &Bound<'_, Self>, inner: ComputedBlocks) -> PkResult<PyComputedBlocks> {
+        let py = slf.py();
+        let block_ids = if inner.is_empty() {
+            borrow(slf)?.empty.clone_ref(py)
+        } else {
+            groups_tuple(py, groups_i32(&inner.block_ids))?.unbind()
+        };
+        Ok(PyComputedBlocks { inner, block_ids })
+    }
+
     /// `sync_request`'s work: the suffixes past what the core holds, then the
     /// engine's shared-prefix boundary.
     fn sync(

@@ -34,8 +34,10 @@ impl KvCacheManager {
             )));
         }
         for (g, ids) in hit.block_ids.iter().enumerate() {
-            if !groups[g].prefix_cacheable() {
-                continue; // cross attention never hits
+            if !groups[g].prefix_cacheable() || groups[g].is_mamba() {
+                // Never hits; or Mamba, whose own hit may end earlier when a
+                // connector supplies the state at the boundary.
+                continue;
             }
             let bs = u64::from(groups[g].block_size());
             if (ids.len() as u64) * bs < num_new_computed {

@@ -287,6 +287,11 @@ impl GroupManager {
         self.spec.kind.prefix_cacheable()
     }
 
+    /// A Mamba state group.
+    pub(crate) fn is_mamba(&self) -> bool {
+        matches!(self.spec.kind, AttentionKind::Mamba { .. })
+    }
+
     /// Cross attention: blocks for the encoder output, sized by the encoder
     /// token count.
     pub(crate) fn is_cross_attention(&self) -> bool {

@@ -738,6 +738,7 @@ def test_every_public_method_is_in_the_matrix() -> None:
         "records_new_block_ids",
         "lookup_groups",
         "full_attention_group",
+        "num_pending_events",
     }
     public = {n for n in dir(pk.KVCacheManager) if not n.startswith("_")}
     assert public - covered == set()

@@ -251,6 +251,7 @@ class BlockPoolView:
         self.num_hash_lookahead_tokens = owner.num_hash_lookahead_tokens
         self.free_block_queue = _FreeQueueView(owner)
         self.cached_block_hash_to_block = _CachedBlocks(owner)
+        self.kv_event_queue = _PendingEvents(owner)
 
     def get_num_free_blocks(self) -> int:
         """Free blocks (cached ones included)."""
@@ -338,6 +339,17 @@ class _LiveBlocks(Sequence[PagedBlock]):
 
     def __repr__(self) -> str:
         return repr(self._list())
+
+
+class _PendingEvents:
+    """The pool's event queue, as far as a reader can see it: its length (the
+    events recorded and not yet taken)."""
+
+    def __init__(self, owner: KVCacheManager) -> None:
+        self._core = owner._core
+
+    def __len__(self) -> int:
+        return int(self._core.num_pending_events)
 
 
 class _ReqToBlocks(Mapping[str, Sequence[PagedBlock]]):

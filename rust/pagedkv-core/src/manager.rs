@@ -686,6 +686,12 @@ impl KvCacheManager {
         true
     }
 
+    /// KV events recorded and not yet drained.
+    #[must_use]
+    pub fn num_pending_events(&self) -> usize {
+        self.coord.pool().num_pending_events()
+    }
+
     /// Drains the KV events, annotated with each group's spec kind.
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         self.coord.take_events()

@@ -681,6 +681,12 @@ impl BlockPool {
         }
     }
 
+    /// Events recorded and not yet drained.
+    #[must_use]
+    pub fn num_pending_events(&self) -> usize {
+        self.events.len()
+    }
+
     /// Drains the recorded events.
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         std::mem::take(&mut self.events)

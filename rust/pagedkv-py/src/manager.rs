@@ -896,6 +896,12 @@ impl PyManager {
 
     // ---- events, stats, metrics ------------------------------------------------
 
+    /// KV-cache events recorded and not yet drained.
+    #[getter]
+    fn num_pending_events(&self) -> usize {
+        self.inner.num_pending_events()
+    }
+
     /// Drains the recorded KV-cache events (empty when events are off). Block
     /// hashes are vLLM's 64-bit ints (the digest's last 8 bytes, big-endian), or
     /// the full digest bytes with `raw_hashes`.

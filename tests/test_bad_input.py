@@ -1152,3 +1152,74 @@ def test_huge_count_on_a_mamba_align_model_does_not_abort() -> None:
         env=env,
     )
     assert proc.returncode == 0 and "survived" in proc.stdout, proc.stderr[:300]
+
+
+class _LyingLength:
+    """A sequence whose ``__len__`` claims ``claimed`` items and yields ``actual``."""
+
+    def __init__(self, claimed: int, actual: int) -> None:
+        self.claimed, self.actual = claimed, actual
+
+    def __len__(self) -> int:
+        return self.claimed
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.actual))
+
+
+@pytest.mark.parametrize(
+    "token_ids",
+    [
+        range(2**33),  # 32 GiB of token ids if reserved from len()
+        _LyingLength(2**40, 5),  # claims more than any request may hold
+        _LyingLength(3, 10**9),  # yields more than it claimed
+        np.zeros(2000, dtype=np.int64),  # an array past max_model_len
+    ],
+    ids=["huge_range", "len_claims_too_many", "yields_too_many", "long_array"],
+)
+def test_sizes_are_checked_before_anything_is_reserved(token_ids: Any) -> None:
+    mgr = busy()
+    before = snapshot(mgr, ["run", "wait"])
+    with pytest.raises(InvalidArgumentError, match="allowed here"):
+        mgr.add_request("big", token_ids)
+    with pytest.raises(InvalidArgumentError, match="allowed here"):
+        mgr.append_token_ids("run", token_ids)
+    assert snapshot(mgr, ["run", "wait"]) == before and "big" not in mgr
+    mgr.check_invariants()
+
+
+def test_a_request_cannot_grow_past_max_model_len() -> None:
+    mgr = make_manager(BS, NUM_BLOCKS, max_model_len=64)
+    h = mgr.add_request("r", list(range(62)))
+    with pytest.raises(InvalidArgumentError, match="max_model_len"):
+        mgr.append_token_ids("r", [1, 2, 3])
+    assert mgr.num_tokens("r") == 62
+    mgr.append_token_ids_batch([h], [7])
+    mgr.append_token_ids("r", [8])
+    with pytest.raises(InvalidArgumentError, match="max_model_len"):
+        mgr.append_token_ids_batch([h], [9])
+    assert mgr.num_tokens("r") == 64
+
+
+def _memory_bytes() -> int | None:
+    """RAM plus swap, from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+    except OSError:
+        return None
+    kib = int(fields["MemTotal"].split()[0]) + int(fields.get("SwapTotal", "0 kB").split()[0])
+    return kib * 1024
+
+
+def test_a_pool_larger_than_the_machine_is_refused() -> None:
+    num_blocks = 2**31 - 2  # 32 GiB of block state alone
+    memory = _memory_bytes()
+    if memory is None or memory >= 16 * num_blocks:
+        pytest.skip("this machine could hold the pool")
+    spec = pk.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype="float32")
+    config = pk.KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_groups=[pk.KVCacheGroupSpec(["l"], spec)]
+    )
+    with pytest.raises(InvalidConfigError, match="cannot allocate"):
+        pk.KVCacheManager(config, max_model_len=1024)

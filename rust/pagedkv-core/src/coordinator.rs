@@ -81,11 +81,11 @@ impl Coordinator {
     /// Builds the pool and the group managers of a validated configuration whose
     /// hash block size is `hbs`.
     pub(crate) fn new(cfg: &ManagerConfig, hbs: u32) -> Result<Self> {
-        let pool = BlockPool::new(
+        let pool = BlockPool::try_new(
             cfg.num_blocks,
             cfg.enable_caching,
             cfg.enable_kv_cache_events,
-        )
+        )?
         .with_metrics(cfg.kv_cache_metrics);
         let sbs = cfg.scheduler_block_size();
         let single = cfg.groups.len() == 1;
@@ -183,7 +183,7 @@ impl Coordinator {
                         AttentionKind::CrossAttention | AttentionKind::CircularBuffer
                     )
             }),
-            verifier: Verifier::new(cfg.verify_cached_tokens, cfg.num_blocks),
+            verifier: Verifier::new(cfg.verify_cached_tokens, cfg.num_blocks)?,
         })
     }
 

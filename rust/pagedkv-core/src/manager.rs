@@ -350,13 +350,28 @@ impl KvCacheManager {
     /// Appends generated tokens; blocks that fill get hashed.
     ///
     /// # Errors
-    /// Unknown request.
+    /// Unknown request, or one that would pass `max_model_len` tokens (nothing
+    /// is appended then).
     pub fn append_token_ids(&mut self, id: &str, tokens: &[u32]) -> Result<()> {
         let slot = self.table.slot(id)?;
+        self.check_room(slot, tokens.len())?;
         let hasher = self.hashing().then_some(&mut self.hasher);
         self.table
             .get_mut(slot)
             .append_tokens(tokens, hasher, self.hash_block_size);
+        Ok(())
+    }
+
+    /// Refuses tokens that would take the request past `max_model_len`.
+    pub(crate) fn check_room(&self, slot: u32, n: usize) -> Result<()> {
+        let req = self.table.get(slot);
+        let total = req.num_tokens() as u64 + n as u64;
+        if total > self.cfg.max_model_len {
+            return Err(invalid(format!(
+                "request {:?} would have {total} tokens, more than max_model_len {}",
+                req.id, self.cfg.max_model_len
+            )));
+        }
         Ok(())
     }
 

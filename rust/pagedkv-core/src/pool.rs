@@ -94,13 +94,40 @@ pub struct BlockPool {
     metrics: Option<Box<PoolMetrics>>,
 }
 
+/// The refusal of a pool too large to allocate.
+pub(crate) fn cannot_allocate(num_blocks: u32, bytes_per_block: usize) -> String {
+    format!(
+        "cannot allocate the manager's state for {num_blocks} blocks ({} bytes); \
+         num_blocks is larger than this machine can hold",
+        u64::from(num_blocks) * bytes_per_block as u64
+    )
+}
+
 impl BlockPool {
     /// A pool of `num_blocks` blocks (ids `0..num_blocks`), block 0 taken as the
     /// null block, the rest free in id order.
+    ///
+    /// # Panics
+    /// When the block arena cannot be allocated ([`Self::try_new`] says so
+    /// instead).
     #[must_use]
     pub fn new(num_blocks: u32, enable_caching: bool, events_enabled: bool) -> Self {
+        match Self::try_new(num_blocks, enable_caching, events_enabled) {
+            Ok(p) => p,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// [`Self::new`], or an error when the block arena cannot be allocated.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the blocks and bytes asked for.
+    pub fn try_new(num_blocks: u32, enable_caching: bool, events_enabled: bool) -> Result<Self> {
         let n = num_blocks.max(1);
-        let mut blocks = Vec::with_capacity(n as usize);
+        let mut blocks = Vec::new();
+        blocks
+            .try_reserve_exact(n as usize)
+            .map_err(|_| Error::InvalidConfig(cannot_allocate(n, size_of::<Block>())))?;
         for id in 0..n {
             blocks.push(Block {
                 ref_cnt: 0,
@@ -116,7 +143,7 @@ impl BlockPool {
             key: NIL,
         };
         let (head, tail) = if n > 1 { (1, n - 1) } else { (NIL, NIL) };
-        Self {
+        Ok(Self {
             blocks,
             head,
             tail,
@@ -135,7 +162,7 @@ impl BlockPool {
             scratch_first: Vec::new(),
             scratch_last: Vec::new(),
             metrics: None,
-        }
+        })
     }
 
     /// The pool with block metrics on or off: counters ([`BlockPool::stats`]) and

@@ -2,6 +2,7 @@
 //! computed for, so a prefix hit through a colliding hash is cut short at the
 //! first block that does not match the request.
 
+use crate::error::{Error, Result};
 use crate::pool::{BlockId, BlockPool, NULL_BLOCK};
 use crate::request::Request;
 
@@ -26,15 +27,22 @@ pub(crate) struct Verifier {
 
 impl Verifier {
     /// Records for a pool of `num_blocks` blocks, or none when `enabled` is false.
-    pub(crate) fn new(enabled: bool, num_blocks: u32) -> Self {
-        Self {
-            provenance: if enabled {
-                vec![None; num_blocks.max(1) as usize]
-            } else {
-                Vec::new()
-            },
-            failures: 0,
+    pub(crate) fn new(enabled: bool, num_blocks: u32) -> Result<Self> {
+        let mut provenance = Vec::new();
+        if enabled {
+            let n = num_blocks.max(1) as usize;
+            provenance.try_reserve_exact(n).map_err(|_| {
+                Error::InvalidConfig(crate::pool::cannot_allocate(
+                    num_blocks,
+                    size_of::<Option<Box<Provenance>>>(),
+                ))
+            })?;
+            provenance.resize(n, None);
         }
+        Ok(Self {
+            provenance,
+            failures: 0,
+        })
     }
 
     /// Prefix hits cut short so far.

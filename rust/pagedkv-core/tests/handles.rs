@@ -95,3 +95,23 @@ fn a_removed_requests_handle_is_rejected_even_when_its_slot_is_reused() {
     assert!(matches!(r, Err(Error::UnknownRequest(_))), "{r:?}");
     m.check_invariants().expect("invariants");
 }
+
+#[test]
+fn no_request_grows_past_max_model_len_by_id_or_handle() {
+    let mut m = mgr();
+    let h = m.add_request("r", prompt(1, 1022)).expect("add");
+    assert!(matches!(
+        m.append_token_ids("r", &[1, 2, 3]),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert_eq!(m.num_tokens("r").expect("known"), 1022);
+    m.append_token_ids_batch_refs(RequestRefs::Handles(&[h]), &[7])
+        .expect("room for one");
+    m.append_token_ids("r", &[8]).expect("room for one");
+    assert!(matches!(
+        m.append_token_ids_batch_refs(RequestRefs::Handles(&[h]), &[9]),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert_eq!(m.num_tokens("r").expect("known"), 1024);
+    m.check_invariants().expect("invariants");
+}

@@ -14,6 +14,35 @@ use pagedkv_core::{
 
 use crate::errors::{PkResult, PyPkError, invalid_arg, invalid_config, type_error};
 
+/// Most items reserved ahead of converting a sequence: its `__len__` may lie,
+/// so nothing beyond this is reserved from it; the vector grows as items come.
+const PREALLOC: usize = 1 << 12;
+
+/// How many items a sequence claims, refused when past `limit` before anything
+/// is reserved or iterated; the capacity to reserve for it.
+fn reserve_for(obj: &Bound<'_, PyAny>, limit: usize, what: &str) -> PkResult<usize> {
+    match obj.len() {
+        Ok(n) if n > limit => Err(too_many(what, n, limit)),
+        Ok(n) => Ok(n.min(PREALLOC)),
+        Err(_) => Ok(0),
+    }
+}
+
+fn too_many(what: &str, n: usize, limit: usize) -> PyPkError {
+    invalid_arg(format!("{n} {what}: more than the {limit} allowed here"))
+}
+
+/// Refuses the item that would make `n` items more than `limit` (an iterable
+/// that yields more than it claimed).
+fn check_room(n: usize, limit: usize, what: &str) -> PkResult<()> {
+    if n >= limit {
+        return Err(invalid_arg(format!(
+            "the sequence yields more than {limit} {what}, the most allowed here"
+        )));
+    }
+    Ok(())
+}
+
 /// A non-negative count.
 pub fn count(name: &str, v: i64) -> PkResult<u64> {
     u64::try_from(v).map_err(|_| invalid_arg(format!("{name} must be non-negative, got {v}")))
@@ -42,8 +71,11 @@ fn token_item(item: &Bound<'_, PyAny>) -> PkResult<u32> {
 /// (no reference counting, no error machinery); anything else goes through
 /// [`token_item`], which converts or explains.
 #[allow(unsafe_code)] // the one unsafe block of the workspace: see its SAFETY note
-fn list_tokens(list: &Bound<'_, PyList>) -> PkResult<Vec<u32>> {
+fn list_tokens(list: &Bound<'_, PyList>, limit: usize) -> PkResult<Vec<u32>> {
     let n = list.len();
+    if n > limit {
+        return Err(too_many("token ids", n, limit));
+    }
     let mut out = Vec::with_capacity(n);
     let int_type = std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type);
     for i in 0..n {
@@ -71,15 +103,25 @@ fn list_tokens(list: &Bound<'_, PyList>) -> PkResult<Vec<u32>> {
     Ok(out)
 }
 
-/// Token ids from a list, an int `NumPy` array or any sequence of ints.
-pub fn tokens(obj: &Bound<'_, PyAny>) -> PkResult<Vec<u32>> {
+/// Token ids from a list, an int `NumPy` array or any sequence of ints; at most
+/// `limit` of them (checked before anything is reserved).
+pub fn tokens(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<u32>> {
     if let Ok(list) = obj.cast::<PyList>() {
-        return list_tokens(list);
+        return list_tokens(list, limit);
     }
+    let check = |n: usize| {
+        if n > limit {
+            Err(too_many("token ids", n, limit))
+        } else {
+            Ok(())
+        }
+    };
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+        check(a.len()?)?;
         return a.as_slice()?.iter().map(|&v| token_from_i64(v)).collect();
     }
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
+        check(a.len()?)?;
         return a
             .as_slice()?
             .iter()
@@ -87,13 +129,15 @@ pub fn tokens(obj: &Bound<'_, PyAny>) -> PkResult<Vec<u32>> {
             .collect();
     }
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u32>>() {
+        check(a.len()?)?;
         return Ok(a.as_slice()?.to_vec());
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error("token ids must be a sequence of ints"));
     }
-    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    let mut out = Vec::with_capacity(reserve_for(obj, limit, "token ids")?);
     for item in obj.try_iter()? {
+        check_room(out.len(), limit, "token ids")?;
         out.push(token_item(&item?)?);
     }
     Ok(out)
@@ -118,11 +162,11 @@ pub fn suffix<'py>(obj: &Bound<'py, PyAny>, from: usize) -> PkResult<Option<Boun
 /// Token ids of an engine's request: signed 32-bit ints (`-2**31..2**31`),
 /// stored in two's complement, so vLLM's `-1` multimodal placeholder is
 /// [`pagedkv_core::PLACEHOLDER_TOKEN`] and events give every id back as it came in.
-pub fn engine_tokens(obj: &Bound<'_, PyAny>) -> PkResult<Vec<u32>> {
+pub fn engine_tokens(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<u32>> {
     // A list of non-negative token ids takes the fast path; negative ids (and
     // every error) the item-by-item one below.
     if let Ok(list) = obj.cast::<PyList>() {
-        if let Ok(t) = list_tokens(list) {
+        if let Ok(t) = list_tokens(list, limit) {
             if t.iter().all(|v| *v <= 0x7fff_ffff) {
                 return Ok(t);
             }
@@ -131,8 +175,9 @@ pub fn engine_tokens(obj: &Bound<'_, PyAny>) -> PkResult<Vec<u32>> {
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error("token ids must be a sequence of ints"));
     }
-    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    let mut out = Vec::with_capacity(reserve_for(obj, limit, "token ids")?);
     for item in obj.try_iter()? {
+        check_room(out.len(), limit, "token ids")?;
         let item = item?;
         if item.is_instance_of::<PyBool>() || !item.is_instance_of::<PyInt>() {
             let shown = item.repr().map(|r| r.to_string()).unwrap_or_default();
@@ -146,10 +191,11 @@ pub fn engine_tokens(obj: &Bound<'_, PyAny>) -> PkResult<Vec<u32>> {
     Ok(out)
 }
 
-/// Block hashes (bytes, 1..=32 long) from a sequence.
-pub fn block_hash_list(obj: &Bound<'_, PyAny>) -> PkResult<Vec<BlockHash>> {
-    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+/// Block hashes (bytes, 1..=32 long) from a sequence, at most `limit`.
+pub fn block_hash_list(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<BlockHash>> {
+    let mut out = Vec::with_capacity(reserve_for(obj, limit, "block hashes")?);
     for item in obj.try_iter()? {
+        check_room(out.len(), limit, "block hashes")?;
         let item = item?;
         let b = item.cast::<PyBytes>().map_err(|_| {
             type_error(format!(
@@ -172,7 +218,13 @@ pub fn counts(name: &str, obj: &Bound<'_, PyAny>) -> PkResult<Vec<u64>> {
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
         return non_negative(name, a.as_slice()?.iter().map(|&v| i64::from(v)));
     }
-    let v: Vec<i64> = obj.extract()?;
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(type_error(format!("{name} must be a sequence of ints")));
+    }
+    let mut v = Vec::with_capacity(reserve_for(obj, usize::MAX, name)?);
+    for item in obj.try_iter()? {
+        v.push(item?.extract::<i64>()?);
+    }
     non_negative(name, v.into_iter())
 }
 
@@ -238,7 +290,19 @@ impl BatchIds {
                 "request_ids must be a sequence of ids, not one string",
             ));
         }
-        Ok(Self::Names(obj.extract()?))
+        let mut names = Vec::with_capacity(reserve_for(obj, usize::MAX, "request ids")?);
+        for item in obj.try_iter()? {
+            names.push(item?.extract::<PyBackedStr>()?);
+        }
+        Ok(Self::Names(names))
+    }
+
+    /// Requests in the batch.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Names(v) => v.len(),
+            Self::Handles(h) => h.len(),
+        }
     }
 
     pub fn with_refs<T>(&self, f: impl FnOnce(RequestRefs<'_>) -> T) -> T {

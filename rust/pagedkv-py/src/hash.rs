@@ -10,6 +10,9 @@ use pagedkv_core::{BlockHasher, HashAlgo};
 use crate::convert::{block_hash, cbor_value, tokens};
 use crate::errors::PkResult;
 
+/// Most token ids one block may hold.
+const MAX_BLOCK_TOKENS: usize = 1 << 24;
+
 /// `hash_fn(seed)` of an algorithm: the `NONE_HASH` a seed gives.
 #[pyfunction]
 fn none_hash<'py>(py: Python<'py>, hash_algo: &str, seed: &str) -> PkResult<Bound<'py, PyBytes>> {
@@ -36,7 +39,7 @@ fn hash_block_tokens<'py>(
     let parent = parent_block_hash
         .map(|p| block_hash("parent hash", p))
         .transpose()?;
-    let toks = tokens(token_ids)?;
+    let toks = tokens(token_ids, MAX_BLOCK_TOKENS)?;
     let extra = match extra_keys {
         Some(e) if !e.is_none() => Some(cbor_value(e)?),
         _ => None,

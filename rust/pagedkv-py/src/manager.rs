@@ -239,11 +239,11 @@ impl PyManager {
         session_id: Option<String>,
     ) -> PkResult<u64> {
         // An engine's own token lists may hold vLLM's -1 placeholders.
-        let external = borrow(slf)?.inner.config().external_block_hashes;
+        let (external, limit) = Self::token_limit(slf)?;
         let prompt_token_ids = if external {
-            engine_tokens(prompt_token_ids)?
+            engine_tokens(prompt_token_ids, limit)?
         } else {
-            tokens(prompt_token_ids)?
+            tokens(prompt_token_ids, limit)?
         };
         let mm_features = mm_features
             .unwrap_or_default()
@@ -273,7 +273,7 @@ impl PyManager {
         request_id: &str,
         token_ids: &Bound<'_, PyAny>,
     ) -> PkResult<()> {
-        let t = tokens(token_ids)?;
+        let t = tokens(token_ids, Self::token_limit(slf)?.1)?;
         Ok(borrow_mut(slf)?.inner.append_token_ids(request_id, &t)?)
     }
 
@@ -285,7 +285,9 @@ impl PyManager {
         token_ids: &Bound<'_, PyAny>,
     ) -> PkResult<()> {
         let ids = BatchIds::extract(request_ids)?;
-        let t = tokens(token_ids)?;
+        // One token per request (the core refuses any other count); the bound
+        // only keeps a lying length from reserving memory.
+        let t = tokens(token_ids, ids.len().saturating_add(1 << 10))?;
         let mut this = borrow_mut(slf)?;
         let inner = &mut this.inner;
         Ok(ids.with_refs(|r| inner.append_token_ids_batch_refs(r, &t))?)
@@ -349,7 +351,7 @@ impl PyManager {
         block_hashes: &Bound<'py, PyAny>,
         max_cache_hit_length: i64,
     ) -> PkResult<Option<(Bound<'py, PyTuple>, Vec<u64>)>> {
-        let hashes = block_hash_list(block_hashes)?;
+        let hashes = block_hash_list(block_hashes, Self::token_limit(slf)?.1)?;
         let cap = count("max_cache_hit_length", max_cache_hit_length)?;
         let found = borrow(slf)?
             .inner
@@ -993,6 +995,16 @@ impl PyManager {
 }
 
 impl PyManager {
+    /// Whether the engine hashes requests (its token ids are signed), and the
+    /// most token ids one call may carry: `max_model_len`, which no request
+    /// may pass (checked before anything is reserved for them).
+    fn token_limit(slf: &Bound<'_, Self>) -> PkResult<(bool, usize)> {
+        let this = borrow(slf)?;
+        let cfg = this.inner.config();
+        let limit = usize::try_from(cfg.max_model_len).unwrap_or(usize::MAX);
+        Ok((cfg.external_block_hashes, limit))
+    }
+
     /// A lookup result as Python sees it (the shared empty tuple for no hit).
     fn computed(slf: &Bound<'_, Self>, inner: ComputedBlocks) -> PkResult<PyComputedBlocks> {
         let py = slf.py();
@@ -1014,12 +1026,13 @@ impl PyManager {
         spb: u64,
     ) -> PkResult<()> {
         let at = borrow(slf)?.inner.request_lengths(request_id)?;
+        let limit = Self::token_limit(slf)?.1;
         let new_tokens = match suffix(token_ids, at.0)? {
-            Some(t) => engine_tokens(&t)?,
+            Some(t) => engine_tokens(&t, limit)?,
             None => Vec::new(),
         };
         let new_hashes = match suffix(block_hashes, at.1)? {
-            Some(h) => block_hash_list(&h)?,
+            Some(h) => block_hash_list(&h, limit)?,
             None => Vec::new(),
         };
         Ok(borrow_mut(slf)?.inner.sync_request(

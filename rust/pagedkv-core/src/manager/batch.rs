@@ -32,6 +32,13 @@ impl KvCacheManager {
             self.scratch_slots = slots;
             return Err(e);
         }
+        if let Some(e) = slots
+            .iter()
+            .find_map(|&slot| self.check_room(slot, 1).err())
+        {
+            self.scratch_slots = slots;
+            return Err(e);
+        }
         let hbs = self.hash_block_size;
         let hashing = self.hashing();
         for (&slot, &t) in slots.iter().zip(tokens) {

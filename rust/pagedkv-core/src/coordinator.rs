@@ -866,11 +866,15 @@ impl Coordinator {
                     continue;
                 }
                 // A full block carries its own key; a partial prompt-tail entry
-                // (re-registered after an eviction) is the other case.
+                // (re-registered after an eviction) is the other case. A block
+                // reached under another of its entries is shared, not corrupt:
+                // without verification, a colliding (weak) hash can match a
+                // prompt-tail entry made at another position.
                 let full_tokens = ((i + 1) * gm.block_size() as usize) as u32;
                 let partial = self.pool.primary_tokens(b).is_some_and(|t| t < full_tokens);
                 if let Some(k) = self.pool.block_key(b).filter(|_| !partial) {
-                    if Some(k) != gm.key_for(&req.hashes, i) {
+                    let own = gm.key_for(&req.hashes, i);
+                    if Some(k) != own && !own.is_some_and(|o| self.pool.map_contains(&o, b)) {
                         return violation(format!(
                             "block {b} of request {:?} is cached under another hash",
                             req.id

@@ -472,7 +472,9 @@ impl BlockPool {
         }
     }
 
-    fn map_contains(&self, key: &CacheKey, id: BlockId) -> bool {
+    /// Whether block `id` is reachable under `key` (its primary key or another
+    /// entry, such as a partial prompt-tail one).
+    pub(crate) fn map_contains(&self, key: &CacheKey, id: BlockId) -> bool {
         match self.map.get(key) {
             None => false,
             Some(Entry::One(x)) => *x == id,

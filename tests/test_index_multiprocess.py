@@ -127,7 +127,7 @@ class IndexClient:
 
 
 def _start_index(replicas: dict[str, dict[str, str]]) -> tuple[subprocess.Popen[str], IndexClient]:
-    args = ["-m", "pagedkv.index", "--query", "tcp://127.0.0.1:*"]
+    args = ["-m", "pagedkv.index", "--query", "tcp://127.0.0.1:*", "--allow-stop"]
     for name, ep in replicas.items():
         args += ["--replica", f"{name}={ep['pub']},{ep['replay']}"]
     proc = _spawn(args)

@@ -20,7 +20,15 @@ from .prefix import PrefixIndex
 if TYPE_CHECKING:
     from ..events.zmq import ZmqEventSubscriber
 
-__all__ = ["IndexSubscriber", "main", "serve"]
+__all__ = [
+    "MAX_QUERY_BYTES",
+    "MAX_QUERY_HASHES",
+    "IndexSubscriber",
+    "QueryError",
+    "answer",
+    "main",
+    "serve",
+]
 
 
 class IndexSubscriber:
@@ -101,22 +109,98 @@ class IndexSubscriber:
         self.close()
 
 
+#: Largest query message the server reads (bigger ones are dropped by ZMQ).
+MAX_QUERY_BYTES = 16 << 20
+#: Most block hashes one ``longest_prefix`` query may carry.
+MAX_QUERY_HASHES = 1 << 20
+
+
+class QueryError(ValueError):
+    """A query the index server refuses (answered ``{"error": ...}``)."""
+
+
+def _hashes(req: dict[str, Any]) -> list[int | bytes]:
+    hashes = req.get("block_hashes")
+    if not isinstance(hashes, list):
+        raise QueryError("block_hashes must be a list")
+    if len(hashes) > MAX_QUERY_HASHES:
+        raise QueryError(f"{len(hashes)} block hashes: more than {MAX_QUERY_HASHES}")
+    for h in hashes:
+        if isinstance(h, bool) or not isinstance(h, int | bytes):
+            raise QueryError(f"a block hash must be an int or bytes, got {type(h).__name__}")
+        if isinstance(h, int) and not 0 <= h < 1 << 64:
+            raise QueryError(f"block hash {h} is outside 0..2**64")
+        if isinstance(h, bytes) and not 1 <= len(h) <= 32:
+            raise QueryError(f"a block hash of {len(h)} bytes (1..32 expected)")
+    return hashes
+
+
+def _group(req: dict[str, Any]) -> int | None:
+    group = req.get("group_idx")
+    if group is None:
+        return None
+    if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < 1 << 32:
+        raise QueryError(f"group_idx must be None or an int in 0..2**32, got {group!r}")
+    return group
+
+
+def answer(
+    index: PrefixIndex,
+    feeder: IndexSubscriber | None,
+    req: Any,
+    counters: Mapping[str, Any] | None = None,
+) -> Any:
+    """The reply to one decoded query; raises :class:`QueryError` for a query
+    that is not one (``stop`` is the caller's)."""
+    if not isinstance(req, dict):
+        raise QueryError(f"a query is a map, got {type(req).__name__}")
+    op = req.get("op")
+    if op == "longest_prefix":
+        hashes, group = _hashes(req), _group(req)
+        best = index.longest_prefix(hashes, group)
+        return {
+            "replica": None if best is None else best.replica,
+            "num_blocks": 0 if best is None else best.num_blocks,
+            "lengths": index.match_lengths(hashes, group),
+        }
+    if op == "status":
+        return {
+            "replicas": {} if feeder is None else feeder.status(),
+            "num_blocks": index.num_blocks,
+            "events": 0 if feeder is None else feeder.num_events,
+            "batches": 0 if feeder is None else feeder.num_batches,
+            "stats": index.stats().__dict__,
+            "queries": dict(counters or {}),
+        }
+    if op == "entries":
+        replica = req.get("replica")
+        if not isinstance(replica, str):
+            raise QueryError("entries needs a replica name (a string)")
+        return index.entries(replica)
+    raise QueryError(f"unknown op {op!r}")
+
+
 def serve(
     replicas: Mapping[str, tuple[str, str | None]],
     query_endpoint: str,
     *,
     topic: str = "",
     ready: Any = None,
+    allow_stop: bool = False,
 ) -> None:
     """Runs an index process: subscribes to the replicas and answers queries on a
-    REP socket until a ``{"op": "stop"}`` request.
+    REP socket; with ``allow_stop``, until a ``{"op": "stop"}`` request.
 
-    Requests and replies are msgpack maps. ``{"op": "longest_prefix",
-    "block_hashes": [...], "group_idx": None}`` → ``{"replica": name | None,
-    "num_blocks": n, "lengths": {name: n}}``; ``{"op": "status"}`` → the
-    subscriber status, index size and stats; ``{"op": "entries", "replica":
-    name}`` → ``[[hash, group_idx, count], ...]``. ``ready`` (a text stream)
-    receives one JSON line with the bound query endpoint.
+    Requests and replies are msgpack maps, one frame each. ``{"op":
+    "longest_prefix", "block_hashes": [...], "group_idx": None}`` →
+    ``{"replica": name | None, "num_blocks": n, "lengths": {name: n}}``;
+    ``{"op": "status"}`` → the subscriber status, index size, stats and query
+    counters; ``{"op": "entries", "replica": name}`` → ``[[hash, group_idx,
+    count], ...]``. A query the server cannot take (not msgpack, not a map,
+    several frames, a bad hash or group, an unknown op, ``stop`` without
+    ``allow_stop``) gets ``{"error": why}`` and the server keeps answering;
+    messages over :data:`MAX_QUERY_BYTES` are dropped unread. ``ready`` (a text
+    stream) receives one JSON line with the bound query endpoint.
     """
     import msgspec
     import zmq
@@ -125,12 +209,14 @@ def serve(
     ctx: zmq.Context[Any] = zmq.Context.instance()
     rep = ctx.socket(zmq.REP)
     rep.setsockopt(zmq.LINGER, 0)
+    rep.setsockopt(zmq.MAXMSGSIZE, MAX_QUERY_BYTES)
     rep.bind(query_endpoint)
     bound = rep.getsockopt_string(zmq.LAST_ENDPOINT)
     if ready is not None:
         ready.write(json.dumps({"query_endpoint": bound}) + "\n")
         ready.flush()
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
+    counters: dict[str, Any] = {"answered": 0, "rejected": 0, "last_error": None}
     with IndexSubscriber(index, replicas, topic=topic) as feeder:
         poller = zmq.Poller()
         poller.register(rep, zmq.POLLIN)
@@ -140,35 +226,30 @@ def serve(
             feeder.poll(0)
             if rep not in dict(poller.poll(50)):
                 continue
-            req = dec.decode(rep.recv())
-            op = req.get("op")
-            reply: Any
-            if op == "longest_prefix":
-                hashes = req["block_hashes"]
-                group = req.get("group_idx")
-                best = index.longest_prefix(hashes, group)
-                reply = {
-                    "replica": None if best is None else best.replica,
-                    "num_blocks": 0 if best is None else best.num_blocks,
-                    "lengths": index.match_lengths(hashes, group),
-                }
-            elif op == "status":
-                st = index.stats()
-                reply = {
-                    "replicas": feeder.status(),
-                    "num_blocks": index.num_blocks,
-                    "events": feeder.num_events,
-                    "batches": feeder.num_batches,
-                    "stats": st.__dict__,
-                }
-            elif op == "entries":
-                reply = index.entries(req["replica"])
-            elif op == "stop":
-                rep.send(enc.encode({"ok": True}))
-                break
-            else:
-                reply = {"error": f"unknown op {op!r}"}
+            frames = rep.recv_multipart()
+            stop = False
+            try:
+                if len(frames) != 1:
+                    raise QueryError(f"a query is one frame, got {len(frames)}")
+                try:
+                    req = dec.decode(frames[0])
+                except msgspec.DecodeError as e:
+                    raise QueryError(f"not msgpack: {e}") from e
+                if isinstance(req, dict) and req.get("op") == "stop":
+                    if not allow_stop:
+                        raise QueryError("stop is disabled (start the server with --allow-stop)")
+                    reply: Any = {"ok": True}
+                    stop = True
+                else:
+                    reply = answer(index, feeder, req, counters)
+                counters["answered"] += 1
+            except Exception as e:  # every query gets a reply
+                counters["rejected"] += 1
+                counters["last_error"] = f"{type(e).__name__}: {e}"
+                reply = {"error": str(e) if isinstance(e, QueryError) else counters["last_error"]}
             rep.send(enc.encode(reply))
+            if stop:
+                break
     rep.close(0)
 
 
@@ -195,8 +276,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--query", default="tcp://127.0.0.1:5560", help="REP endpoint to bind")
     parser.add_argument("--topic", default="")
+    parser.add_argument(
+        "--allow-stop",
+        action="store_true",
+        help='answer {"op": "stop"} by stopping (off: anyone who can reach the '
+        "query socket could stop the index)",
+    )
     args = parser.parse_args(argv)
     started = time.monotonic()
-    serve(dict(args.replica), args.query, topic=args.topic, ready=sys.stdout)
+    serve(
+        dict(args.replica),
+        args.query,
+        topic=args.topic,
+        ready=sys.stdout,
+        allow_stop=args.allow_stop,
+    )
     print(json.dumps({"stopped_after_s": round(time.monotonic() - started, 3)}), flush=True)
     return 0

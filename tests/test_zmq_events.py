@@ -86,10 +86,14 @@ def test_replay_router_streams_from_the_requested_sequence() -> None:
         seqs = []
         while True:
             assert dealer.poll(5000)
-            _, seq, payload = dealer.recv_multipart()
+            # vLLM 0.33's framing: (b"", topic, seq, payload), then
+            # (b"", b"", -1, b"").
+            empty, topic, seq, payload = dealer.recv_multipart()
+            assert empty == b""
             if seq == END_SEQ:
-                assert payload == b""
+                assert (topic, payload) == (b"", b"")
                 break
+            assert topic == b""
             seqs.append(int.from_bytes(seq, "big"))
             assert wire.decode_batch(payload).ts == float(seqs[-1])
         assert seqs == [3, 4, 5, 6, 7]  # only the last buffer_steps batches are kept

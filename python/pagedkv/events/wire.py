@@ -41,6 +41,7 @@ __all__ = [
     "WireEvent",
     "WireKVCacheEvent",
     "decode_batch",
+    "decode_batch_lenient",
     "hash_to_int",
     "to_wire",
 ]
@@ -85,7 +86,7 @@ class WireBlockStored(WireKVCacheEvent, tag="BlockStored"):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: list[int] | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class WireBlockRemoved(WireKVCacheEvent, tag="BlockRemoved"):
@@ -157,6 +158,8 @@ def to_wire(event: Any, hash_format: HashFormat = "int") -> WireEvent:
             group_idx=event.group_idx,
             kv_cache_spec_kind=event.kv_cache_spec_kind,
             kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
+            session_id=getattr(event, "session_id", None),
+            lookahead_token_ids=getattr(event, "lookahead_token_ids", None),
         )
     if isinstance(event, domain.BlockRemoved | WireBlockRemoved):
         return WireBlockRemoved(
@@ -206,6 +209,49 @@ class KVEventEncoder:
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
 
+class _RawBatch(msgspec.Struct, array_like=True, gc=False):
+    """A batch whose events are left undecoded (each checked on its own)."""
+
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _Tagged(msgspec.Struct, gc=False):
+    """Just an event's tag."""
+
+    type: str = ""
+
+
+_raw_batch_decoder = msgspec.msgpack.Decoder(_RawBatch)
+_event_decoder = msgspec.msgpack.Decoder(WireEvent)
+_tag_decoder = msgspec.msgpack.Decoder(_Tagged)
+_KNOWN_TYPES = frozenset(("BlockStored", "BlockRemoved", "AllBlocksCleared"))
+
+
 def decode_batch(payload: bytes | memoryview) -> KVEventBatch:
-    """Decodes one published payload."""
+    """Decodes one published payload (strictly: an unknown event type is an error)."""
     return _decoder.decode(payload)
+
+
+def decode_batch_lenient(payload: bytes | memoryview) -> tuple[KVEventBatch, int]:
+    """Decodes one published payload, skipping events of types this version does
+    not know (a newer publisher's); returns the batch and how many were skipped.
+    Raises ``msgspec.DecodeError`` (``ValidationError`` included) for a payload
+    that is not a batch or a known event that is malformed: the whole batch is
+    refused then."""
+    try:
+        return _decoder.decode(payload), 0
+    except msgspec.ValidationError:
+        pass  # an event of an unknown type, or a malformed one: look closer
+    raw = _raw_batch_decoder.decode(payload)
+    events: list[WireEvent] = []
+    skipped = 0
+    for ev in raw.events:
+        if _tag_decoder.decode(ev).type not in _KNOWN_TYPES:
+            skipped += 1
+            continue
+        events.append(_event_decoder.decode(ev))
+    return KVEventBatch(
+        ts=raw.ts, events=events, data_parallel_rank=raw.data_parallel_rank
+    ), skipped

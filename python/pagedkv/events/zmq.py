@@ -6,8 +6,10 @@ Protocol (vLLM's ``ZmqEventPublisher``):
   ``(topic, sequence as 8-byte big-endian, msgpack KVEventBatch)``; sequences
   start at 0 and grow by one per batch;
 - an optional ROUTER "replay" socket: a client sends ``(b"", start_seq as 8
-  bytes big-endian)`` and receives ``(b"", seq, payload)`` for every buffered
-  batch with ``seq >= start_seq``, then ``(b"", -1 as 8 signed bytes, b"")``;
+  bytes big-endian)`` and receives ``(b"", topic, seq, payload)`` for every
+  buffered batch with ``seq >= start_seq``, then ``(b"", b"", -1 as 8 signed
+  bytes, b"")`` (vLLM 0.33's framing; the subscriber also takes the older
+  three-frame ``(b"", seq, payload)``);
 - the PUB endpoint binds when it contains ``*`` or ``::`` or is ``ipc://`` /
   ``inproc://``, and connects otherwise.
 
@@ -36,9 +38,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
 import zmq
 
-from .wire import HashFormat, KVEventBatch, KVEventEncoder, decode_batch
+from .wire import HashFormat, KVEventBatch, KVEventEncoder, decode_batch_lenient
 
 __all__ = [
     "END_SEQ",
@@ -308,13 +311,23 @@ class ZmqEventPublisher:
             start_seq = int.from_bytes(start, "big", signed=True)
             self.num_replay_requests += 1
             try:
+                topic = self._topic
                 for seq, payload in list(self._buffer):
                     if seq >= start_seq:
-                        replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+                        replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
                         self.num_replayed += 1
-                replay.send_multipart((client, b"", END_SEQ, b""))
+                replay.send_multipart((client, b"", b"", END_SEQ, b""))
             except zmq.ZMQError:
                 continue  # the client went away or stopped reading: abandon its stream
+
+
+def _seq(frame: bytes) -> int | None:
+    """A sequence frame: 8 bytes big-endian, below 2**63 (vLLM's signed int64;
+    -1 is the replay end marker). None for anything else."""
+    if len(frame) != 8:
+        return None
+    seq = int.from_bytes(frame, "big")
+    return seq if seq < 1 << 63 else None
 
 
 @dataclass(frozen=True)
@@ -356,7 +369,11 @@ class ZmqEventSubscriber:
 
     Counters: ``num_received`` (live), ``num_duplicates``, ``num_gaps``,
     ``num_replayed``, ``num_lost``, ``num_restarts``; ``next_seq`` is the next
-    sequence expected.
+    sequence expected. Hostile input is refused, never raised: a message that is
+    not ``(topic, 8-byte sequence below 2**63, payload)`` is dropped
+    (``num_malformed``); a batch that does not decode is refused whole, its
+    sequence consumed (``num_rejected``, ``last_error``); events of a type this
+    version does not know are skipped (``num_unknown_events``).
     """
 
     def __init__(
@@ -394,6 +411,10 @@ class ZmqEventSubscriber:
         self.num_replayed = 0
         self.num_lost = 0
         self.num_restarts = 0
+        self.num_malformed = 0
+        self.num_rejected = 0
+        self.num_unknown_events = 0
+        self.last_error: str | None = None
 
     def close(self) -> None:
         self.sub.close(0)
@@ -427,8 +448,11 @@ class ZmqEventSubscriber:
                 frames = self.sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if len(frames) == 3:
-                self._on_live(int.from_bytes(frames[1], "big"), frames[2], out)
+            seq = _seq(frames[1]) if len(frames) == 3 else None
+            if seq is None:
+                self.num_malformed += 1
+                continue
+            self._on_live(seq, frames[2], out)
         return out
 
     def sync(self, out: list[Received] | None = None) -> list[Received]:
@@ -439,7 +463,24 @@ class ZmqEventSubscriber:
         self._replay_from(0 if self.next_seq is None else self.next_seq, out)
         return out
 
-    def _deliver(self, seq: int, batch: KVEventBatch, out: list[Received], replayed: bool) -> None:
+    def _decode(self, payload: bytes) -> KVEventBatch | None:
+        """The batch, or None for a payload that is not one (counted)."""
+        try:
+            batch, unknown = decode_batch_lenient(payload)
+        except (msgspec.DecodeError, ValueError, TypeError) as e:
+            self.num_rejected += 1
+            self.last_error = f"{type(e).__name__}: {e}"
+            return None
+        self.num_unknown_events += unknown
+        return batch
+
+    def _deliver(
+        self, seq: int, batch: KVEventBatch | None, out: list[Received], replayed: bool
+    ) -> None:
+        if batch is None:
+            # Refused: the sequence is consumed, nothing is delivered.
+            self.next_seq = seq + 1
+            return
         out.append(
             Received(
                 seq, batch, replayed, lost_before=self._pending_lost, reset=self._pending_reset
@@ -461,8 +502,8 @@ class ZmqEventSubscriber:
             self.next_seq = seq
         batch: KVEventBatch | None = None
         if seq < self.next_seq:
-            batch = decode_batch(payload)
-            if self._last_ts is None or batch.ts <= self._last_ts:
+            batch = self._decode(payload)
+            if batch is None or self._last_ts is None or batch.ts <= self._last_ts:
                 self.num_duplicates += 1
                 return
             self.num_restarts += 1
@@ -476,7 +517,7 @@ class ZmqEventSubscriber:
                 return
             if seq > self.next_seq:
                 self._lost(self.next_seq, seq)
-        self._deliver(seq, decode_batch(payload) if batch is None else batch, out, False)
+        self._deliver(seq, self._decode(payload) if batch is None else batch, out, False)
 
     def _replay_socket(self) -> zmq.Socket[Any] | None:
         if self.replay_endpoint is None:
@@ -504,12 +545,20 @@ class ZmqEventSubscriber:
                 self._replay = None
                 return
             frames = sock.recv_multipart()
-            if len(frames) != 3:
+            if len(frames) == 4:  # vLLM 0.33: (b"", topic, seq, payload)
+                _, _, seq_bytes, payload = frames
+            elif len(frames) == 3:  # (b"", seq, payload)
+                _, seq_bytes, payload = frames
+            else:
+                self.num_malformed += 1
                 continue
-            _, seq_bytes, payload = frames
             if seq_bytes == END_SEQ:
                 return
-            seq = int.from_bytes(seq_bytes, "big")
+            parsed = _seq(seq_bytes)
+            if parsed is None:
+                self.num_malformed += 1
+                continue
+            seq = parsed
             if self.next_seq is None:
                 self.next_seq = seq
             if seq < self.next_seq:
@@ -517,4 +566,4 @@ class ZmqEventSubscriber:
             if seq > self.next_seq:
                 self._lost(self.next_seq, seq)
             self.num_replayed += 1
-            self._deliver(seq, decode_batch(payload), out, True)
+            self._deliver(seq, self._decode(payload), out, True)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..errors import PagedKVError
 from .prefix import PrefixIndex
 
 if TYPE_CHECKING:
@@ -62,6 +63,10 @@ class IndexSubscriber:
             self._poller.register(sub.sub, zmq.POLLIN)
         self.num_batches = 0
         self.num_events = 0
+        # Per replica: batches refused whole (undecodable, or an event the index
+        # cannot take), and the last reason.
+        self.rejected_batches: dict[str, int] = dict.fromkeys(replicas, 0)
+        self.last_error: dict[str, str | None] = dict.fromkeys(replicas)
 
     def poll(self, timeout: float = 0.1) -> int:
         """Applies what arrived (waiting up to ``timeout`` s for something);
@@ -77,12 +82,18 @@ class IndexSubscriber:
             for r in sub.poll(0):
                 if r.reset:
                     self.index.clear(name)
-                self.num_events += self.index.apply(name, r.batch.events)
+                try:
+                    # All or nothing: a bad event refuses the whole batch.
+                    self.num_events += self.index.apply(name, r.batch.events)
+                except (PagedKVError, TypeError, ValueError, OverflowError) as e:
+                    self.rejected_batches[name] += 1
+                    self.last_error[name] = f"batch {r.seq}: {type(e).__name__}: {e}"
+                    continue
                 n += 1
         self.num_batches += n
         return n
 
-    def status(self) -> dict[str, dict[str, int | None]]:
+    def status(self) -> dict[str, dict[str, int | str | None]]:
         """Per replica: next sequence expected and the subscriber's counters."""
         return {
             name: {
@@ -93,6 +104,10 @@ class IndexSubscriber:
                 "gaps": s.num_gaps,
                 "lost": s.num_lost,
                 "restarts": s.num_restarts,
+                "malformed": s.num_malformed,
+                "unknown_events": s.num_unknown_events,
+                "rejected_batches": s.num_rejected + self.rejected_batches[name],
+                "last_error": self.last_error[name] or s.last_error,
                 "blocks": self.index.replica_num_blocks(name),
             }
             for name, s in self.subscribers.items()

@@ -226,6 +226,20 @@ impl PrefixIndex {
         }
     }
 
+    /// Applies a batch of one replica's events in order, all or nothing: an
+    /// unregistered replica refuses the batch before any event is applied.
+    /// Returns how many were applied.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for an unregistered replica (nothing changes).
+    pub fn apply_all(&mut self, replica: ReplicaId, events: &[IndexEvent]) -> Result<usize> {
+        self.check_replica(replica)?;
+        for ev in events {
+            self.apply(replica, ev)?;
+        }
+        Ok(events.len())
+    }
+
     /// `BlockStored`: `replica` cached `hashes` (a chain: each the parent of the
     /// next, the first a child of `parent`) in `group`.
     ///

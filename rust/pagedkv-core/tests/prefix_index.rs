@@ -262,3 +262,21 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_batch_for_an_unregistered_replica_changes_nothing() {
+    use pagedkv_core::prefix_index::IndexEvent;
+    let (mut idx, r) = index_with(&["a"]);
+    let batch = [
+        IndexEvent::Stored {
+            parent: None,
+            hashes: vec![1, 2],
+            group: None,
+        },
+        IndexEvent::Cleared,
+    ];
+    assert!(idx.apply_all(ReplicaId(7), &batch).is_err());
+    assert_eq!(idx.num_blocks(), 0);
+    assert_eq!(idx.apply_all(r[0], &batch[..1]).expect("registered"), 1);
+    assert_eq!(idx.num_blocks(), 2);
+}

@@ -188,33 +188,21 @@ impl PyPrefixIndex {
         Ok(self.inner.clear(ReplicaId(replica))?)
     }
 
-    /// Applies events of one replica in order (one crossing per batch). Returns
-    /// how many were applied; on a bad event, those before it stay applied.
+    /// Applies events of one replica in order (one crossing per batch), all or
+    /// nothing: a bad event refuses the whole batch before any is applied.
+    /// Returns how many were applied.
     fn apply_events(
         slf: &Bound<'_, Self>,
         replica: u32,
         events: &Bound<'_, PyAny>,
     ) -> PkResult<usize> {
         let mut converted = Vec::new();
-        let mut bad = None;
         for ev in events.try_iter()? {
-            match ev.map_err(Into::into).and_then(|ev| index_event(&ev)) {
-                Ok(e) => converted.push(e),
-                Err(e) => {
-                    bad = Some(e);
-                    break;
-                }
-            }
+            converted.push(index_event(&ev?)?);
         }
-        let mut this = borrow_mut(slf)?;
-        let r = ReplicaId(replica);
-        for ev in &converted {
-            this.inner.apply(r, ev)?;
-        }
-        match bad {
-            Some(e) => Err(e),
-            None => Ok(converted.len()),
-        }
+        Ok(borrow_mut(slf)?
+            .inner
+            .apply_all(ReplicaId(replica), &converted)?)
     }
 
     #[pyo3(signature = (block_hashes, group_idx = None))]

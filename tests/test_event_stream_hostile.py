@@ -1,0 +1,134 @@
+"""The event stream under hostile input: malformed frames, undecodable or forged
+batches, event types this version does not know, a bad event in one replica's
+batch. Each is refused and counted; nothing raises out of ``poll``, a bad batch is
+applied all or nothing, and other replicas are unaffected."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+msgspec = pytest.importorskip("msgspec")
+zmq = pytest.importorskip("zmq")
+
+from pagedkv.events import wire  # noqa: E402
+from pagedkv.events.zmq import ZmqEventSubscriber  # noqa: E402
+from pagedkv.index import IndexSubscriber, PrefixIndex  # noqa: E402
+
+
+def _stored(h: int, group: Any = 0) -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": [h],
+        "parent_block_hash": None,
+        "token_ids": [1, 2],
+        "block_size": 2,
+        "lora_id": None,
+        "medium": None,
+        "lora_name": None,
+        "group_idx": group,
+    }
+
+
+def _batch(events: list[Any], ts: float = 1.0) -> bytes:
+    return msgspec.msgpack.encode([ts, events, None])
+
+
+class FakePublisher:
+    """A bare PUB socket sending whatever frames a test gives it."""
+
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.seq = 0
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def batch(self, payload: bytes) -> None:
+        self.send(b"", self.seq.to_bytes(8, "big"), payload)
+        self.seq += 1
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+@pytest.fixture
+def pub() -> Iterator[FakePublisher]:
+    p = FakePublisher()
+    yield p
+    p.close()
+
+
+def _connected(sub: ZmqEventSubscriber, pub: FakePublisher) -> None:
+    """Waits until the subscription is live (PUB drops what no one receives)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        pub.batch(_batch([]))
+        if sub.poll(0.05):
+            return
+    raise AssertionError("the subscription never connected")
+
+
+def test_decode_skips_unknown_event_types_and_refuses_malformed_batches() -> None:
+    newer = {"type": "BlockPinned", "block_hashes": [9], "pin": True}
+    batch, skipped = wire.decode_batch_lenient(_batch([_stored(1), newer, _stored(2)]))
+    assert skipped == 1
+    assert [e.block_hashes for e in batch.events] == [[1], [2]]
+    for bad in [
+        b"\xc1",
+        msgspec.msgpack.encode(5),
+        _batch([{"type": "BlockStored", "block_hashes": "x"}]),
+        _batch([7]),
+    ]:
+        with pytest.raises(msgspec.DecodeError):
+            wire.decode_batch_lenient(bad)
+
+
+def test_a_subscriber_refuses_bad_frames_and_batches_without_raising(pub: FakePublisher) -> None:
+    with ZmqEventSubscriber(pub.endpoint, None, start_seq=None, resync_interval=None) as sub:
+        _connected(sub, pub)
+        seq = pub.seq
+        pub.send(b"", b"\x00" * 3, _batch([]))  # a short sequence frame
+        pub.send(b"", (2**64 - 1).to_bytes(8, "big"), _batch([]))  # forged, past int64
+        pub.send(b"", b"x")  # two frames
+        pub.batch(b"\xc1")  # not msgpack
+        pub.batch(_batch([_stored(5), {"type": "FutureEvent"}]))
+        got: list[Any] = []
+        deadline = time.monotonic() + 10
+        while len(got) < 1 and time.monotonic() < deadline:
+            got.extend(sub.poll(0.05))
+        assert [r.seq for r in got] == [seq + 1]
+        assert [e.block_hashes for e in got[0].batch.events] == [[5]]
+        assert (sub.num_malformed, sub.num_rejected, sub.num_unknown_events) == (3, 1, 1)
+        assert sub.last_error is not None and sub.next_seq == seq + 2
+
+
+def test_a_bad_batch_is_refused_whole_and_other_replicas_carry_on() -> None:
+    a, b = FakePublisher(), FakePublisher()
+    try:
+        index = PrefixIndex()
+        replicas = {"a": (a.endpoint, None), "b": (b.endpoint, None)}
+        with IndexSubscriber(index, replicas, start_seq=None, resync_interval=None) as feeder:
+            for p in (a, b):
+                _connected(feeder.subscribers["a" if p is a else "b"], p)
+            # The second event is bad (a negative group): the first is not applied.
+            a.batch(_batch([_stored(11), _stored(12, group=-1)]))
+            b.batch(_batch([_stored(21)]))
+            a.batch(_batch([_stored(13)]))
+            deadline = time.monotonic() + 10
+            while index.num_blocks < 2 and time.monotonic() < deadline:
+                feeder.poll(0.05)
+            assert not index.contains("a", 11) and not index.contains("a", 12)
+            assert index.contains("a", 13) and index.contains("b", 21)
+            status = feeder.status()
+            assert status["a"]["rejected_batches"] == 1 and status["a"]["last_error"]
+            assert status["b"]["rejected_batches"] == 0
+    finally:
+        a.close()
+        b.close()

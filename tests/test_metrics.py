@@ -221,6 +221,22 @@ def test_vllm_metric_names_by_prefix() -> None:
         assert name in text
 
 
+def test_a_scrape_filtered_by_name_keeps_the_counters_and_gauges() -> None:
+    pytest.importorskip("prometheus_client")
+    from pagedkv.metrics import PrometheusExporter
+    from prometheus_client import generate_latest
+
+    mgr = _metered()
+    exporter = PrometheusExporter(mgr.metrics)
+    _workload(mgr, 2)
+    # What `/metrics?name[]=...` serves: the registry restricted to those names.
+    wanted = ["pagedkv:prefix_cache_hits_total", "pagedkv:kv_cache_free_blocks"]
+    text = generate_latest(exporter.registry.restricted_registry(wanted)).decode()
+    assert "pagedkv:prefix_cache_hits_total" in text
+    assert f"pagedkv:kv_cache_free_blocks {float(mgr.num_free_blocks)}" in text
+    assert "pagedkv:prefix_cache_queries_total" not in text
+
+
 def test_residency_histograms_use_vllms_buckets() -> None:
     from pagedkv.metrics import RESIDENCY_BUCKETS
 

@@ -429,37 +429,44 @@ class PrometheusExporter:
             for gap in ev.reuse_gaps_seconds:
                 self._reuse.observe(gap)
 
-    def collect(self) -> Iterable[Any]:
-        """The counters and gauges at scrape time (a prometheus-client collector)."""
+    _COUNTERS = (
+        ("prefix_cache_queries", "queries", "Prefix-cache queries, in tokens."),
+        ("prefix_cache_hits", "hits", "Prefix-cache hits, in tokens."),
+        ("prefix_cache_requests", "requests", "Requests looked up in the prefix cache."),
+        ("prefix_cache_preempted_queries", "preempted_queries", "Preempted requests' queries."),
+        ("prefix_cache_preempted_hits", "preempted_hits", "Hits of preempted requests."),
+        ("prefix_cache_preempted_requests", "preempted_requests", "Preempted requests."),
+        ("prefix_cache_resets", "cache_resets", "Successful prefix-cache resets."),
+        ("kv_cache_blocks_stored", "blocks_stored", "Blocks entered into the prefix cache."),
+        ("kv_cache_evictions", "blocks_evicted", "Cached blocks evicted."),
+    )  # fmt: skip
+    _GAUGES = (
+        ("kv_cache_usage_perc", "usage", "Fraction of KV-cache blocks in use (0-1)."),
+        ("kv_cache_free_blocks", "num_free_blocks", "Free KV-cache blocks."),
+        ("prefix_cache_hit_rate", "hit_rate", "Prefix-cache hit rate, recent requests."),
+    )
+
+    def _families(self, snap: dict[str, Any] | None) -> Iterable[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        snap = self.metrics.snapshot()
         names, values = list(self.labels), list(self.labels.values())
         p = self.prefix
-        counters = [
-            ("prefix_cache_queries", "queries", "Prefix-cache queries, in tokens."),
-            ("prefix_cache_hits", "hits", "Prefix-cache hits, in tokens."),
-            ("prefix_cache_requests", "requests", "Requests looked up in the prefix cache."),
-            ("prefix_cache_preempted_queries", "preempted_queries", "Preempted requests' queries."),
-            ("prefix_cache_preempted_hits", "preempted_hits", "Hits of preempted requests."),
-            ("prefix_cache_preempted_requests", "preempted_requests", "Preempted requests."),
-            ("prefix_cache_resets", "cache_resets", "Successful prefix-cache resets."),
-            ("kv_cache_blocks_stored", "blocks_stored", "Blocks entered into the prefix cache."),
-            ("kv_cache_evictions", "blocks_evicted", "Cached blocks evicted."),
-        ]  # fmt: skip
-        for name, key, doc in counters:
-            c = CounterMetricFamily(p + name, doc, labels=names)
-            c.add_metric(values, snap[key])
-            yield c
-        gauges = [
-            ("kv_cache_usage_perc", "usage", "Fraction of KV-cache blocks in use (0-1)."),
-            ("kv_cache_free_blocks", "num_free_blocks", "Free KV-cache blocks."),
-            ("prefix_cache_hit_rate", "hit_rate", "Prefix-cache hit rate, recent requests."),
-        ]
-        for name, key, doc in gauges:
-            g = GaugeMetricFamily(p + name, doc, labels=names)
-            g.add_metric(values, snap[key])
-            yield g
+        kinds = ((CounterMetricFamily, self._COUNTERS), (GaugeMetricFamily, self._GAUGES))
+        for family, metrics in kinds:
+            for name, key, doc in metrics:
+                f = family(p + name, doc, labels=names)
+                if snap is not None:
+                    f.add_metric(values, snap[key])
+                yield f
+
+    def collect(self) -> Iterable[Any]:
+        """The counters and gauges at scrape time (a prometheus-client collector)."""
+        return self._families(self.metrics.snapshot())
+
+    def describe(self) -> Iterable[Any]:
+        """The metric names without values, so a registry can filter by name
+        (``/metrics?name[]=...``) without scraping."""
+        return self._families(None)
 
     def serve(self, port: int = 0, addr: str = "127.0.0.1") -> int:
         """Serves ``/metrics`` over HTTP on a daemon thread; returns the port."""

@@ -363,9 +363,11 @@ class ZmqEventSubscriber:
             or published before the subscription took effect). None: never.
         rcvhwm: receive high-water mark of the SUB socket.
 
-    A live batch with a sequence below the expected one is a duplicate, unless
-    it is newer (``ts``) than the last batch delivered: then the publisher
-    restarted, and the next batch delivered has ``reset=True``.
+    One publisher's live sequences only grow. A live batch whose sequence is not
+    above the last live one means a new publisher (a restart), whatever the
+    timestamps say: the next batch delivered has ``reset=True``. A live batch
+    below the expected sequence but above the last live one is the live copy of a
+    batch a replay already delivered: a duplicate.
 
     Counters: ``num_received`` (live), ``num_duplicates``, ``num_gaps``,
     ``num_replayed``, ``num_lost``, ``num_restarts``; ``next_seq`` is the next
@@ -402,7 +404,7 @@ class ZmqEventSubscriber:
         self._last_activity = time.monotonic()
         self.next_seq: int | None = start_seq
         self._catch_up = start_seq is not None and replay_endpoint is not None
-        self._last_ts: float | None = None
+        self._last_live: int | None = None
         self._pending_lost = 0
         self._pending_reset = False
         self.num_received = 0
@@ -488,7 +490,6 @@ class ZmqEventSubscriber:
         )
         self._pending_lost = 0
         self._pending_reset = False
-        self._last_ts = batch.ts
         self.next_seq = seq + 1
 
     def _lost(self, first: int, end: int) -> None:
@@ -500,15 +501,14 @@ class ZmqEventSubscriber:
         self.num_received += 1
         if self.next_seq is None:
             self.next_seq = seq
-        batch: KVEventBatch | None = None
-        if seq < self.next_seq:
-            batch = self._decode(payload)
-            if batch is None or self._last_ts is None or batch.ts <= self._last_ts:
-                self.num_duplicates += 1
-                return
+        last_live, self._last_live = self._last_live, seq
+        if last_live is not None and seq <= last_live:
             self.num_restarts += 1
             self._pending_reset = True
             self.next_seq = 0
+        elif seq < self.next_seq:
+            self.num_duplicates += 1
+            return
         if seq > self.next_seq:
             self.num_gaps += 1
             self._replay_from(self.next_seq, out)
@@ -517,7 +517,7 @@ class ZmqEventSubscriber:
                 return
             if seq > self.next_seq:
                 self._lost(self.next_seq, seq)
-        self._deliver(seq, self._decode(payload) if batch is None else batch, out, False)
+        self._deliver(seq, self._decode(payload), out, False)
 
     def _replay_socket(self) -> zmq.Socket[Any] | None:
         if self.replay_endpoint is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,8 @@ from .prefix import PrefixIndex
 
 if TYPE_CHECKING:
     from ..events.zmq import ZmqEventSubscriber
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "MAX_QUERY_BYTES",
@@ -38,7 +41,10 @@ class IndexSubscriber:
     ``replicas`` maps a replica name to ``(pub_endpoint, replay_endpoint)``. Each
     replica gets a :class:`~pagedkv.events.zmq.ZmqEventSubscriber` (sequences are
     per publisher), which replays from sequence 0 on connect and fills gaps; a
-    publisher restart clears the replica before its new events are applied.
+    publisher restart, or batches lost for good (a gap replay could not fill),
+    clears the replica before its next events are applied (``status()`` counts
+    ``cleared_after_loss``). A batch is applied all or nothing; a refused one is
+    counted in ``rejected_batches`` with ``last_error``.
     """
 
     def __init__(
@@ -66,6 +72,8 @@ class IndexSubscriber:
         # Per replica: batches refused whole (undecodable, or an event the index
         # cannot take), and the last reason.
         self.rejected_batches: dict[str, int] = dict.fromkeys(replicas, 0)
+        # Per replica: times its entries were cleared because batches were lost.
+        self.cleared_after_loss: dict[str, int] = dict.fromkeys(replicas, 0)
         self.last_error: dict[str, str | None] = dict.fromkeys(replicas)
 
     def poll(self, timeout: float = 0.1) -> int:
@@ -80,8 +88,21 @@ class IndexSubscriber:
         n = 0
         for name, sub in self.subscribers.items():
             for r in sub.poll(0):
-                if r.reset:
+                if r.reset or r.lost_before:
+                    # A restart, or batches lost for good: what the index holds
+                    # for this replica can no longer be trusted. It starts over
+                    # from what arrives next (removals of blocks it no longer
+                    # knows are counted as unknown removals).
                     self.index.clear(name)
+                    if r.lost_before:
+                        self.cleared_after_loss[name] += 1
+                        _log.warning(
+                            "replica %s: %d event batches lost before %d; its index "
+                            "entries were cleared",
+                            name,
+                            r.lost_before,
+                            r.seq,
+                        )
                 try:
                     # All or nothing: a bad event refuses the whole batch.
                     self.num_events += self.index.apply(name, r.batch.events)
@@ -108,6 +129,7 @@ class IndexSubscriber:
                 "unknown_events": s.num_unknown_events,
                 "rejected_batches": s.num_rejected + self.rejected_batches[name],
                 "last_error": self.last_error[name] or s.last_error,
+                "cleared_after_loss": self.cleared_after_loss[name],
                 "blocks": self.index.replica_num_blocks(name),
             }
             for name, s in self.subscribers.items()

@@ -184,3 +184,75 @@ def test_lost_batches_clear_what_the_index_holds_for_that_replica() -> None:
             assert status["cleared_after_loss"] == 1 and status["lost"] == 2
     finally:
         a.close()
+
+
+def _publisher(**kw: Any) -> Any:
+    from pagedkv.events.zmq import ZmqEventPublisher
+
+    return ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", **kw)
+
+
+def test_an_encoding_error_surfaces_and_the_publisher_keeps_going() -> None:
+    import pagedkv as pk
+
+    with _publisher() as pub:
+        pub.publish([object()])
+        with pytest.raises(RuntimeError, match="could not be published"):
+            pub.flush()
+        assert pub.num_failed == 1 and isinstance(pub.error, TypeError)
+        # Raised once; the thread is alive and the failed batch took no sequence.
+        pub.publish([pk.BlockRemoved([1], group_idx=0)])
+        assert pub.flush() and pub.next_seq == 1
+    with _publisher(hash_format="bytes") as pub:
+        pub.publish([pk.BlockRemoved([5], group_idx=0)])  # int hashes: no raw digest
+        with pytest.raises(RuntimeError):
+            pub.flush()
+        pub.publish([pk.BlockRemoved([b"\x01" * 32], group_idx=0)])
+        assert pub.flush() and pub.next_seq == 1
+
+
+def test_a_full_queue_drops_the_batch_and_leaves_a_visible_gap() -> None:
+    import pagedkv as pk
+
+    big = [pk.BlockStored([i], None, list(range(2_000_000)), 16, None) for i in range(2)]
+    with _publisher(max_queue_size=1, publish_timeout=0.001) as pub:
+        pub.publish([big[0]])  # the thread encodes it (tens of ms)
+        pub.publish([big[1]])  # waits in the queue
+        t0 = time.monotonic()
+        pub.publish([pk.BlockRemoved([7], group_idx=0)])  # no room: dropped
+        assert time.monotonic() - t0 < 0.5
+        assert pub.flush(30)
+        assert pub.num_dropped >= 1
+        # The dropped batch's sequence was skipped.
+        assert pub.next_seq == pub.num_published + pub.num_dropped
+
+
+def test_replay_clients_that_never_read_do_not_stall_live_publishing() -> None:
+    import pagedkv as pk
+
+    tokens = list(range(2_000))  # about 10 kB per batch: replays outgrow socket buffers
+    with _publisher(hwm=10, buffer_steps=2_000, replay_send_timeout=0.2) as pub:
+        for i in range(2_000):
+            pub.publish([pk.BlockStored([i], None, tokens, 2_000, None)])
+        assert pub.flush(30)
+        clients = []
+        for _ in range(20):
+            c = zmq.Context.instance().socket(zmq.DEALER)
+            c.setsockopt(zmq.LINGER, 0)
+            c.setsockopt(zmq.RCVHWM, 10)
+            c.connect(pub.bound_replay_endpoint)
+            c.send_multipart((b"", (0).to_bytes(8, "big")))
+            clients.append(c)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        for i in range(100):
+            pub.publish([pk.BlockRemoved([i], group_idx=0)])
+        assert pub.flush(10)
+        assert time.monotonic() - t0 < 5
+        deadline = time.monotonic() + 10
+        while pub.num_replay_abandoned < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # Every stream stalled and was abandoned; live batches kept flowing.
+        assert pub.num_replay_abandoned == 20 and pub.num_published == 2_100
+        for c in clients:
+            c.close(0)

@@ -93,17 +93,29 @@ class ZmqEventPublisher:
         buffer_steps: batches kept for replay.
         hwm: send high-water mark of the PUB socket (messages a slow subscriber
             may queue before the socket drops for it) and of replay streams.
-        max_queue_size: batches waiting to be encoded; ``publish`` blocks when full.
+        max_queue_size: batches waiting to be encoded. When it is full,
+            ``publish`` waits up to ``publish_timeout`` seconds, then drops the
+            batch (``num_dropped``) and skips its sequence number, so subscribers
+            see the gap and know events were lost.
         topic: first frame of every message.
         data_parallel_rank: stamped on batches; offsets the endpoint ports.
         hash_format: ``"int"`` (vLLM's default) or ``"bytes"``.
-        replay_send_timeout: seconds a replay stream may wait on a client that
-            does not read before it is abandoned.
+        replay_send_timeout: seconds a replay stream may make no progress (its
+            client not reading) before it is abandoned (``num_replay_abandoned``).
+            Replay sends never wait: streams advance as their clients read, and
+            live publishing goes on meanwhile.
+        publish_timeout: the longest ``publish`` waits for room in the queue.
+
+    A batch that cannot be encoded (not a KV event, a raw-digest format over
+    integer hashes) is skipped without a sequence number; the error is kept in
+    ``error`` and raised (once) by the next ``publish`` or ``flush``.
         bind: bind (True) or connect (False) the PUB socket; None decides as vLLM
             does, from the endpoint.
     """
 
     SHUTDOWN_TIMEOUT: float = 2.0
+    #: Replay streams served at once (the oldest is abandoned past it).
+    MAX_REPLAY_STREAMS: int = 64
 
     def __init__(
         self,
@@ -117,6 +129,7 @@ class ZmqEventPublisher:
         data_parallel_rank: int = 0,
         hash_format: HashFormat = "int",
         replay_send_timeout: float = 5.0,
+        publish_timeout: float = 1.0,
         bind: bool | None = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
@@ -139,6 +152,15 @@ class ZmqEventPublisher:
         self.num_published = 0
         self.num_replay_requests = 0
         self.num_replayed = 0
+        self.num_replay_abandoned = 0
+        self.num_dropped = 0
+        self.num_failed = 0
+        self._publish_timeout = publish_timeout
+        # Replay streams in progress: client id -> [next sequence, last progress].
+        self._streams: dict[bytes, list[Any]] = {}
+        self._dropped_pending = 0  # sequence numbers to skip before the next batch
+        self.error: BaseException | None = None
+        self._error_raised = True
         self.bound_endpoint: str | None = None
         self.bound_replay_endpoint: str | None = None
         # A pipe wakes the thread as soon as something is queued (no polling delay).
@@ -162,10 +184,27 @@ class ZmqEventPublisher:
         publisher thread. Blocks while the queue is full."""
         if not self._running:
             raise RuntimeError("publisher is closed")
+        self._raise_error()
         if not isinstance(events, KVEventBatch):
             events = list(events)
-        self._queue.put((time.time() if ts is None else ts, events))
+        try:
+            self._queue.put(
+                (time.time() if ts is None else ts, events), timeout=self._publish_timeout
+            )
+        except queue.Full:
+            with self._lock:
+                self.num_dropped += 1
+                self._dropped_pending += 1
         self._wake()
+
+    def _raise_error(self) -> None:
+        """Raises (once) an encoding error the publisher thread met."""
+        with self._lock:
+            if self._error_raised or self.error is None:
+                return
+            self._error_raised = True
+            err = self.error
+        raise RuntimeError(f"a KV-event batch could not be published: {err}") from err
 
     def publish_from(self, manager: _EventSource) -> int:
         """Drains a manager's events and queues them as one batch (nothing when
@@ -182,6 +221,7 @@ class ZmqEventPublisher:
             if time.monotonic() > deadline or not self._thread.is_alive():
                 return False
             time.sleep(0.001)
+        self._raise_error()
         return True
 
     @property
@@ -239,9 +279,8 @@ class ZmqEventPublisher:
                 replay = self._ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.SNDHWM, self._hwm)
                 replay.setsockopt(zmq.LINGER, 0)
-                # Block (up to the timeout) rather than silently drop replayed batches.
+                # A full client queue is an error (EAGAIN), not a silent drop.
                 replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                replay.setsockopt(zmq.SNDTIMEO, self._replay_send_timeout_ms)
                 replay.bind(self._replay_endpoint)
                 self.bound_replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException as e:  # reported to the constructor
@@ -258,14 +297,17 @@ class ZmqEventPublisher:
             poller.register(replay, zmq.POLLIN)
         try:
             while True:
-                ready = dict(poller.poll(100))
+                ready = dict(poller.poll(1 if self._streams else 100))
                 if self._wake_r in ready:
                     with contextlib.suppress(BlockingIOError, OSError):
                         os.read(self._wake_r, 65536)
                 if not self._drain(pub):
                     break
-                if replay is not None and replay in ready:
-                    self._service_replay(replay)
+                if replay is not None:
+                    if replay in ready:
+                        self._service_replay(replay)
+                    if self._streams:
+                        self._pump_replays(replay)
         finally:
             pub.close(0)
             if replay is not None:
@@ -282,13 +324,23 @@ class ZmqEventPublisher:
                 if item is None:
                     return False
                 ts, events = item
-                if isinstance(events, KVEventBatch):
-                    if events.data_parallel_rank is None:
-                        events.data_parallel_rank = self._encoder.data_parallel_rank
-                    payload = self._encoder.encode(events)
-                else:
-                    payload = self._encoder.encode_events(events, ts)
-                seq = self._next_seq
+                try:
+                    if isinstance(events, KVEventBatch):
+                        if events.data_parallel_rank is None:
+                            events.data_parallel_rank = self._encoder.data_parallel_rank
+                        payload = self._encoder.encode(events)
+                    else:
+                        payload = self._encoder.encode_events(events, ts)
+                except Exception as e:  # the caller hears of it on its next call
+                    with self._lock:
+                        self.num_failed += 1
+                        self.error = e
+                        self._error_raised = False
+                    continue
+                with self._lock:
+                    # Batches dropped on a full queue leave a gap subscribers see.
+                    seq = self._next_seq + self._dropped_pending
+                    self._dropped_pending = 0
                 pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
                 self._buffer.append((seq, payload))
                 with self._lock:
@@ -300,6 +352,7 @@ class ZmqEventPublisher:
                 self._queue.task_done()
 
     def _service_replay(self, replay: zmq.Socket[Any]) -> None:
+        """Takes the waiting replay requests: each starts (or restarts) a stream."""
         while True:
             try:
                 frames = replay.recv_multipart(zmq.NOBLOCK)
@@ -308,17 +361,43 @@ class ZmqEventPublisher:
             if len(frames) != 3:
                 continue
             client, _, start = frames
-            start_seq = int.from_bytes(start, "big", signed=True)
+            if len(start) != 8:
+                continue
             self.num_replay_requests += 1
+            self._streams.pop(client, None)
+            if len(self._streams) >= self.MAX_REPLAY_STREAMS:
+                # The oldest stream goes; its client may ask again.
+                self._streams.pop(next(iter(self._streams)))
+                self.num_replay_abandoned += 1
+            self._streams[client] = [int.from_bytes(start, "big", signed=True), time.monotonic()]
+
+    def _pump_replays(self, replay: zmq.Socket[Any]) -> None:
+        """Sends each stream what its client's queue takes now, never waiting: a
+        stream that makes no progress for ``replay_send_timeout`` is abandoned,
+        and live publishing never waits on a replay client."""
+        now = time.monotonic()
+        topic = self._topic
+        for client, state in list(self._streams.items()):
+            cursor, last_progress = state
             try:
-                topic = self._topic
-                for seq, payload in list(self._buffer):
-                    if seq >= start_seq:
-                        replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
-                        self.num_replayed += 1
-                replay.send_multipart((client, b"", b"", END_SEQ, b""))
+                for seq, payload in self._buffer:
+                    if seq < cursor:
+                        continue
+                    replay.send_multipart(
+                        (client, b"", topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK
+                    )
+                    self.num_replayed += 1
+                    state[0] = cursor = seq + 1
+                    state[1] = last_progress = now
+                replay.send_multipart((client, b"", b"", END_SEQ, b""), zmq.NOBLOCK)
+                del self._streams[client]
+            except zmq.Again:
+                if now - last_progress > self._replay_send_timeout_ms / 1000:
+                    del self._streams[client]
+                    self.num_replay_abandoned += 1
             except zmq.ZMQError:
-                continue  # the client went away or stopped reading: abandon its stream
+                del self._streams[client]  # the client went away
+                self.num_replay_abandoned += 1
 
 
 def _seq(frame: bytes) -> int | None:
@@ -367,7 +446,9 @@ class ZmqEventSubscriber:
     above the last live one means a new publisher (a restart), whatever the
     timestamps say: the next batch delivered has ``reset=True``. A live batch
     below the expected sequence but above the last live one is the live copy of a
-    batch a replay already delivered: a duplicate.
+    batch a replay already delivered: a duplicate. Before any live batch was seen
+    (everything so far came by replay), a batch below the expected sequence that
+    is newer than the last one delivered is taken as a restart.
 
     Counters: ``num_received`` (live), ``num_duplicates``, ``num_gaps``,
     ``num_replayed``, ``num_lost``, ``num_restarts``; ``next_seq`` is the next
@@ -405,6 +486,7 @@ class ZmqEventSubscriber:
         self.next_seq: int | None = start_seq
         self._catch_up = start_seq is not None and replay_endpoint is not None
         self._last_live: int | None = None
+        self._last_ts: float | None = None
         self._pending_lost = 0
         self._pending_reset = False
         self.num_received = 0
@@ -490,6 +572,7 @@ class ZmqEventSubscriber:
         )
         self._pending_lost = 0
         self._pending_reset = False
+        self._last_ts = batch.ts
         self.next_seq = seq + 1
 
     def _lost(self, first: int, end: int) -> None:
@@ -502,13 +585,24 @@ class ZmqEventSubscriber:
         if self.next_seq is None:
             self.next_seq = seq
         last_live, self._last_live = self._last_live, seq
-        if last_live is not None and seq <= last_live:
+        batch: KVEventBatch | None = None
+        restarted = last_live is not None and seq <= last_live
+        if not restarted and seq < self.next_seq:
+            # Below what was delivered: the live copy of a replayed batch, or,
+            # with no live batch seen yet to compare with, a restarted publisher
+            # whose batch is newer than the last one delivered.
+            if last_live is None:
+                batch = self._decode(payload)
+                restarted = (
+                    batch is not None and self._last_ts is not None and batch.ts > self._last_ts
+                )
+            if not restarted:
+                self.num_duplicates += 1
+                return
+        if restarted:
             self.num_restarts += 1
             self._pending_reset = True
             self.next_seq = 0
-        elif seq < self.next_seq:
-            self.num_duplicates += 1
-            return
         if seq > self.next_seq:
             self.num_gaps += 1
             self._replay_from(self.next_seq, out)
@@ -517,7 +611,7 @@ class ZmqEventSubscriber:
                 return
             if seq > self.next_seq:
                 self._lost(self.next_seq, seq)
-        self._deliver(seq, self._decode(payload), out, False)
+        self._deliver(seq, self._decode(payload) if batch is None else batch, out, False)
 
     def _replay_socket(self) -> zmq.Socket[Any] | None:
         if self.replay_endpoint is None:

@@ -256,3 +256,30 @@ def test_replay_clients_that_never_read_do_not_stall_live_publishing() -> None:
         assert pub.num_replay_abandoned == 20 and pub.num_published == 2_100
         for c in clients:
             c.close(0)
+
+
+def test_a_silent_replica_is_flagged_stale_and_keeps_its_entries() -> None:
+    a, b = FakePublisher(), FakePublisher()
+    try:
+        index = PrefixIndex()
+        replicas = {"a": (a.endpoint, None), "b": (b.endpoint, None)}
+        with IndexSubscriber(
+            index, replicas, start_seq=None, resync_interval=None, stale_after=0.5
+        ) as feeder:
+            for name, p in (("a", a), ("b", b)):
+                _connected(feeder.subscribers[name], p)
+            a.batch(_batch([_stored(1)]))
+            deadline = time.monotonic() + 10
+            while not index.contains("a", 1) and time.monotonic() < deadline:
+                feeder.poll(0.05)
+            # b goes silent, a keeps publishing.
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                a.batch(_batch([]))
+                feeder.poll(0.05)
+            assert feeder.stale() == ["b"]
+            assert feeder.status()["b"]["stale"] and not feeder.status()["a"]["stale"]
+            assert index.contains("a", 1)
+    finally:
+        a.close()
+        b.close()

@@ -107,7 +107,7 @@ def test_every_hostile_query_gets_an_error_and_the_server_keeps_answering(
         assert isinstance(reply, dict) and "error" in reply, name
         # Still answering good queries.
         good = server.ask({"op": "longest_prefix", "block_hashes": [1, 2]})
-        assert good == {"replica": None, "num_blocks": 0, "lengths": {}}, name
+        assert good == {"replica": None, "num_blocks": 0, "lengths": {}, "stale": []}, name
     status = server.ask({"op": "status"})
     assert status["queries"]["rejected"] == len(HOSTILE)
     assert status["queries"]["last_error"]
@@ -147,3 +147,47 @@ def test_stop_needs_an_explicit_opt_in(tmp_path: Any) -> None:
 def test_answer_refuses_what_is_not_a_query(req: Any) -> None:
     with pytest.raises(QueryError):
         answer(PrefixIndex(), None, req)
+
+
+def test_dead_replicas_do_not_slow_queries() -> None:
+    import time
+
+    ready: list[str] = []
+
+    class Ready:
+        def write(self, text: str) -> None:
+            ready.append(text)
+
+        def flush(self) -> None:
+            pass
+
+    # Nothing listens there: every replay (on connect, then each resync) goes
+    # unanswered until its timeout.
+    dead = {
+        f"dead{i}": (f"tcp://127.0.0.1:{9 + 2 * i}", f"tcp://127.0.0.1:{10 + 2 * i}")
+        for i in range(3)
+    }
+    t = threading.Thread(
+        target=serve,
+        args=(dead, "tcp://127.0.0.1:*"),
+        kwargs={"ready": Ready(), "allow_stop": True},
+    )
+    t.start()
+    while not ready:
+        t.join(0.01)
+    client = Client(json.loads(ready[0])["query_endpoint"])
+    try:
+        worst = 0.0
+        end = time.monotonic() + 3.0  # past a resync interval
+        while time.monotonic() < end:
+            t0 = time.monotonic()
+            reply = client.ask({"op": "longest_prefix", "block_hashes": [1, 2, 3]})
+            worst = max(worst, time.monotonic() - t0)
+            assert reply["replica"] is None
+        assert worst < 0.1
+        # Not heard from for stale_after (10 s by default): not flagged yet.
+        assert client.ask({"op": "longest_prefix", "block_hashes": [1]})["stale"] == []
+    finally:
+        assert client.ask({"op": "stop"}) == {"ok": True}
+        client.close()
+        t.join(10)

@@ -429,6 +429,13 @@ class Received:
 class ZmqEventSubscriber:
     """Receives KV-event batches in sequence order, filling gaps by replay.
 
+    Replays never block: a request is sent and its answer delivered by the
+    polls that follow, live batches arriving meanwhile kept until it ends (at
+    most ``MAX_HELD``), and a replay unanswered for ``replay_timeout`` is given
+    up (``num_replay_timeouts``; what it did not fill counts as lost). A dead
+    publisher therefore costs its subscriber nothing but a request per
+    ``resync_interval``.
+
     Args:
         endpoint: the publisher's PUB address (connected).
         replay_endpoint: its replay ROUTER address, or None (gaps are then only
@@ -436,7 +443,8 @@ class ZmqEventSubscriber:
         topic: subscription prefix.
         start_seq: the first sequence wanted. 0 (default) replays everything the
             publisher still buffers on connect; None starts at the first live batch.
-        replay_timeout: seconds to wait for each replayed message.
+        replay_timeout: seconds a replay may go without a message before it is
+            given up.
         resync_interval: with no live batch for this long, ``poll`` asks the
             replay socket for anything newer (a tail dropped by a high-water mark
             or published before the subscription took effect). None: never.
@@ -458,6 +466,10 @@ class ZmqEventSubscriber:
     sequence consumed (``num_rejected``, ``last_error``); events of a type this
     version does not know are skipped (``num_unknown_events``).
     """
+
+    #: Live batches kept while a replay is in progress (past it, the replay is
+    #: given up).
+    MAX_HELD: int = 100_000
 
     def __init__(
         self,
@@ -487,6 +499,13 @@ class ZmqEventSubscriber:
         self._catch_up = start_seq is not None and replay_endpoint is not None
         self._last_live: int | None = None
         self._last_ts: float | None = None
+        # A replay in progress: the deadline for its next message, or None.
+        self._replay_pending: float | None = None
+        # Live batches that arrived during a replay, delivered after it.
+        self._held: list[tuple[int, bytes]] = []
+        self.num_replay_timeouts = 0
+        # When the publisher was last heard from (a live or replayed message).
+        self.last_heard = time.monotonic()
         self._pending_lost = 0
         self._pending_reset = False
         self.num_received = 0
@@ -514,19 +533,26 @@ class ZmqEventSubscriber:
 
     def poll(self, timeout: float = 0.0, max_batches: int = 10_000) -> list[Received]:
         """Batches that arrived, in sequence order, gaps filled by replay where the
-        publisher still buffers them. Waits up to ``timeout`` seconds for the first."""
+        publisher still buffers them. Waits up to ``timeout`` seconds for the
+        first live message; never waits on the replay socket (a replay in
+        progress advances by what has arrived, and one unanswered past
+        ``replay_timeout`` is given up). Reads at most ``max_batches`` messages
+        from each socket per call."""
         out: list[Received] = []
         if self._catch_up:
             self._catch_up = False
             self.sync(out)
-        if not self.sub.poll(int(timeout * 1000)):
+        self._advance_replay(out, max_batches)
+        wait = 0 if self._replay_pending is not None else int(timeout * 1000)
+        if not self.sub.poll(wait):
             if (
-                self._resync_interval is not None
+                self._replay_pending is None
+                and self._resync_interval is not None
                 and time.monotonic() - self._last_activity > self._resync_interval
             ):
                 self.sync(out)
             return out
-        self._last_activity = time.monotonic()
+        self._last_activity = self.last_heard = time.monotonic()
         for _ in range(max_batches):
             try:
                 frames = self.sub.recv_multipart(zmq.NOBLOCK)
@@ -541,10 +567,13 @@ class ZmqEventSubscriber:
 
     def sync(self, out: list[Received] | None = None) -> list[Received]:
         """Asks the replay socket for every batch from ``next_seq`` on (from the
-        oldest buffered one when nothing was received yet)."""
+        oldest buffered one when nothing was received yet); what has already
+        arrived is delivered now, the rest by the following polls."""
         out = [] if out is None else out
         self._last_activity = time.monotonic()
-        self._replay_from(0 if self.next_seq is None else self.next_seq, out)
+        if self._replay_pending is None:
+            self._request_replay(0 if self.next_seq is None else self.next_seq)
+            self._advance_replay(out, 10_000)
         return out
 
     def _decode(self, payload: bytes) -> KVEventBatch | None:
@@ -603,15 +632,25 @@ class ZmqEventSubscriber:
             self.num_restarts += 1
             self._pending_reset = True
             self.next_seq = 0
+        if self._replay_pending is not None:
+            # A replay is filling what came before: keep this one for after it.
+            self._hold(seq, payload, out)
+            return
         if seq > self.next_seq:
             self.num_gaps += 1
-            self._replay_from(self.next_seq, out)
-            if seq < self.next_seq:
-                self.num_duplicates += 1  # the replay already delivered it
+            if self.replay_endpoint is not None:
+                self._request_replay(self.next_seq)
+                self._hold(seq, payload, out)
                 return
-            if seq > self.next_seq:
-                self._lost(self.next_seq, seq)
+            self._lost(self.next_seq, seq)
         self._deliver(seq, self._decode(payload) if batch is None else batch, out, False)
+
+    def _hold(self, seq: int, payload: bytes, out: list[Received]) -> None:
+        """Keeps a live batch until the replay in progress ends (bounded: past
+        ``MAX_HELD`` the replay is given up)."""
+        self._held.append((seq, payload))
+        if len(self._held) > self.MAX_HELD:
+            self._end_replay(out)
 
     def _replay_socket(self) -> zmq.Socket[Any] | None:
         if self.replay_endpoint is None:
@@ -624,21 +663,39 @@ class ZmqEventSubscriber:
             self._replay = s
         return self._replay
 
-    def _replay_from(self, start: int, out: list[Received]) -> None:
-        """Requests every buffered batch from ``start`` and delivers the ones still
-        ahead of ``next_seq``; a sequence the publisher no longer has is lost."""
+    @property
+    def replaying(self) -> bool:
+        """A replay is in progress (its answer arrives over the next polls)."""
+        return self._replay_pending is not None
+
+    def _request_replay(self, start: int) -> None:
+        """Asks for every buffered batch from ``start`` (answered over later polls)."""
         sock = self._replay_socket()
         if sock is None:
             return
-        sock.send_multipart((b"", start.to_bytes(8, "big")))
-        while True:
-            if not sock.poll(self._replay_timeout_ms):
-                # No answer: drop the socket so a late stream cannot be mistaken
-                # for the answer to a later request.
-                sock.close(0)
-                self._replay = None
-                return
-            frames = sock.recv_multipart()
+        try:
+            sock.send_multipart((b"", start.to_bytes(8, "big")), zmq.NOBLOCK)
+        except zmq.Again:
+            # Requests to an unreachable publisher piled up: start afresh later.
+            sock.close(0)
+            self._replay = None
+            self.num_replay_timeouts += 1
+            return
+        self._replay_pending = time.monotonic() + self._replay_timeout_ms / 1000
+
+    def _advance_replay(self, out: list[Received], max_batches: int) -> None:
+        """Delivers the replayed batches that have arrived; ends the replay at its
+        end marker, or gives it up past its deadline."""
+        if self._replay_pending is None or self._replay is None:
+            return
+        sock = self._replay
+        for _ in range(max_batches):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self.last_heard = time.monotonic()
+            self._replay_pending = self.last_heard + self._replay_timeout_ms / 1000
             if len(frames) == 4:  # vLLM 0.33: (b"", topic, seq, payload)
                 _, _, seq_bytes, payload = frames
             elif len(frames) == 3:  # (b"", seq, payload)
@@ -647,12 +704,12 @@ class ZmqEventSubscriber:
                 self.num_malformed += 1
                 continue
             if seq_bytes == END_SEQ:
+                self._end_replay(out)
                 return
-            parsed = _seq(seq_bytes)
-            if parsed is None:
+            seq = _seq(seq_bytes)
+            if seq is None:
                 self.num_malformed += 1
                 continue
-            seq = parsed
             if self.next_seq is None:
                 self.next_seq = seq
             if seq < self.next_seq:
@@ -661,3 +718,26 @@ class ZmqEventSubscriber:
                 self._lost(self.next_seq, seq)
             self.num_replayed += 1
             self._deliver(seq, self._decode(payload), out, True)
+        if time.monotonic() > self._replay_pending:
+            # No answer: drop the socket so a late stream cannot be mistaken for
+            # the answer to a later request.
+            sock.close(0)
+            self._replay = None
+            self.num_replay_timeouts += 1
+            self._end_replay(out)
+
+    def _end_replay(self, out: list[Received]) -> None:
+        """Ends the replay in progress and delivers the live batches kept during
+        it, in order: what the replay delivered is a duplicate, what it could not
+        fill is lost."""
+        self._replay_pending = None
+        held, self._held = self._held, []
+        for seq, payload in held:
+            if self.next_seq is None:
+                self.next_seq = seq
+            if seq < self.next_seq:
+                self.num_duplicates += 1
+                continue
+            if seq > self.next_seq:
+                self._lost(self.next_seq, seq)
+            self._deliver(seq, self._decode(payload), out, False)

@@ -53,6 +53,7 @@ class IndexSubscriber:
         replicas: Mapping[str, tuple[str, str | None]],
         *,
         topic: str = "",
+        stale_after: float = 10.0,
         **subscriber_options: Any,
     ) -> None:
         import zmq
@@ -69,6 +70,7 @@ class IndexSubscriber:
             self._poller.register(sub.sub, zmq.POLLIN)
         self.num_batches = 0
         self.num_events = 0
+        self.stale_after = stale_after
         # Per replica: batches refused whole (undecodable, or an event the index
         # cannot take), and the last reason.
         self.rejected_batches: dict[str, int] = dict.fromkeys(replicas, 0)
@@ -80,8 +82,12 @@ class IndexSubscriber:
         """Applies what arrived (waiting up to ``timeout`` s for something);
         returns the number of batches applied."""
         n = self._drain()
-        if n == 0 and timeout > 0 and self._poller.poll(int(timeout * 1000)):
-            n = self._drain()
+        if n == 0 and timeout > 0:
+            # A replay in progress answers on its own socket: look again soon.
+            replaying = any(s.replaying for s in self.subscribers.values())
+            wait = min(timeout, 0.005) if replaying else timeout
+            if self._poller.poll(int(wait * 1000)) or replaying:
+                n = self._drain()
         return n
 
     def _drain(self) -> int:
@@ -130,10 +136,20 @@ class IndexSubscriber:
                 "rejected_batches": s.num_rejected + self.rejected_batches[name],
                 "last_error": self.last_error[name] or s.last_error,
                 "cleared_after_loss": self.cleared_after_loss[name],
+                "replay_timeouts": s.num_replay_timeouts,
+                "stale": time.monotonic() - s.last_heard > self.stale_after,
                 "blocks": self.index.replica_num_blocks(name),
             }
             for name, s in self.subscribers.items()
         }
+
+    def stale(self) -> list[str]:
+        """Replicas not heard from (no live batch, no replay answer) for
+        ``stale_after`` seconds: their entries are kept, and answers name them."""
+        now = time.monotonic()
+        return sorted(
+            name for name, s in self.subscribers.items() if now - s.last_heard > self.stale_after
+        )
 
     def close(self) -> None:
         for sub in self.subscribers.values():
@@ -199,6 +215,7 @@ def answer(
             "replica": None if best is None else best.replica,
             "num_blocks": 0 if best is None else best.num_blocks,
             "lengths": index.match_lengths(hashes, group),
+            "stale": [] if feeder is None else feeder.stale(),
         }
     if op == "status":
         return {
@@ -230,7 +247,9 @@ def serve(
 
     Requests and replies are msgpack maps, one frame each. ``{"op":
     "longest_prefix", "block_hashes": [...], "group_idx": None}`` →
-    ``{"replica": name | None, "num_blocks": n, "lengths": {name: n}}``;
+    ``{"replica": name | None, "num_blocks": n, "lengths": {name: n}, "stale":
+    [name, ...]}`` (replicas not heard from for ``stale_after`` seconds: their
+    entries are kept and may be out of date);
     ``{"op": "status"}`` → the subscriber status, index size, stats and query
     counters; ``{"op": "entries", "replica": name}`` → ``[[hash, group_idx,
     count], ...]``. A query the server cannot take (not msgpack, not a map,

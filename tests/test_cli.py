@@ -276,3 +276,71 @@ def test_help_teaches_the_command(capsys: pytest.CaptureFixture[str]) -> None:
         assert word in text
     assert cli.main([]) == 2
     assert "simulate" in capsys.readouterr().out
+
+
+def _history_bomb() -> str:
+    """A small file whose turns each repeat the whole session before them: about
+    9e9 tokens (70 GB) if read without a limit."""
+    first = '{"session": "s", "prompt_len": 1000, "output_len": 1000}\n'
+    turn = '{"session": "s", "history": true, "prompt_len": 1000, "output_len": 1000}\n'
+    return first + turn * 3000
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"arrival": 1e308, "prompt_len": 10, "output_len": 2}\n', "past the limit"),
+        ("[" * 100_000 + "]" * 100_000 + "\n", "nested too deeply"),
+        ('{"prompt_len": 1000000000000, "output_len": 2}\n', "past the limit"),
+        ('{"prompt_len": 10, "output_len": 1000000000000}\n', "past the limit"),
+        ('{"arrival_step": 1e5, "prompt_len": 10, "output_len": 2}\n', "integer"),
+        (_history_bomb(), "past the limit"),
+    ],
+    ids=[
+        "arrival_1e308",
+        "deep_nesting",
+        "prompt_len_1e12",
+        "output_len_1e12",
+        "float_step",
+        "history_bomb",
+    ],
+)
+def test_hostile_traces_exit_2_naming_the_file_line_and_limit(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, text: str, message: str
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(text)
+    code, out, err = _run(capsys, "--trace", str(bad), *FAST)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "bad.jsonl:" in err and message in err
+
+
+def test_a_file_without_newlines_is_refused_at_the_line_limit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = _run(capsys, "--trace", "/dev/zero", *FAST)
+    assert code == 2 and "longer than the limit" in err and err.count("\n") == 1
+
+
+def test_a_cut_saved_trace_does_not_read_as_a_shorter_one(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    saved = tmp_path / "t.jsonl"
+    _json(capsys, "-w", "chat", "-n", "12", "--save-trace", str(saved), *FAST)
+    lines = saved.read_text().splitlines(keepends=True)
+    assert json.loads(lines[-1]) == {"type": "end", "requests": 12}
+    assert not list(tmp_path.glob(".t.jsonl.tmp*"))  # written beside, renamed over
+    saved.write_text("".join(lines[:-3]))  # an interrupted write
+    code, _, err = _run(capsys, "--trace", str(saved), *FAST)
+    assert code == 2 and "end record is missing" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--memory", "inf"], ["--memory", "nan"], ["-n", str(10**12)], ["--num-blocks", str(10**12)]],
+)
+def test_unbounded_arguments_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["simulate", *argv])
+    assert e.value.code == 2
+    assert "up to" in capsys.readouterr().err

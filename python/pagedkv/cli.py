@@ -69,17 +69,36 @@ class _UsageError(Exception):
     pass
 
 
+#: The largest value any count or amount on the command line may take.
+MAX_ARG = 10**9
+
+
 def _positive_float(s: str) -> float:
     v = float(s)
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {s}")
+    if not 0 < v <= MAX_ARG:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive finite number up to {MAX_ARG}, got {s}"
+        )
     return v
 
 
 def _positive_int(s: str) -> int:
     v = int(s)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
+    if not 0 < v <= MAX_ARG:
+        raise argparse.ArgumentTypeError(f"must be a positive integer up to {MAX_ARG}, got {s}")
+    return v
+
+
+#: The most requests a built-in workload may generate.
+MAX_REQUESTS = 10_000_000
+
+
+def _request_count(s: str) -> int:
+    v = int(s)
+    if not 0 < v <= MAX_REQUESTS:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive integer up to {MAX_REQUESTS}, got {s}"
+        )
     return v
 
 
@@ -108,9 +127,9 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument(
         "--requests",
         "-n",
-        type=_positive_int,
+        type=_request_count,
         metavar="N",
-        help="number of requests (default: the workload's, 500-1000)",
+        help=f"number of requests, up to {MAX_REQUESTS:,} (default: the workload's, 500-1000)",
     )
     g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     g.add_argument(
@@ -418,11 +437,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = f"pagedkv {args.command}"
     try:
         return _simulate(args)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
     except EngineUnavailableError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 3
     except (_UsageError, TraceFormatError, PagedKVError, ValueError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print(f"{prog}: error: out of memory (make the workload smaller)", file=sys.stderr)
         return 2
 
 

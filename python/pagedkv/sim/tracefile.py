@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,18 @@ _REQUEST_KEYS = {
 
 
 class TraceFormatError(ValueError):
-    """A trace file that does not follow the format (the message names the line)."""
+    """A trace file that does not follow the format, or goes past a limit (the
+    message names the file, the line and the limit)."""
+
+
+#: Longest line read (a file without newlines, ``/dev/zero``, stops here).
+MAX_LINE_BYTES = 64 << 20
+#: Most tokens one request may hold (its prompt, history included, plus output).
+MAX_REQUEST_TOKENS = 10_000_000
+#: Most tokens all requests and prefixes of a trace may hold together.
+MAX_TOTAL_TOKENS = 200_000_000
+#: Latest arrival, pause or step count (2**40 steps).
+MAX_STEPS = 1 << 40
 
 
 def _int_list(v: Any, what: str) -> np.ndarray:
@@ -78,18 +90,22 @@ def _int_list(v: Any, what: str) -> np.ndarray:
     return np.asarray(v, dtype=np.uint32).astype(np.int64)
 
 
-def _count(v: Any, what: str, minimum: int = 0) -> int:
+def _count(v: Any, what: str, minimum: int = 0, maximum: int = MAX_REQUEST_TOKENS) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
         raise ValueError(f"{what} must be an integer >= {minimum}, got {v!r}")
+    if v > maximum:
+        raise ValueError(f"{what} {v} is past the limit of {maximum}")
     return v
 
 
 def _steps(rec: dict[str, Any], seconds_key: str, steps_key: str, step_ms: float) -> int:
     if steps_key in rec:
-        return _count(rec[steps_key], steps_key)
+        return _count(rec[steps_key], steps_key, maximum=MAX_STEPS)
     v = rec.get(seconds_key, 0)
     if not isinstance(v, int | float) or isinstance(v, bool) or v < 0 or not math.isfinite(v):
         raise ValueError(f"{seconds_key} must be a number of seconds >= 0, got {v!r}")
+    if v * 1000.0 / step_ms > MAX_STEPS:
+        raise ValueError(f"{seconds_key} {v} is past the limit of {MAX_STEPS} steps")
     return math.floor(v * 1000.0 / step_ms + 1e-9)
 
 
@@ -103,13 +119,29 @@ def read_trace(path: str | Path, *, step_ms: float = 50.0) -> Workload:
     reqs: list[Request] = []
     ids: set[str] = set()
     last_turn: dict[str, Request] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
+    total = 0
+    complete: bool | None = None  # a file written by write_trace ends with a record
+    with open(path, encoding="utf-8", errors="strict") as f:
+        lineno = 0
+        while True:
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                break
+            lineno += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise TraceFormatError(
+                    f"{path}:{lineno}: a line longer than the limit of {MAX_LINE_BYTES} bytes"
+                )
+            line = raw.strip()
             if not line or line.startswith("#"):
                 continue
+            if complete:
+                raise TraceFormatError(f"{path}:{lineno}: a record after the end record")
             try:
-                rec = json.loads(line)
+                try:
+                    rec = json.loads(line)
+                except RecursionError:
+                    raise ValueError("JSON nested too deeply") from None
                 if not isinstance(rec, dict):
                     raise ValueError("each line must be a JSON object")
                 kind = rec.get("type", "request")
@@ -117,25 +149,45 @@ def read_trace(path: str | Path, *, step_ms: float = 50.0) -> Workload:
                 if kind == "header":
                     if rec.get("format", FORMAT) != FORMAT or rec.get("version", 1) != VERSION:
                         raise ValueError(f"not a {FORMAT} v{VERSION} file")
-                    seed = _count(rec.get("seed", 0), "seed")
-                    vocab = _count(rec.get("vocab_size", vocab), "vocab_size", 2)
+                    seed = _count(rec.get("seed", 0), "seed", maximum=2**63)
+                    vocab = _count(rec.get("vocab_size", vocab), "vocab_size", 2, 2**32)
+                    if rec.get("end_record"):
+                        complete = False
+                elif kind == "end":
+                    if complete is None:
+                        raise ValueError("an end record without a header asking for one")
+                    if rec.get("requests") != len(reqs):
+                        raise ValueError(
+                            f"the end record counts {rec.get('requests')!r} requests, "
+                            f"the file has {len(reqs)}"
+                        )
+                    complete = True
                 elif kind == "prefix":
                     pid = str(rec["id"])
                     if "tokens" in rec:
                         prefixes[pid] = _int_list(rec["tokens"], "tokens")
                     else:
                         prefixes[pid] = rng.integers(0, vocab, _count(rec["len"], "len"))
+                    total += len(prefixes[pid])
                 elif kind == "request":
                     req = _request(rec, len(reqs), rng, vocab, prefixes, last_turn, step_ms)
                     if req.request_id in ids:
                         raise ValueError(f"duplicate request id {req.request_id!r}")
                     ids.add(req.request_id)
                     reqs.append(req)
+                    total += len(req.prompt) + len(req.output)
                 else:
                     raise ValueError(f"unknown record type {kind!r}")
+                if total > MAX_TOTAL_TOKENS:
+                    raise ValueError(f"the trace's tokens are past the limit of {MAX_TOTAL_TOKENS}")
             except (ValueError, KeyError, TypeError) as e:
                 msg = f"missing field {e}" if isinstance(e, KeyError) else str(e)
                 raise TraceFormatError(f"{path}:{lineno}: {msg}") from None
+    if complete is False:
+        raise TraceFormatError(
+            f"{path}: the end record is missing (the file was cut short, e.g. an "
+            "interrupted --save-trace)"
+        )
     if not reqs:
         raise TraceFormatError(f"{path}: no request")
     return Workload(Path(path).name, reqs, {"trace": str(path), "step_ms": step_ms})
@@ -169,6 +221,12 @@ def _request(
         parts.append(_int_list(rec["prompt"], "prompt"))
     elif "prompt_len" in rec:
         parts.append(rng.integers(0, vocab, _count(rec["prompt_len"], "prompt_len")))
+    size = sum(len(p) for p in parts)
+    if size > MAX_REQUEST_TOKENS:
+        raise ValueError(
+            f"a prompt of {size} tokens (history and prefixes included) is past the limit "
+            f"of {MAX_REQUEST_TOKENS}"
+        )
     prompt = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     if len(prompt) == 0:
         raise ValueError("empty prompt (give prompt, prompt_len, prefix or history)")
@@ -199,28 +257,42 @@ def write_trace(workload: Workload, path: str | Path) -> None:
     """Writes ``workload`` as a trace file (steps, explicit token ids; a turn that
     extends its session's previous turn is written with ``history``)."""
     last: dict[str, Request] = {}
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps({"type": "header", "format": FORMAT, "version": VERSION}) + "\n")
-        for r in workload.requests:
-            rec: dict[str, Any] = {"id": r.request_id, "arrival_step": r.arrival_step}
-            prompt = r.prompt
-            if r.session is not None:
-                rec["session"] = r.session
-                prev = last.get(r.session)
-                if prev is not None:
-                    head = np.concatenate([prev.prompt, np.asarray(prev.output)])
-                    if len(head) <= len(prompt) and np.array_equal(prompt[: len(head)], head):
-                        rec["history"] = True
-                        prompt = prompt[len(head) :]
-                    if r.pause:
-                        rec["pause_steps"] = r.pause
-                last[r.session] = r
-            rec["prompt"] = [int(t) for t in prompt]
-            rec["output"] = [int(t) for t in r.output]
-            if r.cache_salt is not None:
-                rec["salt"] = r.cache_salt
-            if r.lora_name is not None:
-                rec["lora"] = r.lora_name
-                if r.lora_path is not None:
-                    rec["lora_path"] = r.lora_path
-            f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+    path = Path(path)
+    # Written beside the target and renamed over it once complete: an
+    # interrupted write leaves no trace file (and a cut one fails to read).
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            _write_records(workload, f, last)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_records(workload: Workload, f: Any, last: dict[str, Request]) -> None:
+    header = {"type": "header", "format": FORMAT, "version": VERSION, "end_record": True}
+    f.write(json.dumps(header) + "\n")
+    for r in workload.requests:
+        rec: dict[str, Any] = {"id": r.request_id, "arrival_step": r.arrival_step}
+        prompt = r.prompt
+        if r.session is not None:
+            rec["session"] = r.session
+            prev = last.get(r.session)
+            if prev is not None:
+                head = np.concatenate([prev.prompt, np.asarray(prev.output)])
+                if len(head) <= len(prompt) and np.array_equal(prompt[: len(head)], head):
+                    rec["history"] = True
+                    prompt = prompt[len(head) :]
+                if r.pause:
+                    rec["pause_steps"] = r.pause
+            last[r.session] = r
+        rec["prompt"] = [int(t) for t in prompt]
+        rec["output"] = [int(t) for t in r.output]
+        if r.cache_salt is not None:
+            rec["salt"] = r.cache_salt
+        if r.lora_name is not None:
+            rec["lora"] = r.lora_name
+            if r.lora_path is not None:
+                rec["lora_path"] = r.lora_path
+        f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+    f.write(json.dumps({"type": "end", "requests": len(workload.requests)}) + "\n")

@@ -204,3 +204,14 @@ def test_publish_from_manager_takes_and_sends_its_events() -> None:
             (ev,) = r.batch.events
             assert isinstance(ev, wire.WireBlockStored)
             assert ev.block_hashes == [wire.hash_to_int(h) for h in mgr.block_hashes("a")]
+
+
+def test_the_default_publisher_binds_loopback_only() -> None:
+    from pagedkv.events.zmq import DEFAULT_ENDPOINT
+
+    try:
+        pub = ZmqEventPublisher()
+    except zmq.ZMQError as e:  # the port is taken on this machine
+        pytest.skip(f"{DEFAULT_ENDPOINT}: {e}")
+    with pub:
+        assert pub.bound_endpoint == DEFAULT_ENDPOINT == "tcp://127.0.0.1:5557"

@@ -44,6 +44,7 @@ import zmq
 from .wire import HashFormat, KVEventBatch, KVEventEncoder, decode_batch_lenient
 
 __all__ = [
+    "DEFAULT_ENDPOINT",
     "END_SEQ",
     "Received",
     "ZmqEventPublisher",
@@ -52,6 +53,8 @@ __all__ = [
 ]
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+#: The publisher's default PUB endpoint: bound on loopback only.
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 
 
 class _EventSource(Protocol):
@@ -88,7 +91,10 @@ class ZmqEventPublisher:
     """Publishes KV-event batches on a PUB socket, with an optional replay ROUTER.
 
     Args:
-        endpoint: PUB address (``tcp://*:5557`` binds; ``tcp://host:5557`` connects).
+        endpoint: PUB address. The default, ``tcp://127.0.0.1:5557``, binds on
+            loopback only (events carry prompt token ids and cache salts);
+            ``tcp://*:5557`` binds every interface; any other ``tcp://host:port``
+            connects (to a proxy), as in vLLM.
         replay_endpoint: ROUTER address for replay requests (always bound), or None.
         buffer_steps: batches kept for replay.
         hwm: send high-water mark of the PUB socket (messages a slow subscriber
@@ -119,7 +125,7 @@ class ZmqEventPublisher:
 
     def __init__(
         self,
-        endpoint: str = "tcp://*:5557",
+        endpoint: str = "tcp://127.0.0.1:5557",  # DEFAULT_ENDPOINT
         replay_endpoint: str | None = None,
         *,
         buffer_steps: int = 10_000,
@@ -144,7 +150,8 @@ class ZmqEventPublisher:
         self._endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
         self._replay_endpoint = offset_endpoint_port(replay_endpoint, data_parallel_rank)
         self._hwm = hwm
-        self._bind = bind
+        # The default endpoint is bound (on loopback), not connected to.
+        self._bind = True if bind is None and endpoint == DEFAULT_ENDPOINT else bind
         self._replay_send_timeout_ms = int(replay_send_timeout * 1000)
         self._topic = topic.encode()
         self._next_seq = 0

@@ -35,7 +35,7 @@
 //! ```
 
 use hashbrown::{HashMap, HashSet};
-use rustc_hash::FxBuildHasher;
+use rustc_hash::{FxBuildHasher, FxHashMap, FxHashSet};
 
 use crate::error::{Error, Result};
 
@@ -58,18 +58,125 @@ struct Holder {
     count: u32,
 }
 
+/// Holders past which a node keeps a map to them: a hash stored under many
+/// groups (or replicas) costs the same per event as one under a few.
+const INDEXED_HOLDERS: usize = 16;
+
 #[derive(Clone, Debug)]
 struct Node {
     parent: Option<u64>,
     /// Never empty: a node without holders is removed.
     holders: Vec<Holder>,
+    /// With more than [`INDEXED_HOLDERS`] holders: where each is.
+    index: Option<Box<HolderIndex>>,
+}
+
+/// `(replica, group)` -> position in `holders`, and holders per replica.
+#[derive(Clone, Debug, Default)]
+struct HolderIndex {
+    pos: FxHashMap<(u32, u32), u32>,
+    per_replica: FxHashMap<u32, u32>,
+}
+
+impl HolderIndex {
+    fn build(holders: &[Holder]) -> Self {
+        let mut ix = Self::default();
+        for (i, x) in holders.iter().enumerate() {
+            ix.pos.insert((x.replica, x.group), i as u32);
+            *ix.per_replica.entry(x.replica).or_insert(0) += 1;
+        }
+        ix
+    }
 }
 
 impl Node {
+    fn new(parent: Option<u64>) -> Self {
+        Self {
+            parent,
+            holders: Vec::new(),
+            index: None,
+        }
+    }
+
+    fn find(&self, replica: u32, group: u32) -> Option<usize> {
+        match &self.index {
+            Some(ix) => ix.pos.get(&(replica, group)).map(|&p| p as usize),
+            None => self
+                .holders
+                .iter()
+                .position(|x| x.replica == replica && x.group == group),
+        }
+    }
+
+    fn holds_any(&self, replica: u32) -> bool {
+        match &self.index {
+            Some(ix) => ix.per_replica.contains_key(&replica),
+            None => self.holders.iter().any(|x| x.replica == replica),
+        }
+    }
+
     fn held_by(&self, replica: u32, group: Option<u32>) -> bool {
-        self.holders
-            .iter()
-            .any(|h| h.replica == replica && group.is_none_or(|g| h.group == g))
+        match group {
+            Some(g) => self.find(replica, g).is_some(),
+            None => self.holds_any(replica),
+        }
+    }
+
+    /// One more block of `replica`'s `group` under this hash.
+    fn add(&mut self, replica: u32, group: u32) {
+        if let Some(p) = self.find(replica, group) {
+            self.holders[p].count = self.holders[p].count.saturating_add(1);
+            return;
+        }
+        self.holders.push(Holder {
+            replica,
+            group,
+            count: 1,
+        });
+        let n = self.holders.len();
+        match &mut self.index {
+            Some(ix) => {
+                ix.pos.insert((replica, group), (n - 1) as u32);
+                *ix.per_replica.entry(replica).or_insert(0) += 1;
+            }
+            None if n > INDEXED_HOLDERS => {
+                self.index = Some(Box::new(HolderIndex::build(&self.holders)));
+            }
+            None => {}
+        }
+    }
+
+    /// One block fewer of `replica`'s `group`: None when it held none, else
+    /// whether the replica still holds the hash in some group.
+    fn remove_one(&mut self, replica: u32, group: u32) -> Option<bool> {
+        let p = self.find(replica, group)?;
+        self.holders[p].count -= 1;
+        if self.holders[p].count > 0 {
+            return Some(true);
+        }
+        self.holders.swap_remove(p);
+        if let Some(ix) = &mut self.index {
+            ix.pos.remove(&(replica, group));
+            if let Some(moved) = self.holders.get(p) {
+                ix.pos.insert((moved.replica, moved.group), p as u32);
+            }
+            if let Some(c) = ix.per_replica.get_mut(&replica) {
+                *c -= 1;
+                if *c == 0 {
+                    ix.per_replica.remove(&replica);
+                }
+            }
+        }
+        Some(self.holds_any(replica))
+    }
+
+    /// Drops every holder of `replica`.
+    fn remove_replica(&mut self, replica: u32) {
+        self.holders.retain(|x| x.replica != replica);
+        if self.index.is_some() {
+            self.index = (self.holders.len() > INDEXED_HOLDERS)
+                .then(|| Box::new(HolderIndex::build(&self.holders)));
+        }
     }
 }
 
@@ -256,25 +363,11 @@ impl PrefixIndex {
         let g = group_key(group);
         let mut parent = parent;
         for &h in hashes {
-            let node = self.nodes.entry(h).or_insert_with(|| Node {
-                parent,
-                holders: Vec::new(),
-            });
+            let node = self.nodes.entry(h).or_insert_with(|| Node::new(parent));
             if node.parent.is_none() {
                 node.parent = parent;
             }
-            match node
-                .holders
-                .iter_mut()
-                .find(|x| x.replica == replica.0 && x.group == g)
-            {
-                Some(x) => x.count = x.count.saturating_add(1),
-                None => node.holders.push(Holder {
-                    replica: replica.0,
-                    group: g,
-                    count: 1,
-                }),
-            }
+            node.add(replica.0, g);
             self.replicas[r].hashes.insert(h);
             parent = Some(h);
         }
@@ -297,21 +390,12 @@ impl PrefixIndex {
                 self.stats.unknown_removals += 1;
                 continue;
             };
-            let Some(pos) = node
-                .holders
-                .iter()
-                .position(|x| x.replica == replica.0 && x.group == g)
-            else {
+            let Some(still_held) = node.remove_one(replica.0, g) else {
                 self.stats.unknown_removals += 1;
                 continue;
             };
             self.stats.blocks_removed += 1;
-            node.holders[pos].count -= 1;
-            if node.holders[pos].count > 0 {
-                continue;
-            }
-            node.holders.swap_remove(pos);
-            if !node.holders.iter().any(|x| x.replica == replica.0) {
+            if !still_held {
                 self.replicas[r].hashes.remove(&h);
             }
             if node.holders.is_empty() {
@@ -331,7 +415,7 @@ impl PrefixIndex {
         let hashes = std::mem::take(&mut self.replicas[r].hashes);
         for h in &hashes {
             if let Some(node) = self.nodes.get_mut(h) {
-                node.holders.retain(|x| x.replica != replica.0);
+                node.remove_replica(replica.0);
                 if node.holders.is_empty() {
                     self.nodes.remove(h);
                 }
@@ -456,7 +540,20 @@ impl PrefixIndex {
             if node.holders.is_empty() {
                 return bad(format!("hash {h:#x} has no holder"));
             }
+            let mut seen: FxHashSet<(u32, u32)> = FxHashSet::default();
+            let mut replicas: FxHashMap<u32, u32> = FxHashMap::default();
             for (i, x) in node.holders.iter().enumerate() {
+                if !seen.insert((x.replica, x.group)) {
+                    return bad(format!("hash {h:#x} has a duplicate holder"));
+                }
+                *replicas.entry(x.replica).or_insert(0) += 1;
+                if node
+                    .index
+                    .as_ref()
+                    .is_some_and(|ix| ix.pos.get(&(x.replica, x.group)) != Some(&(i as u32)))
+                {
+                    return bad(format!("hash {h:#x}: its holder map is out of date"));
+                }
                 if x.count == 0 {
                     return bad(format!("hash {h:#x} has a zero count"));
                 }
@@ -466,15 +563,14 @@ impl PrefixIndex {
                 if !rep.hashes.contains(h) {
                     return bad(format!("replica {} misses hash {h:#x}", x.replica));
                 }
-                if node.holders[..i]
-                    .iter()
-                    .any(|y| y.replica == x.replica && y.group == x.group)
-                {
-                    return bad(format!("hash {h:#x} has a duplicate holder"));
+            }
+            if let Some(ix) = &node.index {
+                if ix.pos.len() != node.holders.len() || ix.per_replica != replicas {
+                    return bad(format!("hash {h:#x}: its holder map is out of date"));
                 }
-                if !node.holders[..i].iter().any(|y| y.replica == x.replica) {
-                    per_replica[x.replica as usize] += 1;
-                }
+            }
+            for &r in replicas.keys() {
+                per_replica[r as usize] += 1;
             }
         }
         for (i, rep) in self.replicas.iter().enumerate() {

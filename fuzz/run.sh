@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# Runs the `ops` fuzz target for a bounded time and prints what it covered.
+# Runs a fuzz target for a bounded time and prints what it covered.
 #
-#   bash fuzz/run.sh [SECONDS]      (default 300)
+#   bash fuzz/run.sh [SECONDS] [TARGET]   (default 300 s, target ops; index: the
+#                                          prefix index's events and queries)
 #
 # Needs cargo-fuzz (`cargo install cargo-fuzz`) and a nightly toolchain; with only
 # a stable one it sets RUSTC_BOOTSTRAP=1 for the sanitizer flags. The corpus grows
-# in fuzz/corpus/ops (kept between runs, not in git); a crash input lands in
-# fuzz/artifacts/ops and makes this script exit non-zero. Turn a crash into a test
-# in rust/pagedkv-fuzz-driver/tests/regressions.rs.
+# in fuzz/corpus/TARGET (kept between runs, not in git); a crash input lands in
+# fuzz/artifacts/TARGET and makes this script exit non-zero. Save it under
+# fuzz/regressions/TARGET/ (replayed by rust/pagedkv-fuzz-driver/tests/regressions.rs)
+# and reduce it to a plain test there.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 SECONDS_TO_RUN=${1:-300}
+TARGET=${2:-ops}
 if ! cargo fuzz --version >/dev/null 2>&1; then
   echo "cargo-fuzz is missing: cargo install cargo-fuzz" >&2
   exit 2
@@ -23,23 +26,23 @@ else
   FUZZ=(cargo fuzz)
 fi
 
-mkdir -p corpus/ops artifacts/ops
+mkdir -p "corpus/$TARGET" "artifacts/$TARGET"
 LOG=$(mktemp)
 COV=$(mktemp)
 trap 'rm -f "$LOG" "$COV"' EXIT
 
 echo "== build"
-"${FUZZ[@]}" build ops
+"${FUZZ[@]}" build "$TARGET"
 
 echo "== fuzz for ${SECONDS_TO_RUN}s"
 start=$(date +%s)
 status=0
-"${FUZZ[@]}" run ops corpus/ops -- -max_total_time="$SECONDS_TO_RUN" -max_len=2048 \
+"${FUZZ[@]}" run "$TARGET" "corpus/$TARGET" -- -max_total_time="$SECONDS_TO_RUN" -max_len=2048 \
   -print_final_stats=1 >"$LOG" 2>&1 || status=$?
 end=$(date +%s)
 
 echo "== coverage of the corpus (libFuzzer edge counters, per function of pagedkv-core)"
-"${FUZZ[@]}" run ops corpus/ops -- -runs=0 -print_coverage=1 >"$COV" 2>&1 || true
+"${FUZZ[@]}" run "$TARGET" "corpus/$TARGET" -- -runs=0 -print_coverage=1 >"$COV" 2>&1 || true
 
 python3 - "$LOG" "$COV" "$((end - start))" "$status" <<'PY'
 import re, sys

@@ -21,6 +21,9 @@
 
 use std::collections::HashMap;
 
+mod index;
+pub use index::run_index;
+
 use pagedkv_core::{
     AllocateArgs, AttentionKind, BatchAllocation, ComputedBlocks, Error, GroupSpec, HashAlgo,
     KvCacheManager, Lora, MambaCacheMode, ManagerConfig, MmFeature, RequestSpec,

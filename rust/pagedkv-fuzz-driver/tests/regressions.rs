@@ -20,6 +20,10 @@ use pagedkv_core::{
 };
 
 fn replay_dir(dir: &Path) -> usize {
+    replay_dir_with(dir, driver::run)
+}
+
+fn replay_dir_with(dir: &Path, run: fn(&[u8])) -> usize {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
     };
@@ -28,7 +32,7 @@ fn replay_dir(dir: &Path) -> usize {
     for path in &files {
         let data = std::fs::read(path).expect("read a fuzz input");
         let name = path.display().to_string();
-        let outcome = std::panic::catch_unwind(|| driver::run(&data));
+        let outcome = std::panic::catch_unwind(|| run(&data));
         assert!(outcome.is_ok(), "fuzz input {name} fails");
     }
     files.len()
@@ -39,6 +43,32 @@ fn fuzz_corpus_inputs_keep_every_property() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz");
     let n = replay_dir(&root.join("seeds/ops")) + replay_dir(&root.join("regressions/ops"));
     assert!(n > 0, "no fuzz inputs found under {}", root.display());
+}
+
+/// The prefix index's target (`fuzz/fuzz_targets/index.rs`): its saved inputs,
+/// then inputs drawn from a fixed-seed generator (a small fuzz run in every
+/// `cargo test`).
+#[test]
+fn index_fuzz_inputs_keep_every_property() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz");
+    let n = replay_dir_with(&root.join("seeds/index"), driver::run_index)
+        + replay_dir_with(&root.join("regressions/index"), driver::run_index);
+    assert!(n > 0, "no index fuzz inputs found under {}", root.display());
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    for _ in 0..300 {
+        let len = (next(&mut state) % 600) as usize;
+        let data: Vec<u8> = (0..len).map(|_| next(&mut state) as u8).collect();
+        driver::run_index(&data);
+    }
+}
+
+/// splitmix64.
+fn next(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// Found by the fuzzer: a multimodal item whose `offset + length` overflowed u64

@@ -112,3 +112,51 @@ def test_pagedkv_subscribes_to_vllms_stream_and_fills_a_gap_from_its_replay() ->
         t.join(5)
         pub.close(0)
         router.close(0)
+
+
+def test_live_interop_with_vllm_when_it_is_installed() -> None:
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    import pagedkv as pk
+
+    # vLLM's publisher -> pagedkv's subscriber (replay from 0 on connect).
+    vpub = kv_events.ZmqEventPublisher(
+        0, endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic="kv"
+    )
+    try:
+        endpoint = vpub._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        replay = vpub._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        for i in range(5):
+            vpub.publish(
+                kv_events.KVEventBatch(
+                    ts=float(i),
+                    events=[kv_events.BlockRemoved(block_hashes=[i], medium="GPU", group_idx=0)],
+                )
+            )
+        time.sleep(0.5)
+        with ZmqEventSubscriber(endpoint, replay, topic="kv") as sub:
+            got: list[Any] = []
+            deadline = time.monotonic() + 10
+            while len(got) < 5 and time.monotonic() < deadline:
+                got += sub.poll(0.05)
+            assert [r.seq for r in got] == list(range(5))
+            assert [r.batch.events[0].block_hashes for r in got] == [[i] for i in range(5)]
+    finally:
+        vpub.shutdown()
+    # pagedkv's publisher -> vLLM's decoder.
+    decoder = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
+    with ZmqEventPublisher("tcp://127.0.0.1:*", None) as pub:
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(pub.bound_endpoint)
+        frames = None
+        deadline = time.monotonic() + 10
+        while frames is None and time.monotonic() < deadline:
+            pub.publish([pk.BlockStored([7], None, [1, 2], 2, None, group_idx=0)])
+            if sub.poll(50):
+                frames = sub.recv_multipart()
+        sub.close(0)
+    assert frames is not None
+    batch = decoder.decode(frames[2])
+    assert isinstance(batch.events[0], kv_events.BlockStored)
+    assert batch.events[0].block_hashes == [7]

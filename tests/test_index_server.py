@@ -38,8 +38,8 @@ class Client:
         self.sock.close(0)
 
 
-@pytest.fixture
-def server() -> Iterator[Client]:
+def _start(replicas: dict[str, tuple[str, str | None]]) -> tuple[threading.Thread, Client]:
+    """``serve`` on a thread (stop allowed), and a client of its query socket."""
     ready: list[str] = []
 
     class Ready:
@@ -50,17 +50,28 @@ def server() -> Iterator[Client]:
             pass
 
     t = threading.Thread(
-        target=serve, args=({}, "tcp://127.0.0.1:*"), kwargs={"ready": Ready(), "allow_stop": True}
+        target=serve,
+        args=(replicas, "tcp://127.0.0.1:*"),
+        kwargs={"ready": Ready(), "allow_stop": True},
     )
     t.start()
     while not ready:
         t.join(0.01)
-    client = Client(json.loads(ready[0])["query_endpoint"])
-    yield client
+    return t, Client(json.loads(ready[0])["query_endpoint"])
+
+
+def _stop(t: threading.Thread, client: Client) -> None:
     assert client.ask({"op": "stop"}) == {"ok": True}
     client.close()
     t.join(10)
     assert not t.is_alive()
+
+
+@pytest.fixture
+def server() -> Iterator[Client]:
+    t, client = _start({})
+    yield client
+    _stop(t, client)
 
 
 HOSTILE: dict[str, tuple[bytes, ...]] = {
@@ -152,30 +163,13 @@ def test_answer_refuses_what_is_not_a_query(req: Any) -> None:
 def test_dead_replicas_do_not_slow_queries() -> None:
     import time
 
-    ready: list[str] = []
-
-    class Ready:
-        def write(self, text: str) -> None:
-            ready.append(text)
-
-        def flush(self) -> None:
-            pass
-
     # Nothing listens there: every replay (on connect, then each resync) goes
     # unanswered until its timeout.
-    dead = {
+    dead: dict[str, tuple[str, str | None]] = {
         f"dead{i}": (f"tcp://127.0.0.1:{9 + 2 * i}", f"tcp://127.0.0.1:{10 + 2 * i}")
         for i in range(3)
     }
-    t = threading.Thread(
-        target=serve,
-        args=(dead, "tcp://127.0.0.1:*"),
-        kwargs={"ready": Ready(), "allow_stop": True},
-    )
-    t.start()
-    while not ready:
-        t.join(0.01)
-    client = Client(json.loads(ready[0])["query_endpoint"])
+    t, client = _start(dead)
     try:
         worst = 0.0
         end = time.monotonic() + 3.0  # past a resync interval
@@ -188,6 +182,4 @@ def test_dead_replicas_do_not_slow_queries() -> None:
         # Not heard from for stale_after (10 s by default): not flagged yet.
         assert client.ask({"op": "longest_prefix", "block_hashes": [1]})["stale"] == []
     finally:
-        assert client.ask({"op": "stop"}) == {"ok": True}
-        client.close()
-        t.join(10)
+        _stop(t, client)

@@ -209,3 +209,88 @@ def test_replicas_publish_and_a_restarted_index_replays_everything(tmp_path: Pat
                 if stream is not None:
                     with contextlib.suppress(BrokenPipeError):
                         stream.close()
+
+
+# A replica that publishes one small batch every 20 ms on the endpoints it is
+# given (tcp://127.0.0.1:* the first time), until killed.
+TICKER = r"""
+import json, sys, time
+import pagedkv as pk
+from pagedkv.events.zmq import ZmqEventPublisher
+
+pub_ep, replay_ep, first_hash = sys.argv[1], sys.argv[2], int(sys.argv[3])
+deadline = time.monotonic() + 10
+while True:  # a restarted replica rebinds the ports its predecessor held
+    try:
+        pub = ZmqEventPublisher(pub_ep, replay_ep, bind=True)
+        break
+    except Exception:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+print(json.dumps({"pub": pub.bound_endpoint, "replay": pub.bound_replay_endpoint}), flush=True)
+h = first_hash
+while True:
+    pub.publish([pk.BlockStored([h], None, [1, 2], 2, None, group_idx=0)])
+    h += 1
+    time.sleep(0.02)
+"""
+
+
+def _ticker(pub: str, replay: str, first_hash: int) -> subprocess.Popen[str]:
+    return _spawn(["-c", TICKER, pub, replay, str(first_hash)])
+
+
+def test_a_killed_replica_goes_stale_and_its_restart_is_detected() -> None:
+    live = _ticker("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", 1_000)
+    dead = _ticker("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", 2_000)
+    procs = [live, dead]
+    try:
+        endpoints = {"live": json.loads(_expect(live)), "dead": json.loads(_expect(dead))}
+        args = ["-m", "pagedkv.index", "--query", "tcp://127.0.0.1:*", "--allow-stop"]
+        args += ["--stale-after", "1"]
+        for name, ep in endpoints.items():
+            args += ["--replica", f"{name}={ep['pub']},{ep['replay']}"]
+        index = _spawn(args)
+        procs.append(index)
+        client = IndexClient(json.loads(_expect(index))["query_endpoint"])
+        deadline = time.monotonic() + 30
+        while not all(client.ask(op="status")["replicas"][n]["blocks"] for n in endpoints):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        dead.send_signal(signal.SIGKILL)
+        dead.wait()
+        # Queries keep answering fast while the dead replica's resyncs go unanswered.
+        worst = 0.0
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            t0 = time.monotonic()
+            reply = client.ask(op="longest_prefix", block_hashes=[1_000])
+            worst = max(worst, time.monotonic() - t0)
+        assert worst < 0.1
+        assert reply["stale"] == ["dead"] and reply["replica"] == "live"
+        held = client.ask(op="status")["replicas"]["dead"]["blocks"]
+        assert held > 0  # kept, flagged stale
+        # The replica comes back on the same endpoints, its sequence from 0 again.
+        back = _ticker(endpoints["dead"]["pub"], endpoints["dead"]["replay"], 5_000)
+        procs.append(back)
+        _expect(back)
+        deadline = time.monotonic() + 30
+        while True:
+            st = client.ask(op="status")["replicas"]["dead"]
+            new_blocks = [e for e in client.ask(op="entries", replica="dead") if e[0] >= 5_000]
+            if st["restarts"] == 1 and not st["stale"] and new_blocks:
+                break
+            assert time.monotonic() < deadline, st
+            time.sleep(0.05)
+        # The restart cleared what the old process held before the new one's
+        # blocks were applied.
+        assert not client.ask(op="longest_prefix", block_hashes=[2_000])["lengths"]["dead"]
+        assert client.ask(op="stop") == {"ok": True}
+        index.wait(10)
+        client.close()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate(timeout=10)

@@ -241,6 +241,7 @@ def serve(
     topic: str = "",
     ready: Any = None,
     allow_stop: bool = False,
+    stale_after: float = 10.0,
 ) -> None:
     """Runs an index process: subscribes to the replicas and answers queries on a
     REP socket; with ``allow_stop``, until a ``{"op": "stop"}`` request.
@@ -273,7 +274,7 @@ def serve(
         ready.flush()
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
     counters: dict[str, Any] = {"answered": 0, "rejected": 0, "last_error": None}
-    with IndexSubscriber(index, replicas, topic=topic) as feeder:
+    with IndexSubscriber(index, replicas, topic=topic, stale_after=stale_after) as feeder:
         poller = zmq.Poller()
         poller.register(rep, zmq.POLLIN)
         for sub in feeder.subscribers.values():
@@ -333,6 +334,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--query", default="tcp://127.0.0.1:5560", help="REP endpoint to bind")
     parser.add_argument("--topic", default="")
     parser.add_argument(
+        "--stale-after",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds without a message before a replica is reported stale (default 10)",
+    )
+    parser.add_argument(
         "--allow-stop",
         action="store_true",
         help='answer {"op": "stop"} by stopping (off: anyone who can reach the '
@@ -346,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         topic=args.topic,
         ready=sys.stdout,
         allow_stop=args.allow_stop,
+        stale_after=args.stale_after,
     )
     print(json.dumps({"stopped_after_s": round(time.monotonic() - started, 3)}), flush=True)
     return 0

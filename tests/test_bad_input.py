@@ -1223,3 +1223,39 @@ def test_a_pool_larger_than_the_machine_is_refused() -> None:
     )
     with pytest.raises(InvalidConfigError, match="cannot allocate"):
         pk.KVCacheManager(config, max_model_len=1024)
+
+
+def test_torch_scalars_as_counts_do_not_disturb_other_threads() -> None:
+    # Converting a torch scalar runs Python code (and may release the GIL): it
+    # happens before the manager is borrowed, so other threads never meet a
+    # borrowed manager.
+    torch = pytest.importorskip("torch")
+    mgr = make_manager(BS, 200, max_model_len=1024)
+    mgr.add_request("r", list(range(100)))
+    admit(mgr, "r")
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                mgr.num_free_blocks  # noqa: B018 - the call under test
+                mgr.num_tokens("r")
+            except RuntimeError as e:
+                errors.append(str(e))
+                return
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for _ in range(200):
+            mgr.get_computed_blocks("r", torch.tensor(50))
+            mgr.cached_block_num_tokens(torch.tensor(1))
+            mgr.take_new_block_ids(torch.tensor(0))
+            mgr.remove_skipped_blocks("r", torch.tensor(0))
+            mgr.allocate_slots_batch(["r"], torch.tensor(1), [torch.tensor(99)])
+    finally:
+        stop.set()
+        t.join(10)
+    assert errors == []
+    mgr.check_invariants()

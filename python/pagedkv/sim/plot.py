@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from .runner import SimResult
 
@@ -41,6 +43,14 @@ def plot_results(results: Sequence[SimResult], path: str, *, title: str = "") ->
     if len(results) > 1:
         axes[0].legend(loc="lower right")
     fig.suptitle(title or "pagedkv simulate")
-    # No tight bbox: the image keeps exactly FIGSIZE * DPI pixels.
-    fig.savefig(path, dpi=DPI, format="png")
-    plt.close(fig)
+    # No tight bbox: the image keeps exactly FIGSIZE * DPI pixels. Written
+    # beside the target and renamed over it: an interrupted run leaves no half
+    # image.
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    try:
+        fig.savefig(tmp, dpi=DPI, format="png")
+        os.replace(tmp, target)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)

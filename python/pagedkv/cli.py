@@ -16,7 +16,9 @@ from .errors import PagedKVError
 from .manager import HASH_ALGOS
 from .sim import runner
 from .sim.runner import EngineUnavailableError, SimConfig, SimResult
-from .sim.tracefile import TraceFormatError, read_trace, write_trace
+from .sim.tracefile import TraceFormatError, write_trace
+from .sim.traces import FORMATS as TRACE_FORMATS
+from .sim.traces import load_trace, trace_stats
 from .sim.workloads import ARRIVALS, WORKLOADS, Workload, WorkloadOptions, generate
 
 __all__ = ["main"]
@@ -123,7 +125,17 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="NAME",
         help="built-in workload (default: chat)",
     )
-    src.add_argument("--trace", metavar="FILE", help="replay a JSONL trace instead")
+    src.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="replay a trace instead (pagedkv JSONL, Mooncake, BurstGPT or Azure; gzip ok)",
+    )
+    g.add_argument(
+        "--trace-format",
+        choices=("auto", *TRACE_FORMATS),
+        default="auto",
+        help="the --trace file's format (default: detected from its content)",
+    )
     g.add_argument(
         "--requests",
         "-n",
@@ -354,7 +366,14 @@ def _simulate(args: argparse.Namespace) -> int:
     def workload_for(name: str) -> Workload:
         if name not in cache:
             cache[name] = (
-                read_trace(args.trace, step_ms=args.step_ms) if args.trace else generate(name, opts)
+                load_trace(
+                    args.trace,
+                    None if args.trace_format == "auto" else args.trace_format,
+                    step_ms=args.step_ms,
+                    seed=args.seed,
+                )
+                if args.trace
+                else generate(name, opts)
             )
         return cache[name]
 
@@ -424,7 +443,54 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"pagedkv {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     _simulate_parser(sub)
+    ts = sub.add_parser(
+        "trace-stats",
+        help="what a trace holds, and its prefix-hit ceiling",
+        description="Requests, rates, length percentiles and the theoretical maximum "
+        "prefix-hit rate with an unlimited cache (each request's longest prefix already "
+        "seen), before any simulation.",
+    )
+    ts.add_argument("file", metavar="FILE")
+    ts.add_argument("--trace-format", choices=("auto", *TRACE_FORMATS), default="auto")
+    ts.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=16,
+        help="block of the prefix-hit ceiling for token traces (default 16; Mooncake: 512)",
+    )
+    ts.add_argument("--step-ms", type=_positive_float, default=50.0, help=argparse.SUPPRESS)
+    ts.add_argument("--json", action="store_true", help="print the figures as JSON")
     return p
+
+
+def _trace_stats(args: argparse.Namespace) -> int:
+    st = trace_stats(
+        args.file,
+        None if args.trace_format == "auto" else args.trace_format,
+        block_size=args.block_size,
+        step_ms=args.step_ms,
+    )
+    if args.json:
+        sys.stdout.write(json.dumps(st, indent=2) + "\n")
+        return 0
+    rate = st["requests_per_s"]
+    lines = [
+        f"{st['trace']} ({st['format']})",
+        f"requests           {st['requests']:,} over {st['duration_s']:,.1f} s"
+        + (f" ({rate:,.2f} per s)" if rate else ""),
+    ]
+    for key, name in (("input_tokens", "input tokens"), ("output_tokens", "output tokens")):
+        q = st[key]
+        lines.append(
+            f"{name:<18} mean {q['mean']:,.0f}  p50 {q['p50']:,.0f}  p90 {q['p90']:,.0f}  "
+            f"p99 {q['p99']:,.0f}  max {q['max']:,.0f}"
+        )
+    lines.append(
+        f"prefix-hit ceiling {100 * st['max_prefix_hit_rate']:.1f} % of "
+        f"{st['total_input_tokens']:,} input tokens (unlimited cache)"
+    )
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -436,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     prog = f"pagedkv {args.command}"
     try:
-        return _simulate(args)
+        return _trace_stats(args) if args.command == "trace-stats" else _simulate(args)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

@@ -34,11 +34,13 @@ trace file always gives the same requests.
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -109,6 +111,15 @@ def _steps(rec: dict[str, Any], seconds_key: str, steps_key: str, step_ms: float
     return math.floor(v * 1000.0 / step_ms + 1e-9)
 
 
+def open_text(path: str | Path) -> IO[str]:
+    """The file as text, gunzipped when it starts with gzip's magic bytes."""
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    if magic == b"\x1f\x8b":
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
 def read_trace(path: str | Path, *, step_ms: float = 50.0) -> Workload:
     """Reads a trace file into a :class:`Workload`; ``step_ms``: milliseconds per
     scheduler step, to turn seconds into steps. Raises :class:`TraceFormatError`."""
@@ -121,7 +132,7 @@ def read_trace(path: str | Path, *, step_ms: float = 50.0) -> Workload:
     last_turn: dict[str, Request] = {}
     total = 0
     complete: bool | None = None  # a file written by write_trace ends with a record
-    with open(path, encoding="utf-8", errors="strict") as f:
+    with open_text(path) as f:
         lineno = 0
         while True:
             raw = f.readline(MAX_LINE_BYTES + 1)

@@ -75,7 +75,8 @@ def _lines(path: str | Path) -> Iterator[tuple[int, str]]:
 
 
 def detect_format(path: str | Path) -> str:
-    """The format of a trace file, from its first non-blank line."""
+    """The format of a trace file, from its first non-blank line (pagedkv's own
+    JSONL unless it is recognisably another)."""
     for _, line in _lines(path):
         if line.startswith("#"):
             continue
@@ -93,7 +94,8 @@ def detect_format(path: str | Path) -> str:
         if "ContextTokens" in header and "GeneratedTokens" in header:
             return "azure"
         break
-    raise TraceFormatError(f"{path}: not a trace format this version reads ({', '.join(FORMATS)})")
+    # Anything else is read as pagedkv's own format, whose reader says what is wrong.
+    return "pagedkv"
 
 
 def _count(v: Any, what: str, where: str, minimum: int = 0) -> int:

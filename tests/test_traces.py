@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 from pagedkv import cli
 from pagedkv.sim.tracefile import TraceFormatError
-from pagedkv.sim.traces import MOONCAKE_BLOCK, detect_format, load_trace, trace_stats
+from pagedkv.sim.traces import (
+    MOONCAKE_BLOCK,
+    detect_format,
+    load_trace,
+    scale_arrivals,
+    trace_stats,
+)
 
 MOONCAKE = Path(__file__).parents[2] / "shared" / "data" / "mooncake" / "synthetic_trace.jsonl.gz"
 
@@ -147,3 +153,28 @@ def test_simulate_replays_a_mooncake_trace(
     # include the 700 the first computed, block by block).
     assert run["hit_tokens"] > 0
     assert MOONCAKE_BLOCK == 512
+
+
+def test_time_scale_replays_arrivals_faster(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    p = tmp_path / "t.jsonl"
+    p.write_text(
+        '{"arrival": 0, "prompt_len": 20, "output_len": 2}\n'
+        '{"arrival": 1.0, "prompt_len": 20, "output_len": 2}\n'
+        '{"arrival": 3.0, "prompt_len": 20, "output_len": 2, "session": "s"}\n'
+        '{"session": "s", "history": true, "pause": 1.0, "prompt_len": 5, "output_len": 2}\n'
+    )
+    w = scale_arrivals(load_trace(p, step_ms=100.0), 4.0)
+    assert [r.arrival_step for r in w.requests] == [0, 2, 7, 0]
+    assert w.requests[3].pause == 2
+    with pytest.raises(ValueError):
+        scale_arrivals(w, 0.0)
+    base = ["simulate", "--trace", str(p), "--memory", "1", "--max-model-len", "4096", "-q"]
+    assert cli.main([*base, "--json"]) == 0
+    slow = json.loads(capsys.readouterr().out)["runs"][0]
+    assert cli.main([*base, "--json", "--time-scale", "100"]) == 0
+    fast = json.loads(capsys.readouterr().out)["runs"][0]
+    # The same requests arrive together instead of one after the other.
+    assert fast["finished"] == slow["finished"] == 4
+    assert fast["peak_running"] > slow["peak_running"] == 1

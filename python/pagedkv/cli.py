@@ -18,7 +18,7 @@ from .sim import runner
 from .sim.runner import EngineUnavailableError, SimConfig, SimResult
 from .sim.tracefile import TraceFormatError, write_trace
 from .sim.traces import FORMATS as TRACE_FORMATS
-from .sim.traces import load_trace, trace_stats
+from .sim.traces import load_trace, scale_arrivals, trace_stats
 from .sim.workloads import ARRIVALS, WORKLOADS, Workload, WorkloadOptions, generate
 
 __all__ = ["main"]
@@ -129,6 +129,13 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
         "--trace",
         metavar="FILE",
         help="replay a trace instead (pagedkv JSONL, Mooncake, BurstGPT or Azure; gzip ok)",
+    )
+    g.add_argument(
+        "--time-scale",
+        type=_positive_float,
+        default=1.0,
+        metavar="X",
+        help="arrivals X times faster (X > 1: more load; default 1)",
     )
     g.add_argument(
         "--trace-format",
@@ -365,7 +372,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
     def workload_for(name: str) -> Workload:
         if name not in cache:
-            cache[name] = (
+            cache[name] = scale_arrivals(
                 load_trace(
                     args.trace,
                     None if args.trace_format == "auto" else args.trace_format,
@@ -373,7 +380,8 @@ def _simulate(args: argparse.Namespace) -> int:
                     seed=args.seed,
                 )
                 if args.trace
-                else generate(name, opts)
+                else generate(name, opts),
+                args.time_scale,
             )
         return cache[name]
 

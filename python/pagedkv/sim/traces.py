@@ -48,7 +48,14 @@ from .tracefile import (
 )
 from .workloads import Workload
 
-__all__ = ["FORMATS", "MOONCAKE_BLOCK", "detect_format", "load_trace", "trace_stats"]
+__all__ = [
+    "FORMATS",
+    "MOONCAKE_BLOCK",
+    "detect_format",
+    "load_trace",
+    "scale_arrivals",
+    "trace_stats",
+]
 
 FORMATS = ("pagedkv", "mooncake", "burstgpt", "azure")
 #: Tokens per Mooncake hash id.
@@ -267,6 +274,20 @@ def load_trace(
     if fmt in ("burstgpt", "azure"):
         return _read_lengths(path, fmt, step_ms, seed)
     raise ValueError(f"unknown trace format {fmt!r} (one of {', '.join(FORMATS)})")
+
+
+def scale_arrivals(workload: Workload, time_scale: float) -> Workload:
+    """The workload with its arrivals ``time_scale`` times faster (> 1: more
+    load), pauses between session turns too."""
+    if not math.isfinite(time_scale) or time_scale <= 0:
+        raise ValueError(f"time_scale must be a positive number, got {time_scale}")
+    if time_scale == 1.0:
+        return workload
+    for r in workload.requests:
+        r.arrival_step = math.floor(r.arrival_step / time_scale)
+        r.pause = math.floor(r.pause / time_scale)
+    workload.params["time_scale"] = time_scale
+    return workload
 
 
 def _percentiles(values: list[int]) -> dict[str, float]:

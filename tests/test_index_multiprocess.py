@@ -229,6 +229,10 @@ while True:  # a restarted replica rebinds the ports its predecessor held
             raise
         time.sleep(0.05)
 print(json.dumps({"pub": pub.bound_endpoint, "replay": pub.bound_replay_endpoint}), flush=True)
+# Subscribers (re)connect before the first batch: a restart first seen after the
+# new sequence has passed the old one cannot be told from a gap (vLLM's
+# protocol carries no publisher identity).
+time.sleep(1.0)
 h = first_hash
 while True:
     pub.publish([pk.BlockStored([h], None, [1, 2], 2, None, group_idx=0)])

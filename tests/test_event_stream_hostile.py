@@ -220,7 +220,7 @@ def test_a_full_queue_drops_the_batch_and_leaves_a_visible_gap() -> None:
         pub.publish([big[1]])  # waits in the queue
         t0 = time.monotonic()
         pub.publish([pk.BlockRemoved([7], group_idx=0)])  # no room: dropped
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 2  # bounded: no waiting for room
         assert pub.flush(30)
         assert pub.num_dropped >= 1
         # The dropped batch's sequence was skipped.
@@ -248,7 +248,7 @@ def test_replay_clients_that_never_read_do_not_stall_live_publishing() -> None:
         for i in range(100):
             pub.publish([pk.BlockRemoved([i], group_idx=0)])
         assert pub.flush(10)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 5  # stalled streams once held it for 55 s
         deadline = time.monotonic() + 10
         while pub.num_replay_abandoned < 20 and time.monotonic() < deadline:
             time.sleep(0.05)

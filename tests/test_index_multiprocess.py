@@ -271,7 +271,9 @@ def test_a_killed_replica_goes_stale_and_its_restart_is_detected() -> None:
             t0 = time.monotonic()
             reply = client.ask(op="longest_prefix", block_hashes=[1_000])
             worst = max(worst, time.monotonic() - t0)
-        assert worst < 0.1
+        # Blocking on the dead replica's replays took >= 5 s per query; the
+        # figure (under 100 ms) is in docs/reliability.md. Loose here: CI is loaded.
+        assert worst < 1.0
         assert reply["stale"] == ["dead"] and reply["replica"] == "live"
         held = client.ask(op="status")["replicas"]["dead"]["blocks"]
         assert held > 0  # kept, flagged stale

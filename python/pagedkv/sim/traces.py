@@ -38,12 +38,13 @@ import numpy as np
 
 from .policy import Request
 from .tracefile import (
-    MAX_REQUEST_TOKENS,
     MAX_STEPS,
     MAX_TOTAL_TOKENS,
     TraceFormatError,
     bounded_lines,
+    count,
     read_trace,
+    seconds_to_steps,
 )
 from .workloads import Workload
 
@@ -87,22 +88,22 @@ def detect_format(path: str | Path) -> str:
 
 
 def _count(v: Any, what: str, where: str, minimum: int = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        if isinstance(v, str) and v.strip().isdigit():
-            v = int(v.strip())
-        else:
-            raise TraceFormatError(f"{where}: {what} must be an integer, got {v!r}")
-    if not minimum <= v <= MAX_REQUEST_TOKENS:
-        raise TraceFormatError(
-            f"{where}: {what} {v} is outside {minimum}..{MAX_REQUEST_TOKENS} (the limit)"
-        )
-    return int(v)
+    """:func:`~pagedkv.sim.tracefile.count`, also of a CSV field's digits."""
+    if isinstance(v, str) and v.strip().isdigit():
+        v = int(v.strip())
+    try:
+        return count(v, what, minimum)
+    except ValueError as e:
+        raise TraceFormatError(f"{where}: {e}") from None
 
 
 def _step(seconds: float, step_ms: float, where: str) -> int:
-    if not math.isfinite(seconds) or seconds < 0 or seconds * 1000.0 / step_ms > MAX_STEPS:
-        raise TraceFormatError(f"{where}: arrival {seconds} s is outside 0..{MAX_STEPS} steps")
-    return math.floor(seconds * 1000.0 / step_ms + 1e-9)
+    try:
+        return seconds_to_steps(seconds, "arrival", step_ms)
+    except ValueError:
+        raise TraceFormatError(
+            f"{where}: arrival {seconds} s is outside 0..{MAX_STEPS} steps"
+        ) from None
 
 
 class _Budget:
@@ -181,7 +182,17 @@ def _read_mooncake(path: str | Path, step_ms: float, seed: int) -> Workload:
 
 def _csv_rows(path: str | Path) -> Iterator[tuple[int, dict[str, str]]]:
     text = (line for _, line in bounded_lines(path))
-    yield from enumerate(csv.DictReader(text), 2)
+    rows = csv.DictReader(text)
+    row = 1
+    while True:
+        row += 1
+        try:
+            fields = next(rows)
+        except StopIteration:
+            return
+        except csv.Error as e:  # an oversized field, a NUL byte, a broken quote
+            raise TraceFormatError(f"{path}:{row}: {e}") from None
+        yield row, fields
 
 
 def _azure_seconds(stamp: str, where: str) -> float:

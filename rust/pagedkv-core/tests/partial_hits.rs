@@ -7,12 +7,10 @@
 use pagedkv_core::pool::CacheKey;
 use pagedkv_core::{
     AllocateArgs, AttentionKind, Error, GroupSpec, KvCacheManager, MambaCacheMode, ManagerConfig,
-    RequestSpec,
 };
 
-fn ok<T>(r: Result<T, Error>) -> T {
-    r.unwrap_or_else(|e| panic!("{e}"))
-}
+mod support;
+use support::{add, ids, ok};
 
 struct Hybrid {
     hbs: u32,
@@ -43,23 +41,6 @@ fn hybrid(h: &Hybrid) -> KvCacheManager {
     cfg.prefix_cache_retention_interval = h.retention;
     cfg.use_eagle = h.eagle;
     ok(KvCacheManager::new(cfg))
-}
-
-fn add(m: &mut KvCacheManager, id: &str, tokens: Vec<u32>) {
-    ok(m.add_request(
-        id,
-        RequestSpec {
-            prompt_token_ids: tokens,
-            ..Default::default()
-        },
-    ));
-}
-
-fn ids(m: &KvCacheManager, id: &str) -> Vec<Vec<u32>> {
-    ok(m.block_ids(id))
-        .into_iter()
-        .map(<[u32]>::to_vec)
-        .collect()
 }
 
 /// Prefills `id` in chunks of `chunk` tokens (the first one adopting the

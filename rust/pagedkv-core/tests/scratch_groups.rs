@@ -10,12 +10,10 @@
 
 use pagedkv_core::{
     AllocateArgs, AttentionKind, Error, GroupSpec, KvCacheManager, KvEvent, ManagerConfig,
-    RequestSpec,
 };
 
-fn ok<T>(r: Result<T, Error>) -> T {
-    r.unwrap_or_else(|e| panic!("{e}"))
-}
+mod support;
+use support::{add, ids, ok};
 
 fn manager(second: AttentionKind, second_bs: u32, num_blocks: u32, zero: bool) -> KvCacheManager {
     let groups = vec![
@@ -36,23 +34,6 @@ fn replayed() -> KvCacheManager {
         30,
         true,
     )
-}
-
-fn add(m: &mut KvCacheManager, id: &str, tokens: Vec<u32>) {
-    ok(m.add_request(
-        id,
-        RequestSpec {
-            prompt_token_ids: tokens,
-            ..Default::default()
-        },
-    ));
-}
-
-fn ids(m: &KvCacheManager, id: &str) -> Vec<Vec<u32>> {
-    ok(m.block_ids(id))
-        .into_iter()
-        .map(<[u32]>::to_vec)
-        .collect()
 }
 
 /// Blocks per group.

@@ -386,10 +386,10 @@ class ZmqEventPublisher:
         topic = self._topic
         for client, state in list(self._streams.items()):
             cursor, last_progress = state
+            buf = self._buffer
             try:
-                for seq, payload in self._buffer:
-                    if seq < cursor:
-                        continue
+                for i in range(_first_at_or_after(buf, cursor), len(buf)):
+                    seq, payload = buf[i]
                     replay.send_multipart(
                         (client, b"", topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK
                     )
@@ -405,6 +405,19 @@ class ZmqEventPublisher:
             except zmq.ZMQError:
                 del self._streams[client]  # the client went away
                 self.num_replay_abandoned += 1
+
+
+def _first_at_or_after(buf: deque[tuple[int, bytes]], seq: int) -> int:
+    """Index of the first buffered batch with a sequence >= ``seq`` (sequences
+    grow along the buffer): a stream resumes there without rescanning."""
+    lo, hi = 0, len(buf)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if buf[mid][0] < seq:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def _seq(frame: bytes) -> int | None:

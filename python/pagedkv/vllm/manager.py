@@ -325,7 +325,7 @@ class KVCacheManager:
             reserved_blocks,
             has_scheduled_reqs,
             request.num_in_flight_tokens,
-            skip_zeroing_group_ids,
+            skip_zeroing_group_ids or None,  # nothing to convert on the common path
         )
         return None if new is None else self._wrap(new)
 

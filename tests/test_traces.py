@@ -173,7 +173,7 @@ def test_time_scale_replays_arrivals_faster(
     base = ["simulate", "--trace", str(p), "--memory", "1", "--max-model-len", "4096", "-q"]
     assert cli.main([*base, "--json"]) == 0
     slow = json.loads(capsys.readouterr().out)["runs"][0]
-    assert cli.main([*base, "--json", "--time-scale", "100"]) == 0
+    assert cli.main([*base, "--json", "--time-scale", "1000"]) == 0
     fast = json.loads(capsys.readouterr().out)["runs"][0]
     # The same requests arrive together instead of one after the other.
     assert fast["finished"] == slow["finished"] == 4

@@ -15,7 +15,9 @@ from . import __version__, presets
 from .errors import PagedKVError
 from .manager import HASH_ALGOS
 from .sim import runner
+from .sim.perf import GPUS
 from .sim.runner import EngineUnavailableError, SimConfig, SimResult
+from .sim.steptime import LinearModel
 from .sim.tracefile import TraceFormatError, write_trace
 from .sim.traces import FORMATS as TRACE_FORMATS
 from .sim.traces import load_trace, scale_arrivals, trace_stats
@@ -27,19 +29,23 @@ SIMULATE_HELP = """\
 Replay a serving workload through a vLLM-style continuous-batching scheduler
 (FCFS admission with get_computed_blocks + allocate_slots, chunked prefill under a
 token budget, batched decode, preemption by recompute) over pagedkv's real
-KV-cache manager, and report what a deployment would see: prefix-hit rate,
-preemptions, KV-cache usage over time and the manager's own cost per step.
+KV-cache manager, on a clock where each step lasts what it computes on the GPU
+(a roofline of the model on --gpu x --tp, or --step-time), and report what a
+deployment would see: TTFT, TPOT, ITL, end-to-end and queueing latency,
+throughput, prefix-hit rate, preemptions, KV-cache usage over time and the
+manager's own cost per step.
 
-With no arguments: the 'chat' workload on llama-3.1-8b with 8 GiB of KV cache.
+With no arguments: the 'chat' workload on llama-3.1-8b on one H100-SXM, the KV
+cache sized as vLLM sizes it (GPU memory x 0.9 less weights and activations).
 """
 
 SIMULATE_EPILOG = """\
 workloads (--workload, deterministic from --seed):
 {workloads}
-  or --trace FILE: a JSONL trace (format in docs/simulate.md; --step-ms maps
-  arrival seconds to steps)
+  or --trace FILE: pagedkv JSONL, Mooncake, BurstGPT or Azure (docs/simulate.md)
 
 model presets (--model): {models}
+GPUs (--gpu): {gpus}
 
 --compare AXIS=V1,V2,... runs one simulation per value (repeat for a grid).
   axes: caching (on,off), block-size, hash ({hashes}), memory (GiB),
@@ -50,6 +56,8 @@ examples:
   pagedkv simulate --workload agentic --memory 8 --plot agentic.png
   pagedkv simulate --workload tenants --compare workload=tenants,tenants-salted
   pagedkv simulate --compare caching --compare memory=2,4,8 --json
+  pagedkv simulate --trace trace.jsonl.gz --model llama-4-scout --tp 4 --gpu H200
+  pagedkv simulate --slo-ttft 500 --slo-tpot 50 --find-max-rate
   pagedkv simulate --engine vllm --vllm-python /path/to/venv-with-vllm/bin/python
 
 exit status: 0 ok, 2 bad arguments or input, 3 the requested engine is unavailable.
@@ -64,6 +72,9 @@ _AXES = (
     "model",
     "workload",
     "max-num-seqs",
+    "gpu",
+    "tp",
+    "time-scale",
 )
 
 
@@ -81,6 +92,13 @@ def _positive_float(s: str) -> float:
         raise argparse.ArgumentTypeError(
             f"must be a positive finite number up to {MAX_ARG}, got {s}"
         )
+    return v
+
+
+def _fraction(s: str) -> float:
+    v = float(s)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {s}")
     return v
 
 
@@ -111,7 +129,10 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
         help="simulate a serving workload over the manager",
         description=SIMULATE_HELP,
         epilog=SIMULATE_EPILOG.format(
-            workloads=workloads, models=", ".join(presets.names()), hashes=", ".join(HASH_ALGOS)
+            workloads=workloads,
+            models=", ".join(presets.names()),
+            hashes=", ".join(HASH_ALGOS),
+            gpus=", ".join(GPUS),
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -161,7 +182,7 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
         "--rate",
         type=_positive_float,
         metavar="R",
-        help="mean arrivals per scheduler step (default: the workload's)",
+        help="mean arrivals per second (default: the workload's)",
     )
     g.add_argument(
         "--tenants",
@@ -183,7 +204,8 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
         type=_positive_float,
         default=50.0,
         metavar="MS",
-        help="milliseconds per step, for trace arrival times (default 50)",
+        help="milliseconds per arrival tick of the built-in workloads and of trace "
+        "records timed in steps (default 50)",
     )
     g.add_argument("--save-trace", metavar="FILE", help="also write the workload as a JSONL trace")
     g = p.add_argument_group("model and memory")
@@ -194,13 +216,28 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="PRESET",
         help="model preset (default llama-3.1-8b)",
     )
+    g.add_argument(
+        "--gpu",
+        default="H100-SXM",
+        choices=list(GPUS),
+        metavar="NAME",
+        help="GPU preset: step times and memory (default H100-SXM)",
+    )
+    g.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel GPUs (default 1)")
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=0.9,
+        metavar="F",
+        help="share of GPU memory vLLM may use (default 0.9)",
+    )
     mem = g.add_mutually_exclusive_group()
     mem.add_argument(
         "--memory",
         type=_positive_float,
-        default=8.0,
         metavar="GIB",
-        help="GPU memory for the KV cache, GiB (default 8)",
+        help="KV-cache memory per GPU, GiB (default: what the GPU leaves after the "
+        "weights and activations)",
     )
     mem.add_argument(
         "--num-blocks",
@@ -240,6 +277,27 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument(
         "--vllm-python", metavar="PATH", help="a Python with vllm installed, for --engine vllm"
     )
+    g = p.add_argument_group("time and SLOs")
+    g.add_argument(
+        "--step-time",
+        metavar="A,B,C,D",
+        help="linear step-time model instead of the roofline: ms = A + B*prefill tokens/1000 "
+        "+ C*decode sequences + D*context tokens/1000",
+    )
+    g.add_argument("--slo-ttft", type=_positive_float, metavar="MS", help="TTFT SLO (ms)")
+    g.add_argument("--slo-tpot", type=_positive_float, metavar="MS", help="TPOT SLO (ms)")
+    g.add_argument(
+        "--slo-target",
+        type=_fraction,
+        default=0.9,
+        metavar="F",
+        help="share of requests that must meet the SLOs, for --find-max-rate (default 0.9)",
+    )
+    g.add_argument(
+        "--find-max-rate",
+        action="store_true",
+        help="search --time-scale for the highest arrival rate meeting the SLOs",
+    )
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print the results as JSON only")
     g.add_argument("--series", action="store_true", help="with --json: include the per-step series")
@@ -268,31 +326,45 @@ def _parse_compare(specs: Sequence[str]) -> list[tuple[str, list[str]]]:
     return axes
 
 
-def _apply(axis: str, value: str, cfg: SimConfig, workload: str) -> tuple[SimConfig, str]:
+def _apply(
+    axis: str, value: str, cfg: SimConfig, workload: str, scale: float
+) -> tuple[SimConfig, str, float]:
     try:
-        if axis == "caching":
-            if value not in ("on", "off"):
-                raise ValueError("caching is on or off")
-            return replace(cfg, enable_caching=value == "on"), workload
-        if axis == "block-size":
-            return replace(cfg, block_size=_positive_int(value)), workload
-        if axis == "hash":
-            if value not in HASH_ALGOS:
-                raise ValueError(f"hash is one of {', '.join(HASH_ALGOS)}")
-            return replace(cfg, hash_algo=value), workload
-        if axis == "memory":
-            return replace(cfg, memory_gib=_positive_float(value), num_blocks=None), workload
-        if axis == "num-blocks":
-            return replace(cfg, num_blocks=_positive_int(value)), workload
-        if axis == "model":
-            return replace(cfg, model=value), workload
-        if axis == "max-num-seqs":
-            return replace(cfg, max_num_seqs=_positive_int(value)), workload
-        if value not in WORKLOADS:
-            raise ValueError(f"built-in workloads: {', '.join(WORKLOADS)}")
-        return cfg, value
+        if axis == "workload":
+            if value not in WORKLOADS:
+                raise ValueError(f"built-in workloads: {', '.join(WORKLOADS)}")
+            return cfg, value, scale
+        if axis == "time-scale":
+            return cfg, workload, _positive_float(value)
+        return _apply_config(axis, value, cfg), workload, scale
     except (ValueError, argparse.ArgumentTypeError) as e:
         raise _UsageError(f"--compare {axis}={value}: {e}") from None
+
+
+def _apply_config(axis: str, value: str, cfg: SimConfig) -> SimConfig:
+    if axis == "caching":
+        if value not in ("on", "off"):
+            raise ValueError("caching is on or off")
+        return replace(cfg, enable_caching=value == "on")
+    if axis == "block-size":
+        return replace(cfg, block_size=_positive_int(value))
+    if axis == "hash":
+        if value not in HASH_ALGOS:
+            raise ValueError(f"hash is one of {', '.join(HASH_ALGOS)}")
+        return replace(cfg, hash_algo=value)
+    if axis == "memory":
+        return replace(cfg, memory_gib=_positive_float(value), num_blocks=None)
+    if axis == "num-blocks":
+        return replace(cfg, num_blocks=_positive_int(value))
+    if axis == "model":
+        return replace(cfg, model=value)
+    if axis == "gpu":
+        if value not in GPUS:
+            raise ValueError(f"GPUs: {', '.join(GPUS)}")
+        return replace(cfg, gpu=value)
+    if axis == "tp":
+        return replace(cfg, tp=_positive_int(value))
+    return replace(cfg, max_num_seqs=_positive_int(value))
 
 
 def _progress(console: Any, enabled: bool) -> Any:
@@ -339,6 +411,15 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.loras < 0:
         raise _UsageError("--loras must be >= 0")
 
+    if args.find_max_rate and args.slo_ttft is None and args.slo_tpot is None:
+        raise _UsageError("--find-max-rate needs --slo-ttft and/or --slo-tpot")
+    if args.find_max_rate and (axes or args.engine == "vllm"):
+        raise _UsageError("--find-max-rate searches one configuration: drop --compare/--engine")
+    if args.step_time is not None:
+        try:
+            LinearModel.parse(args.step_time)
+        except ValueError as e:
+            raise _UsageError(str(e)) from None
     base = SimConfig(
         model=args.model,
         memory_gib=args.memory,
@@ -350,29 +431,38 @@ def _simulate(args: argparse.Namespace) -> int:
         hash_algo=args.hash,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu=args.gpu,
+        tp=args.tp,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        step_time=args.step_time,
+        tick_s=args.step_ms / 1000,
+        slo_ttft_ms=args.slo_ttft,
+        slo_tpot_ms=args.slo_tpot,
     )
-    variants: list[tuple[str, SimConfig, str]] = []
+    variants: list[tuple[str, SimConfig, str, float]] = []
     for combo in itertools.product(*[[(a, v) for v in vals] for a, vals in axes]):
-        cfg, wname = base, args.workload
+        cfg, wname, scale = base, args.workload, args.time_scale
         for axis, value in combo:
-            cfg, wname = _apply(axis, value, cfg, wname)
-        variants.append((", ".join(f"{a}={v}" for a, v in combo) or "pagedkv", cfg, wname))
+            cfg, wname, scale = _apply(axis, value, cfg, wname, scale)
+        variants.append(
+            (", ".join(f"{a}={v}" for a, v in combo) or "pagedkv", cfg, wname, scale)
+        )
 
     opts = WorkloadOptions(
         seed=args.seed,
         num_requests=args.requests,
-        rate=args.rate,
+        rate=None if args.rate is None else args.rate * base.tick_s,
         arrival=args.arrival,
         num_tenants=args.tenants,
         cache_salt=args.cache_salt,
         num_loras=args.loras,
         max_context=args.max_model_len or runner.DEFAULT_MAX_CONTEXT,
     )
-    cache: dict[str, Workload] = {}
+    cache: dict[tuple[str, float], Workload] = {}
 
-    def workload_for(name: str) -> Workload:
-        if name not in cache:
-            cache[name] = scale_arrivals(
+    def workload_for(name: str, scale: float) -> Workload:
+        if (name, scale) not in cache:
+            cache[name, scale] = scale_arrivals(
                 load_trace(
                     args.trace,
                     None if args.trace_format == "auto" else args.trace_format,
@@ -381,19 +471,21 @@ def _simulate(args: argparse.Namespace) -> int:
                 )
                 if args.trace
                 else generate(name, opts),
-                args.time_scale,
+                scale,
             )
-        return cache[name]
+        return cache[name, scale]
 
     if args.save_trace:
-        write_trace(workload_for(variants[0][2]), args.save_trace)
+        write_trace(workload_for(variants[0][2], variants[0][3]), args.save_trace)
+    if args.find_max_rate:
+        return _find_max_rate(args, out, err, base, workload_for(args.workload, 1.0))
 
     results: list[SimResult] = []
     summaries: list[dict[str, Any]] = []
     show = not args.quiet and err.is_terminal
     with _progress(err, show) as bar:
-        for label, cfg, wname in variants:
-            w = workload_for(wname)
+        for label, cfg, wname, scale in variants:
+            w = workload_for(wname, scale)
             task = bar.add_task(label, total=len(w.requests), step=0)
 
             def tick(clock: int, finished: int, task: Any = task) -> None:
@@ -440,6 +532,44 @@ def _simulate(args: argparse.Namespace) -> int:
             out.print(f"plot written to {args.plot}")
         if args.save_trace:
             out.print(f"trace written to {args.save_trace}")
+    return 0
+
+
+def _find_max_rate(
+    args: argparse.Namespace,
+    out: Any,
+    err: Any,
+    cfg: SimConfig,
+    workload: Workload,
+) -> int:
+    def progress(x: float, att: float, rate: float) -> None:
+        if not args.quiet and not args.json:
+            err.print(f"time-scale {x:.4g}: {rate:,.3f} req/s, {100 * att:.1f} % meet the SLOs")
+
+    found = runner.find_max_rate(
+        workload, cfg, target=args.slo_target, base_scale=args.time_scale, progress=progress
+    )
+    if args.json:
+        sys.stdout.write(json.dumps(found, indent=2) + "\n")
+        return 0
+    slo = " and ".join(
+        f"{k} <= {v:g} ms"
+        for k, v in (("TTFT", args.slo_ttft), ("TPOT", args.slo_tpot))
+        if v is not None
+    )
+    best = found["max_rate"]
+    if best is None:
+        out.print(
+            f"no arrival rate tried meets {slo} for {100 * args.slo_target:g} % of requests "
+            f"(down to time-scale {found['lowest_scale_tried']:.4g})"
+        )
+    else:
+        out.print(
+            f"highest arrival rate with {100 * args.slo_target:g} % of requests meeting {slo}: "
+            f"[bold]{best['requests_per_s']:,.3f} requests/s[/bold] (time-scale "
+            f"{best['time_scale']:.4g}, {100 * best['slo_attainment']:.1f} % meet them, "
+            f"TTFT p99 {best['ttft_ms']['p99']:,.0f} ms, TPOT p99 {best['tpot_ms']['p99']:,.1f} ms)"
+        )
     return 0
 
 

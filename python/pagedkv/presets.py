@@ -37,7 +37,7 @@ from .specs import (
     SlidingWindowSpec,
 )
 
-__all__ = ["ModelPreset", "get", "names"]
+__all__ = ["ModelCompute", "ModelPreset", "get", "names"]
 
 #: Smallest kernel block of a FlashAttention-style backend (kernel block sizes are
 #: multiples of 16 tokens); vLLM aligns hybrid attention block sizes to it.
@@ -54,6 +54,41 @@ class _Options:
 
 
 @dataclass(frozen=True)
+class ModelCompute:
+    """What a step costs to compute, besides the KV cache (which the layer specs
+    give): the simulator's step-time model reads it.
+
+    ``params``: all parameters (the weights loaded); ``active_params``: those one
+    token runs through (MoE: the routed experts it picks, shared experts, attention,
+    embeddings); ``expert_params``, ``num_experts``, ``experts_per_token``: the
+    routed experts; ``weight_bytes``: bytes of the loaded weights (quantized
+    checkpoints are smaller than 2 bytes per parameter); ``qk_head_dim`` /
+    ``v_head_dim``: per attention head, the dimensions of the score and value
+    products (MLA: the absorbed latent form, ``kv_lora_rank + rope`` and
+    ``kv_lora_rank``); ``compute_dtype``: ``bf16`` or ``fp8``, the matmul peak that
+    applies; ``num_kv_heads``: KV heads, the most ways tensor parallelism splits
+    the KV cache (MLA: 1, replicated).
+    """
+
+    params: float
+    active_params: float
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    qk_head_dim: int
+    v_head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    weight_bytes: float
+    tied_embeddings: bool = False
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_params: float = 0.0
+    compute_dtype: str = "bf16"
+
+
+@dataclass(frozen=True)
 class ModelPreset:
     """One model's KV-cache layout.
 
@@ -61,7 +96,8 @@ class ModelPreset:
     ``max_model_len``: the model's context length (``max_position_embeddings``);
     ``max_num_encoder_input_tokens``: the encoder output length for
     encoder-decoder models (pass it to the config builder), else ``None``;
-    ``source``: the config numbers used.
+    ``source``: the config numbers used; ``compute``: the model's compute shape
+    (the simulator's step-time model).
     """
 
     name: str
@@ -70,6 +106,7 @@ class ModelPreset:
     source: str
     _build: Callable[[_Options], dict[str, KVCacheSpec]] = field(repr=False, compare=False)
     max_num_encoder_input_tokens: int | None = None
+    compute: ModelCompute | None = None
 
     def layer_specs(
         self,
@@ -190,6 +227,19 @@ _PRESETS: dict[str, ModelPreset] = {
             source="num_hidden_layers 32, num_key_value_heads 8, head_dim 128 (hidden_size 4096 / "
             "32 heads), max_position_embeddings 131072: 32 full-attention layers.",
             _build=_llama_3_1_8b,
+            compute=ModelCompute(
+                params=8.03e9,
+                active_params=8.03e9,
+                hidden_size=4096,
+                num_layers=32,
+                num_attention_heads=32,
+                num_kv_heads=8,
+                qk_head_dim=128,
+                v_head_dim=128,
+                intermediate_size=14336,
+                vocab_size=128256,
+                weight_bytes=2 * 8.03e9,
+            ),
         ),
         ModelPreset(
             name="gemma-3-27b",
@@ -200,6 +250,20 @@ _PRESETS: dict[str, ModelPreset] = {
             "global), max_position_embeddings 131072: 52 sliding-window (1024) + 10 "
             "full-attention layers.",
             _build=_gemma_3_27b,
+            compute=ModelCompute(
+                params=27.43e9,  # 27.0e9 language model + 0.43e9 vision tower
+                active_params=27.0e9,
+                hidden_size=5376,
+                num_layers=62,
+                num_attention_heads=32,
+                num_kv_heads=16,
+                qk_head_dim=128,
+                v_head_dim=128,
+                intermediate_size=21504,
+                vocab_size=262208,
+                weight_bytes=2 * 27.43e9,
+                tied_embeddings=True,
+            ),
         ),
         ModelPreset(
             name="gpt-oss-120b",
@@ -209,6 +273,22 @@ _PRESETS: dict[str, ModelPreset] = {
             "layer_types alternating sliding_attention / full_attention (even layers "
             "slide), max_position_embeddings 131072: 18 sliding-window (128) + 18 full.",
             _build=_gpt_oss_120b,
+            compute=ModelCompute(
+                params=116.83e9,
+                active_params=5.13e9,
+                hidden_size=2880,
+                num_layers=36,
+                num_attention_heads=64,
+                num_kv_heads=8,
+                qk_head_dim=64,
+                v_head_dim=64,
+                intermediate_size=4 * 2880,
+                vocab_size=201088,
+                weight_bytes=65.3e9,  # MXFP4 experts: a 60.8 GiB checkpoint
+                num_experts=128,
+                experts_per_token=4,
+                expert_params=115.3e9,
+            ),
         ),
         ModelPreset(
             name="llama-4-scout",
@@ -219,6 +299,22 @@ _PRESETS: dict[str, ModelPreset] = {
             "is a NoPE global layer), max_position_embeddings 10485760: 36 chunked-local "
             "(8192) + 12 full-attention layers.",
             _build=_llama_4_scout,
+            compute=ModelCompute(
+                params=108.6e9,
+                active_params=17.17e9,
+                hidden_size=5120,
+                num_layers=48,
+                num_attention_heads=40,
+                num_kv_heads=8,
+                qk_head_dim=128,
+                v_head_dim=128,
+                intermediate_size=16384,
+                vocab_size=202048,
+                weight_bytes=2 * 108.6e9,
+                num_experts=16,
+                experts_per_token=1,
+                expert_params=97.5e9,
+            ),
         ),
         ModelPreset(
             name="jamba-1.5-mini",
@@ -233,6 +329,22 @@ _PRESETS: dict[str, ModelPreset] = {
             "whose page holds a Mamba state (80 tokens for block_size 16: 327,680 "
             "bytes) and the Mamba page is padded to it.",
             _build=_jamba_1_5_mini,
+            compute=ModelCompute(
+                params=51.6e9,
+                active_params=12.0e9,
+                hidden_size=4096,
+                num_layers=32,
+                num_attention_heads=32,
+                num_kv_heads=8,
+                qk_head_dim=128,
+                v_head_dim=128,
+                intermediate_size=14336,
+                vocab_size=65536,
+                weight_bytes=2 * 51.6e9,
+                num_experts=16,
+                experts_per_token=2,
+                expert_params=45.26e9,
+            ),
         ),
         ModelPreset(
             name="deepseek-v3",
@@ -242,6 +354,23 @@ _PRESETS: dict[str, ModelPreset] = {
             "max_position_embeddings 163840: 61 MLA layers of 1 latent head of "
             "512 + 64 = 576.",
             _build=_deepseek_v3,
+            compute=ModelCompute(
+                params=671e9,
+                active_params=37e9,
+                hidden_size=7168,
+                num_layers=61,
+                num_attention_heads=128,
+                num_kv_heads=1,
+                qk_head_dim=512 + 64,
+                v_head_dim=512,
+                intermediate_size=18432,
+                vocab_size=129280,
+                weight_bytes=6.9e11,  # FP8 weights, bfloat16 norms and embeddings
+                num_experts=256,
+                experts_per_token=8,
+                expert_params=654.5e9,
+                compute_dtype="fp8",
+            ),
         ),
         ModelPreset(
             name="whisper-large-v3",
@@ -253,6 +382,21 @@ _PRESETS: dict[str, ModelPreset] = {
             "with a self-attention (full) and a cross-attention layer over the 1500 "
             "encoder outputs; encoder layers keep no KV cache.",
             _build=_whisper_large_v3,
+            # The decoder only: the encoder runs once per request, outside the steps.
+            compute=ModelCompute(
+                params=1.55e9,
+                active_params=0.907e9,
+                hidden_size=1280,
+                num_layers=32,
+                num_attention_heads=20,
+                num_kv_heads=20,
+                qk_head_dim=64,
+                v_head_dim=64,
+                intermediate_size=5120,
+                vocab_size=51866,
+                weight_bytes=2 * 1.55e9,
+                tied_embeddings=True,
+            ),
         ),
     )
 }

@@ -37,7 +37,11 @@ Where callers behave differently, the difference is an explicit option:
   its CPU pool; such a request's :meth:`Backend.lookup` then returns them, and
   it resumes where it stopped.
 
-Standard library only (besides ``pagedkv._util``, itself standard library only):
+:func:`drive_timed` is the same loop on a clock in seconds, each step lasting what
+a :mod:`pagedkv.sim.steptime` model says it takes.
+
+Standard library only (besides ``pagedkv._util`` and ``sim/steptime.py``, both
+standard library only):
 ``sim/vllm_engine.py`` imports this file in an interpreter that has vLLM but not
 pagedkv.
 """
@@ -45,6 +49,7 @@ pagedkv.
 from __future__ import annotations
 
 import heapq
+import math
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -52,11 +57,20 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from .._util import FNV_OFFSET_BASIS, MASK64, fnv1a64
+from .steptime import Latencies, StepShape, StepTimeModel
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-__all__ = ["Backend", "Request", "Scheduler", "SchedulerConfig", "StepStats", "drive"]
+__all__ = [
+    "Backend",
+    "Request",
+    "Scheduler",
+    "SchedulerConfig",
+    "StepStats",
+    "drive",
+    "drive_timed",
+]
 
 
 @dataclass(eq=False)
@@ -77,6 +91,10 @@ class Request:
     session: str | None = None
     #: steps between the end of the session's previous turn and this one
     pause: int = 0
+    #: On the timed clock (:func:`drive_timed`): arrival and pause in seconds; None:
+    #: ``arrival_step`` and ``pause`` ticks of the clock's ``tick_s``.
+    arrival_s: float | None = None
+    pause_s: float | None = None
     #: extra keys of the request's block hashes (vLLM's cache-salt and LoRA keys)
     cache_salt: str | None = None
     lora_name: str | None = None
@@ -249,6 +267,12 @@ class Scheduler(Generic[R]):
         self.stats = backend.stats
         self.waiting: deque[R] = deque()
         self.running: list[R] = []
+        #: the last step's scheduled ``(request, new tokens)``, the requests that
+        #: sampled a token, and (with ``track_shape``) what it computed
+        self.last_scheduled: list[tuple[R, int]] = []
+        self.last_sampled: list[R] = []
+        self.track_shape = False
+        self.last_shape = StepShape()
 
     def add_request(self, req: R) -> None:
         """Registers the request with the backend and queues it."""
@@ -270,10 +294,21 @@ class Scheduler(Generic[R]):
         st.peak_running = max(st.peak_running, len(self.running))
         be.execute(scheduled)
         sampling: list[R] = []
+        if self.track_shape:
+            shape = self.last_shape = StepShape()
+            for req, n in scheduled:
+                c = req.num_computed_tokens
+                if n == 1 and c >= len(req.prompt):
+                    shape.decode.append(c + 1)
+                else:
+                    shape.prefill.append((n, c))
         for req, n in scheduled:
             req.num_computed_tokens += n
             if req.num_computed_tokens == req.num_tokens:
                 sampling.append(req)
+        self.last_scheduled = scheduled
+        self.last_sampled = sampling
+        self.last_shape.sampled = len(sampling)
         done: list[R] = []
         if sampling:
             tokens = be.next_tokens(sampling)
@@ -384,23 +419,12 @@ def drive(
     ``on_step(clock, num_finished)`` is called after every step. Returns the clock
     at the end (the step after the last one).
     """
-    successor: dict[str, int] = {}
-    last_of_session: dict[str, int] = {}
-    ready: list[tuple[int, int]] = []
-    for i, item in enumerate(items):
-        s = item.session
-        if s is not None and s in last_of_session:
-            successor[items[last_of_session[s]].request_id] = i
-        else:
-            ready.append((item.arrival_step, i))
-        if s is not None:
-            last_of_session[s] = i
-    heapq.heapify(ready)
+    successor, ready = _sessions(items, lambda item: item.arrival_step)
     clock = 0
     finished = 0
     while ready or sched.has_unfinished:
         if not sched.has_unfinished:
-            clock = max(clock, ready[0][0])
+            clock = max(clock, int(ready[0][0]))
         while ready and ready[0][0] <= clock:
             _, i = heapq.heappop(ready)
             sched.add_request(items[i] if make_request is None else make_request(i))
@@ -410,10 +434,91 @@ def drive(
             j = successor.pop(req.request_id, None)
             if j is not None:
                 nxt = items[j]
-                heapq.heappush(ready, (max(nxt.arrival_step, clock + 1 + nxt.pause), j))
+                heapq.heappush(ready, (float(max(nxt.arrival_step, clock + 1 + nxt.pause)), j))
         if on_step is not None:
             on_step(clock, finished)
         clock += 1
+    if finished != len(items):  # pragma: no cover - a scheduler bug, not a user error
+        raise RuntimeError(f"{finished} of {len(items)} requests finished")
+    return clock
+
+
+def _sessions(items: Sequence[R], ready_at: Callable[[R], float]) -> tuple[
+    dict[str, int], list[tuple[float, int]]
+]:
+    """(request id -> index of its session's next turn, heap of the first turns)."""
+    successor: dict[str, int] = {}
+    last_of_session: dict[str, int] = {}
+    ready: list[tuple[float, int]] = []
+    for i, item in enumerate(items):
+        s = item.session
+        if s is not None and s in last_of_session:
+            successor[items[last_of_session[s]].request_id] = i
+        else:
+            ready.append((ready_at(item), i))
+        if s is not None:
+            last_of_session[s] = i
+    heapq.heapify(ready)
+    return successor, ready
+
+
+def drive_timed(
+    sched: Scheduler[R],
+    items: Sequence[R],
+    model: StepTimeModel,
+    *,
+    tick_s: float,
+    make_request: Callable[[int], R] | None = None,
+    on_step: Callable[[float, int], None] | None = None,
+    latencies: Latencies | None = None,
+) -> float:
+    """Runs ``sched`` until every request of ``items`` has arrived and finished,
+    on a clock in seconds: each step lasts what ``model`` says its shape takes.
+
+    A request arrives at ``arrival_s`` (else ``arrival_step * tick_s``); a later
+    turn of a session ``pause_s`` (else ``pause * tick_s``) after the previous turn
+    finished, and no earlier than its own arrival. Requests that arrive while a
+    step runs join before the next step; when nothing is running or waiting the
+    clock jumps to the next arrival. Tokens sampled in a step exist at its end.
+    ``latencies`` receives every request's times; ``on_step(clock, finished)``
+    runs after every step. Returns the clock at the end.
+    """
+    if not (tick_s > 0 and math.isfinite(tick_s)):
+        raise ValueError(f"tick_s must be positive, got {tick_s}")
+    lat = latencies if latencies is not None else Latencies()
+
+    def arrival(item: R) -> float:
+        return item.arrival_s if item.arrival_s is not None else item.arrival_step * tick_s
+
+    successor, ready = _sessions(items, arrival)
+    sched.track_shape = True
+    clock = 0.0
+    finished = 0
+    while ready or sched.has_unfinished:
+        if not sched.has_unfinished:
+            clock = max(clock, ready[0][0])
+        while ready and ready[0][0] <= clock:
+            t, i = heapq.heappop(ready)
+            req = items[i] if make_request is None else make_request(i)
+            lat.arrive(req.request_id, t, len(req.prompt))
+            sched.add_request(req)
+        done = sched.step()
+        end = clock + max(model.step_seconds(sched.last_shape), 1e-9)
+        for req, _ in sched.last_scheduled:
+            lat.scheduled(req.request_id, clock)
+        for req in sched.last_sampled:
+            lat.token(req.request_id, end)
+        finished += len(done)
+        for req in done:
+            lat.finished(req.request_id, end)
+            j = successor.pop(req.request_id, None)
+            if j is not None:
+                nxt = items[j]
+                pause = nxt.pause_s if nxt.pause_s is not None else nxt.pause * tick_s
+                heapq.heappush(ready, (max(arrival(nxt), end + pause), j))
+        clock = end
+        if on_step is not None:
+            on_step(clock, finished)
     if finished != len(items):  # pragma: no cover - a scheduler bug, not a user error
         raise RuntimeError(f"{finished} of {len(items)} requests finished")
     return clock

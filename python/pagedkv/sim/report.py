@@ -28,6 +28,7 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
         ("model", c["model"]),
         ("KV-cache layers", ", ".join(f"{n} {k}" for k, n in groups.items())),
         ("KV-cache blocks", f"{r.num_blocks:,} x {c['block_size']} tokens"),
+        ("GPUs", f"{c['tp']} x {c['gpu']}" if c.get("step_time") is None else "--step-time"),
         ("KV-cache memory", f"{c['kv_cache_gib']:.2f} GiB"),
         ("prefix caching", f"{'on' if c['enable_caching'] else 'off'}, {c['hash_algo']}"),
         ("requests finished", f"{r.finished:,} / {r.requests:,}"),
@@ -41,6 +42,7 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
             _pct(r.hit_tokens_all / r.query_tokens_all if r.query_tokens_all else 0.0),
         ),
         ("preemptions", f"{r.preemptions:,}"),
+        *_time_rows(r),
         ("peak running requests", f"{r.peak_running:,}"),
         ("KV usage peak", _pct(r.peak_usage)),
         ("KV usage mean", _pct(r.mean_usage)),
@@ -50,6 +52,32 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
         ("  calls", f"{r.manager_calls:,}"),
         ("simulation wall time", f"{r.wall_s:.2f} s"),
     ]
+    return rows
+
+
+def _dist(d: dict[str, float]) -> str:
+    return f"{d['mean']:,.1f} / {d['p50']:,.1f} / {d['p99']:,.1f}"
+
+
+def _time_rows(r: SimResult) -> list[tuple[str, str]]:
+    t = r.timing
+    if not t:
+        return []
+    rows = [
+        ("duration", f"{t['duration_s']:,.1f} s"),
+        ("TTFT ms (mean / p50 / p99)", _dist(t["ttft_ms"])),
+        ("TPOT ms", _dist(t["tpot_ms"])),
+        ("ITL ms", _dist(t["itl_ms"])),
+        ("end-to-end ms", _dist(t["e2e_ms"])),
+        ("queueing ms", _dist(t["queue_ms"])),
+        ("throughput requests/s", f"{t['throughput']['requests_per_s']:,.2f}"),
+        ("  input / output tokens/s", (
+            f"{t['throughput']['input_tokens_per_s']:,.0f} / "
+            f"{t['throughput']['output_tokens_per_s']:,.0f}"
+        )),
+    ]
+    if "slo_attainment" in t:
+        rows.append(("SLO attainment", _pct(t["slo_attainment"])))
     return rows
 
 

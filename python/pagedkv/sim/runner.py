@@ -11,6 +11,7 @@ vLLM's own ``KVCacheManager`` behind the policy (in this interpreter, or in
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -34,8 +35,10 @@ from ..specs import (
     SlidingWindowSpec,
 )
 from . import vllm_engine
+from . import perf
 from .backend import ManagerBackend
-from .policy import Scheduler, SchedulerConfig, drive
+from .policy import Scheduler, SchedulerConfig, drive_timed
+from .steptime import Latencies, LinearModel, StepTimeModel, summarize
 from .workloads import Workload
 
 __all__ = [
@@ -44,6 +47,9 @@ __all__ = [
     "SimConfig",
     "SimResult",
     "build_config",
+    "find_max_rate",
+    "offered_rate",
+    "scaled",
     "run_pagedkv",
     "run_vllm",
 ]
@@ -62,11 +68,24 @@ class EngineUnavailableError(RuntimeError):
 
 @dataclass(frozen=True)
 class SimConfig:
-    """Model, KV-cache memory and scheduler of one simulation."""
+    """Model, GPUs, KV-cache memory, scheduler and clock of one simulation."""
 
     model: str = "llama-3.1-8b"
-    #: GiB of GPU memory for the KV cache (turned into blocks by the config builder)
-    memory_gib: float = 8.0
+    #: GiB of KV cache on each GPU (turned into blocks by the config builder);
+    #: None: what ``gpu`` leaves after the weights and activations (as vLLM sizes it)
+    memory_gib: float | None = 8.0
+    #: GPU preset (``pagedkv.sim.perf.GPUS``), tensor-parallel size, and the share
+    #: of GPU memory vLLM may use
+    gpu: str = "H100-SXM"
+    tp: int = 1
+    gpu_memory_utilization: float = 0.9
+    #: ``"a,b,c,d"``: the linear step-time model (ms) instead of the roofline
+    step_time: str | None = None
+    #: seconds per arrival tick of workloads timed in steps (built-in workloads)
+    tick_s: float = 0.05
+    #: SLOs of ``slo_attainment`` (milliseconds)
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     #: fixed block count instead of ``memory_gib``
     num_blocks: int | None = None
     block_size: int = 16
@@ -112,8 +131,11 @@ class SimResult:
     alloc_checksum: str
     wall_s: float
     extra: dict[str, Any] = field(default_factory=dict)
-    #: per step: KV usage, running requests, waiting requests, cumulative hit rate
+    #: per step: KV usage, running requests, waiting requests, cumulative hit rate,
+    #: the clock at its end (s), cumulative preemptions, hit and looked-up tokens
     series: dict[str, list[float]] = field(default_factory=dict)
+    #: time figures (:func:`pagedkv.sim.steptime.summarize`)
+    timing: dict[str, Any] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -128,8 +150,13 @@ class SimResult:
         return self.manager_ns / 1e3 / self.manager_calls if self.manager_calls else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if k not in ("series", "per_api", "extra")}
+        d = {
+            k: v
+            for k, v in asdict(self).items()
+            if k not in ("series", "per_api", "extra", "timing")
+        }
         d.update(self.extra)
+        d.update(self.timing)
         d["hit_rate"] = round(self.hit_rate, 6)
         d["hit_rate_all"] = round(
             self.hit_tokens_all / self.query_tokens_all if self.query_tokens_all else 0.0, 6
@@ -168,22 +195,55 @@ def _max_model_len(cfg: SimConfig, workload: Workload, preset: presets.ModelPres
     return min(preset.max_model_len, max(1024, -(-longest // 1024) * 1024))
 
 
-def build_config(cfg: SimConfig, workload: Workload) -> tuple[KVCacheConfig, int]:
-    """(KV-cache config, max_model_len) of the model preset in the memory budget.
-    Raises ValueError for unknown presets or requests longer than the model, and
-    ``NotEnoughKVCacheMemoryError`` when the memory cannot hold one request."""
+def _preset(cfg: SimConfig) -> presets.ModelPreset:
     if cfg.model not in presets.names():
         raise ValueError(
             f"unknown model preset {cfg.model!r}; presets: {', '.join(presets.names())}"
         )
-    preset = presets.get(cfg.model)
+    return presets.get(cfg.model)
+
+
+def kv_memory_bytes(cfg: SimConfig, preset: presets.ModelPreset) -> int:
+    """KV-cache bytes of the whole model instance: ``memory_gib`` (or what the GPU
+    leaves) on each GPU, times the ways tensor parallelism splits the cache."""
+    if cfg.tp < 1:
+        raise ValueError(f"tp must be >= 1, got {cfg.tp}")
+    split = perf.kv_split(preset.compute, cfg.tp) if preset.compute is not None else cfg.tp
+    if cfg.memory_gib is not None:
+        if not cfg.memory_gib > 0:
+            raise ValueError(f"memory must be positive, got {cfg.memory_gib} GiB")
+        return int(cfg.memory_gib * GIB) * split
+    per_gpu = perf.kv_cache_memory(
+        preset,
+        perf.gpu(cfg.gpu),
+        tp=cfg.tp,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs,
+    )
+    return per_gpu * split
+
+
+def step_time_model(cfg: SimConfig) -> StepTimeModel:
+    """The clock of a run: ``step_time``'s linear model, else the roofline of the
+    model on ``tp`` x ``gpu``."""
+    if cfg.step_time is not None:
+        return LinearModel.parse(cfg.step_time)
+    return perf.roofline(
+        _preset(cfg), perf.gpu(cfg.gpu), tp=cfg.tp, block_size=cfg.block_size, kv_dtype=cfg.kv_dtype
+    )
+
+
+def build_config(cfg: SimConfig, workload: Workload) -> tuple[KVCacheConfig, int]:
+    """(KV-cache config, max_model_len) of the model preset in the memory budget.
+    Raises ValueError for unknown presets or requests longer than the model, and
+    ``NotEnoughKVCacheMemoryError`` when the memory cannot hold one request."""
+    preset = _preset(cfg)
     max_model_len = _max_model_len(cfg, workload, preset)
     specs = preset.layer_specs(cfg.block_size, dtype=cfg.kv_dtype, max_model_len=max_model_len)
-    if cfg.memory_gib <= 0 and cfg.num_blocks is None:
-        raise ValueError(f"memory must be positive, got {cfg.memory_gib} GiB")
     config = get_kv_cache_config(
         specs,
-        int(cfg.memory_gib * GIB),
+        0 if cfg.num_blocks is not None else kv_memory_bytes(cfg, preset),
         max_model_len=max_model_len,
         max_in_flight_tokens=cfg.max_num_batched_tokens,
         max_num_encoder_input_tokens=preset.max_num_encoder_input_tokens,
@@ -234,19 +294,36 @@ def run_pagedkv(
     )
     reqs = workload.requests
     usage, running, waiting, hit = array("d"), array("d"), array("d"), array("d")
+    clock_s, preempt, step_hits, step_queries = array("d"), array("d"), array("d"), array("d")
     st = sched.stats
+    model = step_time_model(cfg)
+    lat = Latencies()
+    last = [0, 0]
 
-    def on_step(clock: int, finished: int) -> None:
+    def on_step(clock: float, finished: int) -> None:
         usage.append(kv.usage)
         running.append(len(sched.running))
         waiting.append(len(sched.waiting))
         q = st.first_query_tokens
         hit.append(st.first_hit_tokens / q if q else 0.0)
+        clock_s.append(clock)
+        preempt.append(st.preemptions)
+        step_hits.append(st.first_hit_tokens - last[0])
+        step_queries.append(q - last[1])
+        last[0], last[1] = st.first_hit_tokens, q
         if progress is not None:
-            progress(clock, finished)
+            progress(st.steps, finished)
 
     t0 = time.perf_counter()
-    drive(sched, reqs, lambda i: reqs[i].fresh(), on_step)
+    drive_timed(
+        sched,
+        reqs,
+        model,
+        tick_s=cfg.tick_s,
+        make_request=lambda i: reqs[i].fresh(),
+        on_step=on_step,
+        latencies=lat,
+    )
     wall = time.perf_counter() - t0
     kv.check_invariants()
     per_api = {api: (st.calls[api], ns) for api, ns in st.ns.items()}
@@ -284,7 +361,12 @@ def run_pagedkv(
             "running": running.tolist(),
             "waiting": waiting.tolist(),
             "hit_rate": hit.tolist(),
+            "time_s": clock_s.tolist(),
+            "preemptions": preempt.tolist(),
+            "hit_tokens": step_hits.tolist(),
+            "query_tokens": step_queries.tolist(),
         },
+        timing=summarize(lat, slo_ttft_ms=cfg.slo_ttft_ms, slo_tpot_ms=cfg.slo_tpot_ms),
     )
 
 
@@ -340,8 +422,10 @@ def vllm_payload(workload: Workload, cfg: SimConfig) -> dict[str, Any]:
             "prompt": np.asarray(r.prompt).tolist(),
             "output": list(r.output),
             "arrival_step": r.arrival_step,
+            "arrival_s": r.arrival_s,
             "session": r.session,
             "pause": r.pause,
+            "pause_s": r.pause_s,
             "salt": r.cache_salt,
         }
         if r.lora_name is not None:
@@ -365,6 +449,11 @@ def vllm_payload(workload: Workload, cfg: SimConfig) -> dict[str, Any]:
             "full_sequence_must_fit": cfg.full_sequence_must_fit,
         },
         "requests": reqs,
+        "clock": {
+            "model": step_time_model(cfg).to_dict(),
+            "tick_s": cfg.tick_s,
+            "slo": {"slo_ttft_ms": cfg.slo_ttft_ms, "slo_tpot_ms": cfg.slo_tpot_ms},
+        },
     }
 
 
@@ -422,6 +511,7 @@ def run_vllm(
         alloc_checksum=out["alloc_checksum"],
         wall_s=out["wall_s"],
         extra={"vllm_version": out["version"], "vllm_import_s": out["import_s"]},
+        timing=out["timing"],
     )
 
 
@@ -448,3 +538,103 @@ def _run_subprocess(payload: dict[str, Any], vllm_python: str) -> dict[str, Any]
         raise EngineUnavailableError(f"the vLLM engine printed no result ({vllm_python})")
     result: dict[str, Any] = json.loads(lines[-1])
     return result
+
+
+# ------------------------------------------------------------------ capacity search
+
+
+def scaled(workload: Workload, time_scale: float) -> Workload:
+    """A copy of ``workload`` with arrivals and pauses ``time_scale`` times faster
+    (the requests' token arrays are shared, not copied)."""
+    from .traces import scale_arrivals
+
+    copy = Workload(workload.name, [r.fresh() for r in workload.requests], dict(workload.params))
+    return scale_arrivals(copy, time_scale)
+
+
+def offered_rate(workload: Workload, tick_s: float) -> float:
+    """Requests per second the workload's arrival times offer: requests over the
+    span from the first arrival to the last."""
+    times = [r.arrival_s if r.arrival_s is not None else r.arrival_step * tick_s for r in workload.requests]
+    span = max(times) - min(times) if times else 0.0
+    return len(times) / span if span > 0 else float("inf")
+
+
+def find_max_rate(
+    workload: Workload,
+    cfg: SimConfig,
+    *,
+    target: float = 0.9,
+    base_scale: float = 1.0,
+    iterations: int = 6,
+    progress: Callable[[float, float, float], None] | None = None,
+) -> dict[str, Any]:
+    """The highest arrival rate at which at least ``target`` of the requests meet
+    ``cfg``'s SLOs: Mooncake's effective request capacity. Searches
+    ``--time-scale`` from ``base_scale``: doubling (or halving) until the answer
+    flips, then ``iterations`` geometric bisections. Returns ``max_rate`` (the best
+    passing run's ``time_scale``, ``requests_per_s`` offered, ``slo_attainment``
+    and latency figures; None when even 1/1024 of the base rate fails) and every
+    run ``tried``."""
+    if cfg.slo_ttft_ms is None and cfg.slo_tpot_ms is None:
+        raise ValueError("find_max_rate needs an SLO (slo_ttft_ms and/or slo_tpot_ms)")
+    if not 0 < target <= 1:
+        raise ValueError(f"target must be in (0, 1], got {target}")
+    # Sessions are a closed loop (a turn waits for the previous answer): their
+    # rate is what the run achieves, not what timestamps offer.
+    closed = any(r.session is not None for r in workload.requests)
+    base_rate = offered_rate(workload, cfg.tick_s)
+    tried: list[dict[str, Any]] = []
+
+    def attempt(x: float) -> bool:
+        scale = base_scale * x
+        r = run_pagedkv(scaled(workload, scale), cfg, label=f"time-scale={scale:.4g}")
+        att = r.timing["slo_attainment"]
+        rate = r.timing["throughput"]["requests_per_s"] if closed else base_rate * scale
+        point = {
+            "time_scale": scale,
+            "requests_per_s": rate,
+            "slo_attainment": att,
+            "ttft_ms": r.timing["ttft_ms"],
+            "tpot_ms": r.timing["tpot_ms"],
+            "throughput": r.timing["throughput"],
+            "preemptions": r.preemptions,
+            "hit_rate": round(r.hit_rate, 6),
+            "meets": att >= target,
+        }
+        tried.append(point)
+        if progress is not None:
+            progress(scale, att, rate)
+        return bool(point["meets"])
+
+    lo: float | None = None
+    hi: float | None = None
+    if attempt(1.0):
+        lo, x = 1.0, 2.0
+        while x <= 1024 and attempt(x):
+            lo, x = x, x * 2
+        hi = x if x <= 1024 else None
+    else:
+        hi, x = 1.0, 0.5
+        while x >= 1 / 1024 and not attempt(x):
+            hi, x = x, x / 2
+        lo = x if x >= 1 / 1024 else None
+    if lo is not None and hi is not None:
+        for _ in range(iterations):
+            mid = math.sqrt(lo * hi)
+            if attempt(mid):
+                lo = mid
+            else:
+                hi = mid
+    best = None
+    if lo is not None:
+        passing = [p for p in tried if p["meets"]]
+        best = max(passing, key=lambda p: p["time_scale"])
+    return {
+        "target": target,
+        "slo_ttft_ms": cfg.slo_ttft_ms,
+        "slo_tpot_ms": cfg.slo_tpot_ms,
+        "max_rate": best,
+        "lowest_scale_tried": min(p["time_scale"] for p in tried),
+        "tried": sorted(tried, key=lambda p: p["time_scale"]),
+    }

@@ -118,6 +118,13 @@ def _steps(rec: dict[str, Any], seconds_key: str, steps_key: str, step_ms: float
     return seconds_to_steps(rec.get(seconds_key, 0), seconds_key, step_ms)
 
 
+def _seconds(rec: dict[str, Any], seconds_key: str, steps_key: str) -> float | None:
+    """The record's time in seconds when given in seconds (else None: steps)."""
+    if steps_key in rec or seconds_key not in rec:
+        return None
+    return float(rec[seconds_key])
+
+
 def open_text(path: str | Path) -> IO[str]:
     """The file as text, gunzipped when it starts with gzip's magic bytes."""
     with open(path, "rb") as f:
@@ -270,6 +277,8 @@ def _request(
         arrival_step=_steps(rec, "arrival", "arrival_step", step_ms),
         session=session,
         pause=_steps(rec, "pause", "pause_steps", step_ms),
+        arrival_s=_seconds(rec, "arrival", "arrival_step"),
+        pause_s=_seconds(rec, "pause", "pause_steps"),
         cache_salt=None if rec.get("salt") is None else str(rec["salt"]),
         lora_name=None if lora is None else str(lora),
         lora_path=None if lora is None else str(rec.get("lora_path", f"/adapters/{lora}")),
@@ -299,7 +308,11 @@ def _write_records(workload: Workload, f: Any, last: dict[str, Request]) -> None
     header = {"type": "header", "format": FORMAT, "version": VERSION, "end_record": True}
     f.write(json.dumps(header) + "\n")
     for r in workload.requests:
-        rec: dict[str, Any] = {"id": r.request_id, "arrival_step": r.arrival_step}
+        rec: dict[str, Any] = {"id": r.request_id}
+        if r.arrival_s is not None:
+            rec["arrival"] = r.arrival_s
+        else:
+            rec["arrival_step"] = r.arrival_step
         prompt = r.prompt
         if r.session is not None:
             rec["session"] = r.session
@@ -309,7 +322,9 @@ def _write_records(workload: Workload, f: Any, last: dict[str, Request]) -> None
                 if len(head) <= len(prompt) and np.array_equal(prompt[: len(head)], head):
                     rec["history"] = True
                     prompt = prompt[len(head) :]
-                if r.pause:
+                if r.pause_s is not None:
+                    rec["pause"] = r.pause_s
+                elif r.pause:
                     rec["pause_steps"] = r.pause
             last[r.session] = r
         rec["prompt"] = [int(t) for t in prompt]

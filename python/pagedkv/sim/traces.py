@@ -175,6 +175,7 @@ def _read_mooncake(path: str | Path, step_ms: float, seed: int) -> Workload:
                 prompt=prompt,
                 output=out_rng.integers(0, VOCAB, out_len).tolist(),
                 arrival_step=_step(float(ts) / 1000.0, step_ms, where),
+                arrival_s=float(ts) / 1000.0,
             )
         )
     return _workload(path, reqs, "mooncake", step_ms)
@@ -239,6 +240,7 @@ def _read_lengths(path: str | Path, fmt: str, step_ms: float, seed: int) -> Work
                 prompt=rng.integers(0, VOCAB, n),
                 output=rng.integers(0, VOCAB, out_len).tolist(),
                 arrival_step=_step(secs - first, step_ms, where),
+                arrival_s=secs - first,
             )
         )
     return _workload(path, reqs, fmt, step_ms)
@@ -247,8 +249,8 @@ def _read_lengths(path: str | Path, fmt: str, step_ms: float, seed: int) -> Work
 def _workload(path: str | Path, reqs: list[Request], fmt: str, step_ms: float) -> Workload:
     if not reqs:
         raise TraceFormatError(f"{path}: no request")
-    # Arrival order (the simulator admits by arrival step).
-    reqs.sort(key=lambda r: r.arrival_step)
+    # Arrival order (the simulator admits by arrival time).
+    reqs.sort(key=lambda r: (r.arrival_s or 0.0, r.arrival_step))
     return Workload(Path(path).name, reqs, {"trace": str(path), "format": fmt, "step_ms": step_ms})
 
 
@@ -278,6 +280,10 @@ def scale_arrivals(workload: Workload, time_scale: float) -> Workload:
     for r in workload.requests:
         r.arrival_step = math.floor(r.arrival_step / time_scale)
         r.pause = math.floor(r.pause / time_scale)
+        if r.arrival_s is not None:
+            r.arrival_s /= time_scale
+        if r.pause_s is not None:
+            r.pause_s /= time_scale
     workload.params["time_scale"] = time_scale
     return workload
 

@@ -59,9 +59,10 @@ def _import_policy() -> ModuleType:
 
 
 if TYPE_CHECKING:
-    from . import policy
+    from . import policy, steptime
 else:
     policy = _import_policy()
+    steptime = sys.modules[policy.__name__.rpartition(".")[0] + ".steptime"]
 
 
 class VllmBackend(policy.Backend[policy.Request]):
@@ -174,6 +175,8 @@ def _request(rec: dict[str, Any]) -> policy.Request:
         arrival_step=rec["arrival_step"],
         session=rec.get("session"),
         pause=rec.get("pause", 0),
+        arrival_s=rec.get("arrival_s"),
+        pause_s=rec.get("pause_s"),
         cache_salt=rec.get("salt"),
         lora_name=None if lora is None else str(lora[0]),
         lora_path=None if lora is None else str(lora[2]),
@@ -302,7 +305,21 @@ def run(
             on_step(clock_now, finished)
 
     t0 = time.perf_counter()
-    policy.drive(sched, items, on_step=step_hook)
+    clock = payload.get("clock")
+    timing: dict[str, Any] = {}
+    if clock is None:
+        policy.drive(sched, items, on_step=step_hook)
+    else:
+        lat = steptime.Latencies()
+        policy.drive_timed(
+            sched,
+            items,
+            steptime.model_from_dict(clock["model"]),
+            tick_s=clock["tick_s"],
+            on_step=lambda t, n: step_hook(sched.stats.steps, n),
+            latencies=lat,
+        )
+        timing = steptime.summarize(lat, **clock.get("slo", {}))
     wall = time.perf_counter() - t0
     usable = m["num_blocks"] - 1
     free_end = kv.block_pool.get_num_free_blocks()
@@ -330,6 +347,7 @@ def run(
         "per_api": {k: [st.calls[k], st.ns[k]] for k in sorted(st.ns)},
         "alloc_checksum": f"{st.alloc_checksum:016x}",
         "wall_s": wall,
+        "timing": timing,
     }
 
 

@@ -444,9 +444,7 @@ def _simulate(args: argparse.Namespace) -> int:
         cfg, wname, scale = base, args.workload, args.time_scale
         for axis, value in combo:
             cfg, wname, scale = _apply(axis, value, cfg, wname, scale)
-        variants.append(
-            (", ".join(f"{a}={v}" for a, v in combo) or "pagedkv", cfg, wname, scale)
-        )
+        variants.append((", ".join(f"{a}={v}" for a, v in combo) or "pagedkv", cfg, wname, scale))
 
     opts = WorkloadOptions(
         seed=args.seed,

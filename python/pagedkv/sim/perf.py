@@ -160,9 +160,7 @@ def kv_cache_memory(
     """Bytes of KV cache on each of the ``tp`` GPUs, as vLLM sizes it. Raises
     ValueError (the numbers in the message) when the weights leave none."""
     if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(
-            f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
-        )
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     c = _compute(preset)
     budget = gpu_spec.memory_bytes * gpu_memory_utilization
     weights = c.weight_bytes / tp
@@ -203,7 +201,10 @@ def _attention_kinds(
             key = ("full", 0, per_token)
         kinds[key] = kinds.get(key, 0) + 1
     return (
-        tuple(AttentionKind(k, n, per_token, flops_per_pair, w) for (k, w, per_token), n in kinds.items()),
+        tuple(
+            AttentionKind(k, n, per_token, flops_per_pair, w)
+            for (k, w, per_token), n in kinds.items()
+        ),
         state,
     )
 

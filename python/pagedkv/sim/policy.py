@@ -443,9 +443,9 @@ def drive(
     return clock
 
 
-def _sessions(items: Sequence[R], ready_at: Callable[[R], float]) -> tuple[
-    dict[str, int], list[tuple[float, int]]
-]:
+def _sessions(
+    items: Sequence[R], ready_at: Callable[[R], float]
+) -> tuple[dict[str, int], list[tuple[float, int]]]:
     """(request id -> index of its session's next turn, heap of the first turns)."""
     successor: dict[str, int] = {}
     last_of_session: dict[str, int] = {}

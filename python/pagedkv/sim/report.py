@@ -71,10 +71,13 @@ def _time_rows(r: SimResult) -> list[tuple[str, str]]:
         ("end-to-end ms", _dist(t["e2e_ms"])),
         ("queueing ms", _dist(t["queue_ms"])),
         ("throughput requests/s", f"{t['throughput']['requests_per_s']:,.2f}"),
-        ("  input / output tokens/s", (
-            f"{t['throughput']['input_tokens_per_s']:,.0f} / "
-            f"{t['throughput']['output_tokens_per_s']:,.0f}"
-        )),
+        (
+            "  input / output tokens/s",
+            (
+                f"{t['throughput']['input_tokens_per_s']:,.0f} / "
+                f"{t['throughput']['output_tokens_per_s']:,.0f}"
+            ),
+        ),
     ]
     if "slo_attainment" in t:
         rows.append(("SLO attainment", _pct(t["slo_attainment"])))

@@ -34,8 +34,7 @@ from ..specs import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from . import vllm_engine
-from . import perf
+from . import perf, vllm_engine
 from .backend import ManagerBackend
 from .policy import Scheduler, SchedulerConfig, drive_timed
 from .steptime import Latencies, LinearModel, StepTimeModel, summarize
@@ -49,9 +48,9 @@ __all__ = [
     "build_config",
     "find_max_rate",
     "offered_rate",
-    "scaled",
     "run_pagedkv",
     "run_vllm",
+    "scaled",
 ]
 
 GIB = 1 << 30
@@ -555,7 +554,10 @@ def scaled(workload: Workload, time_scale: float) -> Workload:
 def offered_rate(workload: Workload, tick_s: float) -> float:
     """Requests per second the workload's arrival times offer: requests over the
     span from the first arrival to the last."""
-    times = [r.arrival_s if r.arrival_s is not None else r.arrival_step * tick_s for r in workload.requests]
+    times = [
+        r.arrival_s if r.arrival_s is not None else r.arrival_step * tick_s
+        for r in workload.requests
+    ]
     span = max(times) - min(times) if times else 0.0
     return len(times) / span if span > 0 else float("inf")
 

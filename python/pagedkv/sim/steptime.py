@@ -133,7 +133,6 @@ class AttentionKind:
             return c + n - (c // self.window) * self.window
         return c + n
 
-
     def decode_tokens(self, contexts: Sequence[int], full_sum: int) -> int:
         """Tokens attended by decode tokens at positions ``contexts``
         (``full_sum``: their sum)."""

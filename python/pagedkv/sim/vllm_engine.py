@@ -305,21 +305,21 @@ def run(
             on_step(clock_now, finished)
 
     t0 = time.perf_counter()
-    clock = payload.get("clock")
+    timed: dict[str, Any] | None = payload.get("clock")
     timing: dict[str, Any] = {}
-    if clock is None:
+    if timed is None:
         policy.drive(sched, items, on_step=step_hook)
     else:
         lat = steptime.Latencies()
         policy.drive_timed(
             sched,
             items,
-            steptime.model_from_dict(clock["model"]),
-            tick_s=clock["tick_s"],
+            steptime.model_from_dict(timed["model"]),
+            tick_s=timed["tick_s"],
             on_step=lambda t, n: step_hook(sched.stats.steps, n),
             latencies=lat,
         )
-        timing = steptime.summarize(lat, **clock.get("slo", {}))
+        timing = steptime.summarize(lat, **timed.get("slo", {}))
     wall = time.perf_counter() - t0
     usable = m["num_blocks"] - 1
     free_end = kv.block_pool.get_num_free_blocks()

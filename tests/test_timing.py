@@ -1,0 +1,388 @@
+"""The simulator's clock: step-time models, request latencies, KV sizing from a
+GPU, SLO attainment and the capacity search."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pagedkv import cli, presets
+from pagedkv.sim import perf, runner
+from pagedkv.sim.policy import Request
+from pagedkv.sim.runner import SimConfig, find_max_rate, run_pagedkv
+from pagedkv.sim.steptime import (
+    AttentionKind,
+    Latencies,
+    LinearModel,
+    StepShape,
+    model_from_dict,
+    percentiles,
+    summarize,
+)
+from pagedkv.sim.workloads import Workload, WorkloadOptions, generate
+
+GIB = 1 << 30
+#: every step takes 10 ms
+TEN_MS = SimConfig(memory_gib=1.0, max_model_len=1024, step_time="10,0,0,0")
+
+
+def _req(rid: str, first: int, prompt: int, output: int, at: float) -> Request:
+    return Request(rid, list(range(first, first + prompt)), [7] * output, arrival_s=at)
+
+
+def _two_requests(second_at: float) -> Workload:
+    return Workload("two", [_req("r0", 0, 32, 3, 0.0), _req("r1", 1000, 32, 2, second_at)])
+
+
+# ------------------------------------------------------------------ request times
+
+
+def test_latencies_of_two_requests_on_a_fixed_step_time() -> None:
+    # r0: prefill in step [0, 10] ms (first token at 10), decodes at 20 and 30.
+    # r1 arrives at 15 ms, joins the step starting at 20 (queue 5 ms): first token
+    # at 30 (TTFT 15 ms), second at 40.
+    r = run_pagedkv(_two_requests(0.015), TEN_MS)
+    t = r.timing
+    assert r.steps == 4
+    assert t["ttft_ms"] == {"mean": 12.5, "p50": 12.5, "p90": 14.5, "p99": 14.95}
+    assert t["tpot_ms"] == {"mean": 10.0, "p50": 10.0, "p90": 10.0, "p99": 10.0}
+    assert t["itl_ms"]["mean"] == 10.0 and t["itl_ms"]["p99"] == 10.0
+    assert t["e2e_ms"] == {"mean": 27.5, "p50": 27.5, "p90": 29.5, "p99": 29.95}
+    assert t["queue_ms"] == {"mean": 2.5, "p50": 2.5, "p90": 4.5, "p99": 4.95}
+    assert t["duration_s"] == pytest.approx(0.04)
+    assert t["throughput"] == {
+        "requests_per_s": 50.0,
+        "input_tokens_per_s": 1600.0,
+        "output_tokens_per_s": 125.0,
+    }
+    assert r.series["time_s"] == pytest.approx([0.01, 0.02, 0.03, 0.04])
+
+
+def test_an_idle_clock_jumps_to_the_next_arrival() -> None:
+    r = run_pagedkv(_two_requests(100.0), TEN_MS)
+    assert r.steps == 5  # three for r0, two for r1: no step while idle
+    assert r.timing["duration_s"] == pytest.approx(100.02)
+    assert r.timing["ttft_ms"]["p50"] == 10.0
+    assert r.timing["queue_ms"]["mean"] == 0.0
+
+
+def test_slo_attainment_counts_requests_meeting_every_slo() -> None:
+    base = _two_requests(0.015)
+    r = run_pagedkv(base, SimConfig(**{**TEN_MS.__dict__, "slo_ttft_ms": 12.0}))
+    assert r.timing["slo_attainment"] == 0.5  # r0 (10 ms) meets it, r1 (15 ms) not
+    r = run_pagedkv(
+        _two_requests(0.015),
+        SimConfig(**{**TEN_MS.__dict__, "slo_ttft_ms": 20.0, "slo_tpot_ms": 9.0}),
+    )
+    assert r.timing["slo_attainment"] == 0.0
+    assert "slo_attainment" not in run_pagedkv(_two_requests(0.015), TEN_MS).timing
+
+
+def test_session_turn_waits_its_pause_in_seconds() -> None:
+    a = Request("a", list(range(32)), [7, 7], arrival_s=0.0, session="s")
+    b = Request("b", list(range(40)), [7], arrival_s=0.0, session="s", pause_s=1.0)
+    r = run_pagedkv(Workload("s", [a, b]), TEN_MS)
+    # a finishes at 20 ms; b arrives a second later and takes one step.
+    assert r.timing["duration_s"] == pytest.approx(1.03)
+    assert r.hit_tokens == 32  # b's prompt starts with a's 32 tokens (2 blocks)
+
+
+def test_percentiles_interpolate_as_numpy() -> None:
+    rng = np.random.default_rng(5)
+    v = rng.exponential(3.0, 101).tolist()
+    p = percentiles(v)
+    assert p["mean"] == pytest.approx(float(np.mean(v)))
+    for q in (50, 90, 99):
+        assert p[f"p{q}"] == pytest.approx(float(np.percentile(v, q)))
+    assert percentiles([]) == {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
+
+
+def test_summary_of_one_token_answers_has_no_tpot_but_meets_the_tpot_slo() -> None:
+    lat = Latencies()
+    lat.arrive("x", 0.0, 10)
+    lat.scheduled("x", 0.0)
+    lat.token("x", 0.05)
+    lat.finished("x", 0.05)
+    s = summarize(lat, slo_tpot_ms=1.0)
+    assert s["tpot_ms"]["mean"] == 0.0 and s["slo_attainment"] == 1.0
+    assert s["ttft_ms"]["p50"] == 50.0 and s["e2e_ms"]["p50"] == 50.0
+
+
+# ------------------------------------------------------------------ step-time models
+
+
+def test_linear_model_is_the_documented_formula() -> None:
+    m = LinearModel(2.0, 30.0, 0.5, 0.01)
+    shape = StepShape(prefill=[(1000, 3000), (500, 0)], decode=[100, 200, 300], sampled=4)
+    # ms = 2 + 30 * 1.5 + 0.5 * 3 + 0.01 * (600 + 4000 + 500) / 1000
+    assert m.step_seconds(shape) * 1000 == pytest.approx(2 + 45 + 1.5 + 0.051)
+    assert LinearModel.parse("2, 30, 0.5, 0.01") == m
+    for bad in ("1,2,3", "a,b,c,d", "1,2,3,-1", "0,0,0,0", "nan,1,1,1"):
+        with pytest.raises(ValueError):
+            LinearModel.parse(bad)
+
+
+def _llama() -> Any:
+    return perf.roofline(presets.get("llama-3.1-8b"), perf.GPUS["H100-SXM"])
+
+
+def test_roofline_decode_is_bound_by_weights_and_kv_reads() -> None:
+    m = _llama()
+    kv_per_token = 32 * 2 * 8 * 128 * 2  # 32 layers of K and V, 8 heads x 128, bf16
+    weights = 2 * 8.03e9
+    shape = StepShape(decode=[1000], sampled=1)
+    memory = (weights + kv_per_token * 1000 + kv_per_token) / (3.35e12 * 0.8)
+    assert m.parts(shape)["memory_s"] == pytest.approx(memory)
+    assert m.step_seconds(shape) == pytest.approx(memory + 0.001)
+    # Twice the batch at the same context: the weights are read once.
+    two = StepShape(decode=[1000, 1000], sampled=2)
+    assert m.step_seconds(two) < 1.05 * m.step_seconds(shape)
+
+
+def test_roofline_prefill_is_bound_by_flops() -> None:
+    m = _llama()
+    n = 8192
+    embed = 128256 * 4096
+    flops = 2 * (8.03e9 - 2 * embed) * n + 2 * embed  # one sampled row
+    flops += 32 * (2 * 32 * (128 + 128)) * (n * (n + 1) // 2)  # causal attention pairs
+    shape = StepShape(prefill=[(n, 0)], sampled=1)
+    p = m.parts(shape)
+    assert p["compute_s"] == pytest.approx(flops / (989e12 * 0.6))
+    assert p["compute_s"] > p["memory_s"]
+    assert m.step_seconds(shape) == pytest.approx(p["compute_s"] + 0.001)
+
+
+def test_tensor_parallelism_splits_work_and_adds_all_reduces() -> None:
+    p = presets.get("llama-3.1-8b")
+    one = perf.roofline(p, perf.GPUS["H100-SXM"])
+    two = perf.roofline(p, perf.GPUS["H100-SXM"], tp=2)
+    shape = StepShape(decode=[2000] * 32, sampled=32)
+    assert two.parts(shape)["memory_s"] == pytest.approx(one.parts(shape)["memory_s"] / 2)
+    # 2 all-reduces per layer of 32 tokens x 4096 bf16 values over NVLink (900 GB/s).
+    per = 2 * 1 / 2 * 32 * 4096 * 2 / 900e9 + 10e-6
+    assert two.parts(shape)["comm_s"] == pytest.approx(2 * 32 * per)
+    assert one.parts(shape)["comm_s"] == 0.0
+    # MLA's single latent head is replicated: TP does not split its KV reads.
+    ds = perf.roofline(presets.get("deepseek-v3"), perf.GPUS["H200"], tp=8)
+    assert ds.kv_split == 1 and two.kv_split == 2
+
+
+def test_sliding_windows_cap_attention_and_moe_reads_only_routed_experts() -> None:
+    gemma = perf.roofline(presets.get("gemma-3-27b"), perf.GPUS["H100-SXM"])
+    kinds = {a.kind: a for a in gemma.attention}
+    assert kinds["sliding_window"].layers == 52 and kinds["full"].layers == 10
+    assert kinds["sliding_window"].pairs(1, 29999) == 1024
+    assert kinds["full"].pairs(1, 29999) == 30000
+    oss = perf.roofline(presets.get("gpt-oss-120b"), perf.GPUS["H100-SXM"])
+    one = oss.parts(StepShape(decode=[10], sampled=1))["memory_s"]
+    many = oss.parts(StepShape(prefill=[(4096, 0)], sampled=1))["memory_s"]
+    # One token routes to 4 of 128 experts; 4096 tokens touch nearly all of them.
+    assert many > 10 * one
+    expert_bytes = oss.expert_weight_bytes
+    assert oss.dense_weight_bytes + expert_bytes == pytest.approx(65.3e9)
+
+
+@given(
+    kind=st.sampled_from(["full", "sliding_window", "chunked_local"]),
+    window=st.integers(1, 64),
+    n=st.integers(1, 200),
+    c=st.integers(0, 300),
+)
+def test_attended_pairs_match_counting_position_by_position(
+    kind: str, window: int, n: int, c: int
+) -> None:
+    a = AttentionKind(kind, 1, 1.0, 1.0, window)
+
+    def attended(p: int) -> int:  # tokens position p (1-based) attends to
+        if kind == "full":
+            return p
+        if kind == "sliding_window":
+            return min(p, window)
+        return (p - 1) % window + 1
+
+    positions = range(c + 1, c + n + 1)
+    assert a.pairs(n, c) == sum(attended(p) for p in positions)
+    # The union of the attended ranges [p - attended(p) + 1, p].
+    lowest = min(p - attended(p) + 1 for p in positions)
+    assert a.tokens_read(n, c) == c + n - lowest + 1
+    assert a.decode_tokens([c + 1], c + 1) == attended(c + 1)
+
+
+def test_models_travel_as_dicts() -> None:
+    m = perf.roofline(presets.get("jamba-1.5-mini"), perf.GPUS["MI300X"], tp=2)
+    assert model_from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    assert m.state_bytes_per_seq == 28 * 311296  # the Mamba layers' real state size
+    lin = LinearModel(1, 2, 3, 4)
+    assert model_from_dict(lin.to_dict()) == lin
+    with pytest.raises(ValueError):
+        model_from_dict({"kind": "magic"})
+
+
+# ------------------------------------------------------------------ KV memory
+
+
+def test_kv_memory_follows_the_gpu_and_tensor_parallelism() -> None:
+    p = presets.get("gemma-3-27b")
+    g = perf.GPUS["H200"]
+    reserve = 2 * 8192 * (4 * 5376 + 2 * 21504 // 2) + 256 * 262208 * 4 + GIB
+    per_gpu = int(143771 * (1 << 20) * 0.85 - 2 * 27.43e9 / 2 - reserve)
+    assert perf.kv_cache_memory(p, g, tp=2, gpu_memory_utilization=0.85) == per_gpu
+    # 16 KV heads over 2 GPUs: each holds half of every page, so the cache of the
+    # whole instance is twice the memory of one GPU.
+    cfg = SimConfig(model="gemma-3-27b", memory_gib=10.0, tp=2, max_model_len=4096)
+    w = generate("tenants", WorkloadOptions(num_requests=5, max_context=4096))
+    config, _ = runner.build_config(cfg, w)
+    one, _ = runner.build_config(
+        SimConfig(model="gemma-3-27b", memory_gib=20.0, max_model_len=4096), w
+    )
+    assert config.num_blocks == one.num_blocks
+
+
+def test_a_model_that_does_not_fit_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="does not fit on 1 x H100-SXM"):
+        perf.kv_cache_memory(presets.get("deepseek-v3"), perf.GPUS["H100-SXM"])
+    code = cli.main(["simulate", "-m", "deepseek-v3", "-n", "5", "-q"])
+    assert code == 2 and "does not fit" in capsys.readouterr().err
+    assert perf.kv_cache_memory(presets.get("deepseek-v3"), perf.GPUS["H200"], tp=8) > 10 * GIB
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def _simulate(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(["simulate", "-q", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_reports_the_time_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _simulate(
+        capsys, "-n", "40", "--gpu", "A100-80GB", "--slo-ttft", "500", "--slo-tpot", "50", "--json"
+    )
+    assert code == 0, err
+    (run,) = json.loads(out)["runs"]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms"):
+        assert set(run[key]) == {"mean", "p50", "p90", "p99"}
+        assert 0 < run[key]["p50"] <= run[key]["p90"] <= run[key]["p99"] or key == "queue_ms"
+    assert set(run["throughput"]) == {"requests_per_s", "input_tokens_per_s", "output_tokens_per_s"}
+    assert run["duration_s"] > 0 and 0 <= run["slo_attainment"] <= 1
+    assert run["config"]["gpu"] == "A100-80GB"
+    # The same workload on a faster GPU decodes faster.
+    code, out, _ = _simulate(capsys, "-n", "40", "--gpu", "B200", "--json")
+    assert json.loads(out)["runs"][0]["tpot_ms"]["p50"] < run["tpot_ms"]["p50"]
+
+
+def test_step_time_coefficients_set_the_clock(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _simulate(
+        capsys,
+        "-n",
+        "20",
+        "--memory",
+        "1",
+        "--max-model-len",
+        "4096",
+        "--step-time",
+        "20,0,0,0",
+        "--json",
+    )
+    assert code == 0, err
+    run = json.loads(out)["runs"][0]
+    assert run["itl_ms"]["p50"] == 20.0 and run["tpot_ms"]["p99"] == 20.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--step-time", "1,2"], "four numbers"),
+        (["--step-time", "0,0,0,0"], "all 0"),
+        (["--find-max-rate"], "needs --slo-ttft"),
+        (["--compare", "gpu=H100-SXM,nope"], "GPUs"),
+        (["--compare", "tp=0"], "positive integer"),
+    ],
+)
+def test_bad_time_options_are_refused(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    code, _, err = _simulate(capsys, "-n", "5", *argv)
+    assert code == 2 and message in err
+
+
+@pytest.mark.parametrize(
+    "argv", [["--gpu-memory-utilization", "1.5"], ["--gpu", "TPU"], ["--tp", "0"]]
+)
+def test_bad_gpu_arguments_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["simulate", *argv])
+    assert e.value.code == 2
+
+
+def test_compare_gpus_and_time_scales(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _simulate(
+        capsys,
+        "-n",
+        "40",
+        "-w",
+        "tenants",
+        "--compare",
+        "gpu=L40S,H200",
+        "--compare",
+        "time-scale=1,4",
+        "--json",
+    )
+    assert code == 0, err
+    runs = {r["label"]: r for r in json.loads(out)["runs"]}
+    assert set(runs) == {
+        "gpu=L40S, time-scale=1",
+        "gpu=L40S, time-scale=4",
+        "gpu=H200, time-scale=1",
+        "gpu=H200, time-scale=4",
+    }
+    # Four times the arrival rate on the slow GPU queues requests longer.
+    assert (
+        runs["gpu=L40S, time-scale=4"]["queue_ms"]["mean"]
+        > runs["gpu=L40S, time-scale=1"]["queue_ms"]["mean"]
+    )
+
+
+# ------------------------------------------------------------------ capacity
+
+
+def test_find_max_rate_brackets_the_slo_boundary() -> None:
+    w = generate("tenants", WorkloadOptions(num_requests=120, seed=2))
+    cfg = SimConfig(memory_gib=4.0, max_model_len=4096, slo_ttft_ms=300.0, slo_tpot_ms=40.0)
+    found = find_max_rate(w, cfg, target=0.9, iterations=4)
+    best = found["max_rate"]
+    assert best is not None and best["slo_attainment"] >= 0.9
+    failing = [p for p in found["tried"] if not p["meets"]]
+    assert failing and min(p["time_scale"] for p in failing) > best["time_scale"]
+    # The rate offered at the best scale: requests over their arrival span.
+    arrivals = [r.arrival_step * cfg.tick_s for r in w.requests]
+    offered = len(arrivals) / (max(arrivals) - min(arrivals))
+    assert best["requests_per_s"] == pytest.approx(offered * best["time_scale"])
+    with pytest.raises(ValueError, match="needs an SLO"):
+        find_max_rate(w, SimConfig())
+
+
+def test_find_max_rate_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _simulate(
+        capsys,
+        "-w",
+        "tenants",
+        "-n",
+        "60",
+        "--memory",
+        "4",
+        "--max-model-len",
+        "4096",
+        "--slo-ttft",
+        "300",
+        "--find-max-rate",
+        "--json",
+    )
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["target"] == 0.9 and doc["max_rate"]["slo_attainment"] >= 0.9

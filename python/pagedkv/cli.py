@@ -269,6 +269,12 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
         help="run variants side by side (see below)",
     )
     g.add_argument(
+        "--sweep",
+        metavar="AXIS=V1,V2",
+        help="one run per value of a --compare axis, every point reported even when it "
+        "does not fit (table, --json, --csv, --plot curves)",
+    )
+    g.add_argument(
         "--engine",
         choices=("pagedkv", "vllm"),
         default="pagedkv",
@@ -302,8 +308,13 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print the results as JSON only")
     g.add_argument("--series", action="store_true", help="with --json: include the per-step series")
     g.add_argument(
-        "--plot", metavar="FILE.png", help="KV usage, running requests and hit rate over steps"
+        "--plot",
+        metavar="FILE",
+        help="over time: KV usage, running/waiting requests, preemptions, rolling hit rate; "
+        "with --sweep: hit rate (and its ceiling), preemptions, TTFT p99 and throughput "
+        "against the swept value (.png, .svg or .pdf)",
     )
+    g.add_argument("--csv", metavar="FILE", help="with --sweep: the points as CSV")
     g.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     return p
 
@@ -391,13 +402,22 @@ def _progress(console: Any, enabled: bool) -> Any:
 def _simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .sim import report
+    from .sim import plot, report
 
     out = Console(soft_wrap=True)
     if not out.is_terminal:  # files and pipes: room for a few variants side by side
         out.width = max(out.width, 120)
     err = Console(stderr=True)
-    axes = _parse_compare(args.compare)
+    if args.sweep and (args.compare or args.engine == "vllm" or args.find_max_rate):
+        raise _UsageError("--sweep runs alone: drop --compare, --engine vllm, --find-max-rate")
+    if args.csv and not args.sweep:
+        raise _UsageError("--csv goes with --sweep")
+    if args.plot:
+        try:
+            plot._format(args.plot)
+        except ValueError as e:
+            raise _UsageError(str(e)) from None
+    axes = _parse_compare([args.sweep] if args.sweep else args.compare)
     if args.engine == "vllm" and axes:
         raise _UsageError(
             "--engine vllm compares the two managers on one configuration; drop --compare"
@@ -478,6 +498,9 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.find_max_rate:
         return _find_max_rate(args, out, err, base, workload_for(args.workload, 1.0))
 
+    if args.sweep:
+        return _sweep(args, out, err, axes[0][0], variants, workload_for)
+
     results: list[SimResult] = []
     summaries: list[dict[str, Any]] = []
     show = not args.quiet and err.is_terminal
@@ -514,12 +537,10 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.engine == "vllm" and results[0].us_per_step > 0:
         ratio = results[1].us_per_step / results[0].us_per_step
     if args.plot:
-        from .sim.plot import plot_results
-
-        plot_results(
+        plot.plot_results(
             [r for r in results if r.series],
             args.plot,
-            title=f"pagedkv simulate: {summaries[0]['name']} on {base.model}",
+            title=_title(summaries[0], base, [a for a, _ in axes]),
         )
     if args.json:
         doc = report.to_json_obj(summaries, results, ratio=ratio, series=args.series)
@@ -530,6 +551,91 @@ def _simulate(args: argparse.Namespace) -> int:
             out.print(f"plot written to {args.plot}")
         if args.save_trace:
             out.print(f"trace written to {args.save_trace}")
+    return 0
+
+
+def _title(workload: dict[str, Any], cfg: SimConfig, varied: Sequence[str] = ()) -> str:
+    parts = [f"pagedkv simulate: {workload['name']}"]
+    if "model" not in varied:
+        parts.append(cfg.model)
+    if not {"gpu", "tp"} & set(varied):
+        parts.append("--step-time" if cfg.step_time else f"{cfg.tp} x {cfg.gpu}")
+    if not {"memory", "num-blocks"} & set(varied):
+        parts.append(
+            f"{cfg.memory_gib:g} GiB KV/GPU" if cfg.memory_gib else "KV sized by vLLM's rule"
+        )
+    return ", ".join(parts)
+
+
+def _sweep(
+    args: argparse.Namespace,
+    out: Any,
+    err: Any,
+    axis: str,
+    variants: Sequence[tuple[str, SimConfig, str, float]],
+    workload_for: Callable[[str, float], Workload],
+) -> int:
+    from rich.table import Table
+
+    from .sim import plot, sweep
+    from .sim.traces import prefix_hit_ceiling
+
+    points = []
+    show = not args.quiet and err.is_terminal
+    for label, cfg, wname, scale in variants:
+        if show:
+            err.print(f"{label} ...")
+        w = workload_for(wname, scale)
+        value = label.partition("=")[2]
+        points.append(
+            sweep.run_point(axis, value, functools.partial(runner.run_pagedkv, w, cfg, label=label))
+        )
+    w0 = workload_for(variants[0][2], variants[0][3])
+    ceiling = round(prefix_hit_ceiling(w0, variants[0][1].block_size), 6)
+    if args.csv:
+        sweep.write_csv(points, args.csv)
+    if args.plot:
+        plot.plot_sweep(
+            axis,
+            points,
+            args.plot,
+            ceiling=ceiling if axis != "workload" else None,
+            title=f"pagedkv simulate: {w0.name} on {args.model}, sweep of {axis}",
+        )
+    if args.json:
+        doc = {
+            "axis": axis,
+            "workload": w0.summary(),
+            "prefix_hit_ceiling": ceiling,
+            "points": [
+                {k: v for k, v in p.items() if k != "result"}
+                | ({"run": p["result"].to_dict()} if "result" in p else {})
+                for p in points
+            ],
+        }
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return 0
+    t = Table(title=f"pagedkv simulate: sweep of {axis}", title_justify="left")
+    for col in (axis, "hit rate", "preemptions", "TTFT p50 / p99 ms", "TPOT p99 ms", "req/s"):
+        t.add_column(col, justify="right")
+    for p in points:
+        if p["status"] != "ok":
+            reason = p["reason"].split(". ")[0]
+            t.add_row(str(p["value"]), f"does not fit: {reason}", "", "", "", "")
+            continue
+        t.add_row(
+            str(p["value"]),
+            f"{100 * p['hit_rate']:.1f}%",
+            f"{p['preemptions']:,}",
+            f"{p['ttft_ms']['p50']:,.1f} / {p['ttft_ms']['p99']:,.1f}",
+            f"{p['tpot_ms']['p99']:,.1f}",
+            f"{p['throughput']['requests_per_s']:,.2f}",
+        )
+    out.print(t)
+    out.print(f"prefix-hit ceiling of the workload (unlimited cache): {100 * ceiling:.1f}%")
+    for what, path in (("CSV", args.csv), ("plot", args.plot)):
+        if path:
+            out.print(f"{what} written to {path}")
     return 0
 
 

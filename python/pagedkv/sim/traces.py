@@ -53,6 +53,7 @@ __all__ = [
     "MOONCAKE_BLOCK",
     "detect_format",
     "load_trace",
+    "prefix_hit_ceiling",
     "scale_arrivals",
     "trace_stats",
 ]
@@ -299,6 +300,40 @@ def _percentiles(values: list[int]) -> dict[str, float]:
     }
 
 
+def _prefix_hits(w: Workload, block_size: int) -> tuple[int, int]:
+    """(tokens of each prompt's longest prefix of whole blocks that an earlier
+    request computed, prompt tokens), over the workload in order."""
+    seen: set[Any] = set()
+    hit = total = 0
+    for r in w.requests:
+        prompt = np.asarray(r.prompt, dtype=np.int64)
+        # What the request leaves cached: its prompt and every output token but
+        # the last (never computed), in whole blocks.
+        seq = np.concatenate([prompt, np.asarray(r.output[:-1], dtype=np.int64)])
+        k = 0
+        chain = 0
+        matching = True
+        for i in range(len(seq) // block_size):
+            chain = hash((chain, seq[i * block_size : (i + 1) * block_size].tobytes()))
+            if matching and (i + 1) * block_size <= len(prompt) and chain in seen:
+                k += 1
+            else:
+                matching = False
+            seen.add(chain)
+        hit += k * block_size
+        total += len(prompt)
+    return hit, total
+
+
+def prefix_hit_ceiling(w: Workload, block_size: int = 16) -> float:
+    """The theoretical maximum prefix-hit rate of the workload with an unlimited
+    cache: each prompt's longest prefix of whole ``block_size``-token blocks that
+    an earlier request computed (its prompt, or its answer: a later turn of a
+    conversation resends it), over all prompt tokens."""
+    hit, total = _prefix_hits(w, block_size)
+    return hit / total if total else 0.0
+
+
 def trace_stats(
     path: str | Path, fmt: str | None = None, *, block_size: int = 16, step_ms: float = 50.0
 ) -> dict[str, Any]:
@@ -335,22 +370,9 @@ def trace_stats(
         duration = max(stamps) - min(stamps)
     else:
         w = load_trace(path, fmt, step_ms=step_ms)
+        hit, total = _prefix_hits(w, block_size)
         for r in w.requests:
-            prompt = np.asarray(r.prompt, dtype=np.int64)
-            nblocks = len(prompt) // block_size
-            k = 0
-            chain = 0
-            matching = True
-            for i in range(nblocks):
-                chain = hash((chain, prompt[i * block_size : (i + 1) * block_size].tobytes()))
-                if matching and chain in seen:
-                    k += 1
-                else:
-                    matching = False
-                seen.add(chain)
-            hit += k * block_size
-            total += len(prompt)
-            inputs.append(len(prompt))
+            inputs.append(len(r.prompt))
             outputs.append(len(r.output))
         steps = [r.arrival_step for r in w.requests]
         duration = (max(steps) - min(steps)) * step_ms / 1000.0

@@ -1,0 +1,113 @@
+"""``--sweep AXIS=V1,V2,...``: one run per value, every point reported.
+
+A point that cannot run (the model does not fit the GPU, the KV cache cannot
+hold the longest request, a request can never be admitted) is marked
+``does not fit`` with the reason and the sweep goes on. :func:`write_csv` writes
+the points as one flat row each.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import PagedKVError
+from .runner import SimResult
+
+__all__ = ["CSV_COLUMNS", "point", "run_point", "write_csv"]
+
+#: the CSV columns, in order (nested figures flattened with ``_``)
+CSV_COLUMNS = (
+    "axis",
+    "value",
+    "status",
+    "reason",
+    "num_blocks",
+    "kv_cache_gib",
+    "hit_rate",
+    "preemptions",
+    "ttft_ms_mean",
+    "ttft_ms_p50",
+    "ttft_ms_p90",
+    "ttft_ms_p99",
+    "tpot_ms_mean",
+    "tpot_ms_p50",
+    "tpot_ms_p90",
+    "tpot_ms_p99",
+    "e2e_ms_p50",
+    "e2e_ms_p99",
+    "queue_ms_p50",
+    "queue_ms_p99",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "duration_s",
+    "slo_attainment",
+)
+
+
+def _value(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def point(axis: str, value: str, result: SimResult) -> dict[str, Any]:
+    """The sweep's record of one run."""
+    t = result.timing
+    return {
+        "axis": axis,
+        "value": _value(value),
+        "status": "ok",
+        "reason": "",
+        "num_blocks": result.num_blocks,
+        "kv_cache_gib": result.config["kv_cache_gib"],
+        "hit_rate": round(result.hit_rate, 6),
+        "preemptions": result.preemptions,
+        **{k: t[k] for k in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "throughput")},
+        "duration_s": t["duration_s"],
+        "slo_attainment": t.get("slo_attainment"),
+        "result": result,
+    }
+
+
+def run_point(axis: str, value: str, run: Callable[[], SimResult]) -> dict[str, Any]:
+    """Runs one point; a configuration that cannot run becomes a ``does not fit``
+    point carrying the reason instead of an exception."""
+    try:
+        return point(axis, value, run())
+    except (PagedKVError, ValueError, RuntimeError) as e:
+        return {"axis": axis, "value": _value(value), "status": "does not fit", "reason": str(e)}
+
+
+def _flat(p: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {}
+    for k, v in p.items():
+        if k == "result":
+            continue
+        if isinstance(v, dict):
+            for kk, vv in v.items():
+                row[kk if k == "throughput" else f"{k}_{kk}"] = vv
+        else:
+            row[k] = v
+    return row
+
+
+def write_csv(points: Sequence[dict[str, Any]], path: str | Path) -> None:
+    """Writes one row per point (``CSV_COLUMNS``; empty cells where a point did not run)."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+            w.writeheader()
+            for p in points:
+                w.writerow(_flat(p))
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -10,7 +10,7 @@ value. The file's extension picks the format (``.png``, ``.svg``, ``.pdf``).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -135,8 +135,9 @@ def plot_sweep(
     unit = {"memory": " (GiB per GPU)"}.get(axis, "")
     ran = [p for p in points if p.get("status") == "ok"]
     numeric = all(isinstance(p["value"], int | float) for p in ran)
-    xs = [p["value"] if numeric else str(p["value"]) for p in ran]
-    panels = (
+    xs: list[Any] = [p["value"] if numeric else str(p["value"]) for p in ran]
+    wide = numeric and bool(ran) and min(xs) > 0 and max(xs) / min(xs) >= 10
+    panels: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (
         ("hit rate (%)", lambda p: 100 * p["hit_rate"]),
         ("preemptions", lambda p: p["preemptions"]),
         ("TTFT p99 (ms)", lambda p: p["ttft_ms"]["p99"]),
@@ -148,7 +149,7 @@ def plot_sweep(
             ax.set_xlabel(axis + unit)
             ax.set_ylabel(name)
             ax.grid(True, alpha=0.3)
-            if numeric and ran and min(xs) > 0 and max(xs) / min(xs) >= 10:
+            if wide:
                 ax.set_xscale("log")
         if ceiling is not None:
             ax = axes[0, 0]

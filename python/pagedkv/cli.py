@@ -15,6 +15,7 @@ from . import __version__, presets
 from .errors import PagedKVError
 from .manager import HASH_ALGOS
 from .sim import runner
+from .sim.cluster import ROUTERS
 from .sim.perf import GPUS
 from .sim.runner import EngineUnavailableError, SimConfig, SimResult
 from .sim.steptime import LinearModel
@@ -75,6 +76,8 @@ _AXES = (
     "gpu",
     "tp",
     "time-scale",
+    "router",
+    "replicas",
 )
 
 
@@ -92,6 +95,17 @@ def _positive_float(s: str) -> float:
         raise argparse.ArgumentTypeError(
             f"must be a positive finite number up to {MAX_ARG}, got {s}"
         )
+    return v
+
+
+#: The most replicas one simulation runs.
+MAX_REPLICAS = 256
+
+
+def _replica_count(s: str) -> int:
+    v = int(s)
+    if not 0 < v <= MAX_REPLICAS:
+        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_REPLICAS}, got {s}")
     return v
 
 
@@ -260,6 +274,19 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
         "--hash", choices=HASH_ALGOS, default="sha256_cbor", help="block hash (default sha256_cbor)"
     )
     g.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    g.add_argument(
+        "--replicas",
+        type=_replica_count,
+        default=1,
+        metavar="N",
+        help="serving replicas, each with its own manager and scheduler (default 1)",
+    )
+    g.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="round-robin",
+        help="how requests reach the replicas (default round-robin; docs/simulate.md)",
+    )
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
     g.add_argument(
         "--compare",
@@ -375,6 +402,12 @@ def _apply_config(axis: str, value: str, cfg: SimConfig) -> SimConfig:
         return replace(cfg, gpu=value)
     if axis == "tp":
         return replace(cfg, tp=_positive_int(value))
+    if axis == "replicas":
+        return replace(cfg, replicas=_replica_count(value))
+    if axis == "router":
+        if value not in ROUTERS:
+            raise ValueError(f"routers: {', '.join(ROUTERS)}")
+        return replace(cfg, router=value)
     return replace(cfg, max_num_seqs=_positive_int(value))
 
 
@@ -422,6 +455,10 @@ def _simulate(args: argparse.Namespace) -> int:
         raise _UsageError(
             "--engine vllm compares the two managers on one configuration; drop --compare"
         )
+    if args.engine == "vllm" and (
+        args.replicas > 1 or any(a in ("replicas", "router") for a, _ in axes)
+    ):
+        raise _UsageError("--engine vllm runs one replica")
     if args.vllm_python and args.engine != "vllm":
         raise _UsageError("--vllm-python goes with --engine vllm")
     if args.trace and any(a == "workload" for a, _ in axes):
@@ -453,6 +490,8 @@ def _simulate(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu=args.gpu,
         tp=args.tp,
+        replicas=args.replicas,
+        router=args.router,
         gpu_memory_utilization=args.gpu_memory_utilization,
         step_time=args.step_time,
         tick_s=args.step_ms / 1000,

@@ -70,6 +70,7 @@ __all__ = [
     "StepStats",
     "drive",
     "drive_timed",
+    "sessions",
 ]
 
 
@@ -419,7 +420,7 @@ def drive(
     ``on_step(clock, num_finished)`` is called after every step. Returns the clock
     at the end (the step after the last one).
     """
-    successor, ready = _sessions(items, lambda item: item.arrival_step)
+    successor, ready = sessions(items, lambda item: item.arrival_step)
     clock = 0
     finished = 0
     while ready or sched.has_unfinished:
@@ -443,10 +444,11 @@ def drive(
     return clock
 
 
-def _sessions(
+def sessions(
     items: Sequence[R], ready_at: Callable[[R], float]
 ) -> tuple[dict[str, int], list[tuple[float, int]]]:
-    """(request id -> index of its session's next turn, heap of the first turns)."""
+    """(request id -> index of its session's next turn, heap of ``(ready time,
+    index)`` of the requests that do not wait for an earlier turn)."""
     successor: dict[str, int] = {}
     last_of_session: dict[str, int] = {}
     ready: list[tuple[float, int]] = []
@@ -490,7 +492,7 @@ def drive_timed(
     def arrival(item: R) -> float:
         return item.arrival_s if item.arrival_s is not None else item.arrival_step * tick_s
 
-    successor, ready = _sessions(items, arrival)
+    successor, ready = sessions(items, arrival)
     sched.track_shape = True
     clock = 0.0
     finished = 0

@@ -82,6 +82,10 @@ class SimConfig:
     step_time: str | None = None
     #: seconds per arrival tick of workloads timed in steps (built-in workloads)
     tick_s: float = 0.05
+    #: serving replicas, each with its own manager and scheduler, behind a router
+    #: (``pagedkv.sim.cluster.ROUTERS``)
+    replicas: int = 1
+    router: str = "round-robin"
     #: SLOs of ``slo_attainment`` (milliseconds)
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
@@ -273,7 +277,12 @@ def run_pagedkv(
     label: str = "pagedkv",
     progress: ProgressFn | None = None,
 ) -> SimResult:
-    """Simulates ``workload`` on pagedkv's manager."""
+    """Simulates ``workload`` on pagedkv's manager (on ``cfg.replicas`` of them
+    behind ``cfg.router`` when there are several)."""
+    if cfg.replicas > 1:
+        from .cluster import run_cluster
+
+        return run_cluster(workload, cfg, label=label, progress=progress)  # type: ignore[no-any-return]
     config, max_model_len = build_config(cfg, workload)
     kv = KVCacheManager(
         config,

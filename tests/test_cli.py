@@ -233,7 +233,7 @@ def test_bad_trace_exits_2_naming_the_line(
         (["--compare", "colour=red"], "unknown axis 'colour'"),
         (["--compare", "memory"], "give the values"),
         (["--compare", "caching=maybe"], "caching is on or off"),
-        (["--model", "gpt-5"], "unknown model preset 'gpt-5'"),
+        (["--model", "gpt-5"], "unknown model 'gpt-5'"),
         (["--memory", "0.01"], "KV cache is needed"),
         (["--max-model-len", "256"], "max_context 256 (--max-model-len) is too short"),
         (["--engine", "vllm", "--compare", "caching"], "drop --compare"),

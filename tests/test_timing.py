@@ -386,3 +386,135 @@ def test_find_max_rate_on_the_command_line(capsys: pytest.CaptureFixture[str]) -
     assert code == 0, err
     doc = json.loads(out)
     assert doc["target"] == 0.9 and doc["max_rate"]["slo_attainment"] >= 0.9
+
+
+# ------------------------------------------------------------------ config.json
+
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+}
+
+
+def test_config_json_of_a_dense_gqa_model_matches_its_preset() -> None:
+    p = presets.from_hf_config(LLAMA_8B, name="llama")
+    assert p.layer_specs(16) == presets.get("llama-3.1-8b").layer_specs(16)
+    assert p.compute is not None
+    assert p.compute.params == pytest.approx(8.03e9, rel=1e-3)  # the model card's 8.03B
+    assert p.max_model_len == 131072
+
+
+def test_config_json_of_sliding_window_chunked_mla_and_moe_models() -> None:
+    gemma = presets.from_hf_config(
+        {
+            "text_config": {
+                "hidden_size": 5376,
+                "intermediate_size": 21504,
+                "num_attention_heads": 32,
+                "num_hidden_layers": 62,
+                "num_key_value_heads": 16,
+                "head_dim": 128,
+                "sliding_window": 1024,
+                "sliding_window_pattern": 6,
+                "vocab_size": 262208,
+            },
+            "tie_word_embeddings": True,
+        }
+    )
+    assert list(gemma.layer_specs(16).values()) == list(
+        presets.get("gemma-3-27b").layer_specs(16).values()
+    )
+    scout = presets.from_hf_config(
+        {
+            "text_config": {
+                "hidden_size": 5120,
+                "num_attention_heads": 40,
+                "num_hidden_layers": 48,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+                "attention_chunk_size": 8192,
+                "no_rope_layers": [1, 1, 1, 0] * 12,
+                "vocab_size": 202048,
+                "num_local_experts": 16,
+                "num_experts_per_tok": 1,
+            }
+        }
+    )
+    assert list(scout.layer_specs(16).values()) == list(
+        presets.get("llama-4-scout").layer_specs(16).values()
+    )
+    ds = presets.from_hf_config(
+        {
+            "hidden_size": 7168,
+            "intermediate_size": 18432,
+            "moe_intermediate_size": 2048,
+            "num_attention_heads": 128,
+            "num_hidden_layers": 61,
+            "n_routed_experts": 256,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "first_k_dense_replace": 3,
+            "kv_lora_rank": 512,
+            "q_lora_rank": 1536,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 128,
+            "v_head_dim": 128,
+            "vocab_size": 129280,
+            "quantization_config": {"quant_method": "fp8"},
+        }
+    )
+    assert list(ds.layer_specs(16).values()) == list(
+        presets.get("deepseek-v3").layer_specs(16).values()
+    )
+    assert ds.compute is not None and ds.compute.compute_dtype == "fp8"
+    # DeepSeek-V3's model card: 671B parameters, 37B activated per token.
+    assert ds.compute.params == pytest.approx(671e9, rel=2e-3)
+    assert ds.compute.active_params == pytest.approx(37e9, rel=0.02)
+    mixtral = presets.from_hf_config(
+        {**LLAMA_8B, "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2}
+    )
+    # Mixtral 8x7B: 46.7B parameters, 12.9B active.
+    assert mixtral.compute is not None
+    assert mixtral.compute.params == pytest.approx(46.7e9, rel=2e-3)
+    assert mixtral.compute.active_params == pytest.approx(12.9e9, rel=2e-3)
+
+
+def test_config_json_on_the_command_line(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    d = tmp_path / "my-llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(LLAMA_8B))
+    code, out, err = _simulate(capsys, "-n", "20", "-m", str(d / "config.json"), "--json")
+    assert code == 0, err
+    from_file = json.loads(out)["runs"][0]
+    code, out, _ = _simulate(capsys, "-n", "20", "--json")
+    preset = json.loads(out)["runs"][0]
+    assert from_file["num_blocks"] == preset["num_blocks"]
+    # The same shapes; the preset rounds the parameter count (8.03e9).
+    for k, v in preset["ttft_ms"].items():
+        assert from_file["ttft_ms"][k] == pytest.approx(v, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "not JSON"),
+        ("[1, 2]", "one JSON object"),
+        (json.dumps({"hidden_size": 8}), "missing 'num_hidden_layers'"),
+        (json.dumps({**LLAMA_8B, "num_hidden_layers": -1}), "positive integer"),
+        (json.dumps({**LLAMA_8B, "mamba_d_state": 16}), "Mamba"),
+        (json.dumps({**LLAMA_8B, "sliding_window": 64, "layer_types": ["x"]}), "layer_types"),
+        ("x" * (presets.MAX_CONFIG_BYTES + 1), "larger than"),
+    ],
+)
+def test_bad_config_json_is_refused(tmp_path: Any, content: str, message: str) -> None:
+    f = tmp_path / "config.json"
+    f.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        presets.from_hf_config(f)

@@ -227,8 +227,8 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
         "--model",
         "-m",
         default="llama-3.1-8b",
-        metavar="PRESET",
-        help="model preset (default llama-3.1-8b)",
+        metavar="PRESET|CONFIG",
+        help="model preset, or the path of a Hugging Face config.json (default llama-3.1-8b)",
     )
     g.add_argument(
         "--gpu",

@@ -21,9 +21,11 @@ full every 4th layer), ``jamba-1.5-mini`` (Mamba hybrid), ``deepseek-v3`` (MLA),
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .errors import InvalidConfigError
@@ -37,7 +39,7 @@ from .specs import (
     SlidingWindowSpec,
 )
 
-__all__ = ["ModelCompute", "ModelPreset", "get", "names"]
+__all__ = ["ModelCompute", "ModelPreset", "from_hf_config", "get", "names"]
 
 #: Smallest kernel block of a FlashAttention-style backend (kernel block sizes are
 #: multiples of 16 tokens); vLLM aligns hybrid attention block sizes to it.
@@ -413,3 +415,193 @@ def get(name: str) -> ModelPreset:
         return _PRESETS[name.lower()]
     except (KeyError, AttributeError):
         raise KeyError(f"unknown preset {name!r}; presets: {', '.join(_PRESETS)}") from None
+
+
+# ------------------------------------------------------------------ config.json
+
+#: The largest config.json read (real ones are a few KiB).
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _field(cfg: Mapping[str, Any], where: str, *names: str, default: Any = None) -> Any:
+    for n in names:
+        if n in cfg and cfg[n] is not None:
+            return cfg[n]
+    if default is None:
+        raise ValueError(f"{where}: missing {names[0]!r}")
+    return default
+
+
+def _int_field(cfg: Mapping[str, Any], where: str, *names: str, default: int | None = None) -> int:
+    v = _field(cfg, where, *names, default=default)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= 1 << 40:
+        raise ValueError(f"{where}: {names[0]} must be a positive integer, got {v!r}")
+    return v
+
+
+def _layer_kinds(t: Mapping[str, Any], where: str, n: int) -> list[tuple[str, int]]:
+    """Per layer: ``("full", 0)``, ``("sliding", window)`` or ``("chunked", size)``."""
+    chunk = t.get("attention_chunk_size")
+    if chunk is not None:
+        size = _int_field(t, where, "attention_chunk_size")
+        no_rope = t.get("no_rope_layers")
+        if isinstance(no_rope, list) and len(no_rope) == n:
+            return [("full", 0) if not x else ("chunked", size) for x in no_rope]
+        return [("chunked", size)] * n
+    window = t.get("sliding_window")
+    if window is None or t.get("use_sliding_window") is False:
+        return [("full", 0)] * n
+    w = _int_field(t, where, "sliding_window")
+    types = t.get("layer_types")
+    if isinstance(types, list):
+        if len(types) != n or not all(isinstance(x, str) for x in types):
+            raise ValueError(f"{where}: layer_types must name each of the {n} layers")
+        return [("sliding", w) if "sliding" in x else ("full", 0) for x in types]
+    pattern = t.get("sliding_window_pattern")
+    if pattern is not None:
+        p = _int_field(t, where, "sliding_window_pattern")
+        return [("full", 0) if (i + 1) % p == 0 else ("sliding", w) for i in range(n)]
+    return [("sliding", w)] * n
+
+
+def from_hf_config(
+    source: str | Path | Mapping[str, Any], *, name: str | None = None
+) -> ModelPreset:
+    """A preset from a Hugging Face ``config.json`` (a path or the parsed dict).
+
+    Decoder-only transformers: full attention with any number of KV heads (MHA,
+    GQA, MQA); sliding windows on every layer (``sliding_window``), per layer
+    (``layer_types``) or every n-th layer global (``sliding_window_pattern``);
+    chunked local attention (``attention_chunk_size``, global where
+    ``no_rope_layers`` is 0); MLA (``kv_lora_rank``, ``qk_rope_head_dim``); routed
+    experts (``num_local_experts`` / ``n_routed_experts`` / ``num_experts``,
+    ``num_experts_per_tok``, ``moe_intermediate_size``, ``n_shared_experts``,
+    ``first_k_dense_replace``). A ``text_config`` is read in place of the top
+    level. Parameter counts are computed from the shapes (embeddings, attention
+    projections, gated MLPs, experts, routers); FP8 checkpoints
+    (``quantization_config.quant_method == "fp8"``) weigh 1 byte per parameter
+    and compute at the FP8 peak, others 2. Mamba / linear-attention layers are
+    refused (use a preset). Raises ValueError naming what is wrong."""
+    where = "config"
+    if isinstance(source, Mapping):
+        data: Any = source
+    else:
+        path = Path(source)
+        where = str(path)
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ValueError(f"{where}: larger than {MAX_CONFIG_BYTES} bytes: not a config.json")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{where}: not JSON ({e})") from None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: a config.json holds one JSON object")
+    text = data.get("text_config")
+    t: Mapping[str, Any] = text if isinstance(text, Mapping) else data
+    if any(
+        k in t for k in ("mamba_d_state", "ssm_state_size", "mamba_expand", "linear_attn_config")
+    ):
+        raise ValueError(f"{where}: Mamba / linear-attention layers are not read from config.json")
+    n = _int_field(t, where, "num_hidden_layers", "n_layer", "num_layers")
+    hidden = _int_field(t, where, "hidden_size", "d_model")
+    heads = _int_field(t, where, "num_attention_heads", "n_head")
+    kv_heads = _int_field(t, where, "num_key_value_heads", default=heads)
+    head_dim = _int_field(t, where, "head_dim", default=hidden // heads or 1)
+    inter = _int_field(t, where, "intermediate_size", "ffn_dim", default=4 * hidden)
+    vocab = _int_field(t, where, "vocab_size")
+    max_len = _int_field(t, where, "max_position_embeddings", "max_seq_len", default=4096)
+    tied = bool(data.get("tie_word_embeddings", t.get("tie_word_embeddings", False)))
+    quant = data.get("quantization_config")
+    fp8 = isinstance(quant, Mapping) and quant.get("quant_method") == "fp8"
+    mla = t.get("kv_lora_rank") is not None
+    if mla:
+        lora = _int_field(t, where, "kv_lora_rank")
+        rope = _int_field(t, where, "qk_rope_head_dim")
+        nope = _int_field(t, where, "qk_nope_head_dim", default=head_dim)
+        v_dim = _int_field(t, where, "v_head_dim", default=head_dim)
+        q_lora = t.get("q_lora_rank")
+        q_in = (
+            hidden * q_lora + q_lora * heads * (nope + rope)
+            if q_lora
+            else hidden * heads * (nope + rope)
+        )
+        attn = (
+            q_in + hidden * (lora + rope) + lora * heads * (nope + v_dim) + heads * v_dim * hidden
+        )
+        kinds = [("full", 0)] * n
+        qk_dim, v_head, kv_split = lora + rope, lora, 1
+    else:
+        attn = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+        kinds = _layer_kinds(t, where, n)
+        qk_dim, v_head, kv_split = head_dim, head_dim, kv_heads
+    experts = int(
+        _field(t, where, "num_local_experts", "n_routed_experts", "num_experts", default=0)
+    )
+    mlp = 3 * hidden * inter
+    expert_params = 0.0
+    active_experts = 0.0
+    k = 0
+    if experts:
+        k = _int_field(t, where, "num_experts_per_tok", "moe_topk")
+        moe_inter = _int_field(
+            t, where, "moe_intermediate_size", "intermediate_size_mlp", default=inter
+        )
+        shared = int(_field(t, where, "n_shared_experts", default=0))
+        dense_layers = int(_field(t, where, "first_k_dense_replace", default=0))
+        moe_layers = n - min(dense_layers, n)
+        expert = 3 * hidden * moe_inter
+        expert_params = float(moe_layers * experts * expert)
+        active_experts = float(moe_layers * k * expert)
+        body = n * attn + dense_layers * mlp + moe_layers * (shared * expert + hidden * experts)
+    else:
+        body = n * (attn + mlp)
+    embed = vocab * hidden * (1 if tied else 2)
+    params = float(embed + body + expert_params)
+    active = float(embed + body + active_experts)
+    compute = ModelCompute(
+        params=params,
+        active_params=active,
+        hidden_size=hidden,
+        num_layers=n,
+        num_attention_heads=heads,
+        num_kv_heads=kv_split,
+        qk_head_dim=qk_dim,
+        v_head_dim=v_head,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        weight_bytes=params * (1 if fp8 else 2),
+        tied_embeddings=tied,
+        num_experts=experts,
+        experts_per_token=k,
+        expert_params=expert_params,
+        compute_dtype="fp8" if fp8 else "bf16",
+    )
+
+    def build(o: _Options) -> dict[str, KVCacheSpec]:
+        specs: dict[str, KVCacheSpec] = {}
+        for i, (kind, size) in enumerate(kinds):
+            spec: KVCacheSpec
+            if mla:
+                spec = MLAAttentionSpec(o.block_size, 1, qk_dim, o.dtype)
+            elif kind == "sliding":
+                spec = SlidingWindowSpec(o.block_size, kv_heads, head_dim, o.dtype, size)
+            elif kind == "chunked":
+                spec = ChunkedLocalAttentionSpec(o.block_size, kv_heads, head_dim, o.dtype, size)
+            else:
+                spec = FullAttentionSpec(o.block_size, kv_heads, head_dim, o.dtype)
+            specs[f"model.layers.{i}.self_attn.attn"] = spec
+        return specs
+
+    counts = {kk: sum(1 for x, _ in kinds if x == kk) for kk in ("full", "sliding", "chunked")}
+    layout = ", ".join(f"{c} {kk}" for kk, c in counts.items() if c)
+    label = name or str(data.get("_name_or_path") or Path(where).parent.name or "config.json")
+    return ModelPreset(
+        name=label,
+        model=label,
+        max_model_len=max_len,
+        source=f"{where}: {n} layers ("
+        + (f"MLA, latent {qk_dim}" if mla else f"{layout}; {kv_heads} KV heads x {head_dim}")
+        + f"), {params / 1e9:.2f}B parameters ({active / 1e9:.2f}B active)",
+        _build=build,
+        compute=compute,
+    )

@@ -29,7 +29,7 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
         ("KV-cache layers", ", ".join(f"{n} {k}" for k, n in groups.items())),
         ("KV-cache blocks", f"{r.num_blocks:,} x {c['block_size']} tokens"),
         ("GPUs", f"{c['tp']} x {c['gpu']}" if c.get("step_time") is None else "--step-time"),
-        ("KV-cache memory", f"{c['kv_cache_gib']:.2f} GiB"),
+        ("KV-cache memory (all GPUs)", f"{c['kv_cache_gib']:.2f} GiB"),
         ("prefix caching", f"{'on' if c['enable_caching'] else 'off'}, {c['hash_algo']}"),
         ("requests finished", f"{r.finished:,} / {r.requests:,}"),
         ("scheduler steps", f"{r.steps:,}"),

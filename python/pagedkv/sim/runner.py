@@ -10,6 +10,7 @@ vLLM's own ``KVCacheManager`` behind the policy (in this interpreter, or in
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -199,11 +200,22 @@ def _max_model_len(cfg: SimConfig, workload: Workload, preset: presets.ModelPres
 
 
 def _preset(cfg: SimConfig) -> presets.ModelPreset:
-    if cfg.model not in presets.names():
-        raise ValueError(
-            f"unknown model preset {cfg.model!r}; presets: {', '.join(presets.names())}"
-        )
-    return presets.get(cfg.model)
+    """The model: a preset name, or the path of a Hugging Face ``config.json``."""
+    if cfg.model in presets.names():
+        return presets.get(cfg.model)
+    if os.path.isfile(cfg.model):
+        return _config_preset(cfg.model)
+    raise ValueError(
+        f"unknown model {cfg.model!r}: give a preset ({', '.join(presets.names())}) "
+        "or the path of a Hugging Face config.json"
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _config_preset(path: str) -> presets.ModelPreset:
+    return presets.from_hf_config(
+        path, name=os.path.basename(os.path.dirname(os.path.abspath(path)))
+    )
 
 
 def kv_memory_bytes(cfg: SimConfig, preset: presets.ModelPreset) -> int:

@@ -289,8 +289,9 @@ def test_vllm_engine_refuses_what_vllm_cannot_run() -> None:
     w = generate("tenants", WorkloadOptions(num_requests=5))
     with pytest.raises(EngineUnavailableError, match="no 'xxh3_native' hash"):
         runner.vllm_payload(w, SimConfig(hash_algo="xxh3_native"))
-    with pytest.raises(EngineUnavailableError, match="MambaSpec"):
-        runner.vllm_payload(w, SimConfig(model="jamba-1.5-mini", memory_gib=8.0))
+    short = Workload("short", [Request("a", list(range(100)), [1, 2])])
+    with pytest.raises(EngineUnavailableError, match="CrossAttentionSpec"):
+        runner.vllm_payload(short, SimConfig(model="whisper-large-v3", memory_gib=8.0))
     payload = runner.vllm_payload(w, SimConfig(model="gemma-3-27b", memory_gib=8.0))
     kinds = {g["kind"] for g in payload["manager"]["groups"]}
     assert kinds == {"full_attention", "sliding_window"}

@@ -518,3 +518,43 @@ def test_bad_config_json_is_refused(tmp_path: Any, content: str, message: str) -
     f.write_text(content)
     with pytest.raises(ValueError, match=message):
         presets.from_hf_config(f)
+
+
+# ------------------------------------------------------------------ hybrid Mamba
+
+
+def _split(prompt: int, start: int, n: int, junction: int = 0, budget: int = 8192) -> int:
+    from pagedkv.sim.policy import Scheduler, SchedulerConfig
+
+    sched = Scheduler.__new__(Scheduler)
+    sched.cfg = SchedulerConfig(mamba_block_size=80, max_num_batched_tokens=budget)
+    req = Request("r", list(range(prompt)), [1, 2])
+    req.shared_prefix_boundary = junction
+    return sched._mamba_split(req, n, start)
+
+
+def test_mamba_prefill_chunks_end_where_vllm_ends_them() -> None:
+    # vLLM 0.33's _mamba_block_aligned_split with 80-token Mamba blocks: a
+    # 1,000-token prompt stops at the last boundary before its last token (960),
+    # then finishes; a budget-cut chunk ends on a boundary; a mid-block start
+    # stops at the next boundary; a shared-prefix junction (block-floored) stops.
+    assert _split(1000, 0, 1000) == 960
+    assert _split(1000, 960, 40) == 40
+    assert _split(1000, 0, 500) == 480
+    assert _split(1000, 480, 520) == 480
+    assert _split(1000, 100, 900) == 60
+    assert _split(1000, 0, 1000, junction=300) == 240
+    assert _split(1000, 100, 30) == 0  # mid-block and short of the boundary: wait
+    assert _split(1000, 1000, 1) == 1  # decode
+
+
+def test_hybrid_mamba_model_gets_prefix_hits() -> None:
+    w = generate("tenants", WorkloadOptions(num_requests=60, max_context=8192))
+    cfg = SimConfig(model="jamba-1.5-mini", memory_gib=16.0, max_model_len=8192)
+    r = run_pagedkv(w, cfg)
+    # Without chunks ending on Mamba block boundaries no state is cacheable: 0 %.
+    assert r.hit_rate > 0.8
+    assert r.config["mamba_block_size"] == 80
+    payload = runner.vllm_payload(w, cfg)
+    assert payload["scheduler"]["mamba_block_size"] == 80
+    assert {g["kind"] for g in payload["manager"]["groups"]} == {"mamba", "full_attention"}

@@ -86,6 +86,7 @@ class ManagerBackend(Backend[Request]):
         t = clock()
         self._hit = hit = self.kv.get_computed_blocks(req.request_id)
         st.timed("get_computed_blocks", clock() - t)
+        req.shared_prefix_boundary = hit.shared_prefix_boundary
         return hit.num_computed_tokens
 
     def admit(

@@ -39,7 +39,7 @@ from .._util import FNV_OFFSET_BASIS, fnv1a64
 from ..index import PrefixIndex
 from ..manager import KVCacheManager
 from .backend import ManagerBackend
-from .policy import Request, Scheduler, SchedulerConfig, sessions
+from .policy import Request, Scheduler, sessions
 from .steptime import Latencies, summarize
 from .workloads import Workload
 
@@ -157,11 +157,7 @@ def run_cluster(
             enable_kv_cache_events=events,
         )
 
-    sched_cfg = SchedulerConfig(
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        full_sequence_must_fit=cfg.full_sequence_must_fit,
-    )
+    sched_cfg = runner.scheduler_config(cfg, config)
     replicas = []
     for i in range(cfg.replicas):
         kv = manager(prefix)

@@ -107,6 +107,9 @@ class Request:
     num_computed_tokens: int = field(default=0, init=False)
     num_output_tokens: int = field(default=0, init=False)
     num_preemptions: int = field(default=0, init=False)
+    #: where the request's prompt leaves the longest cached prefix it shares
+    #: (``get_computed_blocks``' shared-prefix junction; 0: none)
+    shared_prefix_boundary: int = field(default=0, init=False)
     #: How the backend names the request: pagedkv's handle from ``add_request`` (or
     #: the id for managers without handles), vLLM's ``Request`` object.
     handle: Any = field(default=None, init=False, repr=False)
@@ -145,6 +148,10 @@ class SchedulerConfig:
     #: pure-Rust floor in ``benches/src/lib.rs``), which leaves the hit tokens to
     #: be computed again in the next step.
     hits_count_as_computed: bool = True
+    #: Block size of the Mamba groups of a hybrid model in ``align`` cache mode
+    #: (vLLM's ``cache_config.block_size``): prefill chunks then end where a Mamba
+    #: state can be cached (vLLM's ``_mamba_block_aligned_split``). None: no Mamba.
+    mamba_block_size: int | None = None
 
 
 @dataclass
@@ -330,33 +337,73 @@ class Scheduler(Generic[R]):
     def _schedule_running(self, budget: int, scheduled: list[tuple[R, int]]) -> tuple[int, bool]:
         """Running requests in order; a run of them goes to the backend at once."""
         running = self.running
+        mamba = self.cfg.mamba_block_size is not None
         preempted = False
         ri = 0
         while ri < len(running) and budget > 0:
             batch: list[R] = []
             new: list[int] = []
+            index: list[int] = []
             b = budget
-            for req in running[ri:]:
-                if b <= 0:
-                    break
+            j = ri
+            while j < len(running) and b > 0:
+                req = running[j]
+                j += 1
                 n = min(req.num_tokens - req.num_computed_tokens, b)
+                if mamba:
+                    n = self._mamba_split(req, n, req.num_computed_tokens)
+                    if n == 0:  # mid-block, and the budget ends before the boundary
+                        continue
                 batch.append(req)
                 new.append(n)
+                index.append(j - 1)
                 b -= n
+            if not batch:
+                break
             n_ok = self.backend.allocate(batch, new)
             for i in range(n_ok):
                 scheduled.append((batch[i], new[i]))
                 budget -= new[i]
-            ri += n_ok
             if n_ok == len(batch):
+                ri = j
                 continue
-            # running[ri] did not fit: preempt the newest running request, retry.
+            # batch[n_ok] did not fit: preempt the newest running request, retry.
+            ri = index[n_ok]
             victim = running.pop()
             self._preempt(victim)
             preempted = True
             if victim is batch[n_ok]:
                 break
         return budget, preempted
+
+    def _mamba_split(self, req: R, num_new_tokens: int, start: int) -> int:
+        """vLLM 0.33's ``_mamba_block_aligned_split`` (no EAGLE, no lookahead, no
+        partial hash hits, no prefill checkpoint blocks): a prefill chunk ends on a
+        block boundary, at the last boundary whose state can be cached, or at the
+        block-floored shared-prefix junction, so hybrid Mamba models cache states
+        other requests can resume from."""
+        bs = self.cfg.mamba_block_size
+        assert bs is not None
+        prefill_end = max(len(req.prompt), req.num_tokens - 1)
+        if start >= prefill_end:
+            return num_new_tokens
+        # The last block boundary before the last token (its logits are recomputed).
+        last_cache_position = max((req.num_tokens - 1) // bs * bs, 0)
+        end = start + num_new_tokens
+        if end < prefill_end:
+            aligned_end = end // bs * bs
+            if aligned_end > start or bs <= self.cfg.max_num_batched_tokens:
+                end = aligned_end
+        next_block_boundary = (start // bs + 1) * bs
+        junction = req.shared_prefix_boundary
+        junction_stop = start + (junction - start) // bs * bs
+        stops = (
+            next_block_boundary if start % bs != 0 else 0,
+            last_cache_position,
+            junction_stop if start < junction < end else 0,
+        )
+        end = min((x for x in stops if start < x < end), default=end)
+        return max(end - start, 0)
 
     def _preempt(self, victim: R) -> None:
         victim.num_computed_tokens = self.backend.preempt(victim)
@@ -370,6 +417,10 @@ class Scheduler(Generic[R]):
             req = self.waiting[0]
             num_hit = be.lookup(req)
             n = min(req.num_tokens - num_hit, budget)
+            if cfg.mamba_block_size is not None:
+                n = self._mamba_split(req, n, num_hit)
+                if n == 0:
+                    break
             if not be.admit(
                 req,
                 n,

@@ -17,6 +17,11 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def _block_sizes(c: dict[str, Any]) -> str:
+    sizes = sorted(set(c.get("group_block_sizes") or [c["block_size"]]))
+    return "/".join(f"{s:,}" for s in sizes)
+
+
 def _rows(r: SimResult) -> list[tuple[str, str]]:
     c = r.config
     groups: dict[str, int] = {}
@@ -27,7 +32,7 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
         ("engine", r.engine),
         ("model", c["model"]),
         ("KV-cache layers", ", ".join(f"{n} {k}" for k, n in groups.items())),
-        ("KV-cache blocks", f"{r.num_blocks:,} x {c['block_size']} tokens"),
+        ("KV-cache blocks", f"{r.num_blocks:,} x {_block_sizes(c)} tokens"),
         ("GPUs", f"{c['tp']} x {c['gpu']}" if c.get("step_time") is None else "--step-time"),
         ("KV-cache memory (all GPUs)", f"{c['kv_cache_gib']:.2f} GiB"),
         ("prefix caching", f"{'on' if c['enable_caching'] else 'off'}, {c['hash_algo']}"),
@@ -52,6 +57,15 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
         ("  calls", f"{r.manager_calls:,}"),
         ("simulation wall time", f"{r.wall_s:.2f} s"),
     ]
+    if c.get("mamba_block_size"):
+        rows.insert(
+            3,
+            (
+                "  Mamba states",
+                f"cached every {c['mamba_block_size']} tokens: hits are whole "
+                f"{c['mamba_block_size']}-token blocks",
+            ),
+        )
     return rows
 
 

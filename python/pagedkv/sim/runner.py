@@ -32,6 +32,7 @@ from ..specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
@@ -249,6 +250,26 @@ def step_time_model(cfg: SimConfig) -> StepTimeModel:
     )
 
 
+def mamba_block_size(config: KVCacheConfig) -> int | None:
+    """The block size of a hybrid model's Mamba groups in ``align`` cache mode
+    (where vLLM's scheduler aligns prefill chunks), else None."""
+    for g in config.kv_cache_groups:
+        s = g.kv_cache_spec
+        if isinstance(s, MambaSpec) and s.mamba_cache_mode == "align":
+            return s.block_size
+    return None
+
+
+def scheduler_config(cfg: SimConfig, config: KVCacheConfig) -> SchedulerConfig:
+    """The policy's knobs for ``cfg`` on ``config``."""
+    return SchedulerConfig(
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        full_sequence_must_fit=cfg.full_sequence_must_fit,
+        mamba_block_size=mamba_block_size(config),
+    )
+
+
 def build_config(cfg: SimConfig, workload: Workload) -> tuple[KVCacheConfig, int]:
     """(KV-cache config, max_model_len) of the model preset in the memory budget.
     Raises ValueError for unknown presets or requests longer than the model, and
@@ -279,6 +300,8 @@ def _config_dict(cfg: SimConfig, config: KVCacheConfig, max_model_len: int) -> d
     d["kv_cache_groups"] = [
         f"{type(g.kv_cache_spec).__name__}x{len(g.layer_names)}" for g in config.kv_cache_groups
     ]
+    d["group_block_sizes"] = [g.kv_cache_spec.block_size for g in config.kv_cache_groups]
+    d["mamba_block_size"] = mamba_block_size(config)
     return d
 
 
@@ -304,14 +327,7 @@ def run_pagedkv(
         max_in_flight_tokens=cfg.max_num_batched_tokens,
         prefix_cache_retention_interval=0,
     )
-    sched = Scheduler(
-        ManagerBackend(kv),
-        SchedulerConfig(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            full_sequence_must_fit=cfg.full_sequence_must_fit,
-        ),
-    )
+    sched = Scheduler(ManagerBackend(kv), scheduler_config(cfg, config))
     reqs = workload.requests
     usage, running, waiting, hit = array("d"), array("d"), array("d"), array("d")
     clock_s, preempt, step_hits, step_queries = array("d"), array("d"), array("d"), array("d")
@@ -398,13 +414,27 @@ def _vllm_groups(config: KVCacheConfig) -> list[dict[str, Any]]:
     for g in config.kv_cache_groups:
         s = g.kv_cache_spec
         kind = getattr(s, "kind", type(s).__name__)
+        if isinstance(s, MambaSpec):
+            groups.append(
+                {
+                    "kind": "mamba",
+                    "layer_names": list(g.layer_names),
+                    "block_size": s.block_size,
+                    "shapes": [list(x) for x in s.shapes],
+                    "dtypes": [str(d).split(".")[-1] for d in s.dtypes],
+                    "page_size_padded": s.page_size_padded,
+                    "mamba_cache_mode": s.mamba_cache_mode,
+                    "num_speculative_blocks": s.num_speculative_blocks,
+                }
+            )
+            continue
         if (
             not isinstance(s, FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec)
             or kind not in vllm_engine.SUPPORTED_SPECS
         ):
             raise EngineUnavailableError(
-                f"--engine vllm supports attention-only models (full, MLA, sliding window, "
-                f"chunked local); this model has a {type(s).__name__} group"
+                f"--engine vllm supports full, MLA, sliding-window, chunked-local attention "
+                f"and Mamba groups; this model has a {type(s).__name__} group"
             )
         d: dict[str, Any] = {
             "kind": kind,
@@ -463,11 +493,7 @@ def vllm_payload(workload: Workload, cfg: SimConfig) -> dict[str, Any]:
             "max_in_flight_tokens": cfg.max_num_batched_tokens,
             "prefix_cache_retention_interval": 0,
         },
-        "scheduler": {
-            "max_num_seqs": cfg.max_num_seqs,
-            "max_num_batched_tokens": cfg.max_num_batched_tokens,
-            "full_sequence_must_fit": cfg.full_sequence_must_fit,
-        },
+        "scheduler": asdict(scheduler_config(cfg, config)),
         "requests": reqs,
         "clock": {
             "model": step_time_model(cfg).to_dict(),

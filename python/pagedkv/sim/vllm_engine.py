@@ -29,7 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = ["VllmBackend", "run", "vllm_available"]
 
-SUPPORTED_SPECS = ("full_attention", "sliding_window", "chunked_local_attention", "mla_attention")
+SUPPORTED_SPECS = (
+    "full_attention",
+    "sliding_window",
+    "chunked_local_attention",
+    "mla_attention",
+    "mamba",
+)
 
 
 def vllm_available() -> bool:
@@ -117,6 +123,7 @@ class VllmBackend(policy.Backend[policy.Request]):
         t = self._clock()
         self._hit, num_hit, vreq.shared_prefix_boundary = self.kv.get_computed_blocks(vreq)
         self.stats.timed("get_computed_blocks", self._clock() - t)
+        req.shared_prefix_boundary = int(vreq.shared_prefix_boundary)
         return int(num_hit)
 
     def admit(
@@ -215,6 +222,17 @@ def run(
     m = payload["manager"]
     groups = []
     for g in m["groups"]:
+        if g["kind"] == "mamba":
+            mamba = ki.MambaSpec(
+                block_size=g["block_size"],
+                shapes=tuple(tuple(x) for x in g["shapes"]),
+                dtypes=tuple(_dtype(torch, d) for d in g["dtypes"]),
+                page_size_padded=g["page_size_padded"],
+                mamba_cache_mode=g["mamba_cache_mode"],
+                num_speculative_blocks=g["num_speculative_blocks"],
+            )
+            groups.append(ki.KVCacheGroupSpec(g["layer_names"], mamba))
+            continue
         kw = {
             "block_size": g["block_size"],
             "num_kv_heads": g["num_kv_heads"],

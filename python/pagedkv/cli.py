@@ -6,6 +6,7 @@ import argparse
 import functools
 import itertools
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -450,7 +451,19 @@ def _simulate(args: argparse.Namespace) -> int:
             plot._format(args.plot)
         except ValueError as e:
             raise _UsageError(str(e)) from None
+    for option, path in (
+        ("--plot", args.plot),
+        ("--csv", args.csv),
+        ("--save-trace", args.save_trace),
+    ):
+        if path:
+            _check_output_path(option, path)
     axes = _parse_compare([args.sweep] if args.sweep else args.compare)
+    if args.save_trace and any(a == "workload" for a, _ in axes):
+        raise _UsageError(
+            "--save-trace writes one workload: drop --compare/--sweep workload=..., or save "
+            "each workload in its own run"
+        )
     if args.engine == "vllm" and axes:
         raise _UsageError(
             "--engine vllm compares the two managers on one configuration; drop --compare"
@@ -575,22 +588,62 @@ def _simulate(args: argparse.Namespace) -> int:
     ratio = None
     if args.engine == "vllm" and results[0].us_per_step > 0:
         ratio = results[1].us_per_step / results[0].us_per_step
-    if args.plot:
-        plot.plot_results(
-            [r for r in results if r.series],
-            args.plot,
-            title=_title(summaries[0], base, [a for a, _ in axes]),
-        )
     if args.json:
         doc = report.to_json_obj(summaries, results, ratio=ratio, series=args.series)
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
         report.print_summary(out, summaries, results, ratio=ratio)
-        if args.plot:
-            out.print(f"plot written to {args.plot}")
         if args.save_trace:
             out.print(f"trace written to {args.save_trace}")
+    if args.plot:
+        return _write_outputs(
+            out,
+            args.json,
+            [
+                (
+                    "plot",
+                    args.plot,
+                    lambda: plot.plot_results(
+                        [r for r in results if r.series],
+                        args.plot,
+                        title=_title(summaries[0], base, [a for a, _ in axes]),
+                    ),
+                )
+            ],
+        )
     return 0
+
+
+def _check_output_path(option: str, path: str) -> None:
+    """Refuses, before any simulation, an output file that cannot be written."""
+    target = os.path.abspath(path)
+    parent = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise _UsageError(f"{option} {path}: is a directory")
+    if not os.path.isdir(parent):
+        raise _UsageError(f"{option} {path}: no directory {parent}")
+    if not os.access(parent, os.W_OK) or (
+        os.path.exists(target) and not os.access(target, os.W_OK)
+    ):
+        raise _UsageError(f"{option} {path}: not writable")
+
+
+def _write_outputs(
+    out: Any, quiet: bool, outputs: Sequence[tuple[str, str, Callable[[], None]]]
+) -> int:
+    """Writes each output after the results were printed: one that fails is
+    reported (exit status 2) without losing the others or the printed results."""
+    code = 0
+    for what, path, write in outputs:
+        try:
+            write()
+        except (OSError, ValueError, ImportError) as e:
+            print(f"pagedkv simulate: error: {what} {path}: {e}", file=sys.stderr)
+            code = 2
+            continue
+        if not quiet:
+            out.print(f"{what} written to {path}")
+    return code
 
 
 def _title(workload: dict[str, Any], cfg: SimConfig, varied: Sequence[str] = ()) -> str:
@@ -631,15 +684,22 @@ def _sweep(
         )
     w0 = workload_for(variants[0][2], variants[0][3])
     ceiling = round(prefix_hit_ceiling(w0, variants[0][1].block_size), 6)
+    outputs: list[tuple[str, str, Callable[[], None]]] = []
     if args.csv:
-        sweep.write_csv(points, args.csv)
+        outputs.append(("CSV", args.csv, lambda: sweep.write_csv(points, args.csv)))
     if args.plot:
-        plot.plot_sweep(
-            axis,
-            points,
-            args.plot,
-            ceiling=ceiling if axis != "workload" else None,
-            title=f"pagedkv simulate: {w0.name} on {args.model}, sweep of {axis}",
+        outputs.append(
+            (
+                "plot",
+                args.plot,
+                lambda: plot.plot_sweep(
+                    axis,
+                    points,
+                    args.plot,
+                    ceiling=ceiling if axis != "workload" else None,
+                    title=f"pagedkv simulate: {w0.name} on {args.model}, sweep of {axis}",
+                ),
+            )
         )
     if args.json:
         doc = {
@@ -653,7 +713,7 @@ def _sweep(
             ],
         }
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-        return 0
+        return _write_outputs(out, True, outputs)
     t = Table(title=f"pagedkv simulate: sweep of {axis}", title_justify="left")
     for col in (axis, "hit rate", "preemptions", "TTFT p50 / p99 ms", "TPOT p99 ms", "req/s"):
         t.add_column(col, justify="right")
@@ -672,10 +732,7 @@ def _sweep(
         )
     out.print(t)
     out.print(f"prefix-hit ceiling of the workload (unlimited cache): {100 * ceiling:.1f}%")
-    for what, path in (("CSV", args.csv), ("plot", args.plot)):
-        if path:
-            out.print(f"{what} written to {path}")
-    return 0
+    return _write_outputs(out, False, outputs)
 
 
 def _find_max_rate(

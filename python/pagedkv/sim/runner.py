@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .. import presets
-from ..config_builder import get_kv_cache_config
+from ..config_builder import NotEnoughKVCacheMemoryError, get_kv_cache_config
 from ..manager import KVCacheManager
 from ..specs import (
     ChunkedLocalAttentionSpec,
@@ -276,16 +276,27 @@ def build_config(cfg: SimConfig, workload: Workload) -> tuple[KVCacheConfig, int
     ``NotEnoughKVCacheMemoryError`` when the memory cannot hold one request."""
     preset = _preset(cfg)
     max_model_len = _max_model_len(cfg, workload, preset)
-    specs = preset.layer_specs(cfg.block_size, dtype=cfg.kv_dtype, max_model_len=max_model_len)
-    config = get_kv_cache_config(
-        specs,
-        0 if cfg.num_blocks is not None else kv_memory_bytes(cfg, preset),
-        max_model_len=max_model_len,
-        max_in_flight_tokens=cfg.max_num_batched_tokens,
-        max_num_encoder_input_tokens=preset.max_num_encoder_input_tokens,
-        num_gpu_blocks_override=cfg.num_blocks,
-    )
-    return config, max_model_len
+    memory = 0 if cfg.num_blocks is not None else kv_memory_bytes(cfg, preset)
+
+    def config_for(length: int) -> KVCacheConfig:
+        return get_kv_cache_config(
+            preset.layer_specs(cfg.block_size, dtype=cfg.kv_dtype, max_model_len=length),
+            memory,
+            max_model_len=length,
+            max_in_flight_tokens=cfg.max_num_batched_tokens,
+            max_num_encoder_input_tokens=preset.max_num_encoder_input_tokens,
+            num_gpu_blocks_override=cfg.num_blocks,
+        )
+
+    try:
+        return config_for(max_model_len), max_model_len
+    except NotEnoughKVCacheMemoryError:
+        # The automatic length (the longest request rounded up to 1024) must not
+        # refuse a workload whose longest request fits as it is.
+        longest = workload.max_request_tokens
+        if cfg.max_model_len is not None or not 0 < longest < max_model_len:
+            raise
+        return config_for(longest), longest
 
 
 def kv_cache_bytes(config: KVCacheConfig) -> int:

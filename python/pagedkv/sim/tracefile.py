@@ -284,6 +284,14 @@ def _request(
         lora_path=None if lora is None else str(rec.get("lora_path", f"/adapters/{lora}")),
     )
     if session is not None:
+        prev_turn = last_turn.get(session)
+        # A later turn of a session keeps the session's adapter and salt unless
+        # it names its own (its history was computed with them).
+        if prev_turn is not None:
+            if "lora" not in rec:
+                req.lora_name, req.lora_path = prev_turn.lora_name, prev_turn.lora_path
+            if "salt" not in rec:
+                req.cache_salt = prev_turn.cache_salt
         last_turn[session] = req
     return req
 
@@ -314,6 +322,7 @@ def _write_records(workload: Workload, f: Any, last: dict[str, Request]) -> None
         else:
             rec["arrival_step"] = r.arrival_step
         prompt = r.prompt
+        prev = None
         if r.session is not None:
             rec["session"] = r.session
             prev = last.get(r.session)
@@ -329,9 +338,11 @@ def _write_records(workload: Workload, f: Any, last: dict[str, Request]) -> None
             last[r.session] = r
         rec["prompt"] = [int(t) for t in prompt]
         rec["output"] = [int(t) for t in r.output]
-        if r.cache_salt is not None:
+        # null where a later turn drops what the session's previous turn had
+        # (a later turn inherits it otherwise).
+        if r.cache_salt is not None or (prev is not None and prev.cache_salt is not None):
             rec["salt"] = r.cache_salt
-        if r.lora_name is not None:
+        if r.lora_name is not None or (prev is not None and prev.lora_name is not None):
             rec["lora"] = r.lora_name
             if r.lora_path is not None:
                 rec["lora_path"] = r.lora_path

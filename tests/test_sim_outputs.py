@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from pagedkv import cli
 from pagedkv.sim import plot
 from pagedkv.sim.policy import Request

@@ -70,7 +70,8 @@ def test_save_trace_refuses_several_workloads(
 def test_a_later_turn_keeps_its_sessions_adapter_and_salt(tmp_path: Path) -> None:
     p = tmp_path / "t.jsonl"
     p.write_text(
-        '{"id": "a", "session": "s", "prompt_len": 40, "output_len": 2, "lora": "l1", "salt": "x"}\n'
+        '{"id": "a", "session": "s", "prompt_len": 40, "output_len": 2, '
+        '"lora": "l1", "salt": "x"}\n'
         '{"id": "b", "session": "s", "history": true, "prompt_len": 8, "output_len": 2}\n'
         '{"id": "c", "session": "s", "history": true, "prompt_len": 8, "output_len": 2, '
         '"lora": null}\n'

@@ -89,3 +89,48 @@ def test_a_later_turn_keeps_its_sessions_adapter_and_salt(tmp_path: Path) -> Non
     assert [(r.lora_name, r.cache_salt) for r in again] == [
         (r.lora_name, r.cache_salt) for r in (a, b, c)
     ]
+
+
+def test_sweep_reports_points_that_do_not_fit(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    csv_path = tmp_path / "s.csv"
+    code, out, err = _run(capsys, "--sweep", "memory=0.01,1,2", "--csv", str(csv_path), "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    status = [(p["value"], p["status"]) for p in doc["points"]]
+    assert status == [(0.01, "does not fit"), (1, "ok"), (2, "ok")]
+    assert "KV cache is needed" in doc["points"][0]["reason"]
+    assert doc["points"][1]["run"]["finished"] == 10
+    assert 0 < doc["prefix_hit_ceiling"] <= 1
+    rows = csv_path.read_text().splitlines()
+    assert rows[0].startswith("axis,value,status,reason,num_blocks")
+    assert len(rows) == 4 and rows[1].startswith("memory,0.01,does not fit,")
+
+
+def test_csv_of_compared_variants(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    csv_path = tmp_path / "c.csv"
+    code, _, err = _run(capsys, "--compare", "caching", "--csv", str(csv_path))
+    assert code == 0, err
+    rows = csv_path.read_text().splitlines()
+    assert [r.split(",")[1] for r in rows[1:]] == ["caching=on", "caching=off"]
+
+
+def test_vllm_subprocess_progress_reaches_the_caller(tmp_path: Path) -> None:
+    from pagedkv.sim import runner
+
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        "echo 'pagedkv-progress 10 1' >&2\n"
+        "echo 'some warning' >&2\n"
+        "echo 'pagedkv-progress 20 2' >&2\n"
+        "echo '{\"ok\": true}'\n"
+    )
+    fake.chmod(0o755)
+    seen: list[tuple[int, int]] = []
+    out = runner._run_subprocess({}, str(fake), lambda s, f: seen.append((s, f)))
+    assert out == {"ok": True} and seen == [(10, 1), (20, 2)]
+    fake.write_text("#!/bin/sh\necho 'pagedkv-progress 1 0' >&2\necho boom >&2\nexit 1\n")
+    with pytest.raises(runner.EngineUnavailableError, match="boom"):
+        runner._run_subprocess({}, str(fake))

@@ -342,7 +342,11 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
         "with --sweep: hit rate (and its ceiling), preemptions, TTFT p99 and throughput "
         "against the swept value (.png, .svg or .pdf)",
     )
-    g.add_argument("--csv", metavar="FILE", help="with --sweep: the points as CSV")
+    g.add_argument(
+        "--csv",
+        metavar="FILE",
+        help="one CSV row per run (sweep point or variant): wide comparisons stay readable",
+    )
     g.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     return p
 
@@ -419,6 +423,7 @@ def _progress(console: Any, enabled: bool) -> Any:
         Progress,
         TextColumn,
         TimeElapsedColumn,
+        TimeRemainingColumn,
     )
 
     return Progress(
@@ -427,6 +432,8 @@ def _progress(console: Any, enabled: bool) -> Any:
         MofNCompleteColumn(),
         TextColumn("step {task.fields[step]:,}"),
         TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
         console=console,
         transient=True,
         disable=not enabled,
@@ -444,8 +451,6 @@ def _simulate(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     if args.sweep and (args.compare or args.engine == "vllm" or args.find_max_rate):
         raise _UsageError("--sweep runs alone: drop --compare, --engine vllm, --find-max-rate")
-    if args.csv and not args.sweep:
-        raise _UsageError("--csv goes with --sweep")
     if args.plot:
         try:
             plot._format(args.plot)
@@ -558,7 +563,11 @@ def _simulate(args: argparse.Namespace) -> int:
     show = not args.quiet and err.is_terminal
     with _progress(err, show) as bar:
         for label, cfg, wname, scale in variants:
+            loading = bar.add_task(
+                f"reading {args.trace}" if args.trace else f"generating {wname}", total=None, step=0
+            )
             w = workload_for(wname, scale)
+            bar.remove_task(loading)
             task = bar.add_task(label, total=len(w.requests), step=0)
 
             def tick(clock: int, finished: int, task: Any = task) -> None:
@@ -595,23 +604,25 @@ def _simulate(args: argparse.Namespace) -> int:
         report.print_summary(out, summaries, results, ratio=ratio)
         if args.save_trace:
             out.print(f"trace written to {args.save_trace}")
+    outputs: list[tuple[str, str, Callable[[], None]]] = []
+    if args.csv:
+        from .sim import sweep
+
+        rows = [sweep.point("variant", r.label, r) for r in results]
+        outputs.append(("CSV", args.csv, lambda: sweep.write_csv(rows, args.csv)))
     if args.plot:
-        return _write_outputs(
-            out,
-            args.json,
-            [
-                (
-                    "plot",
+        outputs.append(
+            (
+                "plot",
+                args.plot,
+                lambda: plot.plot_results(
+                    [r for r in results if r.series],
                     args.plot,
-                    lambda: plot.plot_results(
-                        [r for r in results if r.series],
-                        args.plot,
-                        title=_title(summaries[0], base, [a for a, _ in axes]),
-                    ),
-                )
-            ],
+                    title=_title(summaries[0], base, [a for a, _ in axes]),
+                ),
+            )
         )
-    return 0
+    return _write_outputs(out, args.json, outputs)
 
 
 def _check_output_path(option: str, path: str) -> None:

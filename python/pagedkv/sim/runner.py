@@ -538,7 +538,7 @@ def run_vllm(
             raise EngineUnavailableError(NOT_AVAILABLE.format(python=sys.executable))
         out = vllm_engine.run(payload, progress)
     else:
-        out = _run_subprocess(payload, vllm_python)
+        out = _run_subprocess(payload, vllm_python, progress)
     config, max_model_len = build_config(cfg, workload)
     per_api = {k: (int(v[0]), int(v[1])) for k, v in out["per_api"].items()}
     return SimResult(
@@ -572,25 +572,48 @@ def run_vllm(
     )
 
 
-def _run_subprocess(payload: dict[str, Any], vllm_python: str) -> dict[str, Any]:
+def _run_subprocess(
+    payload: dict[str, Any], vllm_python: str, progress: ProgressFn | None = None
+) -> dict[str, Any]:
     if not (os.path.isfile(vllm_python) and os.access(vllm_python, os.X_OK)):
         raise EngineUnavailableError(f"--vllm-python {vllm_python}: not an executable file")
     script = vllm_engine.__file__
+    errors: list[str] = []
     with tempfile.TemporaryDirectory(prefix="pagedkv-sim-") as tmp:
         path = os.path.join(tmp, "payload.json")
         with open(path, "w", encoding="utf-8") as f:
             json.dump(payload, f)
-        proc = subprocess.run(
-            [vllm_python, script, path], capture_output=True, text=True, cwd=tmp, check=False
-        )
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-8:])
-        if "No module named 'vllm'" in proc.stderr:
+        out_path = os.path.join(tmp, "out.txt")
+        with open(out_path, "w+", encoding="utf-8") as out_f:
+            with subprocess.Popen(
+                [vllm_python, script, path],
+                stdout=out_f,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=tmp,
+            ) as proc:
+                assert proc.stderr is not None
+                # The script's progress lines move the bar; the rest is kept for errors.
+                for line in proc.stderr:
+                    if line.startswith(vllm_engine.PROGRESS_PREFIX):
+                        parts = line.split()
+                        if progress is not None and len(parts) == 3:
+                            progress(int(parts[1]), int(parts[2]))
+                    else:
+                        errors.append(line.rstrip("\n"))
+                        del errors[:-200]
+            returncode = proc.returncode
+            out_f.seek(0)
+            stdout = out_f.read()
+    stderr = "\n".join(errors)
+    if returncode != 0:
+        tail = "\n".join(stderr.strip().splitlines()[-8:])
+        if "No module named 'vllm'" in stderr:
             raise EngineUnavailableError(
                 f"--vllm-python {vllm_python}: that Python cannot import vllm"
             )
         raise EngineUnavailableError(f"the vLLM engine failed ({vllm_python}):\n{tail}")
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
     if not lines:
         raise EngineUnavailableError(f"the vLLM engine printed no result ({vllm_python})")
     result: dict[str, Any] = json.loads(lines[-1])

@@ -58,7 +58,8 @@ def _value(text: str) -> int | float | str:
 
 
 def point(axis: str, value: str, result: SimResult) -> dict[str, Any]:
-    """The sweep's record of one run."""
+    """The record of one run (``axis`` ``variant`` for ``--compare`` runs, whose
+    ``value`` is the variant's label)."""
     t = result.timing
     return {
         "axis": axis,

@@ -29,6 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = ["VllmBackend", "run", "vllm_available"]
 
+#: how the script reports progress on stderr: ``PREFIX STEP FINISHED``
+PROGRESS_PREFIX = "pagedkv-progress"
+
 SUPPORTED_SPECS = (
     "full_attention",
     "sliding_window",
@@ -377,7 +380,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with open(args[0], encoding="utf-8") as f:
         payload = json.load(f)
-    result = run(payload)
+    last = [0.0]
+
+    def report(step: int, finished: int) -> None:
+        # At most ten lines a second, read by the parent's progress bar.
+        now = time.monotonic()
+        if now - last[0] >= 0.1:
+            last[0] = now
+            print(f"{PROGRESS_PREFIX} {step} {finished}", file=sys.stderr, flush=True)
+
+    result = run(payload, report)
     sys.stdout.write("\n" + json.dumps(result) + "\n")
     return 0
 

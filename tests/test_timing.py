@@ -558,3 +558,49 @@ def test_hybrid_mamba_model_gets_prefix_hits() -> None:
     payload = runner.vllm_payload(w, cfg)
     assert payload["scheduler"]["mamba_block_size"] == 80
     assert {g["kind"] for g in payload["manager"]["groups"]} == {"mamba", "full_attention"}
+
+
+# Chunked local attention (llama-4-scout) is left out on purpose: a token past a
+# chunk boundary attends to fewer tokens than the one before it.
+_MODELS = {
+    name: perf.roofline(presets.get(name), perf.GPUS[gpu], tp=tp)
+    for name, gpu, tp in (
+        ("llama-3.1-8b", "H100-SXM", 1),
+        ("gemma-3-27b", "H200", 2),
+        ("gpt-oss-120b", "B200", 1),
+        ("jamba-1.5-mini", "MI300X", 1),
+        ("deepseek-v3", "H200", 8),
+    )
+}
+
+
+@given(
+    name=st.sampled_from(sorted(_MODELS)),
+    decode=st.lists(st.integers(1, 200_000), max_size=64),
+    prefill=st.lists(st.tuples(st.integers(1, 8192), st.integers(0, 100_000)), max_size=4),
+    extra_ctx=st.integers(1, 50_000),
+    extra_tokens=st.integers(1, 4096),
+)
+def test_step_time_never_falls_as_load_grows(
+    name: str,
+    decode: list[int],
+    prefill: list[tuple[int, int]],
+    extra_ctx: int,
+    extra_tokens: int,
+) -> None:
+    m = _MODELS[name]
+    base = StepShape(prefill=list(prefill), decode=list(decode), sampled=len(decode))
+    t = m.step_seconds(base)
+    assert t > 0
+    # One more decode sequence, a longer context, a longer chunk: never faster.
+    more_seqs = StepShape(prefill=list(prefill), decode=[*decode, 1000], sampled=len(decode) + 1)
+    assert m.step_seconds(more_seqs) >= t
+    if decode:
+        longer = StepShape(
+            prefill=list(prefill), decode=[decode[0] + extra_ctx, *decode[1:]], sampled=len(decode)
+        )
+        assert m.step_seconds(longer) >= t
+    chunk = StepShape(
+        prefill=[*prefill, (extra_tokens, 0)], decode=list(decode), sampled=len(decode)
+    )
+    assert m.step_seconds(chunk) >= t

@@ -145,7 +145,11 @@ def plot_sweep(
     )
     with _figure(path, 2, 2) as (fig, axes):
         for ax, (name, get) in zip(axes.flat, panels, strict=True):
-            ax.plot(xs, [get(p) for p in ran], marker="o", lw=1.2)
+            ys = [get(p) for p in ran]
+            ax.plot(xs, ys, marker="o", lw=1.2)
+            # From zero, without an offset: a flat line reads as flat.
+            ax.set_ylim(bottom=0, top=max([*ys, 0]) * 1.1 or 1)
+            ax.ticklabel_format(axis="y", useOffset=False, style="plain")
             ax.set_xlabel(axis + unit)
             ax.set_ylabel(name)
             ax.grid(True, alpha=0.3)

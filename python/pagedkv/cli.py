@@ -591,7 +591,7 @@ def _simulate(args: argparse.Namespace) -> int:
                 if i:
                     bar.reset(task, description="vLLM (its import takes ~10 s)", step=0)
                 results.append(run())
-                summaries.append(w.summary())
+                summaries.append(w.summary(base.tick_s))
             bar.remove_task(task)
 
     ratio = None
@@ -715,7 +715,7 @@ def _sweep(
     if args.json:
         doc = {
             "axis": axis,
-            "workload": w0.summary(),
+            "workload": w0.summary(variants[0][1].tick_s),
             "prefix_hit_ceiling": ceiling,
             "points": [
                 {k: v for k, v in p.items() if k != "result"}

@@ -113,8 +113,8 @@ def print_summary(
             f"[bold]workload[/bold] {w['name']}: {w['requests']:,} requests"
             f"{sessions}, "
             f"mean prompt {w['mean_prompt_tokens']:,.0f} tokens, longest request "
-            f"{w['max_request_tokens']:,} tokens, last arrival at step "
-            f"{w['last_arrival_step']:,}"
+            f"{w['max_request_tokens']:,} tokens, last arrival at "
+            f"{w['last_arrival_s']:,.1f} s"
         )
     table = Table(title="pagedkv simulate", title_justify="left")
     table.add_column("")
@@ -136,6 +136,23 @@ def print_summary(
             f"allocations {'identical' if same else 'DIFFERENT'} "
             f"(alloc checksum {results[0].alloc_checksum})"
         )
+    for r in results:
+        reps = r.extra.get("replicas")
+        if not reps:
+            continue
+        t = Table(title=f"{r.label}: replicas ({r.config['router']})", title_justify="left")
+        for col in ("replica", "requests", "steps", "hit rate", "preemptions", "KV usage peak"):
+            t.add_column(col, justify="left" if col == "replica" else "right")
+        for x in reps:
+            t.add_row(
+                x["name"],
+                f"{x['requests']:,}",
+                f"{x['steps']:,}",
+                _pct(x["hit_rate"]),
+                f"{x['preemptions']:,}",
+                _pct(x["peak_usage"]),
+            )
+        console.print(t)
     if not per_api:
         return
     for r in results:

@@ -70,7 +70,9 @@ class Workload:
     def max_request_tokens(self) -> int:
         return max((r.max_num_tokens for r in self.requests), default=0)
 
-    def summary(self) -> dict[str, object]:
+    def summary(self, tick_s: float = 0.05) -> dict[str, object]:
+        """Counts and sizes; ``tick_s``: seconds per arrival tick of requests
+        timed in steps (for ``last_arrival_s``)."""
         n = len(self.requests)
         return {
             "name": self.name,
@@ -81,6 +83,16 @@ class Workload:
             "mean_prompt_tokens": round(self.prompt_tokens / n, 1) if n else 0.0,
             "max_request_tokens": self.max_request_tokens,
             "last_arrival_step": max((r.arrival_step for r in self.requests), default=0),
+            "last_arrival_s": round(
+                max(
+                    (
+                        r.arrival_s if r.arrival_s is not None else r.arrival_step * tick_s
+                        for r in self.requests
+                    ),
+                    default=0.0,
+                ),
+                3,
+            ),
             "params": dict(self.params),
         }
 

@@ -1,31 +1,30 @@
 """The Python-boundary cost of one decode step for 256 running requests: the batch
-calls from Python against the same calls made in Rust (``decode_batch`` example:
-same manager, same 256 requests of 1,000 prompt tokens; per step one
+calls from Python against the same calls made inside the core, in one process,
+round by round (256 requests of 1,000 prompt tokens; per step one
 ``allocate_slots_batch`` — a new block every 16 steps per request — and one
-``append_token_ids_batch``; 2,000 steps per round;
-the best round counts on both sides, since the machine may be shared).
+``append_token_ids_batch``; 2,000 steps per round on a fresh manager).
 
-    python benches/boundary_bench.py [--rounds 5] [--no-rust]
+    python benches/boundary_bench.py [--rounds 7]
 
-Prints µs per call from Python (requests named by id and by handle), the core's
-figure and the difference: the cost of crossing the boundary (argument conversion,
-the result arrays, the call itself).
+Each round runs the Python loop (requests named by id, by a list of handles, by
+an int64 array of handles) and the core loop (``KVCacheManager._core_decode_steps``:
+the same calls from Rust, no Python per step) on identical managers, one after
+the other, so both see the same machine load. Prints µs per step, min / median
+over the rounds, and the difference: the cost of crossing the boundary
+(argument conversion, the result arrays, the call itself).
 """
 
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
+import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pagedkv as pk
 from pagedkv._util import SplitMix64
 
-ROOT = Path(__file__).resolve().parent.parent
 REQS, STEPS = 256, 2000
 
 
@@ -52,67 +51,62 @@ def _setup() -> tuple[pk.KVCacheManager, list[str], list[int]]:
     return mgr, ids, handles
 
 
-def python_side(rounds: int) -> dict[str, float]:
-    out = {}
+FORMS = ("ids", "handles (list)", "handles (int64 array)")
+
+
+def python_steps(form: str) -> float:
+    """µs per step of the Python loop on a fresh manager."""
+    mgr, ids, handles = _setup()
+    refs: Any = {
+        "ids": ids,
+        "handles (list)": handles,
+        "handles (int64 array)": np.array(handles, dtype=np.int64),
+    }[form]
     toks = list(range(REQS))
-    for name in ["ids", "handles (list)", "handles (int64 array)"]:
-        best = float("inf")
-        for _ in range(rounds):
-            mgr, ids, handles = _setup()
-            refs: Any = {
-                "ids": ids,
-                "handles (list)": handles,
-                "handles (int64 array)": np.array(handles, dtype=np.int64),
-            }[name]
-            computed = [np.full(REQS, 999 + s, dtype=np.int64) for s in range(STEPS)]
-            alloc, append = mgr.allocate_slots_batch, mgr.append_token_ids_batch
-            t = time.perf_counter()
-            for step in range(STEPS):
-                n_ok, _ = alloc(refs, 1, computed[step])
-                append(refs, toks)
-            best = min(best, time.perf_counter() - t)
-            assert n_ok == REQS
-        out[name] = best / STEPS * 1e6
-    return out
+    computed = [np.full(REQS, 999 + s, dtype=np.int64) for s in range(STEPS)]
+    alloc, append = mgr.allocate_slots_batch, mgr.append_token_ids_batch
+    n_ok = 0
+    t = time.perf_counter()
+    for step in range(STEPS):
+        n_ok, _ = alloc(refs, 1, computed[step])
+        append(refs, toks)
+    elapsed = time.perf_counter() - t
+    assert n_ok == REQS
+    return elapsed / STEPS * 1e6
 
 
-def rust_side() -> dict[str, float]:
-    res = subprocess.run(
-        ["cargo", "run", "--release", "-q", "-p", "pagedkv-benches", "--example", "decode_batch"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    out = {}
-    for line in res.stdout.splitlines():
-        m = re.match(r"([\d.]+)(µs|ns) per 256-request decode step by (\w+)", line)
-        if m:
-            v = float(m.group(1)) / (1000 if m.group(2) == "ns" else 1)
-            out[m.group(3)] = v
-    return out
+def core_steps() -> float:
+    """µs per step of the same calls made inside the core, on a fresh manager."""
+    mgr, _, handles = _setup()
+    return mgr._core_decode_steps(handles, STEPS, 999) / STEPS / 1e3
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--no-rust", action="store_true", help="skip the core figure")
     args = ap.parse_args()
-    py = python_side(args.rounds)
-    core = {} if args.no_rust else rust_side()
+    py: dict[str, list[float]] = {f: [] for f in FORMS}
+    core: list[float] = []
+    for r in range(args.rounds):
+        # Alternate which side goes first.
+        sides = [*FORMS, "core"] if r % 2 == 0 else ["core", *FORMS]
+        for side in sides:
+            if side == "core":
+                core.append(core_steps())
+            else:
+                py[side].append(python_steps(side))
     print(
         "decode step, 256 running requests: allocate_slots_batch + append_token_ids_batch"
-        " (µs per step)"
+        f" (µs per step, min / median of {args.rounds} interleaved rounds)"
     )
-    for name, us in py.items():
-        key = "ids" if name == "ids" else "handles"
-        if key in core:
-            print(
-                f"  python by {name:<22} {us:7.2f}   core {core[key]:6.2f}   "
-                f"boundary {us - core[key]:6.2f}"
-            )
-        else:
-            print(f"  python by {name:<22} {us:7.2f}")
+    c_min, c_med = min(core), statistics.median(core)
+    print(f"  core (no Python per step)        {c_min:7.2f} / {c_med:7.2f}")
+    for form, values in py.items():
+        lo, med = min(values), statistics.median(values)
+        print(
+            f"  python by {form:<22} {lo:7.2f} / {med:7.2f}   "
+            f"boundary {lo - c_min:6.2f} / {med - c_med:6.2f}"
+        )
 
 
 if __name__ == "__main__":

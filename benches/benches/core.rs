@@ -37,11 +37,34 @@ fn hashing(c: &mut Criterion) {
             b.iter(|| black_box(h.hash_block(Some(&parent), black_box(&toks), &[])));
         });
     }
+    // A prompt's chain: each block's parent is the hash just computed, so no
+    // two hashes overlap (what add_request does), per block.
+    let chain: Vec<Vec<u32>> = (0..64).map(|i| tokens(100 + i, 16, 32000)).collect();
+    let mut h = BlockHasher::new(
+        HashAlgo::Sha256Cbor,
+        HashAlgo::Sha256Cbor.none_hash("bench"),
+    );
+    g.throughput(Throughput::Bytes(64 * 64));
+    g.bench_function("sha256_cbor_chained_64_blocks", |b| {
+        b.iter(|| {
+            let mut parent = None;
+            for block in &chain {
+                parent = Some(h.hash_block(parent.as_ref(), black_box(block), &[]));
+            }
+            black_box(parent)
+        });
+    });
+    g.throughput(Throughput::Bytes(64));
     // The digest alone over a message of the size a 16-token sha256_cbor block
-    // encodes to (tokens < 65,536: 2 + 34 + 1 + 16 * 3 + 1 bytes).
+    // encodes to (tokens < 65,536: 2 + 34 + 1 + 16 * 3 + 1 bytes): the core's
+    // direct compression, and sha2's Digest API (hasher object, buffering).
     let msg = vec![0x5au8; 86];
     g.bench_function("sha256_digest_only_86_bytes", |b| {
         b.iter(|| black_box(pagedkv_core::hash::sha256_bytes(black_box(&msg))));
+    });
+    g.bench_function("sha256_digest_api_86_bytes", |b| {
+        use sha2::Digest;
+        b.iter(|| black_box(sha2::Sha256::digest(black_box(&msg))));
     });
     g.finish();
 }

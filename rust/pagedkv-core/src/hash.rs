@@ -8,7 +8,8 @@
 //! XXH3-128 over the parent digest, the tokens as little-endian `u32` and a typed,
 //! length-prefixed encoding of the extra keys — no CBOR, no per-token branching.
 
-use sha2::{Digest, Sha256};
+use sha2::digest::consts::U64;
+use sha2::digest::generic_array::GenericArray;
 
 use crate::error::{Error, Result, invalid};
 use xxhash_rust::xxh3::xxh3_128;
@@ -135,15 +136,10 @@ impl HashAlgo {
 
     fn digest(self, bytes: &[u8]) -> BlockHash {
         match self {
-            Self::Sha256Cbor => {
-                let d = Sha256::digest(bytes);
-                let mut out = BlockHash {
-                    bytes: [0; 32],
-                    len: 32,
-                };
-                out.bytes.copy_from_slice(&d);
-                out
-            }
+            Self::Sha256Cbor => BlockHash {
+                bytes: sha256_bytes(bytes),
+                len: 32,
+            },
             Self::XxhashCbor | Self::Xxh3Native => digest128(xxh3_128(bytes)),
         }
     }
@@ -427,6 +423,11 @@ impl BlockHasher {
         extra: &[ExtraKey],
     ) -> BlockHash {
         let parent = parent.unwrap_or(&self.none_hash);
+        if self.algo == HashAlgo::Sha256Cbor && self.truncate == 0 && extra.is_empty() {
+            if let Some(h) = sha256_cbor_direct(parent, tokens) {
+                return h;
+            }
+        }
         let buf = &mut self.buf;
         buf.clear();
         match self.algo {
@@ -486,6 +487,91 @@ impl BlockHasher {
     }
 }
 
+/// Most tokens [`sha256_cbor_direct`] encodes on the stack.
+const DIRECT_MAX_TOKENS: usize = 64;
+/// Tokens whose block message always fits two SHA-256 blocks with its padding
+/// (37 + 5 x 16 = 117 <= 119 bytes).
+const TWO_BLOCK_MAX_TOKENS: usize = 16;
+
+/// Writes `(parent, tokens, None)` as canonical CBOR at the start of `m`
+/// (`[0x83, bytes(parent), array(tokens), null]`, shortest integer heads: the
+/// bytes of the general encoder); returns the length. `m` holds at least
+/// `38 + 5 * tokens.len()` bytes and `tokens.len() < 256`.
+fn encode_block_cbor(m: &mut [u8], parent: &[u8; 32], tokens: &[u32]) -> usize {
+    m[0] = 0x83;
+    m[1] = 0x58;
+    m[2] = 32;
+    m[3..35].copy_from_slice(parent);
+    let mut i = 35;
+    if tokens.len() < 24 {
+        m[i] = 0x80 | tokens.len() as u8;
+        i += 1;
+    } else {
+        m[i] = 0x98;
+        m[i + 1] = tokens.len() as u8;
+        i += 2;
+    }
+    for &t in tokens {
+        // One 8-byte store per token (the buffer has the slack), then advance by
+        // the encoded length: 1, 2, 3 or 5 bytes.
+        let (word, len) = match t {
+            0..24 => (u64::from(t), 1),
+            24..256 => (0x18 | u64::from(t) << 8, 2),
+            256..65536 => (0x19 | u64::from(t >> 8) << 8 | u64::from(t & 0xff) << 16, 3),
+            _ => (0x1a | u64::from(t.swap_bytes()) << 8, 5),
+        };
+        m[i..i + 8].copy_from_slice(&word.to_le_bytes());
+        i += len;
+    }
+    m[i] = CBOR_NULL;
+    i + 1
+}
+
+/// `sha256_cbor` of `(parent, tokens, None)`, the common block (no extra keys):
+/// the canonical CBOR is written into a stack buffer and fed straight to the
+/// compression function; a block of up to 16 tokens is encoded in place in the
+/// two SHA-256 blocks it takes, padded there, and compressed in one call. None
+/// when the block does not fit the buffer or the parent is not a 32-byte digest.
+fn sha256_cbor_direct(parent: &BlockHash, tokens: &[u32]) -> Option<BlockHash> {
+    let parent: &[u8; 32] = parent.as_bytes().try_into().ok()?;
+    if tokens.len() <= TWO_BLOCK_MAX_TOKENS {
+        // 117 bytes at most, + 8 of store slack, inside 128.
+        let mut m = [0u8; 128];
+        let len = encode_block_cbor(&mut m, parent, tokens);
+        // The encoder's slack stores may have left bytes past the message.
+        m[len..].fill(0);
+        m[len] = 0x80;
+        let end = if len < 56 { 64 } else { 128 };
+        m[end - 8..end].copy_from_slice(&((len as u64) * 8).to_be_bytes());
+        let mut state = SHA256_H0;
+        let (a, b) = m.split_at(64);
+        if end == 64 {
+            sha2::compress256(&mut state, &[*GenericArray::<u8, U64>::from_slice(a)]);
+        } else {
+            sha2::compress256(
+                &mut state,
+                &[
+                    *GenericArray::<u8, U64>::from_slice(a),
+                    *GenericArray::<u8, U64>::from_slice(b),
+                ],
+            );
+        }
+        return Some(BlockHash {
+            bytes: state_bytes(state),
+            len: 32,
+        });
+    }
+    if tokens.len() > DIRECT_MAX_TOKENS {
+        return None;
+    }
+    let mut m = [0u8; 38 + 5 * DIRECT_MAX_TOKENS + 8];
+    let len = encode_block_cbor(&mut m, parent, tokens);
+    Some(BlockHash {
+        bytes: sha256_bytes(&m[..len]),
+        len: 32,
+    })
+}
+
 fn encode_tokens_cbor(buf: &mut Vec<u8>, tokens: &[u32]) {
     cbor_head(buf, 4, tokens.len() as u64);
     buf.reserve(tokens.len() * 5);
@@ -506,11 +592,51 @@ fn encode_tokens_cbor(buf: &mut Vec<u8>, tokens: &[u32]) {
     }
 }
 
-/// SHA-256 digest of raw bytes (prompt-embedding keys).
+/// SHA-256's initial state (FIPS 180-4, 5.3.3).
+const SHA256_H0: [u32; 8] = [
+    0x6a09_e667,
+    0xbb67_ae85,
+    0x3c6e_f372,
+    0xa54f_f53a,
+    0x510e_527f,
+    0x9b05_688c,
+    0x1f83_d9ab,
+    0x5be0_cd19,
+];
+
+/// SHA-256 of raw bytes, straight through the compression function (SHA-NI
+/// where the CPU has it): whole 64-byte blocks are read from `data` itself, the
+/// tail and its padding from one stack buffer; no hasher object, no copies of
+/// the message. A block's CBOR message (~86 bytes for 16 tokens) is two
+/// compressions.
 #[must_use]
 pub fn sha256_bytes(data: &[u8]) -> [u8; 32] {
+    let mut state = SHA256_H0;
+    let mut blocks = data.chunks_exact(64);
+    for block in &mut blocks {
+        sha2::compress256(
+            &mut state,
+            core::slice::from_ref(GenericArray::<u8, U64>::from_slice(block)),
+        );
+    }
+    let rem = blocks.remainder();
+    let mut tail = [GenericArray::<u8, U64>::default(); 2];
+    tail[0][..rem.len()].copy_from_slice(rem);
+    tail[0][rem.len()] = 0x80;
+    // The 64-bit message length in bits closes the last block; it needs 8 free
+    // bytes after the 0x80 marker, or a second block.
+    let n = if rem.len() < 56 { 1 } else { 2 };
+    tail[n - 1][56..].copy_from_slice(&((data.len() as u64) * 8).to_be_bytes());
+    sha2::compress256(&mut state, &tail[..n]);
+    state_bytes(state)
+}
+
+/// The digest of a final SHA-256 state (its words big-endian).
+fn state_bytes(state: [u32; 8]) -> [u8; 32] {
     let mut out = [0u8; 32];
-    out.copy_from_slice(&Sha256::digest(data));
+    for (o, w) in out.chunks_exact_mut(4).zip(state) {
+        o.copy_from_slice(&w.to_be_bytes());
+    }
     out
 }
 
@@ -559,6 +685,52 @@ mod tests {
         let mut n = Vec::new();
         cbor_int(&mut n, -5);
         assert_eq!(n, [0x24]);
+    }
+
+    #[test]
+    fn direct_block_encoder_matches_the_general_one() {
+        let none = HashAlgo::Sha256Cbor.none_hash(DEFAULT_NONE_HASH_SEED);
+        let mut h = BlockHasher::new(HashAlgo::Sha256Cbor, none);
+        // Token values across every CBOR integer width, block sizes around the
+        // array-head and buffer limits.
+        let values = [0u32, 1, 23, 24, 255, 256, 65_535, 65_536, u32::MAX, 151_643];
+        for n in [0usize, 1, 15, 16, 23, 24, 32, 63, 64, 65, 80] {
+            let tokens: Vec<u32> = (0..n).map(|i| values[(i * 7 + n) % values.len()]).collect();
+            let mut buf = Vec::new();
+            buf.push(0x83);
+            cbor_bytes(&mut buf, none.as_bytes());
+            encode_tokens_cbor(&mut buf, &tokens);
+            encode_extra_cbor(&mut buf, &[]);
+            let general = sha256_bytes(&buf);
+            assert_eq!(
+                h.hash_block(None, &tokens, &[]).as_bytes(),
+                &general[..],
+                "{n} tokens"
+            );
+            if n <= DIRECT_MAX_TOKENS {
+                let direct = sha256_cbor_direct(&none, &tokens).unwrap();
+                assert_eq!(direct.as_bytes(), &general[..]);
+            } else {
+                assert!(sha256_cbor_direct(&none, &tokens).is_none());
+            }
+        }
+    }
+
+    #[test]
+    fn direct_sha256_matches_the_digest_api_at_every_length() {
+        use sha2::{Digest, Sha256};
+        // Every tail case: empty, one block, the 55/56-byte padding split, many blocks.
+        let data: Vec<u8> = (0..400u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        for len in 0..=data.len() {
+            let msg = &data[..len];
+            assert_eq!(
+                sha256_bytes(msg)[..],
+                Sha256::digest(msg)[..],
+                "length {len}"
+            );
+        }
     }
 
     #[test]

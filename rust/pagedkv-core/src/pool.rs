@@ -143,6 +143,15 @@ impl BlockPool {
             key: NIL,
         };
         let (head, tail) = if n > 1 { (1, n - 1) } else { (NIL, NIL) };
+        // The per-key arrays hold at most about one entry per block: reserved
+        // up front (address space only until used), they never reallocate while
+        // the cache fills. The prefix map itself grows by doubling.
+        let (mut keys, mut key_tokens, mut key_stamps) = (Vec::new(), Vec::new(), Vec::new());
+        if enable_caching {
+            let _ = keys.try_reserve_exact(n as usize);
+            let _ = key_tokens.try_reserve_exact(n as usize);
+            let _ = key_stamps.try_reserve_exact(n as usize);
+        }
         Ok(Self {
             blocks,
             head,
@@ -150,9 +159,9 @@ impl BlockPool {
             num_free: n - 1,
             enable_caching,
             map: HashMap::with_hasher(FxBuildHasher),
-            keys: Vec::new(),
-            key_tokens: Vec::new(),
-            key_stamps: Vec::new(),
+            keys,
+            key_tokens,
+            key_stamps,
             next_stamp: 0,
             free_keys: Vec::new(),
             secondary: rustc_hash::FxHashMap::default(),

@@ -331,31 +331,45 @@ impl Request {
         self.hashes.extend_from_slice(hashes);
     }
 
-    /// Hashes every newly full hash block.
+    /// Hashes every newly full hash block. Allocates nothing in the common case:
+    /// the hashes go straight into the request's vector (whose capacity covers
+    /// [`HASH_HEADROOM`] blocks past the prompt), and the extra-key list stays
+    /// empty for requests without a `LoRA` adapter, salt or multimodal items.
     pub fn update_hashes(&mut self, hasher: &mut BlockHasher, hash_block_size: usize) {
+        if self.hashes.len() + 1 > self.hashes.capacity() {
+            // Room for what is full now and the next HASH_HEADROOM blocks.
+            let full = self.tokens.len() / hash_block_size;
+            self.hashes
+                .reserve(full.saturating_sub(self.hashes.len()) + HASH_HEADROOM);
+        }
+        // Moved out for the loop: the keys borrow the request, the hashes grow.
+        let mut chain = std::mem::take(&mut self.hashes);
+        let mut contexts = std::mem::take(&mut self.ctx);
         let mut keys: Vec<ExtraKey<'_>> = Vec::new();
-        let mut new_hashes: Vec<BlockHash> = Vec::new();
-        let mut new_ctx: Vec<[u8; 32]> = Vec::new();
-        let mut start = self.hashes.len() * hash_block_size;
-        let mut parent = self.hashes.last().copied();
-        let mut ctx = self.ctx.last().copied().unwrap_or([0; 32]);
+        let mut start = chain.len() * hash_block_size;
+        let mut parent = chain.last().copied();
+        let mut ctx = contexts.last().copied().unwrap_or([0; 32]);
         while start + hash_block_size <= self.tokens.len() {
             let end = start + hash_block_size;
             self.extra_keys(start, end, &mut keys);
             let h = hasher.hash_block(parent.as_ref(), &self.tokens[start..end], &keys);
-            new_hashes.push(h);
+            chain.push(h);
             if self.verify {
                 ctx = hasher.context_digest(&ctx, &self.tokens[start..end], &keys);
-                new_ctx.push(ctx);
+                contexts.push(ctx);
             }
             parent = Some(h);
             start = end;
         }
         drop(keys);
-        self.hashes.extend_from_slice(&new_hashes);
-        self.ctx.extend_from_slice(&new_ctx);
+        self.hashes = chain;
+        self.ctx = contexts;
     }
 }
+
+/// Block hashes a request reserves room for beyond those it has: a decode that
+/// fills this many blocks appends its hashes without a reallocation.
+pub const HASH_HEADROOM: usize = 64;
 
 /// `sha256(b"")`: vLLM hashes an empty embedding slice for blocks past the prompt.
 const EMPTY_SHA256: [u8; 32] = [

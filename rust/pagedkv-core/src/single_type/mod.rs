@@ -51,7 +51,21 @@ pub(crate) struct GroupBlocks {
     producer_tail: Option<(BlockId, u64)>,
 }
 
+/// Block ids a request's table reserves room for beyond those it holds when it
+/// grows: a decode that needs this many more blocks appends them without a
+/// reallocation.
+const BLOCK_HEADROOM: usize = 64;
+
 impl GroupBlocks {
+    /// Appends newly allocated blocks, reserving [`BLOCK_HEADROOM`] more when the
+    /// table has to grow (steady-state decode then never reallocates it).
+    fn extend_blocks(&mut self, ids: &[BlockId]) {
+        if self.blocks.len() + ids.len() > self.blocks.capacity() {
+            self.blocks.reserve(ids.len() + BLOCK_HEADROOM);
+        }
+        self.blocks.extend_from_slice(ids);
+    }
+
     /// The block ids, by position (null blocks pad released positions).
     pub(crate) fn blocks(&self) -> &[BlockId] {
         &self.blocks
@@ -648,7 +662,7 @@ impl GroupManager {
         }
         let start = out.len();
         let _ = pool.get_new_blocks((required - have) as u32, out);
-        gb.blocks.extend_from_slice(&out[start..]);
+        gb.extend_blocks(&out[start..]);
         if self.records_new_block_ids {
             self.new_block_ids.extend_from_slice(&out[start..]);
         }

@@ -229,3 +229,39 @@ def test_xxh3_native_is_deterministic_given_a_seed_and_differs_from_vllm_hashes(
     admit(again, "0")
     again.add_request("1", [*tokens, 1])
     assert again.get_computed_blocks("1").num_computed_tokens == 64
+
+
+def test_background_hashing_gives_the_same_hashes_hits_and_events() -> None:
+    from pagedkv.sim.runner import SimConfig, run_pagedkv
+    from pagedkv.sim.workloads import WorkloadOptions, generate
+
+    spec = pk.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float16")
+    config = pk.KVCacheConfig(num_blocks=256, kv_cache_groups=[pk.KVCacheGroupSpec(["l"], spec)])
+    prompt = list(range(1000))
+    managers = [
+        pk.KVCacheManager(
+            config, 4096, background_hashing=bg, enable_kv_cache_events=True, log_stats=True
+        )
+        for bg in (False, True)
+    ]
+    for m in managers:
+        for i in range(4):
+            m.add_request(f"r{i}", prompt[: 200 + 100 * i], cache_salt="s" if i == 3 else None)
+    assert managers[0].block_hashes("r2") == managers[1].block_hashes("r2")
+    for i in range(4):
+        hits = [m.get_computed_blocks(f"r{i}") for m in managers]
+        assert hits[0].num_computed_tokens == hits[1].num_computed_tokens
+        got = [
+            m.allocate_slots(f"r{i}", 50, num_computed_tokens=0, new_computed_blocks=h)
+            for m, h in zip(managers, hits, strict=True)
+        ]
+        assert [g.tolist() for g in got[0]] == [g.tolist() for g in got[1]]
+    assert managers[0].take_events() == managers[1].take_events()
+    # The simulator on both: the same allocations, block for block.
+    w = generate("chat", WorkloadOptions(num_requests=60))
+    runs = [
+        run_pagedkv(w, SimConfig(memory_gib=1.0, max_model_len=4096, background_hashing=bg))
+        for bg in (False, True)
+    ]
+    assert runs[0].alloc_checksum == runs[1].alloc_checksum
+    assert runs[0].timing == runs[1].timing

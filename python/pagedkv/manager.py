@@ -129,6 +129,12 @@ class ManagerOptions(TypedDict, total=False):
       before use (vLLM's ``needs_kv_cache_zeroing``: Mamba hybrids and
       mixed-precision caches, where a block's bytes may be read before they are
       written). Allocations list them; ``take_new_block_ids`` drains the list.
+    - ``background_hashing`` (False): prompts are hashed on a worker thread, as
+      vLLM's input thread does: ``add_request`` returns once the request is
+      registered, and the first call that needs the request's hashes
+      (``get_computed_blocks``, an append that fills a block, ``block_hashes``)
+      waits for them. Same hashes, events and results; off, ``add_request``
+      hashes before it returns.
     """
 
     enable_caching: bool
@@ -153,6 +159,7 @@ class ManagerOptions(TypedDict, total=False):
     dcp_world_size: int
     mamba_shared_prefix_checkpoint: bool
     zero_new_blocks: bool
+    background_hashing: bool
 
 
 class KVCacheManager(_core.KVCacheManager):

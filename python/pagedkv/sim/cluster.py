@@ -155,6 +155,7 @@ def run_cluster(
             max_in_flight_tokens=cfg.max_num_batched_tokens,
             prefix_cache_retention_interval=0,
             enable_kv_cache_events=events,
+            background_hashing=cfg.background_hashing,
         )
 
     sched_cfg = runner.scheduler_config(cfg, config)

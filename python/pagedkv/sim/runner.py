@@ -102,6 +102,9 @@ class SimConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     full_sequence_must_fit: bool = True
+    #: prompts hashed on the manager's worker thread (as vLLM's input thread
+    #: does); the manager times then show the scheduler's critical path
+    background_hashing: bool = True
 
 
 @dataclass
@@ -337,6 +340,7 @@ def run_pagedkv(
         hash_algo=cfg.hash_algo,
         max_in_flight_tokens=cfg.max_num_batched_tokens,
         prefix_cache_retention_interval=0,
+        background_hashing=cfg.background_hashing,
     )
     sched = Scheduler(ManagerBackend(kv), scheduler_config(cfg, config))
     reqs = workload.requests

@@ -237,7 +237,7 @@ impl Coordinator {
     /// The request's longest cached prefix of at most `max_len` tokens; with
     /// verification, cut at the first block that does not match the request.
     pub(crate) fn find_longest_cache_hit(&mut self, req: &Request, max_len: usize) -> Hit {
-        let mut hit = self.search(&req.hashes, max_len);
+        let mut hit = self.search(req.hashes(), max_len);
         if req.verify {
             // A block that does not match the request ends the hit at its start;
             // search again below it (each round lowers the limit).
@@ -251,7 +251,7 @@ impl Coordinator {
                 hbs,
             ) {
                 self.verifier.count_failure();
-                hit = self.search(&req.hashes, p);
+                hit = self.search(req.hashes(), p);
             }
         }
         hit
@@ -430,7 +430,7 @@ impl Coordinator {
                 if b == NULL_BLOCK {
                     continue;
                 }
-                let expect = gm.key_for(&req.hashes, i);
+                let expect = gm.key_for(req.hashes(), i);
                 if expect.is_none() || self.pool.block_key(b) != expect {
                     return Some(b);
                 }
@@ -649,7 +649,7 @@ impl Coordinator {
             reprefillable: self.reprefillable as usize,
         };
         // Most decode steps fill no block: nothing new to publish in any group.
-        let hashed = req.hashes.len() * hbs;
+        let hashed = req.hashes().len() * hbs;
         if !hybrid
             && self.groups.iter().zip(&req.groups).all(|(gm, gb)| {
                 gm.blocks_floor(num_tokens.min(hashed) as u64) as usize
@@ -873,7 +873,7 @@ impl Coordinator {
                 let full_tokens = ((i + 1) * gm.block_size() as usize) as u32;
                 let partial = self.pool.primary_tokens(b).is_some_and(|t| t < full_tokens);
                 if let Some(k) = self.pool.block_key(b).filter(|_| !partial) {
-                    let own = gm.key_for(&req.hashes, i);
+                    let own = gm.key_for(req.hashes(), i);
                     if Some(k) != own && !own.is_some_and(|o| self.pool.map_contains(&o, b)) {
                         return violation(format!(
                             "block {b} of request {:?} is cached under another hash",
@@ -956,8 +956,8 @@ fn partial_stored_event(
     let n = boundary / hbs;
     let start = boundary - hbs;
     BlockStored {
-        block_hashes: vec![req.hashes[n - 1]],
-        parent_block_hash: (n > 1).then(|| req.hashes[n - 2]),
+        block_hashes: vec![req.hashes()[n - 1]],
+        parent_block_hash: (n > 1).then(|| req.hashes()[n - 2]),
         token_ids: req.tokens[start..boundary].to_vec(),
         block_size: hbs as u32,
         lora_id: req.lora.as_ref().and_then(|l| l.id),
@@ -990,7 +990,7 @@ fn stored_event(
         if b == NULL_BLOCK || mask.is_some_and(|m| !m[i - from]) {
             continue;
         }
-        if let Some(k) = gm.key_for(&req.hashes, i) {
+        if let Some(k) = gm.key_for(req.hashes(), i) {
             hashes.push(k.hash);
         }
         // With lookahead hashing the keys cover the widened window.
@@ -1002,7 +1002,7 @@ fn stored_event(
     let parent = if from == 0 {
         None
     } else {
-        gm.key_for(&req.hashes, from - 1).map(|k| k.hash)
+        gm.key_for(req.hashes(), from - 1).map(|k| k.hash)
     };
     BlockStored {
         block_hashes: hashes,

@@ -19,6 +19,7 @@ use crate::error::{Error, Result, invalid};
 use crate::events::KvEvent;
 use crate::hash::{BlockHash, BlockHasher, DEFAULT_NONE_HASH_SEED};
 use crate::pool::{BlockId, BlockPool};
+use crate::request::HashWorker;
 use crate::request::{Request, RequestSpec};
 use crate::request_table::RequestTable;
 pub use crate::request_table::{RequestHandle, RequestRefs};
@@ -160,6 +161,9 @@ pub struct KvCacheManager {
     scratch_slots: Vec<u32>,
     /// Block references detached by `pop_blocks_for_free`, not yet freed.
     detached: rustc_hash::FxHashMap<BlockId, u32>,
+    /// The prompt-hashing thread (`background_hashing`), started by the first
+    /// prompt it hashes.
+    hash_worker: Option<HashWorker>,
 }
 
 impl KvCacheManager {
@@ -191,6 +195,7 @@ impl KvCacheManager {
             stats: cfg.log_stats.then(PrefixCacheStats::default),
             scratch_slots: Vec::new(),
             detached: rustc_hash::FxHashMap::default(),
+            hash_worker: None,
             cfg,
         })
     }
@@ -284,7 +289,7 @@ impl KvCacheManager {
     /// # Errors
     /// Unknown request.
     pub fn block_hashes(&self, id: &str) -> Result<&[BlockHash]> {
-        Ok(&self.req(id)?.hashes)
+        Ok(self.req(id)?.hashes())
     }
 
     /// The request's block ids per group.
@@ -341,7 +346,11 @@ impl KvCacheManager {
             self.cfg.verify_cached_tokens && self.cfg.enable_caching,
         )?;
         if self.hashing() {
-            req.update_hashes(&mut self.hasher, self.hash_block_size);
+            let full_blocks = req.num_tokens() / self.hash_block_size;
+            match self.background_worker() {
+                Some(worker) if full_blocks > 0 => req.hash_in_background(worker),
+                _ => req.update_hashes(&mut self.hasher, self.hash_block_size),
+            }
         }
         let slot = self.table.insert(id, req)?;
         Ok(self.table.handle_of(slot))
@@ -360,6 +369,18 @@ impl KvCacheManager {
             .get_mut(slot)
             .append_tokens(tokens, hasher, self.hash_block_size);
         Ok(())
+    }
+
+    /// The prompt-hashing thread when `background_hashing` is on (started on
+    /// first use; None, hashing in place, if the thread cannot be started).
+    fn background_worker(&mut self) -> Option<&HashWorker> {
+        if !self.cfg.background_hashing {
+            return None;
+        }
+        if self.hash_worker.is_none() {
+            self.hash_worker = HashWorker::spawn(self.hasher.clone(), self.hash_block_size).ok();
+        }
+        self.hash_worker.as_ref()
     }
 
     /// Refuses tokens that would take the request past `max_model_len`.

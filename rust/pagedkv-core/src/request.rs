@@ -3,6 +3,9 @@
 
 use crate::error::{Result, invalid};
 use crate::events::EventExtraKey;
+use std::sync::mpsc;
+use std::sync::{Arc, OnceLock};
+
 use crate::hash::{BlockHash, BlockHasher, ExtraKey, sha256_bytes};
 use crate::single_type::GroupBlocks;
 
@@ -74,10 +77,14 @@ pub(crate) struct Request {
     pub uid: u64,
     pub tokens: Vec<u32>,
     pub num_prompt_tokens: usize,
-    pub hashes: Vec<BlockHash>,
+    /// The block hashes (read through [`Self::hashes`]: while the prompt is
+    /// hashed in the background they are in `pending`).
+    hash_vec: Vec<BlockHash>,
     /// With hit verification on: the strong context digest through each hash
     /// block (`ctx[j]` covers tokens and extra keys of hash blocks `0..=j`).
-    pub ctx: Vec<[u8; 32]>,
+    ctx_vec: Vec<[u8; 32]>,
+    /// The prompt's hashes being computed on the manager's hash worker.
+    pending: Option<Arc<HashJob>>,
     pub verify: bool,
     pub lora: Option<Lora>,
     pub cache_salt: Option<String>,
@@ -169,8 +176,9 @@ impl Request {
             uid,
             tokens: prompt_token_ids,
             num_prompt_tokens: n,
-            hashes: Vec::new(),
-            ctx: Vec::new(),
+            hash_vec: Vec::new(),
+            ctx_vec: Vec::new(),
+            pending: None,
             verify,
             lora,
             cache_salt: cache_salt.filter(|s| !s.is_empty()),
@@ -185,6 +193,63 @@ impl Request {
             admitted: false,
             groups: vec![GroupBlocks::default(); num_groups],
         })
+    }
+
+    /// The request's block hashes (waiting, when its prompt is being hashed in
+    /// the background, until they are there).
+    pub fn hashes(&self) -> &[BlockHash] {
+        match &self.pending {
+            Some(job) => &job.wait().hashes,
+            None => &self.hash_vec,
+        }
+    }
+
+    /// The hashes and one group's blocks at once (disjoint borrows).
+    pub fn hashes_and_group_mut(&mut self, g: usize) -> (&[BlockHash], &mut GroupBlocks) {
+        let hashes = match &self.pending {
+            Some(job) => &job.wait().hashes[..],
+            None => &self.hash_vec[..],
+        };
+        (hashes, &mut self.groups[g])
+    }
+
+    /// The context digests of hit verification (waiting like [`Self::hashes`]).
+    pub fn ctx(&self) -> &[[u8; 32]] {
+        match &self.pending {
+            Some(job) => &job.wait().ctx,
+            None => &self.ctx_vec,
+        }
+    }
+
+    /// Hands the prompt to `worker` to hash; the request's hashes are pending
+    /// until a mutation settles them.
+    pub fn hash_in_background(&mut self, worker: &HashWorker) {
+        debug_assert!(self.pending.is_none() && self.hash_vec.is_empty());
+        let job = Arc::new(HashJob::default());
+        let mut input = Box::new(self.clone());
+        input.groups = Vec::new();
+        worker.submit(&job, input);
+        self.pending = Some(job);
+    }
+
+    /// Takes the background hashes into the request (computing them here if the
+    /// worker could not).
+    fn settle(&mut self, hasher: &mut BlockHasher, hash_block_size: usize) {
+        let Some(job) = self.pending.take() else {
+            return;
+        };
+        let done = match Arc::try_unwrap(job) {
+            Ok(job) => job.result.into_inner().flatten(),
+            Err(job) => job.wait_result().cloned(),
+        };
+        if let Some(chain) = done {
+            self.hash_vec = chain.hashes;
+            self.ctx_vec = chain.ctx;
+        } else {
+            self.hash_vec.clear();
+            self.ctx_vec.clear();
+            self.update_hashes(hasher, hash_block_size);
+        }
     }
 
     /// Where the prefill ends: the prompt, or all but the last token of a
@@ -327,8 +392,9 @@ impl Request {
 
     /// Appends tokens and block hashes computed by the engine (no hashing here).
     pub fn extend_external(&mut self, tokens: &[u32], hashes: &[BlockHash]) {
+        debug_assert!(self.pending.is_none(), "external hashes are never pending");
         self.tokens.extend_from_slice(tokens);
-        self.hashes.extend_from_slice(hashes);
+        self.hash_vec.extend_from_slice(hashes);
     }
 
     /// Hashes every newly full hash block. Allocates nothing in the common case:
@@ -336,15 +402,18 @@ impl Request {
     /// [`HASH_HEADROOM`] blocks past the prompt), and the extra-key list stays
     /// empty for requests without a `LoRA` adapter, salt or multimodal items.
     pub fn update_hashes(&mut self, hasher: &mut BlockHasher, hash_block_size: usize) {
-        if self.hashes.len() + 1 > self.hashes.capacity() {
+        if self.pending.is_some() {
+            self.settle(hasher, hash_block_size);
+        }
+        if self.hash_vec.len() + 1 > self.hash_vec.capacity() {
             // Room for what is full now and the next HASH_HEADROOM blocks.
             let full = self.tokens.len() / hash_block_size;
-            self.hashes
-                .reserve(full.saturating_sub(self.hashes.len()) + HASH_HEADROOM);
+            self.hash_vec
+                .reserve(full.saturating_sub(self.hash_vec.len()) + HASH_HEADROOM);
         }
         // Moved out for the loop: the keys borrow the request, the hashes grow.
-        let mut chain = std::mem::take(&mut self.hashes);
-        let mut contexts = std::mem::take(&mut self.ctx);
+        let mut chain = std::mem::take(&mut self.hash_vec);
+        let mut contexts = std::mem::take(&mut self.ctx_vec);
         let mut keys: Vec<ExtraKey<'_>> = Vec::new();
         let mut start = chain.len() * hash_block_size;
         let mut parent = chain.last().copied();
@@ -362,8 +431,93 @@ impl Request {
             start = end;
         }
         drop(keys);
-        self.hashes = chain;
-        self.ctx = contexts;
+        self.hash_vec = chain;
+        self.ctx_vec = contexts;
+    }
+}
+
+/// A prompt's block hashes and, with verification, its context digests.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct HashChain {
+    hashes: Vec<BlockHash>,
+    ctx: Vec<[u8; 32]>,
+}
+
+/// A prompt's hashes computed on a worker thread; `None` if the worker failed
+/// (the request then hashes in place when it settles).
+#[derive(Debug, Default)]
+pub(crate) struct HashJob {
+    result: OnceLock<Option<HashChain>>,
+}
+
+/// An empty chain, what a request reads while a failed job awaits settling.
+static NO_HASHES: HashChain = HashChain {
+    hashes: Vec::new(),
+    ctx: Vec::new(),
+};
+
+impl HashJob {
+    fn wait_result(&self) -> Option<&HashChain> {
+        self.result.wait().as_ref()
+    }
+
+    fn wait(&self) -> &HashChain {
+        self.wait_result().unwrap_or(&NO_HASHES)
+    }
+}
+
+/// The manager's prompt-hashing thread: hashes each submitted request's full
+/// blocks with its own hasher (the manager's algorithm, seed and truncation),
+/// in submission order. Dropping it ends the thread once the queue is drained.
+#[derive(Debug)]
+pub(crate) struct HashWorker {
+    tx: Option<mpsc::Sender<(Arc<HashJob>, Box<Request>)>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl HashWorker {
+    pub fn spawn(hasher: BlockHasher, hash_block_size: usize) -> std::io::Result<Self> {
+        let (tx, rx) = mpsc::channel::<(Arc<HashJob>, Box<Request>)>();
+        let thread = std::thread::Builder::new()
+            .name("pagedkv-hash".into())
+            .spawn(move || {
+                let mut hasher = hasher;
+                for (job, mut req) in rx {
+                    // A panic here must not leave a reader waiting forever.
+                    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        req.update_hashes(&mut hasher, hash_block_size);
+                        HashChain {
+                            hashes: std::mem::take(&mut req.hash_vec),
+                            ctx: std::mem::take(&mut req.ctx_vec),
+                        }
+                    }));
+                    let _ = job.result.set(out.ok());
+                }
+            })?;
+        Ok(Self {
+            tx: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    fn submit(&self, job: &Arc<HashJob>, req: Box<Request>) {
+        let sent = self
+            .tx
+            .as_ref()
+            .map(|tx| tx.send((Arc::clone(job), req)).is_ok());
+        if sent != Some(true) {
+            // The thread is gone: the request hashes in place when it settles.
+            let _ = job.result.set(None);
+        }
+    }
+}
+
+impl Drop for HashWorker {
+    fn drop(&mut self) {
+        drop(self.tx.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 

@@ -257,6 +257,11 @@ pub struct ManagerConfig {
     /// `needs_kv_cache_zeroing`: Mamba layouts and mixed-precision caches): the
     /// manager lists them ([`crate::KvCacheManager::take_new_block_ids`]).
     pub zero_new_blocks: bool,
+    /// Prompts are hashed on a worker thread: `add_request` returns once the
+    /// request is registered, and the first call that reads the request's
+    /// hashes (a lookup, an append, an allocation that caches blocks) waits for
+    /// them. The same hashes, events and results as hashing in place.
+    pub background_hashing: bool,
 }
 
 /// Largest `max_model_len` / `max_in_flight_tokens`: token counts stay far from
@@ -294,6 +299,7 @@ impl ManagerConfig {
             dcp_world_size: 1,
             mamba_shared_prefix_checkpoint: false,
             zero_new_blocks: false,
+            background_hashing: false,
         }
     }
 

@@ -76,7 +76,7 @@ impl Verifier {
         };
         let start = i * bs;
         let end = (start + bs).min(req.tokens.len());
-        let hashed_end = end.min(req.ctx.len() * hbs);
+        let hashed_end = end.min(req.ctx().len() * hbs);
         if hashed_end <= start {
             return;
         }
@@ -90,7 +90,7 @@ impl Verifier {
         *slot = Some(Box::new(Provenance {
             stamp,
             tokens: req.tokens[start..end].to_vec(),
-            ctx_ends: req.ctx[start / hbs..hashed_end / hbs].to_vec(),
+            ctx_ends: req.ctx()[start / hbs..hashed_end / hbs].to_vec(),
         }));
     }
 
@@ -122,7 +122,7 @@ impl Verifier {
                         && hashed > 0
                         && p.tokens.len() >= covered
                         && p.tokens[..covered] == req.tokens[start..end]
-                        && p.ctx_ends.get(hashed - 1) == req.ctx.get(start / hbs + hashed - 1)
+                        && p.ctx_ends.get(hashed - 1) == req.ctx().get(start / hbs + hashed - 1)
                 });
                 if !ok {
                     first = Some(first.map_or(start, |f| f.min(start)));

@@ -551,6 +551,7 @@ pub fn manager_config(
                 cfg.mamba_shared_prefix_checkpoint = option(name, &v)?;
             }
             "zero_new_blocks" => cfg.zero_new_blocks = option(name, &v)?,
+            "background_hashing" => cfg.background_hashing = option(name, &v)?,
             other => {
                 return Err(type_error(format!(
                     "KVCacheManager() got an unexpected keyword argument '{other}'"

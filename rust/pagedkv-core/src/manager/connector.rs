@@ -71,7 +71,7 @@ impl KvCacheManager {
             Some(fa) if has_mamba && !req.verify && !req.skip_reading => {
                 let max_len = Self::max_hit_len(req.num_tokens(), max_cache_hit_length);
                 self.coord
-                    .find_per_group(&req.hashes, max_len)
+                    .find_per_group(req.hashes(), max_len)
                     .map(|(blocks, hits)| (fa, blocks, hits))
             }
             _ => None,

@@ -52,11 +52,11 @@ impl KvCacheManager {
         }
         let slot = self.table.slot(id)?;
         let req = self.table.get_mut(slot);
-        if at != (req.num_tokens(), req.hashes.len()) {
+        if at != (req.num_tokens(), req.hashes().len()) {
             return Err(invalid(format!(
                 "request {id:?} holds {} tokens and {} block hashes, not {} and {}",
                 req.num_tokens(),
-                req.hashes.len(),
+                req.hashes().len(),
                 at.0,
                 at.1
             )));
@@ -82,7 +82,7 @@ impl KvCacheManager {
     /// Unknown request.
     pub fn request_lengths(&self, id: &str) -> Result<(usize, usize)> {
         let req = self.table.get(self.table.slot(id)?);
-        Ok((req.num_tokens(), req.hashes.len()))
+        Ok((req.num_tokens(), req.hashes().len()))
     }
 
     /// Sets the request's shared-prefix boundary (vLLM's

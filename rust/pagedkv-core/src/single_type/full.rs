@@ -73,14 +73,14 @@ impl GroupManager {
         } else {
             req.num_prompt_tokens.saturating_sub(1)
         };
-        let boundary = (limit / hash_block_size).min(req.hashes.len()) * hash_block_size;
+        let boundary = (limit / hash_block_size).min(req.hashes().len()) * hash_block_size;
         let bs = self.block_size as usize;
         if boundary == 0 || boundary > num_tokens || boundary % bs == 0 {
             return None;
         }
         let &block = req.groups[g].blocks.get(boundary / bs)?;
         let key = CacheKey {
-            hash: req.hashes[boundary / hash_block_size - 1],
+            hash: req.hashes()[boundary / hash_block_size - 1],
             group: self.group_id,
         };
         pool.cache_partial_block(block, key, boundary as u32)

@@ -279,7 +279,7 @@ impl GroupManager {
         let key_at = |n: u64| {
             let j = (n / hbs) as usize;
             (j > 0)
-                .then(|| req.hashes.get(j - 1))
+                .then(|| req.hashes().get(j - 1))
                 .flatten()
                 .map(|&hash| CacheKey {
                     hash,

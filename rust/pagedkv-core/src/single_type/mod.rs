@@ -732,9 +732,9 @@ impl GroupManager {
             return None;
         }
         let shared = req.shared_prefix_boundary;
-        let gb = &mut req.groups[g];
+        let (hashes, gb) = req.hashes_and_group_mut(g);
         let cached = gb.num_cached.unwrap_or(0);
-        let hashed_tokens = req.hashes.len() * hash_block_size;
+        let hashed_tokens = hashes.len() * hash_block_size;
         let full =
             (self.blocks_floor(num_tokens.min(hashed_tokens) as u64) as usize).min(gb.blocks.len());
         if cached >= full {
@@ -770,7 +770,7 @@ impl GroupManager {
             if b == NULL_BLOCK || mask.as_ref().is_some_and(|m| !m[i - cached]) {
                 continue;
             }
-            if let Some(key) = self.key_for(&req.hashes, i) {
+            if let Some(key) = self.key_for(hashes, i) {
                 pool.cache_full_block(b, key, ((i + 1) * self.block_size as usize) as u32);
                 if matches!(self.kind(), AttentionKind::Mamba { .. }) {
                     self.cached_this_step.insert(key);

@@ -1,0 +1,150 @@
+//! Hashing prompts on the worker thread changes nothing observable: two managers,
+//! one hashing in place and one in the background, driven through the same
+//! operations, give the same hits, block ids, hashes and events.
+use pagedkv_core::{AllocateArgs, KvCacheManager, Lora, ManagerConfig, MmFeature, RequestSpec};
+
+/// `SplitMix64`.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn spec(rng: &mut Rng, prefixes: &[Vec<u32>]) -> RequestSpec {
+    let mut prompt = prefixes[rng.below(prefixes.len() as u64) as usize].clone();
+    let tail = 1 + rng.below(200) as usize;
+    prompt.extend((0..tail).map(|_| rng.below(32_000) as u32));
+    let mut s = RequestSpec {
+        prompt_token_ids: prompt,
+        ..RequestSpec::default()
+    };
+    match rng.below(5) {
+        0 => s.cache_salt = Some(format!("tenant-{}", rng.below(2))),
+        1 => {
+            s.lora = Some(Lora {
+                name: format!("adapter-{}", rng.below(2)),
+                path: None,
+                id: Some(1),
+            });
+        }
+        2 => {
+            s.mm_features = vec![MmFeature {
+                identifier: format!("image-{}", rng.below(3)),
+                offset: 4,
+                length: 20,
+            }];
+        }
+        _ => {}
+    }
+    s
+}
+
+fn run(background: bool, verify: bool, seed: u64) -> Vec<String> {
+    let mut cfg = ManagerConfig::full_attention(600, 16, 4096);
+    cfg.enable_kv_cache_events = true;
+    cfg.verify_cached_tokens = verify;
+    cfg.background_hashing = background;
+    let mut mgr = KvCacheManager::new(cfg).expect("config");
+    let mut rng = Rng(seed);
+    let prefixes: Vec<Vec<u32>> = (0..4)
+        .map(|p| {
+            (0..(64 + 48 * p))
+                .map(|t| (t * 7 + p * 1000) as u32)
+                .collect()
+        })
+        .collect();
+    let mut log = Vec::new();
+    let mut running: Vec<String> = Vec::new();
+    let mut waiting: Vec<String> = Vec::new();
+    for step in 0..400 {
+        // Arrivals: registered, not looked up yet (the worker hashes meanwhile).
+        for k in 0..rng.below(3) {
+            let id = format!("r{step}-{k}");
+            mgr.add_request(&id, spec(&mut rng, &prefixes))
+                .expect("add");
+            waiting.push(id);
+        }
+        // Admit the oldest waiting request if it fits.
+        if let Some(id) = waiting.first().cloned() {
+            let hit = mgr.get_computed_blocks(&id).expect("lookup");
+            let n = mgr.num_tokens(&id).expect("known") as u64;
+            let args = AllocateArgs {
+                num_new_computed_tokens: hit.num_computed_tokens,
+                full_sequence_must_fit: true,
+                ..AllocateArgs::step(n - hit.num_computed_tokens, 0)
+            };
+            let got = mgr.allocate_slots(&id, &args, Some(&hit)).expect("admit");
+            log.push(format!(
+                "admit {id} hit {:?} -> {got:?}",
+                hit.num_computed_tokens
+            ));
+            if got.is_some() {
+                waiting.remove(0);
+                running.push(id);
+            }
+        }
+        // Decode every running request; finish or preempt some.
+        let mut i = 0;
+        while i < running.len() {
+            let id = running[i].clone();
+            let n = mgr.num_tokens(&id).expect("known") as u64;
+            let args = AllocateArgs::step(1, n);
+            if let Some(new) = mgr.allocate_slots(&id, &args, None).expect("decode") {
+                log.push(format!("decode {id} {new:?}"));
+                let tok = rng.below(32_000) as u32;
+                mgr.append_token_ids(&id, &[tok]).expect("append");
+                i += 1;
+            } else {
+                let victim = running.pop().expect("running");
+                mgr.free(&victim).expect("free");
+                log.push(format!("preempt {victim}"));
+                waiting.insert(0, victim);
+            }
+            if i < running.len() && rng.below(40) == 0 {
+                let done = running.remove(i);
+                log.push(format!(
+                    "hashes {done} {:?}",
+                    mgr.block_hashes(&done).expect("known")
+                ));
+                mgr.remove_request(&done).expect("remove");
+            }
+        }
+        log.push(format!("events {:?}", mgr.take_events()));
+    }
+    for id in waiting.iter().chain(&running) {
+        log.push(format!(
+            "hashes {id} {:?}",
+            mgr.block_hashes(id).expect("known")
+        ));
+    }
+    mgr.check_invariants().expect("invariants");
+    log
+}
+
+#[test]
+fn background_hashing_changes_nothing() {
+    for seed in [1, 2, 3] {
+        for verify in [false, true] {
+            let sync = run(false, verify, seed);
+            let background = run(true, verify, seed);
+            assert_eq!(sync.len(), background.len());
+            for (a, b) in sync.iter().zip(&background) {
+                assert_eq!(a, b, "seed {seed}, verify {verify}");
+            }
+            assert!(
+                sync.iter()
+                    .any(|l| l.starts_with("admit") && !l.contains("hit 0"))
+            );
+        }
+    }
+}

@@ -29,7 +29,6 @@ with nothing to run waits for its next request.
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from .._util import FNV_OFFSET_BASIS, fnv1a64
 from ..index import PrefixIndex
 from ..manager import KVCacheManager
 from .backend import ManagerBackend
-from .policy import Request, Scheduler, sessions
+from .policy import Request, Scheduler, Timeline
 from .steptime import Latencies, summarize
 from .workloads import Workload
 
@@ -147,16 +146,7 @@ def run_cluster(
     prefix = cfg.router == "prefix-aware"
 
     def manager(events: bool) -> KVCacheManager:
-        return KVCacheManager(
-            config,
-            max_model_len,
-            enable_caching=cfg.enable_caching,
-            hash_algo=cfg.hash_algo,
-            max_in_flight_tokens=cfg.max_num_batched_tokens,
-            prefix_cache_retention_interval=0,
-            enable_kv_cache_events=events,
-            background_hashing=cfg.background_hashing,
-        )
+        return runner.make_manager(cfg, config, max_model_len, enable_kv_cache_events=events)
 
     sched_cfg = runner.scheduler_config(cfg, config)
     replicas = []
@@ -173,11 +163,7 @@ def run_cluster(
     reqs = workload.requests
     items = [r.fresh() for r in reqs]
     lat = Latencies()
-
-    def arrival(item: Request) -> float:
-        return item.arrival_s if item.arrival_s is not None else item.arrival_step * cfg.tick_s
-
-    successor, ready = sessions(items, arrival)
+    tl = Timeline(items, cfg.tick_s, lat)
 
     usage: list[float] = []
     running: list[float] = []
@@ -186,15 +172,14 @@ def run_cluster(
     preempt: list[float] = []
     step_hits: list[float] = []
     step_queries: list[float] = []
-    finished = 0
     steps = 0
     inf = float("inf")
     t0 = time.perf_counter()
-    while ready or any(r.sched.has_unfinished for r in replicas):
+    while tl.ready or any(r.sched.has_unfinished for r in replicas):
         busy = [r for r in replicas if r.sched.has_unfinished]
         t_step = min((r.clock for r in busy), default=inf)
-        if ready and ready[0][0] <= t_step:
-            t, i = heapq.heappop(ready)
+        if tl.ready and tl.ready[0][0] <= t_step:
+            t, i = tl.pop_ready()
             req = items[i]
             rep = router.choose(req)
             if not rep.sched.has_unfinished:
@@ -211,18 +196,7 @@ def run_cluster(
         end = start + max(model.step_seconds(rep.sched.last_shape), 1e-9)
         rep.clock = end
         steps += 1
-        for q, _ in rep.sched.last_scheduled:
-            lat.scheduled(q.request_id, start)
-        for q in rep.sched.last_sampled:
-            lat.token(q.request_id, end)
-        finished += len(done)
-        for q in done:
-            lat.finished(q.request_id, end)
-            j = successor.pop(q.request_id, None)
-            if j is not None:
-                nxt = items[j]
-                pause = nxt.pause_s if nxt.pause_s is not None else nxt.pause * cfg.tick_s
-                heapq.heappush(ready, (max(arrival(nxt), end + pause), j))
+        tl.stepped(rep.sched, start, end, done)
         router.feed(rep)
         u = rep.kv.usage
         rep.peak_usage = max(rep.peak_usage, u)
@@ -235,10 +209,9 @@ def run_cluster(
         step_hits.append(st.first_hit_tokens - hits0)
         step_queries.append(st.first_query_tokens - queries0)
         if progress is not None:
-            progress(steps, finished)
+            progress(steps, tl.finished)
     wall = time.perf_counter() - t0
-    if finished != len(items):  # pragma: no cover - a scheduler bug, not a user error
-        raise RuntimeError(f"{finished} of {len(items)} requests finished")
+    tl.check_done()
     for rep in replicas:
         rep.kv.check_invariants()
     stats = [r.sched.stats for r in replicas]

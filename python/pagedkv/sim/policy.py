@@ -68,6 +68,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "StepStats",
+    "Timeline",
     "drive",
     "drive_timed",
     "sessions",
@@ -515,6 +516,56 @@ def sessions(
     return successor, ready
 
 
+class Timeline(Generic[R]):
+    """The arrivals of a timed run and what each request saw: ready times (first
+    turns at their arrival, later turns of a session their pause after the
+    previous turn finished), and the :class:`Latencies` of every step. Shared by
+    :func:`drive_timed` and the many-replica loop of ``pagedkv.sim.cluster``."""
+
+    def __init__(
+        self,
+        items: Sequence[R],
+        tick_s: float,
+        latencies: Latencies | None = None,
+    ) -> None:
+        if not (tick_s > 0 and math.isfinite(tick_s)):
+            raise ValueError(f"tick_s must be positive, got {tick_s}")
+        self.items = items
+        self.tick_s = tick_s
+        self.lat = latencies if latencies is not None else Latencies()
+        self.successor, self.ready = sessions(items, self.arrival)
+        self.finished = 0
+
+    def arrival(self, item: R) -> float:
+        return item.arrival_s if item.arrival_s is not None else item.arrival_step * self.tick_s
+
+    def pop_ready(self) -> tuple[float, int]:
+        """The earliest ready request: ``(ready time, index)``."""
+        return heapq.heappop(self.ready)
+
+    def stepped(self, sched: Scheduler[R], start: float, end: float, done: Sequence[R]) -> None:
+        """Records a step of ``sched`` that ran from ``start`` to ``end``: first
+        schedules, sampled tokens, finishes; queues the next turns of the
+        sessions that finished."""
+        lat = self.lat
+        for req, _ in sched.last_scheduled:
+            lat.scheduled(req.request_id, start)
+        for req in sched.last_sampled:
+            lat.token(req.request_id, end)
+        self.finished += len(done)
+        for req in done:
+            lat.finished(req.request_id, end)
+            j = self.successor.pop(req.request_id, None)
+            if j is not None:
+                nxt = self.items[j]
+                pause = nxt.pause_s if nxt.pause_s is not None else nxt.pause * self.tick_s
+                heapq.heappush(self.ready, (max(self.arrival(nxt), end + pause), j))
+
+    def check_done(self) -> None:
+        if self.finished != len(self.items):  # pragma: no cover - a scheduler bug
+            raise RuntimeError(f"{self.finished} of {len(self.items)} requests finished")
+
+
 def drive_timed(
     sched: Scheduler[R],
     items: Sequence[R],
@@ -536,42 +587,22 @@ def drive_timed(
     ``latencies`` receives every request's times; ``on_step(clock, finished)``
     runs after every step. Returns the clock at the end.
     """
-    if not (tick_s > 0 and math.isfinite(tick_s)):
-        raise ValueError(f"tick_s must be positive, got {tick_s}")
-    lat = latencies if latencies is not None else Latencies()
-
-    def arrival(item: R) -> float:
-        return item.arrival_s if item.arrival_s is not None else item.arrival_step * tick_s
-
-    successor, ready = sessions(items, arrival)
+    tl = Timeline(items, tick_s, latencies)
     sched.track_shape = True
     clock = 0.0
-    finished = 0
-    while ready or sched.has_unfinished:
+    while tl.ready or sched.has_unfinished:
         if not sched.has_unfinished:
-            clock = max(clock, ready[0][0])
-        while ready and ready[0][0] <= clock:
-            t, i = heapq.heappop(ready)
+            clock = max(clock, tl.ready[0][0])
+        while tl.ready and tl.ready[0][0] <= clock:
+            t, i = tl.pop_ready()
             req = items[i] if make_request is None else make_request(i)
-            lat.arrive(req.request_id, t, len(req.prompt))
+            tl.lat.arrive(req.request_id, t, len(req.prompt))
             sched.add_request(req)
         done = sched.step()
         end = clock + max(model.step_seconds(sched.last_shape), 1e-9)
-        for req, _ in sched.last_scheduled:
-            lat.scheduled(req.request_id, clock)
-        for req in sched.last_sampled:
-            lat.token(req.request_id, end)
-        finished += len(done)
-        for req in done:
-            lat.finished(req.request_id, end)
-            j = successor.pop(req.request_id, None)
-            if j is not None:
-                nxt = items[j]
-                pause = nxt.pause_s if nxt.pause_s is not None else nxt.pause * tick_s
-                heapq.heappush(ready, (max(arrival(nxt), end + pause), j))
+        tl.stepped(sched, clock, end, done)
         clock = end
         if on_step is not None:
-            on_step(clock, finished)
-    if finished != len(items):  # pragma: no cover - a scheduler bug, not a user error
-        raise RuntimeError(f"{finished} of {len(items)} requests finished")
+            on_step(clock, tl.finished)
+    tl.check_done()
     return clock

@@ -273,6 +273,26 @@ def scheduler_config(cfg: SimConfig, config: KVCacheConfig) -> SchedulerConfig:
     )
 
 
+def make_manager(
+    cfg: SimConfig,
+    config: KVCacheConfig,
+    max_model_len: int,
+    *,
+    enable_kv_cache_events: bool = False,
+) -> KVCacheManager:
+    """The manager of one simulated serving process."""
+    return KVCacheManager(
+        config,
+        max_model_len,
+        enable_caching=cfg.enable_caching,
+        hash_algo=cfg.hash_algo,
+        max_in_flight_tokens=cfg.max_num_batched_tokens,
+        prefix_cache_retention_interval=0,
+        background_hashing=cfg.background_hashing,
+        enable_kv_cache_events=enable_kv_cache_events,
+    )
+
+
 def build_config(cfg: SimConfig, workload: Workload) -> tuple[KVCacheConfig, int]:
     """(KV-cache config, max_model_len) of the model preset in the memory budget.
     Raises ValueError for unknown presets or requests longer than the model, and
@@ -333,15 +353,7 @@ def run_pagedkv(
 
         return run_cluster(workload, cfg, label=label, progress=progress)  # type: ignore[no-any-return]
     config, max_model_len = build_config(cfg, workload)
-    kv = KVCacheManager(
-        config,
-        max_model_len,
-        enable_caching=cfg.enable_caching,
-        hash_algo=cfg.hash_algo,
-        max_in_flight_tokens=cfg.max_num_batched_tokens,
-        prefix_cache_retention_interval=0,
-        background_hashing=cfg.background_hashing,
-    )
+    kv = make_manager(cfg, config, max_model_len)
     sched = Scheduler(ManagerBackend(kv), scheduler_config(cfg, config))
     reqs = workload.requests
     usage, running, waiting, hit = array("d"), array("d"), array("d"), array("d")

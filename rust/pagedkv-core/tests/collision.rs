@@ -8,20 +8,9 @@ use pagedkv_core::{
     AllocateArgs, AttentionKind, GroupSpec, HashAlgo, KvCacheManager, ManagerConfig, RequestSpec,
 };
 
-/// `SplitMix64`.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+#[path = "support/rng.rs"]
+mod rng;
+use rng::Rng;
 
 fn config(groups: Vec<GroupSpec>, verify: bool, truncate: Option<u8>) -> ManagerConfig {
     let mut c = ManagerConfig::full_attention(96, 4, 4096);

@@ -62,6 +62,9 @@ mod metrics;
 use metrics::PoolMetrics;
 pub use metrics::{BlockActivity, BlockActivityKind, BlockPoolStats};
 
+/// Most per-key entries a pool reserves room for when it is built.
+const KEY_RESERVE: usize = 1 << 20;
+
 /// Block arena, free queue and prefix map of one KV cache.
 #[derive(Debug)]
 pub struct BlockPool {
@@ -143,14 +146,15 @@ impl BlockPool {
             key: NIL,
         };
         let (head, tail) = if n > 1 { (1, n - 1) } else { (NIL, NIL) };
-        // The per-key arrays hold at most about one entry per block: reserved
-        // up front (address space only until used), they never reallocate while
-        // the cache fills. The prefix map itself grows by doubling.
+        // The per-key arrays hold about one entry per block: reserved up front
+        // (up to 2^20 entries, 52 MiB; larger pools grow them by doubling, as
+        // the prefix map grows), they never reallocate while the cache fills.
         let (mut keys, mut key_tokens, mut key_stamps) = (Vec::new(), Vec::new(), Vec::new());
         if enable_caching {
-            let _ = keys.try_reserve_exact(n as usize);
-            let _ = key_tokens.try_reserve_exact(n as usize);
-            let _ = key_stamps.try_reserve_exact(n as usize);
+            let reserve = (n as usize).min(KEY_RESERVE);
+            let _ = keys.try_reserve_exact(reserve);
+            let _ = key_tokens.try_reserve_exact(reserve);
+            let _ = key_stamps.try_reserve_exact(reserve);
         }
         Ok(Self {
             blocks,

@@ -235,3 +235,42 @@ def test_append_token_ids_batch_with_an_unknown_id_appends_nothing() -> None:
     with pytest.raises(pk.InvalidArgumentError):
         m.append_token_ids_batch(["x"], [1, 2])
     assert m.num_tokens("x") == 10
+
+
+def test_batch_allocation_can_take_the_computed_counts_the_manager_tracks() -> None:
+    """``num_computed_tokens=None``: each request's count is what its last
+    allocated step scheduled through, so decode steps need no per-request list;
+    the block ids are those of explicit counts."""
+    spec = pk.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float16")
+    config = pk.KVCacheConfig(num_blocks=200, kv_cache_groups=[pk.KVCacheGroupSpec(["l"], spec)])
+    managers = [pk.KVCacheManager(config, 4096) for _ in range(2)]
+    handles: list[list[int]] = [[], []]
+    lengths = [40, 70, 33]
+    for k, m in enumerate(managers):
+        m.add_request("shared", list(range(64)))
+        hit = m.get_computed_blocks("shared")
+        m.allocate_slots("shared", 64, num_computed_tokens=0, new_computed_blocks=hit)
+        m.remove_request("shared")
+        for i, n in enumerate(lengths):
+            rid = f"r{i}"
+            handles[k].append(m.add_request(rid, list(range(n))))
+            hit = m.get_computed_blocks(rid)
+            m.allocate_slots(
+                rid, n - hit.num_computed_tokens, num_computed_tokens=0, new_computed_blocks=hit
+            )
+    # r0 (40 tokens) and r1 hit the cached prefix; tracked counts include the hit.
+    for step in range(40):
+        explicit = np.array([n + step for n in lengths], dtype=np.int64)
+        a = managers[0].allocate_slots_batch(handles[0], 1, explicit)
+        b = managers[1].allocate_slots_batch(np.array(handles[1], dtype=np.int64), 1)
+        assert a[0] == b[0] == 3
+        assert [x.tolist() for g in a[1] for x in g] == [x.tolist() for g in b[1] for x in g]
+        for k, m in enumerate(managers):
+            m.append_token_ids_batch(handles[k], [7, 8, 9])
+    # A request never allocated tracks 0 computed tokens: its first step is a prefill.
+    m = managers[1]
+    h = m.add_request("fresh", list(range(20)))
+    n_ok, groups = m.allocate_slots_batch([h], 20)
+    assert n_ok == 1 and len(groups[0][0]) == 2
+    with pytest.raises(pk.PagedKVError):
+        m.allocate_slots_batch(["nope"], 1)

@@ -246,7 +246,7 @@ class KVCacheManager:
         self,
         request_ids: _RequestRefs,
         num_new_tokens: Sequence[int] | npt.NDArray[Any],
-        num_computed_tokens: Sequence[int] | npt.NDArray[Any],
+        num_computed_tokens: Sequence[int] | npt.NDArray[Any] | None = None,
         *,
         num_lookahead_tokens: int = 0,
     ) -> tuple[int, tuple[tuple[_IdArray, _IdArray], ...]]: ...

@@ -247,13 +247,17 @@ class KVCacheManager(_core.KVCacheManager):
         self,
         request_ids: Sequence[str] | Sequence[int] | npt.NDArray[Any],
         num_new_tokens: int | Sequence[int] | npt.NDArray[Any],
-        num_computed_tokens: Sequence[int] | npt.NDArray[Any],
+        num_computed_tokens: Sequence[int] | npt.NDArray[Any] | None = None,
         *,
         num_lookahead_tokens: int = 0,
     ) -> tuple[int, tuple[tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]], ...]]:
         """One decode step of many running requests in one call: the same result as
         ``allocate_slots`` for each in order until the first that does not fit.
-        ``num_new_tokens`` is one count per request, or one for all. Returns
+        ``num_new_tokens`` is one count per request, or one for all.
+        ``num_computed_tokens`` None: each request's count as the manager tracks
+        it, what its last allocated step scheduled through (its computed tokens
+        plus the tokens it scheduled: the engine ran them all), so a decode step
+        ``allocate_slots_batch(handles, 1)`` needs no per-request list. Returns
         ``(num_allocated, ((block_ids, offsets), ...))`` per group, where request
         ``i``'s new blocks are ``block_ids[offsets[i]:offsets[i+1]]``."""
         counts: Sequence[int] | npt.NDArray[Any]

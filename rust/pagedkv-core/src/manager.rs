@@ -159,6 +159,7 @@ pub struct KvCacheManager {
     num_admitted: usize,
     stats: Option<PrefixCacheStats>,
     scratch_slots: Vec<u32>,
+    scratch_counts: Vec<u64>,
     /// Block references detached by `pop_blocks_for_free`, not yet freed.
     detached: rustc_hash::FxHashMap<BlockId, u32>,
     /// The prompt-hashing thread (`background_hashing`), started by the first
@@ -194,6 +195,7 @@ impl KvCacheManager {
             num_admitted: 0,
             stats: cfg.log_stats.then(PrefixCacheStats::default),
             scratch_slots: Vec::new(),
+            scratch_counts: Vec::new(),
             detached: rustc_hash::FxHashMap::default(),
             hash_worker: None,
             cfg,
@@ -621,6 +623,7 @@ impl KvCacheManager {
         // Stage 3: fresh blocks for the tokens to compute (+ lookahead).
         self.coord
             .allocate_new_blocks(req, need_slot, main_model, enc);
+        req.scheduled_through = main_model;
         if req.admit() {
             self.num_admitted += 1;
         }

@@ -104,6 +104,10 @@ pub(crate) struct Request {
     pub num_computed_at_step: u64,
     /// Holds an allocation (between a successful `allocate_slots` and `free`).
     pub admitted: bool,
+    /// Tokens computed once the last allocated step has run: its computed tokens
+    /// (hit and external included) plus the tokens it scheduled. What a decode
+    /// step's `num_computed_tokens` is when the caller does not pass it.
+    pub scheduled_through: u64,
     pub groups: Vec<GroupBlocks>,
 }
 
@@ -191,6 +195,7 @@ impl Request {
             shared_prefix_boundary: 0,
             num_computed_at_step: 0,
             admitted: false,
+            scheduled_through: 0,
             groups: vec![GroupBlocks::default(); num_groups],
         })
     }

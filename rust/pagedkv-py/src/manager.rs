@@ -508,23 +508,28 @@ impl PyManager {
     /// counts; `KVCacheManager` broadcasts a scalar). Returns `(num_allocated,
     /// ((block_ids, offsets), ...))` per group, where request `i`'s new blocks
     /// are `block_ids[offsets[i]:offsets[i+1]]`.
-    #[pyo3(signature = (request_ids, num_new_tokens, num_computed_tokens, *, num_lookahead_tokens = 0))]
+    #[pyo3(signature = (request_ids, num_new_tokens, num_computed_tokens = None, *, num_lookahead_tokens = 0))]
     fn allocate_slots_batch<'py>(
         slf: &Bound<'py, Self>,
         request_ids: &Bound<'py, PyAny>,
         num_new_tokens: &Bound<'py, PyAny>,
-        num_computed_tokens: &Bound<'py, PyAny>,
+        num_computed_tokens: Option<&Bound<'py, PyAny>>,
         num_lookahead_tokens: i64,
     ) -> PkResult<(usize, Bound<'py, PyTuple>)> {
         let ids = BatchIds::extract(request_ids)?;
         let new = counts("num_new_tokens", num_new_tokens)?;
-        let computed = counts("num_computed_tokens", num_computed_tokens)?;
+        let computed = num_computed_tokens
+            .map(|c| counts("num_computed_tokens", c))
+            .transpose()?;
         let look = count("num_lookahead_tokens", num_lookahead_tokens)?;
         let (num_allocated, per_group) = {
             let mut this = borrow_mut(slf)?;
             let this = &mut *this;
             let (inner, batch) = (&mut this.inner, &mut this.batch);
-            ids.with_refs(|r| inner.allocate_slots_batch_refs(r, &new, &computed, look, batch))?;
+            ids.with_refs(|r| match &computed {
+                Some(c) => inner.allocate_slots_batch_refs(r, &new, c, look, batch),
+                None => inner.allocate_slots_batch_tracked(r, &new, look, batch),
+            })?;
             let b = &this.batch;
             let per_group: Vec<(Vec<i32>, Vec<i32>)> = b
                 .block_ids

@@ -71,6 +71,33 @@ impl KvCacheManager {
         )
     }
 
+    /// [`Self::allocate_slots_batch_refs`] with each request's computed tokens
+    /// taken from the manager: what its last allocated step scheduled through
+    /// (computed tokens plus the tokens scheduled), as a decode step after the
+    /// engine ran every scheduled token. The caller passes no counts.
+    ///
+    /// # Errors
+    /// As [`Self::allocate_slots_batch_refs`] (an unknown request first).
+    pub fn allocate_slots_batch_tracked(
+        &mut self,
+        refs: RequestRefs<'_>,
+        num_new_tokens: &[u64],
+        num_lookahead_tokens: u64,
+        out: &mut BatchAllocation,
+    ) -> Result<()> {
+        let mut slots = std::mem::take(&mut self.scratch_slots);
+        let resolved = self.table.resolve(refs, &mut slots);
+        let mut counts = std::mem::take(&mut self.scratch_counts);
+        counts.clear();
+        counts.extend(slots.iter().map(|&s| self.table.get(s).scheduled_through));
+        self.scratch_slots = slots;
+        let out = resolved.and_then(|()| {
+            self.allocate_slots_batch_refs(refs, num_new_tokens, &counts, num_lookahead_tokens, out)
+        });
+        self.scratch_counts = counts;
+        out
+    }
+
     /// [`Self::allocate_slots_batch`] with requests named by ids or handles.
     ///
     /// # Errors

@@ -375,6 +375,8 @@ def test_counts_that_are_valid_alone_but_impossible_together() -> None:
         (lambda m: m.allocate_slots_batch(["run", "nope"], 1, [54, 0]), UnknownRequestError),
         # A request that could never fit the pool.
         (lambda m: m.allocate_slots("wait", 1000, num_computed_tokens=0), CannotFitError),
+        # ... in a batch, behind one that fits: the whole batch is refused.
+        (lambda m: m.allocate_slots_batch(["run", "wait"], [1, 1000], [54, 0]), CannotFitError),
     ]
     for call, exc in cases:
         check_refused(mgr, call, exc)

@@ -6,6 +6,7 @@ use super::{AllocateArgs, ComputedBlocks, KvCacheManager};
 use crate::error::{Error, Result, invalid};
 use crate::pool::BlockId;
 use crate::single_type::Need;
+use crate::spec::AttentionKind;
 
 impl KvCacheManager {
     /// A lookup result applies to this request on this manager, fits the
@@ -164,6 +165,11 @@ impl KvCacheManager {
                 ..AllocateArgs::step(num_new_tokens[i], num_computed_tokens[i])
             };
             self.validate_args(slot, &args)?;
+            // A step that cannot need more blocks than are free cannot be one
+            // that never fits: the exact count is left to the allocation.
+            if self.max_step_blocks(num_new_tokens[i] + num_lookahead_tokens) <= free_at_start {
+                continue;
+            }
             let need_args = Need {
                 num_tokens: (num_computed_tokens[i] + num_new_tokens[i] + num_lookahead_tokens)
                     .min(max_len),
@@ -180,5 +186,27 @@ impl KvCacheManager {
             }
         }
         Ok(())
+    }
+
+    /// An upper bound of the blocks one running request's step of `tokens`
+    /// tokens can take across the groups: the blocks the tokens span in each
+    /// group (plus one for a partly filled block), a copy-on-write block, a
+    /// prefill checkpoint and the speculative state blocks of Mamba groups.
+    pub(super) fn max_step_blocks(&self, tokens: u64) -> i64 {
+        self.cfg
+            .groups
+            .iter()
+            .map(|g| {
+                let spec = match g.kind {
+                    AttentionKind::Mamba {
+                        num_speculative_blocks,
+                        ..
+                    } => u64::from(num_speculative_blocks),
+                    _ => 0,
+                };
+                let span = tokens.div_ceil(u64::from(g.block_size.max(1)));
+                i64::try_from(span + 3 + spec).unwrap_or(i64::MAX)
+            })
+            .fold(0i64, i64::saturating_add)
     }
 }

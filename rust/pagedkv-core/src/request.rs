@@ -487,7 +487,7 @@ impl HashWorker {
             .name("pagedkv-hash".into())
             .spawn(move || {
                 let mut hasher = hasher;
-                for (job, mut req) in rx {
+                while let Some((job, mut req)) = next_job(&rx) {
                     // A panic here must not leave a reader waiting forever.
                     let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         req.update_hashes(&mut hasher, hash_block_size);
@@ -513,6 +513,38 @@ impl HashWorker {
         if sent != Some(true) {
             // The thread is gone: the request hashes in place when it settles.
             let _ = job.result.set(None);
+        }
+    }
+}
+
+/// How the hash worker waits for the next prompt: it polls for [`WORKER_SPIN`],
+/// then naps [`WORKER_NAP`] at a time until it has been idle for
+/// [`WORKER_IDLE`], and only then sleeps on the queue. While it polls or naps a
+/// prompt submitted costs its sender no wake-up (a futex call, several
+/// microseconds on a virtual machine, on the scheduler's critical path); an idle
+/// manager's worker stops waking up after [`WORKER_IDLE`].
+const WORKER_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
+const WORKER_NAP: std::time::Duration = std::time::Duration::from_micros(50);
+const WORKER_IDLE: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// The next job (see [`WORKER_SPIN`]); None once every sender is gone.
+fn next_job<T>(rx: &mpsc::Receiver<T>) -> Option<T> {
+    let start = std::time::Instant::now();
+    loop {
+        match rx.try_recv() {
+            Ok(item) => return Some(item),
+            Err(mpsc::TryRecvError::Disconnected) => return None,
+            Err(mpsc::TryRecvError::Empty) => {}
+        }
+        let idle = start.elapsed();
+        if idle < WORKER_SPIN {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+        } else if idle < WORKER_IDLE {
+            std::thread::sleep(WORKER_NAP);
+        } else {
+            return rx.recv().ok();
         }
     }
 }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pagedkv as pk
 import pytest
 from _util import VLLM_DEFAULT_NONE_HASH_SEED, admit, chain, event_hash, load_vectors, make_manager
@@ -265,3 +266,31 @@ def test_background_hashing_gives_the_same_hashes_hits_and_events() -> None:
     ]
     assert runs[0].alloc_checksum == runs[1].alloc_checksum
     assert runs[0].timing == runs[1].timing
+
+
+def test_prompts_from_any_integer_buffer_hash_alike() -> None:
+    """array.array and memoryview prompts are read through NumPy views (no
+    per-item Python conversion) and hash exactly as the list does."""
+    import array
+
+    spec = pk.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float16")
+    config = pk.KVCacheConfig(num_blocks=64, kv_cache_groups=[pk.KVCacheGroupSpec(["l"], spec)])
+    m = pk.KVCacheManager(config, 4096)
+    prompt = [t * 37 % 70_000 for t in range(200)]
+    m.add_request("list", prompt)
+    expected = m.block_hashes("list")
+    forms: dict[str, Any] = {
+        "array I": array.array("I", prompt),
+        "array q": array.array("q", prompt),
+        "array L": array.array("L", prompt),
+        "memoryview of array I": memoryview(array.array("I", prompt)),
+        "memoryview of int64 ndarray": memoryview(np.array(prompt, dtype=np.int64)),
+    }
+    for name, tokens in forms.items():
+        m.add_request(name, tokens)
+        assert m.block_hashes(name) == expected, name
+    with pytest.raises(TypeError, match="must be ints"):
+        m.add_request("floats", array.array("d", [1.0, 2.0]))
+    with pytest.raises(pk.PagedKVError, match="outside"):
+        m.add_request("negative", array.array("i", [5, -1]))
+    assert m.num_requests == 1 + len(forms)

@@ -103,6 +103,26 @@ fn list_tokens(list: &Bound<'_, PyList>, limit: usize) -> PkResult<Vec<u32>> {
     Ok(out)
 }
 
+/// Whether `obj` is a buffer of integers `NumPy` can view without copying: a
+/// `memoryview` or an `array.array` of an integer type code.
+fn is_int_buffer(obj: &Bound<'_, PyAny>) -> PkResult<bool> {
+    let (module, name) = {
+        let t = obj.get_type();
+        (t.module()?.to_string(), t.name()?.to_string())
+    };
+    Ok(match (module.as_str(), name.as_str()) {
+        ("builtins", "memoryview") => true,
+        ("array", "array") => {
+            let code = obj.getattr("typecode")?.to_string();
+            matches!(
+                code.as_str(),
+                "b" | "B" | "h" | "H" | "i" | "I" | "l" | "L" | "q" | "Q"
+            )
+        }
+        _ => false,
+    })
+}
+
 /// Token ids from a list, an int `NumPy` array or any sequence of ints; at most
 /// `limit` of them (checked before anything is reserved).
 pub fn tokens(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<u32>> {
@@ -134,6 +154,12 @@ pub fn tokens(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<u32>> {
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error("token ids must be a sequence of ints"));
+    }
+    if is_int_buffer(obj)? {
+        // A memoryview or array.array: viewed (not copied) as a NumPy array of
+        // its own item type, then read by the typed paths above.
+        let view = obj.py().import("numpy")?.call_method1("asarray", (obj,))?;
+        return tokens(&view, limit);
     }
     let mut out = Vec::with_capacity(reserve_for(obj, limit, "token ids")?);
     for item in obj.try_iter()? {
@@ -174,6 +200,12 @@ pub fn engine_tokens(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<u32>>
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error("token ids must be a sequence of ints"));
+    }
+    if is_int_buffer(obj)? {
+        // A memoryview or array.array: viewed (not copied) as a NumPy array of
+        // its own item type, then read by the typed paths above.
+        let view = obj.py().import("numpy")?.call_method1("asarray", (obj,))?;
+        return tokens(&view, limit);
     }
     let mut out = Vec::with_capacity(reserve_for(obj, limit, "token ids")?);
     for item in obj.try_iter()? {

@@ -5,7 +5,8 @@ output) — the ratio.
 
     python benches/replay_bench.py tests/vectors/ops_small.jsonl.gz [--vllm-json vllm.json]
     python benches/replay_bench.py DUMP --vllm-python ORACLE_VENV/bin/python \
-        --oracle-dir ../shared/tools/vllm_oracle       # runs vLLM's replay in the same invocation
+        --oracle-dir ../shared/tools/vllm_oracle --rounds 3
+        # vLLM's replay and pagedkv's, alternating, in the same invocation
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import time
 
@@ -25,6 +27,21 @@ VLLM_API = {  # pagedkv API -> vLLM replay_ops.py key (it reports these totals o
     "free+remove_request": "free",
     "new_step_starts": "new_step",
 }
+
+
+def _vllm_replay(args: argparse.Namespace) -> dict:
+    out = subprocess.run(
+        [
+            args.vllm_python,
+            os.path.join(args.oracle_dir, "replay_ops.py"),
+            os.path.abspath(args.dump),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=args.oracle_dir,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -40,45 +57,38 @@ def main() -> None:
             os.path.dirname(__file__), "..", "..", "shared", "tools", "vllm_oracle"
         ),
     )
-    ap.add_argument("--repeat", type=int, default=3, help="replays; the fastest is reported")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds; with --vllm-python each runs both replays, in alternating order",
+    )
     args = ap.parse_args()
-    vllm_line = None
-    if args.vllm_python:
-        # vLLM's own manager replays the same dump first, in this same invocation.
-        out = subprocess.run(
-            [
-                args.vllm_python,
-                os.path.join(args.oracle_dir, "replay_ops.py"),
-                os.path.abspath(args.dump),
-            ],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=args.oracle_dir,
-        )
-        vllm_line = out.stdout.strip().splitlines()[-1]
-
-    best = None
-    for _ in range(args.repeat):
-        t0 = time.perf_counter()
-        rep = replay_dump(args.dump)
-        wall = time.perf_counter() - t0
-        assert rep.ok, rep.first_mismatches
-        if best is None or rep.manager_seconds < best[0].manager_seconds:
-            best = (rep, wall)
-    assert best is not None
-    rep, wall = best
-    steps = rep.per_api.get("new_step_starts", [1, 0])[0]
-    vllm = None
-    if vllm_line:
-        vllm = json.loads(vllm_line)
-    elif args.vllm_json:
+    ours: list[tuple[object, float]] = []
+    theirs: list[dict] = []
+    for r in range(args.rounds):
+        sides = ["vllm", "pagedkv"] if r % 2 == 0 else ["pagedkv", "vllm"]
+        for side in sides:
+            if side == "vllm":
+                if args.vllm_python:
+                    theirs.append(_vllm_replay(args))
+                continue
+            t0 = time.perf_counter()
+            rep = replay_dump(args.dump)
+            wall = time.perf_counter() - t0
+            assert rep.ok, rep.first_mismatches
+            ours.append((rep, wall))
+    if not theirs and args.vllm_json:
         with open(args.vllm_json) as f:
-            vllm = json.loads(f.read().strip().splitlines()[-1])
+            theirs.append(json.loads(f.read().strip().splitlines()[-1]))
+    rep, wall = min(ours, key=lambda x: x[0].manager_seconds)
+    steps = rep.per_api.get("new_step_starts", [1, 0])[0]
+    vllm = min(theirs, key=lambda v: sum(v["manager_ms"].values())) if theirs else None
 
     print(
         f"dump: {args.dump}  ops: {rep.ops}  mismatches: {rep.mismatches}  "
-        f"python {platform.python_version()} on {platform.machine()}"
+        f"python {platform.python_version()} on {platform.machine()}  "
+        f"best of {len(ours)} pagedkv / {len(theirs)} vLLM replays"
     )
     print(f"{'API':<26}{'calls':>9}{'pagedkv µs/call':>17}", end="")
     print(f"{'vLLM µs/call':>14}{'ratio':>8}" if vllm else "")
@@ -97,16 +107,18 @@ def main() -> None:
             v = vllm["us_per_call"][VLLM_API[api]]
             line += f"{v:>14.2f}{v / us:>8.0f}x"
         print(line)
-    total_us = rep.manager_seconds * 1e6
+    ms = sorted(r.manager_seconds * 1e3 for r, _ in ours)
     print(
-        f"manager time: {rep.manager_seconds * 1e3:.1f} ms = {total_us / steps:.1f} µs/step "
-        f"over {steps} steps (replay wall {wall:.2f} s)"
+        f"pagedkv manager time per step: {ms[0] * 1e3 / steps:.2f} / "
+        f"{statistics.median(ms) * 1e3 / steps:.2f} µs (min / median) over {steps} steps "
+        f"(replay wall {wall:.2f} s)"
     )
-    if vllm:
-        v_ms = sum(vllm["manager_ms"].values())
+    if theirs:
+        vms = sorted(sum(v["manager_ms"].values()) for v in theirs)
         print(
-            f"vLLM manager time: {v_ms:.0f} ms = {v_ms * 1e3 / steps:.1f} µs/step; "
-            f"ratio {v_ms / (rep.manager_seconds * 1e3):.0f}x"
+            f"vLLM manager time per step: {vms[0] * 1e3 / steps:.1f} / "
+            f"{statistics.median(vms) * 1e3 / steps:.1f} µs; ratio {vms[0] / ms[0]:.0f}x (min), "
+            f"{statistics.median(vms) / statistics.median(ms):.0f}x (median)"
         )
 
 

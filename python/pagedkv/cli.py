@@ -49,9 +49,11 @@ workloads (--workload, deterministic from --seed):
 model presets (--model): {models}
 GPUs (--gpu): {gpus}
 
---compare AXIS=V1,V2,... runs one simulation per value (repeat for a grid).
-  axes: caching (on,off), block-size, hash ({hashes}), memory (GiB),
-        num-blocks, model, workload, max-num-seqs; '--compare caching' = on,off
+--compare AXIS=V1,V2,... runs one simulation per value (repeat for a grid);
+--sweep AXIS=V1,V2,... runs one per value of one axis and draws curves.
+  axes: caching (on,off), block-size, hash ({hashes}), memory (GiB per GPU),
+        num-blocks, model, workload, max-num-seqs, gpu, tp, time-scale,
+        router ({routers}), replicas; '--compare caching' = on,off
 
 examples:
   pagedkv simulate
@@ -60,6 +62,8 @@ examples:
   pagedkv simulate --compare caching --compare memory=2,4,8 --json
   pagedkv simulate --trace trace.jsonl.gz --model llama-4-scout --tp 4 --gpu H200
   pagedkv simulate --slo-ttft 500 --slo-tpot 50 --find-max-rate
+  pagedkv simulate --workload agentic --sweep memory=2,4,8,16,32 --csv s.csv --plot s.png
+  pagedkv simulate --replicas 4 --router prefix-aware --memory 2
   pagedkv simulate --engine vllm --vllm-python /path/to/venv-with-vllm/bin/python
 
 exit status: 0 ok, 2 bad arguments or input, 3 the requested engine is unavailable.
@@ -148,6 +152,7 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
             models=", ".join(presets.names()),
             hashes=", ".join(HASH_ALGOS),
             gpus=", ".join(GPUS),
+            routers=", ".join(ROUTERS),
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

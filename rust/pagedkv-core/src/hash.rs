@@ -377,6 +377,18 @@ impl BlockHasher {
         }
     }
 
+    /// The same hasher (algorithm, `NONE_HASH`, truncation) with an empty
+    /// buffer: what a hashing job takes along without copying the buffer.
+    #[must_use]
+    pub fn same_kind(&self) -> Self {
+        Self {
+            algo: self.algo,
+            none_hash: self.none_hash,
+            buf: Vec::new(),
+            truncate: self.truncate,
+        }
+    }
+
     /// Keeps only the first `bytes` bytes of every block hash (1..=32; 0 keeps
     /// all). A deliberately weak hash, for exercising collision handling.
     pub fn set_truncation(&mut self, bytes: u8) {

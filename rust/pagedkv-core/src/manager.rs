@@ -349,9 +349,12 @@ impl KvCacheManager {
         )?;
         if self.hashing() {
             let full_blocks = req.num_tokens() / self.hash_block_size;
-            match self.background_worker() {
-                Some(worker) if full_blocks > 0 => req.hash_in_background(worker),
-                _ => req.update_hashes(&mut self.hasher, self.hash_block_size),
+            if full_blocks > 0 && self.start_background_worker() {
+                if let Some(worker) = &self.hash_worker {
+                    req.hash_in_background(worker, &self.hasher, self.hash_block_size);
+                }
+            } else {
+                req.update_hashes(&mut self.hasher, self.hash_block_size);
             }
         }
         let slot = self.table.insert(id, req)?;
@@ -373,16 +376,17 @@ impl KvCacheManager {
         Ok(())
     }
 
-    /// The prompt-hashing thread when `background_hashing` is on (started on
-    /// first use; None, hashing in place, if the thread cannot be started).
-    fn background_worker(&mut self) -> Option<&HashWorker> {
+    /// Whether prompts go to the hash worker: `background_hashing` is on and the
+    /// thread runs (started on first use; false, hashing in place, if it cannot
+    /// be started).
+    fn start_background_worker(&mut self) -> bool {
         if !self.cfg.background_hashing {
-            return None;
+            return false;
         }
         if self.hash_worker.is_none() {
-            self.hash_worker = HashWorker::spawn(self.hasher.clone(), self.hash_block_size).ok();
+            self.hash_worker = HashWorker::spawn().ok();
         }
-        self.hash_worker.as_ref()
+        self.hash_worker.is_some()
     }
 
     /// Refuses tokens that would take the request past `max_model_len`.

@@ -4,7 +4,7 @@
 use crate::error::{Result, invalid};
 use crate::events::EventExtraKey;
 use std::sync::mpsc;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::hash::{BlockHash, BlockHasher, ExtraKey, sha256_bytes};
 use crate::single_type::GroupBlocks;
@@ -228,12 +228,17 @@ impl Request {
 
     /// Hands the prompt to `worker` to hash; the request's hashes are pending
     /// until a mutation settles them.
-    pub fn hash_in_background(&mut self, worker: &HashWorker) {
+    pub fn hash_in_background(
+        &mut self,
+        worker: &HashWorker,
+        hasher: &BlockHasher,
+        hash_block_size: usize,
+    ) {
         debug_assert!(self.pending.is_none() && self.hash_vec.is_empty());
-        let job = Arc::new(HashJob::default());
         let mut input = Box::new(self.clone());
         input.groups = Vec::new();
-        worker.submit(&job, input);
+        let job = Arc::new(HashJob::new(input, hasher.same_kind(), hash_block_size));
+        worker.submit(&job);
         self.pending = Some(job);
     }
 
@@ -243,6 +248,7 @@ impl Request {
         let Some(job) = self.pending.take() else {
             return;
         };
+        job.run();
         let done = match Arc::try_unwrap(job) {
             Ok(job) => job.result.into_inner().flatten(),
             Err(job) => job.wait_result().cloned(),
@@ -448,10 +454,16 @@ pub(crate) struct HashChain {
     ctx: Vec<[u8; 32]>,
 }
 
-/// A prompt's hashes computed on a worker thread; `None` if the worker failed
+/// A prompt's hashes, computed by whoever gets to them first: the manager's
+/// worker thread, or the first caller that needs them before the worker has
+/// started on them (so a lookup never waits behind the queue: at worst it
+/// hashes its own prompt, as without the worker). `None` if the hashing failed
 /// (the request then hashes in place when it settles).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct HashJob {
+    /// The request to hash (a copy without blocks), its hasher and the hash
+    /// block size, until someone takes them.
+    input: Mutex<Option<(Box<Request>, BlockHasher, usize)>>,
     result: OnceLock<Option<HashChain>>,
 }
 
@@ -462,7 +474,35 @@ static NO_HASHES: HashChain = HashChain {
 };
 
 impl HashJob {
+    fn new(req: Box<Request>, hasher: BlockHasher, hash_block_size: usize) -> Self {
+        Self {
+            input: Mutex::new(Some((req, hasher, hash_block_size))),
+            result: OnceLock::new(),
+        }
+    }
+
+    /// Hashes the prompt if nobody has taken it yet.
+    fn run(&self) {
+        let taken = self.input.lock().ok().and_then(|mut input| input.take());
+        let Some((mut req, mut hasher, hbs)) = taken else {
+            return;
+        };
+        // A panic here must not leave a reader waiting forever.
+        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            req.update_hashes(&mut hasher, hbs);
+            HashChain {
+                hashes: std::mem::take(&mut req.hash_vec),
+                ctx: std::mem::take(&mut req.ctx_vec),
+            }
+        }));
+        let _ = self.result.set(out.ok());
+    }
+
     fn wait_result(&self) -> Option<&HashChain> {
+        if let Some(done) = self.result.get() {
+            return done.as_ref();
+        }
+        self.run();
         self.result.wait().as_ref()
     }
 
@@ -471,32 +511,23 @@ impl HashJob {
     }
 }
 
-/// The manager's prompt-hashing thread: hashes each submitted request's full
-/// blocks with its own hasher (the manager's algorithm, seed and truncation),
-/// in submission order. Dropping it ends the thread once the queue is drained.
+/// The manager's prompt-hashing thread: runs each submitted job nobody has
+/// taken yet, in submission order. Dropping it ends the thread once the queue is
+/// drained.
 #[derive(Debug)]
 pub(crate) struct HashWorker {
-    tx: Option<mpsc::Sender<(Arc<HashJob>, Box<Request>)>>,
+    tx: Option<mpsc::Sender<Arc<HashJob>>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl HashWorker {
-    pub fn spawn(hasher: BlockHasher, hash_block_size: usize) -> std::io::Result<Self> {
-        let (tx, rx) = mpsc::channel::<(Arc<HashJob>, Box<Request>)>();
+    pub fn spawn() -> std::io::Result<Self> {
+        let (tx, rx) = mpsc::channel::<Arc<HashJob>>();
         let thread = std::thread::Builder::new()
             .name("pagedkv-hash".into())
             .spawn(move || {
-                let mut hasher = hasher;
-                while let Some((job, mut req)) = next_job(&rx) {
-                    // A panic here must not leave a reader waiting forever.
-                    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        req.update_hashes(&mut hasher, hash_block_size);
-                        HashChain {
-                            hashes: std::mem::take(&mut req.hash_vec),
-                            ctx: std::mem::take(&mut req.ctx_vec),
-                        }
-                    }));
-                    let _ = job.result.set(out.ok());
+                while let Some(job) = next_job(&rx) {
+                    job.run();
                 }
             })?;
         Ok(Self {
@@ -505,14 +536,10 @@ impl HashWorker {
         })
     }
 
-    fn submit(&self, job: &Arc<HashJob>, req: Box<Request>) {
-        let sent = self
-            .tx
-            .as_ref()
-            .map(|tx| tx.send((Arc::clone(job), req)).is_ok());
-        if sent != Some(true) {
-            // The thread is gone: the request hashes in place when it settles.
-            let _ = job.result.set(None);
+    /// Queues the job; if the thread is gone, its first reader runs it.
+    fn submit(&self, job: &Arc<HashJob>) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(Arc::clone(job));
         }
     }
 }
@@ -571,6 +598,38 @@ const EMPTY_SHA256: [u8; 32] = [
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A hashing job nobody has run yet is run by its first reader: a lookup
+    /// never waits behind the worker's queue (here there is no worker at all).
+    #[test]
+    fn a_pending_prompt_is_hashed_by_its_first_reader() {
+        use crate::hash::HashAlgo;
+        let spec = || RequestSpec {
+            prompt_token_ids: (0..100).collect(),
+            cache_salt: Some("s".into()),
+            ..RequestSpec::default()
+        };
+        let new =
+            || Request::new("r".into(), 0, spec(), 1, 16, true).unwrap_or_else(|e| panic!("{e}"));
+        let mut hasher =
+            BlockHasher::new(HashAlgo::Sha256Cbor, HashAlgo::Sha256Cbor.none_hash("x"));
+        let mut sync = new();
+        sync.update_hashes(&mut hasher, 16);
+        let mut pending = new();
+        let mut input = Box::new(pending.clone());
+        input.groups = Vec::new();
+        pending.pending = Some(Arc::new(HashJob::new(input, hasher.same_kind(), 16)));
+        assert_eq!(pending.hashes(), sync.hashes());
+        assert_eq!(pending.ctx(), sync.ctx());
+        assert_eq!(pending.hashes().len(), 6);
+        // Appending settles the pending hashes into the request, then continues.
+        let tokens: Vec<u32> = (100..112).collect();
+        pending.append_tokens(&tokens, Some(&mut hasher), 16);
+        sync.append_tokens(&tokens, Some(&mut hasher), 16);
+        assert!(pending.pending.is_none());
+        assert_eq!(pending.hashes(), sync.hashes());
+        assert_eq!(pending.hashes().len(), 7);
+    }
 
     #[test]
     fn empty_sha256_constant_is_right() {

@@ -111,3 +111,16 @@ def test_bad_replica_arguments_exit_2(argv: list[str]) -> None:
 def test_vllm_engine_runs_one_replica(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["simulate", "-q", "--engine", "vllm", "--replicas", "2"]) == 2
     assert "one replica" in capsys.readouterr().err
+
+
+def test_prefix_aware_routing_does_not_depend_on_the_hash_algorithm() -> None:
+    # Every manager of a simulation hashes alike: with a non-cryptographic hash
+    # (random seed per manager by default) the router's hashes must still match
+    # the replicas' events, so routing is the same as with sha256_cbor.
+    w = generate("chat", WorkloadOptions(num_requests=150, seed=1, rate=0.01))
+    cfg = replace(BASE, memory_gib=8.0, replicas=3, router="prefix-aware")
+    runs = [run_pagedkv(w, replace(cfg, hash_algo=h)) for h in ("sha256_cbor", "xxh3_native")]
+    assert runs[0].hit_rate == runs[1].hit_rate > 0.7
+    assert [x["requests"] for x in runs[0].extra["replicas"]] == [
+        x["requests"] for x in runs[1].extra["replicas"]
+    ]

@@ -123,6 +123,7 @@ def test_vllm_subprocess_progress_reaches_the_caller(tmp_path: Path) -> None:
     fake.write_text(
         "#!/bin/sh\n"
         "echo 'pagedkv-progress 10 1' >&2\n"
+        "echo 'pagedkv-progress ten 1' >&2\n"
         "echo 'some warning' >&2\n"
         "echo 'pagedkv-progress 20 2' >&2\n"
         "echo '{\"ok\": true}'\n"

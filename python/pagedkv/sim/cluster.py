@@ -145,17 +145,19 @@ def run_cluster(
     model = runner.step_time_model(cfg)
     prefix = cfg.router == "prefix-aware"
 
-    def manager(events: bool) -> KVCacheManager:
-        return runner.make_manager(cfg, config, max_model_len, enable_kv_cache_events=events)
-
     sched_cfg = runner.scheduler_config(cfg, config)
     replicas = []
     for i in range(cfg.replicas):
-        kv = manager(prefix)
+        kv = runner.make_manager(cfg, config, max_model_len, enable_kv_cache_events=prefix)
         sched = Scheduler(ManagerBackend(kv), sched_cfg)
         sched.track_shape = True
         replicas.append(_Replica(f"replica-{i}", kv, sched))
-    hasher = manager(False) if prefix else None
+    # The router hashes a prompt and reads the hashes back at once: in place.
+    hasher = (
+        runner.make_manager(cfg, config, max_model_len, background_hashing=False)
+        if prefix
+        else None
+    )
     router = _Router(
         cfg.router, replicas, hasher, config.kv_cache_groups[0].kv_cache_spec.block_size
     )

@@ -59,6 +59,10 @@ GIB = 1 << 30
 #: the longest request built-in workloads make unless --max-model-len says otherwise
 DEFAULT_MAX_CONTEXT = 16384
 
+#: ``NONE_HASH`` seed of every manager of a simulation using a non-cryptographic
+#: hash (they would otherwise each draw a random one)
+SIM_HASH_SEED = "pagedkv-simulate"
+
 #: ``progress(clock, num_finished)``, called after every step
 ProgressFn = Callable[[int, int], None]
 
@@ -279,16 +283,24 @@ def make_manager(
     max_model_len: int,
     *,
     enable_kv_cache_events: bool = False,
+    background_hashing: bool | None = None,
 ) -> KVCacheManager:
-    """The manager of one simulated serving process."""
+    """The manager of one simulated serving process. Every manager of a
+    simulation hashes alike: the non-cryptographic algorithms, which draw a
+    random seed per manager by default, share one seed (replicas and the
+    router's hasher must agree on every block hash); ``sha256_cbor`` keeps
+    vLLM's fixed default. ``background_hashing`` None: the configuration's."""
     return KVCacheManager(
         config,
         max_model_len,
         enable_caching=cfg.enable_caching,
         hash_algo=cfg.hash_algo,
+        hash_seed=None if cfg.hash_algo.startswith("sha256") else SIM_HASH_SEED,
         max_in_flight_tokens=cfg.max_num_batched_tokens,
         prefix_cache_retention_interval=0,
-        background_hashing=cfg.background_hashing,
+        background_hashing=(
+            cfg.background_hashing if background_hashing is None else background_hashing
+        ),
         enable_kv_cache_events=enable_kv_cache_events,
     )
 
@@ -611,11 +623,18 @@ def _run_subprocess(
                 assert proc.stderr is not None
                 # The script's progress lines move the bar; the rest is kept for errors.
                 for line in proc.stderr:
-                    if line.startswith(vllm_engine.PROGRESS_PREFIX):
-                        parts = line.split()
-                        if progress is not None and len(parts) == 3:
+                    parts = line.split()
+                    if (
+                        len(parts) == 3
+                        and parts[0] == vllm_engine.PROGRESS_PREFIX
+                        and parts[1].isdigit()
+                        and parts[2].isdigit()
+                    ):
+                        if progress is not None:
                             progress(int(parts[1]), int(parts[2]))
                     else:
+                        # Anything else (a malformed progress line too) is
+                        # kept for the error message.
                         errors.append(line.rstrip("\n"))
                         del errors[:-200]
             returncode = proc.returncode

@@ -85,17 +85,17 @@ impl KvCacheManager {
         num_lookahead_tokens: u64,
         out: &mut BatchAllocation,
     ) -> Result<()> {
+        check_lengths(refs.len(), num_new_tokens.len(), refs.len())?;
         let mut slots = std::mem::take(&mut self.scratch_slots);
-        let resolved = self.table.resolve(refs, &mut slots);
         let mut counts = std::mem::take(&mut self.scratch_counts);
-        counts.clear();
-        counts.extend(slots.iter().map(|&s| self.table.get(s).scheduled_through));
-        self.scratch_slots = slots;
-        let out = resolved.and_then(|()| {
-            self.allocate_slots_batch_refs(refs, num_new_tokens, &counts, num_lookahead_tokens, out)
+        let done = self.table.resolve(refs, &mut slots).and_then(|()| {
+            counts.clear();
+            counts.extend(slots.iter().map(|&s| self.table.get(s).scheduled_through));
+            self.allocate_resolved(&slots, num_new_tokens, &counts, num_lookahead_tokens, out)
         });
+        self.scratch_slots = slots;
         self.scratch_counts = counts;
-        out
+        done
     }
 
     /// [`Self::allocate_slots_batch`] with requests named by ids or handles.
@@ -110,23 +110,38 @@ impl KvCacheManager {
         num_lookahead_tokens: u64,
         out: &mut BatchAllocation,
     ) -> Result<()> {
-        let len = refs.len();
-        if len != num_new_tokens.len() || len != num_computed_tokens.len() {
-            return Err(invalid("request ids and token counts differ in length"));
-        }
+        check_lengths(refs.len(), num_new_tokens.len(), num_computed_tokens.len())?;
         let mut slots = std::mem::take(&mut self.scratch_slots);
-        let checked = self.table.resolve(refs, &mut slots).and_then(|()| {
-            self.validate_batch(
+        let done = self.table.resolve(refs, &mut slots).and_then(|()| {
+            self.allocate_resolved(
                 &slots,
                 num_new_tokens,
                 num_computed_tokens,
                 num_lookahead_tokens,
+                out,
             )
         });
-        if let Err(e) = checked {
-            self.scratch_slots = slots;
-            return Err(e);
-        }
+        self.scratch_slots = slots;
+        done
+    }
+
+    /// The batch allocation of resolved request slots (counts of the same
+    /// length): every entry validated before anything changes, then allocated
+    /// in order until the first that does not fit.
+    fn allocate_resolved(
+        &mut self,
+        slots: &[u32],
+        num_new_tokens: &[u64],
+        num_computed_tokens: &[u64],
+        num_lookahead_tokens: u64,
+        out: &mut BatchAllocation,
+    ) -> Result<()> {
+        self.validate_batch(
+            slots,
+            num_new_tokens,
+            num_computed_tokens,
+            num_lookahead_tokens,
+        )?;
         let n = self.coord.groups().len();
         out.num_allocated = 0;
         out.block_ids.resize(n, Vec::new());
@@ -151,7 +166,14 @@ impl KvCacheManager {
             }
             out.num_allocated += 1;
         }
-        self.scratch_slots = slots;
         Ok(())
     }
+}
+
+/// Refuses a batch whose per-request counts do not match its requests.
+fn check_lengths(requests: usize, new: usize, computed: usize) -> Result<()> {
+    if requests != new || requests != computed {
+        return Err(invalid("request ids and token counts differ in length"));
+    }
+    Ok(())
 }

@@ -6,10 +6,6 @@
 //! - a block has a cache key iff the prefix map lists it under that key;
 //! - `num_free` equals the queue length.
 
-use hashbrown::HashMap;
-use rustc_hash::FxBuildHasher;
-use std::hash::{Hash, Hasher};
-
 use crate::error::{Error, Result, invalid};
 use crate::events::KvEvent;
 use crate::hash::BlockHash;
@@ -28,7 +24,8 @@ struct Block {
     ref_cnt: u32,
     prev: u32,
     next: u32,
-    /// Index into `keys` when the block is cached, `NIL` otherwise.
+    /// The prefix map's entry for the block's primary key, `NIL` when the
+    /// block is not cached.
     key: u32,
 }
 
@@ -42,25 +39,19 @@ pub struct CacheKey {
     pub group: u32,
 }
 
-impl Hash for CacheKey {
-    fn hash<H: Hasher>(&self, state: &mut H) {
+impl std::hash::Hash for CacheKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
         // Digests are uniform already: one word is enough to bucket.
         state.write_u64(self.hash.fingerprint() ^ u64::from(self.group));
     }
 }
 
-/// One key usually maps to one block; equal content computed twice maps to
-/// several, kept in insertion order (the first is the one handed out).
-#[derive(Clone, Debug)]
-enum Entry {
-    One(BlockId),
-    Many(Vec<BlockId>),
-}
-
 mod metrics;
+mod prefix_map;
 
 use metrics::PoolMetrics;
 pub use metrics::{BlockActivity, BlockActivityKind, BlockPoolStats};
+use prefix_map::PrefixMap;
 
 /// Most per-key entries a pool reserves room for when it is built.
 const KEY_RESERVE: usize = 1 << 20;
@@ -73,15 +64,12 @@ pub struct BlockPool {
     tail: u32,
     num_free: u32,
     enable_caching: bool,
-    map: HashMap<CacheKey, Entry, FxBuildHasher>,
-    keys: Vec<CacheKey>,
-    /// Tokens covered by each primary key (full block, or a partial prefix).
-    key_tokens: Vec<u32>,
-    /// When each primary key was given (a fresh number per caching), so state
-    /// recorded about a cached block can tell whether it is still current.
-    key_stamps: Vec<u64>,
+    /// Cache key -> blocks. Each entry also holds the tokens its key covers
+    /// (full block, or a partial prefix) and when the key was given (a fresh
+    /// number per caching, so state recorded about a cached block can tell
+    /// whether it is still current).
+    map: PrefixMap,
     next_stamp: u64,
-    free_keys: Vec<u32>,
     /// Extra keys of blocks reachable from more than one prefix boundary (a
     /// full block that also carries a partial prompt-tail entry).
     secondary: rustc_hash::FxHashMap<BlockId, Vec<CacheKey>>,
@@ -146,28 +134,23 @@ impl BlockPool {
             key: NIL,
         };
         let (head, tail) = if n > 1 { (1, n - 1) } else { (NIL, NIL) };
-        // The per-key arrays hold about one entry per block: reserved up front
-        // (up to 2^20 entries, 52 MiB; larger pools grow them by doubling, as
-        // the prefix map grows), they never reallocate while the cache fills.
-        let (mut keys, mut key_tokens, mut key_stamps) = (Vec::new(), Vec::new(), Vec::new());
-        if enable_caching {
-            let reserve = (n as usize).min(KEY_RESERVE);
-            let _ = keys.try_reserve_exact(reserve);
-            let _ = key_tokens.try_reserve_exact(reserve);
-            let _ = key_stamps.try_reserve_exact(reserve);
-        }
+        // About one key per block: the table is sized for all of them (zeroed
+        // pages, backed as they fill), so it never rehashes while the cache
+        // fills; the entry arena reserves up to 2^20 entries (64 MiB) and
+        // grows by doubling beyond.
+        let map = if enable_caching {
+            PrefixMap::with_capacity(n as usize, (n as usize).min(KEY_RESERVE))
+        } else {
+            PrefixMap::with_capacity(0, 0)
+        };
         Ok(Self {
             blocks,
             head,
             tail,
             num_free: n - 1,
             enable_caching,
-            map: HashMap::with_hasher(FxBuildHasher),
-            keys,
-            key_tokens,
-            key_stamps,
+            map,
             next_stamp: 0,
-            free_keys: Vec::new(),
             secondary: rustc_hash::FxHashMap::default(),
             events_enabled,
             events: Vec::new(),
@@ -242,7 +225,7 @@ impl BlockPool {
     #[must_use]
     pub fn block_key(&self, id: BlockId) -> Option<CacheKey> {
         let k = self.blocks[id as usize].key;
-        (k != NIL).then(|| self.keys[k as usize])
+        (k != NIL).then(|| self.map.entry(k).key)
     }
 
     /// Number of keys in the prefix map.
@@ -380,6 +363,20 @@ impl BlockPool {
         }
         let start = out.len();
         self.popleft_n(n, out);
+        if self.enable_caching && n > 1 && self.map.is_large() {
+            // The evictions' entries, then their buckets, read ahead.
+            let keyed = || {
+                out[start..]
+                    .iter()
+                    .map(|&id| self.blocks[id as usize].key)
+                    .filter(|&k| k != NIL)
+                    .map(|k| self.map.entry(k).key)
+            };
+            keyed().for_each(|k| {
+                std::hint::black_box(k.group);
+            });
+            keyed().for_each(|k| self.map.warm_bucket(&k));
+        }
         for &id in &out[start..] {
             if self.enable_caching {
                 self.maybe_evict(id);
@@ -396,6 +393,23 @@ impl BlockPool {
     /// Takes references on prefix-hit blocks, pulling eviction candidates out of
     /// the free queue. The null block is skipped.
     pub fn touch(&mut self, ids: &[BlockId]) {
+        if ids.len() > 1 && self.blocks.len() * size_of::<Block>() > (2 << 20) {
+            // The blocks, then the free-queue neighbours an unlink rewrites,
+            // read ahead.
+            for &id in ids {
+                std::hint::black_box(self.blocks[id as usize].ref_cnt);
+            }
+            for &id in ids {
+                let b = self.blocks[id as usize];
+                if b.ref_cnt == 0 && id != NULL_BLOCK {
+                    for x in [b.prev, b.next] {
+                        if x != NIL {
+                            std::hint::black_box(self.blocks[x as usize].ref_cnt);
+                        }
+                    }
+                }
+            }
+        }
         for &id in ids {
             if id == NULL_BLOCK {
                 continue;
@@ -457,64 +471,38 @@ impl BlockPool {
     /// The first block cached under `key`.
     #[must_use]
     pub fn cached_block(&self, key: &CacheKey) -> Option<BlockId> {
-        match self.map.get(key)? {
-            Entry::One(id) => Some(*id),
-            Entry::Many(ids) => ids.first().copied(),
+        self.map.head(key).map(|e| self.map.entry(e).block)
+    }
+
+    /// Reads ahead what lookups of `keys` will need (the buckets, then the
+    /// entries they point to), so their cache misses overlap instead of
+    /// queueing one behind the other. Only a map larger than the caches
+    /// bothers; the lookups' results do not depend on it.
+    pub fn warm_lookups<I: Iterator<Item = CacheKey> + Clone>(&self, keys: I) {
+        if !self.map.is_large() {
+            return;
+        }
+        for key in keys.clone() {
+            self.map.warm_bucket(&key);
+        }
+        for key in keys {
+            self.map.warm_candidate(&key);
         }
     }
 
     /// All blocks cached under `key`, in insertion order.
     #[must_use]
     pub fn cached_blocks(&self, key: &CacheKey) -> Vec<BlockId> {
-        match self.map.get(key) {
-            None => Vec::new(),
-            Some(Entry::One(id)) => vec![*id],
-            Some(Entry::Many(ids)) => ids.clone(),
-        }
-    }
-
-    fn map_insert(&mut self, key: CacheKey, id: BlockId) {
-        match self.map.get_mut(&key) {
-            None => {
-                self.map.insert(key, Entry::One(id));
-            }
-            Some(e) => match e {
-                Entry::One(old) => *e = Entry::Many(vec![*old, id]),
-                Entry::Many(ids) => ids.push(id),
-            },
-        }
+        self.map
+            .chain(key)
+            .map(|e| self.map.entry(e).block)
+            .collect()
     }
 
     /// Whether block `id` is reachable under `key` (its primary key or another
     /// entry, such as a partial prompt-tail one).
     pub(crate) fn map_contains(&self, key: &CacheKey, id: BlockId) -> bool {
-        match self.map.get(key) {
-            None => false,
-            Some(Entry::One(x)) => *x == id,
-            Some(Entry::Many(ids)) => ids.contains(&id),
-        }
-    }
-
-    /// Removes `(key, id)` from the map; whether it was there.
-    fn map_pop(&mut self, key: &CacheKey, id: BlockId) -> bool {
-        match self.map.get_mut(key) {
-            Some(Entry::One(x)) if *x == id => {
-                self.map.remove(key);
-                true
-            }
-            None | Some(Entry::One(_)) => false,
-            Some(Entry::Many(ids)) => match ids.iter().position(|&x| x == id) {
-                Some(pos) => {
-                    ids.remove(pos);
-                    if ids.len() == 1 {
-                        let only = ids[0];
-                        self.map.insert(*key, Entry::One(only));
-                    }
-                    true
-                }
-                None => false,
-            },
-        }
+        self.map.chain(key).any(|e| self.map.entry(e).block == id)
     }
 
     /// Tokens covered by a block's primary key (a full block, or a partial
@@ -522,7 +510,7 @@ impl BlockPool {
     #[must_use]
     pub fn primary_tokens(&self, id: BlockId) -> Option<u32> {
         let k = self.blocks[id as usize].key;
-        (k != NIL).then(|| self.key_tokens[k as usize])
+        (k != NIL).then(|| self.map.entry(k).tokens)
     }
 
     /// A number that changes whenever the block is cached afresh (`None` while it
@@ -530,7 +518,7 @@ impl BlockPool {
     #[must_use]
     pub fn cache_stamp(&self, id: BlockId) -> Option<u64> {
         let k = self.blocks[id as usize].key;
-        (k != NIL).then(|| self.key_stamps[k as usize])
+        (k != NIL).then(|| self.map.entry(k).stamp)
     }
 
     /// vLLM's `_insert_block_hash`: the key becomes the block's primary key, or an
@@ -540,23 +528,13 @@ impl BlockPool {
             return false;
         }
         if self.blocks[id as usize].key == NIL {
-            let slot = if let Some(s) = self.free_keys.pop() {
-                self.keys[s as usize] = key;
-                self.key_tokens[s as usize] = tokens;
-                self.key_stamps[s as usize] = self.next_stamp;
-                s
-            } else {
-                self.keys.push(key);
-                self.key_tokens.push(tokens);
-                self.key_stamps.push(self.next_stamp);
-                (self.keys.len() - 1) as u32
-            };
-            self.blocks[id as usize].key = slot;
+            let e = self.map.insert(key, id, tokens, self.next_stamp);
+            self.blocks[id as usize].key = e;
             self.next_stamp += 1;
         } else {
             self.secondary.entry(id).or_default().push(key);
+            self.map.insert(key, id, tokens, 0);
         }
-        self.map_insert(key, id);
         true
     }
 
@@ -570,8 +548,8 @@ impl BlockPool {
             return 0;
         }
         self.blocks[id as usize].key = NIL;
-        self.free_keys.push(slot);
-        let mut removed = usize::from(self.pop_and_report(self.keys[slot as usize], id));
+        let key = self.map.entry(slot).key;
+        let mut removed = usize::from(self.pop_and_report(key, id));
         if !self.secondary.is_empty() {
             if let Some(extra) = self.secondary.remove(&id) {
                 for key in extra {
@@ -586,7 +564,7 @@ impl BlockPool {
     }
 
     fn pop_and_report(&mut self, key: CacheKey, id: BlockId) -> bool {
-        let popped = self.map_pop(&key, id);
+        let popped = self.map.remove(&key, id);
         if popped && self.events_enabled {
             self.events.push(KvEvent::BlockRemoved {
                 block_hashes: vec![key.hash],
@@ -652,16 +630,15 @@ impl BlockPool {
         if slot == NIL || src == dst || dst == NULL_BLOCK {
             return;
         }
-        let tokens = self.key_tokens[slot as usize];
-        let mut keys = vec![self.keys[slot as usize]];
+        let tokens = self.map.entry(slot).tokens;
+        let mut keys = vec![self.map.entry(slot).key];
         if let Some(extra) = self.secondary.remove(&src) {
             keys.extend(extra);
         }
         self.blocks[src as usize].key = NIL;
-        self.free_keys.push(slot);
         let mut moved = Vec::with_capacity(keys.len());
         for key in keys {
-            if self.map_pop(&key, src) {
+            if self.map.remove(&key, src) {
                 moved.push(key);
             }
         }
@@ -689,10 +666,6 @@ impl BlockPool {
             return false;
         }
         self.map.clear();
-        self.keys.clear();
-        self.key_tokens.clear();
-        self.key_stamps.clear();
-        self.free_keys.clear();
         self.secondary.clear();
         for b in &mut self.blocks {
             b.key = NIL;
@@ -819,21 +792,13 @@ impl BlockPool {
         if self.blocks[0].key != NIL {
             return Err("null block is cached".into());
         }
+        self.map.check()?;
         let mut listed = 0usize;
-        for (key, e) in &self.map {
-            let ids: &[BlockId] = match e {
-                Entry::One(id) => std::slice::from_ref(id),
-                Entry::Many(ids) => {
-                    if ids.len() < 2 {
-                        return Err("duplicate list with fewer than two blocks".into());
-                    }
-                    ids
-                }
-            };
-            for &id in ids {
+        for (key, ids) in self.map.iter() {
+            for id in ids {
                 listed += 1;
-                let extra = self.secondary.get(&id).is_some_and(|v| v.contains(key));
-                if self.block_key(id) != Some(*key) && !extra {
+                let extra = self.secondary.get(&id).is_some_and(|v| v.contains(&key));
+                if self.block_key(id) != Some(key) && !extra {
                     return Err(format!(
                         "map lists block {id} under a key it does not carry"
                     ));

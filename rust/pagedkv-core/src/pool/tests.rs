@@ -157,3 +157,50 @@ fn touch_removes_from_middle_of_queue() {
     assert_eq!(p.ref_cnt(2), 2);
     assert!(p.check_invariants(None).is_ok());
 }
+
+fn numbered(i: u32) -> CacheKey {
+    let mut b = [0u8; 32];
+    b[..4].copy_from_slice(&i.wrapping_mul(0x9E37_79B1).to_le_bytes());
+    b[28..].copy_from_slice(&i.to_le_bytes());
+    CacheKey {
+        hash: BlockHash::from_slice(&b).unwrap_or_default(),
+        group: i % 3,
+    }
+}
+
+/// A pool whose prefix map outgrows the caches reads ahead for its lookups,
+/// evictions and touches: the answers are those of an unstaged pool.
+#[test]
+fn a_large_pool_evicts_looks_up_and_touches_as_a_small_one_does() {
+    const N: u32 = 60_000;
+    let mut p = BlockPool::new(N, true, true);
+    let mut out = Vec::new();
+    assert!(p.get_new_blocks(N - 1, &mut out));
+    for &id in &out {
+        assert!(p.cache_block(id, numbered(id)));
+    }
+    p.free_blocks(out.iter().copied());
+    assert!(p.map.is_large());
+    // Lookups read ahead, then answer exactly.
+    let keys: Vec<CacheKey> = (1..=64).map(numbered).collect();
+    p.warm_lookups(keys.iter().copied());
+    for (i, k) in keys.iter().enumerate() {
+        assert_eq!(p.cached_block(k), Some(i as u32 + 1));
+    }
+    // A touch of cached free blocks spread over the queue.
+    let hit: Vec<BlockId> = (0..32).map(|i| 1 + i * 1_500).collect();
+    p.touch(&hit);
+    assert!(hit.iter().all(|&b| p.ref_cnt(b) == 1));
+    // 1,000 blocks taken from the head evict exactly their keys (LRU order:
+    // the untouched blocks in id order).
+    let _ = p.take_events();
+    out.clear();
+    assert!(p.get_new_blocks(1_000, &mut out));
+    let expected: Vec<BlockId> = (1..N).filter(|b| !hit.contains(b)).take(1_000).collect();
+    assert_eq!(out, expected);
+    assert_eq!(p.take_events().len(), 1_000);
+    assert!(out.iter().all(|&b| p.cached_block(&numbered(b)).is_none()));
+    assert_eq!(p.cached_block(&numbered(1)), Some(1));
+    assert_eq!(p.num_cached_keys(), (N - 1 - 1_000) as usize);
+    assert!(p.check_invariants(None).is_ok());
+}

@@ -18,7 +18,18 @@ impl GroupManager {
         let bs = self.block_size as usize;
         let mut found = Vec::with_capacity(group_ids.len());
         let mut n = 0usize;
-        for i in 0..q.max_len / bs {
+        // Lookups read ahead in windows (8 blocks, then 32): a miss at the
+        // first block reads little ahead for nothing.
+        let mut warmed = 0usize;
+        let limit = (q.max_len / bs).min(q.hashes.len() / self.scale);
+        for i in 0..limit {
+            if i == warmed {
+                warmed = (i + if i == 0 { 8 } else { 32 }).min(limit);
+                pool.warm_lookups((i..warmed).flat_map(|j| {
+                    let hash = q.hashes[(j + 1) * self.scale - 1];
+                    group_ids.iter().map(move |&group| CacheKey { hash, group })
+                }));
+            }
             let Some(hash) = self.hash_at(q.hashes, i) else {
                 break;
             };

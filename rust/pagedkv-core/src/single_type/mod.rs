@@ -765,6 +765,9 @@ impl GroupManager {
         } else {
             None
         };
+        if full - cached > 1 {
+            pool.warm_lookups((cached..full).filter_map(|i| self.key_for(hashes, i)));
+        }
         for i in cached..full {
             let b = gb.blocks[i];
             if b == NULL_BLOCK || mask.as_ref().is_some_and(|m| !m[i - cached]) {

@@ -1,0 +1,528 @@
+//! The prefix map: cache key -> blocks, laid out for a pool of 10^7 blocks.
+//!
+//! Every `(key, block)` pair is an entry in one arena (a cache line each: the
+//! full key, the block, the tokens the key covers, its stamp, the next entry
+//! under the same key). The table holds only 4-byte entry numbers and 4-byte
+//! tags, seven pairs per 64-byte bucket, so a probe reads one cache line and a
+//! hit one more (the entry, which also names the block). A key usually maps to
+//! one block; equal content computed twice maps to several, chained in
+//! insertion order from the entry the table points to.
+//!
+//! Collisions: linear probing over buckets. Each bucket counts the keys whose
+//! home it is but that live further on (`overflow`), so a lookup stops at the
+//! first bucket that does not hold the key and has no overflow, and a removal
+//! needs no tombstone (F14's scheme).
+//!
+//! Staged lookups: [`PrefixMap::warm_bucket`] and [`PrefixMap::warm_candidate`]
+//! read the line a later probe needs without depending on it, so the lookups,
+//! evictions and insertions of one call have their cache misses in flight
+//! together instead of one after another.
+
+use std::hint::black_box;
+
+use super::{BlockId, CacheKey};
+
+const NIL: u32 = u32::MAX;
+const LANES: usize = 7;
+
+/// One entry: a key and one block it maps to. 64 bytes, one cache line.
+#[derive(Clone, Copy, Debug)]
+#[repr(align(64))]
+pub(crate) struct KeyEntry {
+    pub(crate) key: CacheKey,
+    /// The block, `NIL` while the entry is free.
+    pub(crate) block: BlockId,
+    /// Tokens covered by the key (full block, or a partial prefix).
+    pub(crate) tokens: u32,
+    /// Next entry under the same key (`NIL` at the end); the next free entry
+    /// while free.
+    next: u32,
+    /// When the key was given (a fresh number per caching).
+    pub(crate) stamp: u64,
+}
+
+/// Words per bucket: seven tags, the overflow count, seven entry numbers and
+/// one unused word (64 bytes, one cache line).
+const WORDS: usize = 16;
+const OVERFLOW: usize = LANES;
+const ENTRIES: usize = LANES + 1;
+
+/// The table slot of a key found in the map.
+#[derive(Clone, Copy)]
+struct Slot {
+    bucket: usize,
+    lane: usize,
+}
+
+/// Cache key -> entries (see the module docs).
+#[derive(Debug)]
+pub(crate) struct PrefixMap {
+    /// The buckets, `WORDS` words each, from `base` (the first 64-byte
+    /// boundary of the allocation). Allocated zeroed: the pages of a large
+    /// table are only backed once used.
+    table: Vec<u32>,
+    base: usize,
+    num_buckets: usize,
+    /// `64 - log2(num_buckets)`: a key's home is the top bits of its hash.
+    shift: u32,
+    /// Keys in the table (not entries: a key with several blocks counts once).
+    len: usize,
+    entries: Vec<KeyEntry>,
+    free_entry: u32,
+}
+
+/// Buckets are filled to at most 4/5 of their lanes before the table doubles.
+fn max_keys(num_buckets: usize) -> usize {
+    num_buckets * LANES * 4 / 5
+}
+
+fn buckets_for(keys: usize) -> usize {
+    let mut n = 1usize;
+    while max_keys(n) < keys {
+        n *= 2;
+    }
+    n
+}
+
+/// The key's 64-bit hash: digests are uniform, but test keys and short
+/// non-cryptographic digests need mixing (and the group must move the bucket).
+fn mix(key: &CacheKey) -> u64 {
+    let x = key.hash.fingerprint() ^ u64::from(key.group).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let h = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    h ^ (h >> 29)
+}
+
+fn tag(h: u64) -> u32 {
+    (h as u32) | 1
+}
+
+/// Bit `i` set when lane `i` holds tag `t` (one vector compare).
+fn matching_lanes(bucket: &[u32; WORDS], t: u32) -> u32 {
+    let mut m = 0u32;
+    for (lane, &x) in bucket[..8].iter().enumerate() {
+        m |= u32::from(x == t) << lane;
+    }
+    // Word 7 is the overflow count, not a tag.
+    m & ((1 << LANES) - 1)
+}
+
+/// A zeroed table of `n` buckets and the word where the first one starts.
+fn zeroed_table(n: usize) -> (Vec<u32>, usize) {
+    let table = vec![0u32; (n + 1) * WORDS];
+    let misaligned = (table.as_ptr() as usize) % 64;
+    let base = ((64 - misaligned) % 64) / 4;
+    (table, base)
+}
+
+impl PrefixMap {
+    /// An empty map sized for `keys` keys without growing; the arena reserves
+    /// `entries` entries up front.
+    pub(crate) fn with_capacity(keys: usize, entries: usize) -> Self {
+        let n = buckets_for(keys);
+        let (table, base) = zeroed_table(n);
+        let mut arena = Vec::new();
+        let _ = arena.try_reserve_exact(entries);
+        Self {
+            table,
+            base,
+            num_buckets: n,
+            shift: 64 - n.trailing_zeros(),
+            len: 0,
+            entries: arena,
+            free_entry: NIL,
+        }
+    }
+
+    /// Whether the table and its entries outgrow the caches a lookup can count
+    /// on (2 MiB): staged lookups pay off only then.
+    pub(crate) fn is_large(&self) -> bool {
+        (self.num_buckets + self.entries.len()) * 64 > (2 << 20)
+    }
+
+    /// Keys in the map.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn entry(&self, e: u32) -> &KeyEntry {
+        &self.entries[e as usize]
+    }
+
+    fn home(&self, h: u64) -> usize {
+        // `shift` is 64 for a one-bucket table: every key's home is bucket 0.
+        h.checked_shr(self.shift).unwrap_or(0) as usize
+    }
+
+    fn bucket_words(&self, b: usize) -> &[u32; WORDS] {
+        let at = self.base + b * WORDS;
+        let words: &[u32] = &self.table[at..at + WORDS];
+        words.try_into().unwrap_or(&[0; WORDS])
+    }
+
+    fn bucket(&self, b: usize) -> &[u32] {
+        let at = self.base + b * WORDS;
+        &self.table[at..at + WORDS]
+    }
+
+    fn bucket_mut(&mut self, b: usize) -> &mut [u32] {
+        let at = self.base + b * WORDS;
+        &mut self.table[at..at + WORDS]
+    }
+
+    fn find(&self, key: &CacheKey) -> Option<Slot> {
+        let h = mix(key);
+        let t = tag(h);
+        let mask = self.num_buckets - 1;
+        let mut b = self.home(h);
+        for _ in 0..self.num_buckets {
+            let bucket = self.bucket_words(b);
+            let mut hits = matching_lanes(bucket, t);
+            while hits != 0 {
+                let lane = hits.trailing_zeros() as usize;
+                if self.entries[bucket[ENTRIES + lane] as usize].key == *key {
+                    return Some(Slot { bucket: b, lane });
+                }
+                hits &= hits - 1;
+            }
+            if bucket[OVERFLOW] == 0 {
+                return None;
+            }
+            b = (b + 1) & mask;
+        }
+        None
+    }
+
+    /// Reads the bucket a lookup of `key` starts at (a staged lookup's first
+    /// stage).
+    pub(crate) fn warm_bucket(&self, key: &CacheKey) {
+        black_box(self.bucket(self.home(mix(key)))[0]);
+    }
+
+    /// Reads the entry a lookup of `key` would compare first (its bucket should
+    /// be warm already: the second stage).
+    pub(crate) fn warm_candidate(&self, key: &CacheKey) {
+        let h = mix(key);
+        let t = tag(h);
+        let bucket = self.bucket_words(self.home(h));
+        let hits = matching_lanes(bucket, t);
+        if hits != 0 {
+            let lane = hits.trailing_zeros() as usize;
+            black_box(self.entries[bucket[ENTRIES + lane] as usize].block);
+        }
+    }
+
+    /// The first entry under `key`.
+    pub(crate) fn head(&self, key: &CacheKey) -> Option<u32> {
+        let s = self.find(key)?;
+        Some(self.bucket(s.bucket)[ENTRIES + s.lane])
+    }
+
+    /// The entries under `key`, in insertion order.
+    pub(crate) fn chain(&self, key: &CacheKey) -> impl Iterator<Item = u32> + '_ {
+        let mut e = self.head(key).unwrap_or(NIL);
+        std::iter::from_fn(move || {
+            (e != NIL).then(|| {
+                let cur = e;
+                e = self.entries[cur as usize].next;
+                cur
+            })
+        })
+    }
+
+    fn alloc_entry(&mut self, entry: KeyEntry) -> u32 {
+        if self.free_entry == NIL {
+            self.entries.push(entry);
+            (self.entries.len() - 1) as u32
+        } else {
+            let e = self.free_entry;
+            self.free_entry = self.entries[e as usize].next;
+            self.entries[e as usize] = entry;
+            e
+        }
+    }
+
+    fn release_entry(&mut self, e: u32) {
+        let x = &mut self.entries[e as usize];
+        x.block = NIL;
+        x.next = self.free_entry;
+        self.free_entry = e;
+    }
+
+    /// Adds `(key, block)` after the entries already under `key`; returns the
+    /// new entry.
+    pub(crate) fn insert(&mut self, key: CacheKey, block: BlockId, tokens: u32, stamp: u64) -> u32 {
+        let e = self.alloc_entry(KeyEntry {
+            key,
+            block,
+            tokens,
+            next: NIL,
+            stamp,
+        });
+        if let Some(s) = self.find(&key) {
+            let mut last = self.bucket(s.bucket)[ENTRIES + s.lane];
+            while self.entries[last as usize].next != NIL {
+                last = self.entries[last as usize].next;
+            }
+            self.entries[last as usize].next = e;
+        } else {
+            if self.len + 1 > max_keys(self.num_buckets) {
+                self.grow();
+            }
+            self.place(mix(&key), e);
+            self.len += 1;
+        }
+        e
+    }
+
+    /// Puts a key known to be absent into the table.
+    fn place(&mut self, h: u64, e: u32) {
+        let mask = self.num_buckets - 1;
+        let mut b = self.home(h);
+        loop {
+            let bucket = self.bucket_mut(b);
+            if let Some(lane) = bucket[..LANES].iter().position(|&x| x == 0) {
+                bucket[lane] = tag(h);
+                bucket[ENTRIES + lane] = e;
+                return;
+            }
+            bucket[OVERFLOW] += 1;
+            b = (b + 1) & mask;
+        }
+    }
+
+    fn grow(&mut self) {
+        let old = std::mem::take(&mut self.table);
+        let old_base = self.base;
+        let old_n = self.num_buckets;
+        let n = old_n * 2;
+        (self.table, self.base) = zeroed_table(n);
+        self.num_buckets = n;
+        self.shift = 64 - n.trailing_zeros();
+        for b in 0..old_n {
+            let at = old_base + b * WORDS;
+            for lane in 0..LANES {
+                if old[at + lane] != 0 {
+                    let e = old[at + ENTRIES + lane];
+                    self.place(mix(&self.entries[e as usize].key), e);
+                }
+            }
+        }
+    }
+
+    /// Removes `(key, block)`; whether it was there.
+    pub(crate) fn remove(&mut self, key: &CacheKey, block: BlockId) -> bool {
+        let Some(s) = self.find(key) else {
+            return false;
+        };
+        let head = self.bucket(s.bucket)[ENTRIES + s.lane];
+        if self.entries[head as usize].block == block {
+            let next = self.entries[head as usize].next;
+            self.release_entry(head);
+            if next == NIL {
+                self.remove_slot(key, s);
+            } else {
+                self.bucket_mut(s.bucket)[ENTRIES + s.lane] = next;
+            }
+            return true;
+        }
+        let mut prev = head;
+        loop {
+            let cur = self.entries[prev as usize].next;
+            if cur == NIL {
+                return false;
+            }
+            if self.entries[cur as usize].block == block {
+                self.entries[prev as usize].next = self.entries[cur as usize].next;
+                self.release_entry(cur);
+                return true;
+            }
+            prev = cur;
+        }
+    }
+
+    fn remove_slot(&mut self, key: &CacheKey, s: Slot) {
+        let mask = self.num_buckets - 1;
+        let mut b = self.home(mix(key));
+        while b != s.bucket {
+            self.bucket_mut(b)[OVERFLOW] -= 1;
+            b = (b + 1) & mask;
+        }
+        self.bucket_mut(s.bucket)[s.lane] = 0;
+        self.len -= 1;
+    }
+
+    /// Empties the map, keeping its memory.
+    pub(crate) fn clear(&mut self) {
+        self.table.fill(0);
+        self.entries.clear();
+        self.free_entry = NIL;
+        self.len = 0;
+    }
+
+    /// The keys in the table with their head entries.
+    fn slots(&self) -> impl Iterator<Item = (usize, u32, u32)> + '_ {
+        (0..self.num_buckets).flat_map(move |b| {
+            let bucket = self.bucket(b);
+            (0..LANES)
+                .filter(move |&lane| bucket[lane] != 0)
+                .map(move |lane| (b, bucket[lane], bucket[ENTRIES + lane]))
+        })
+    }
+
+    /// Every key with its blocks in insertion order (for invariant checks).
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (CacheKey, Vec<BlockId>)> + '_ {
+        self.slots().map(move |(_, _, head)| {
+            let mut ids = Vec::new();
+            let mut e = head;
+            while e != NIL {
+                ids.push(self.entries[e as usize].block);
+                e = self.entries[e as usize].next;
+            }
+            (self.entries[head as usize].key, ids)
+        })
+    }
+
+    /// Structural checks of the table itself: every key reachable from its
+    /// home, overflow counts exact, tags matching the keys.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        let mask = self.num_buckets - 1;
+        let mut expected = vec![0u32; self.num_buckets];
+        let mut keys = 0usize;
+        for (b, t, head) in self.slots() {
+            keys += 1;
+            let h = mix(&self.entries[head as usize].key);
+            if tag(h) != t {
+                return Err("prefix map tag does not match its key".into());
+            }
+            let mut x = self.home(h);
+            while x != b {
+                expected[x] += 1;
+                x = (x + 1) & mask;
+            }
+        }
+        if keys != self.len {
+            return Err(format!("prefix map counts {} keys, holds {keys}", self.len));
+        }
+        if (0..self.num_buckets).any(|b| self.bucket(b)[OVERFLOW] != expected[b]) {
+            return Err("prefix map overflow counts are wrong".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::BlockHash;
+
+    /// Keys sharing their first 8 bytes collide on bucket and tag: only the
+    /// full-key comparison tells them apart.
+    fn colliding(i: u8) -> CacheKey {
+        let mut b = [7u8; 32];
+        b[31] = i;
+        CacheKey {
+            hash: BlockHash::from_slice(&b).unwrap_or_default(),
+            group: 0,
+        }
+    }
+
+    #[test]
+    fn colliding_keys_overflow_into_later_buckets_and_come_back_out() {
+        let mut m = PrefixMap::with_capacity(1, 0);
+        for i in 0..40u8 {
+            m.insert(colliding(i), u32::from(i) + 1, 16, 0);
+        }
+        assert!(m.num_buckets > 1);
+        assert!(m.check().is_ok());
+        for i in 0..40u8 {
+            assert_eq!(
+                m.head(&colliding(i)).map(|e| m.entry(e).block),
+                Some(u32::from(i) + 1)
+            );
+        }
+        for i in (0..40u8).step_by(3) {
+            assert!(m.remove(&colliding(i), u32::from(i) + 1));
+            assert!(!m.remove(&colliding(i), u32::from(i) + 1));
+        }
+        assert!(m.check().is_ok());
+        for i in 0..40u8 {
+            let present = m.head(&colliding(i)).is_some();
+            assert_eq!(present, i % 3 != 0);
+        }
+    }
+
+    #[test]
+    fn one_key_chains_its_blocks_in_insertion_order() {
+        let mut m = PrefixMap::with_capacity(8, 8);
+        let k = colliding(0);
+        for b in [5, 3, 9] {
+            m.insert(k, b, 16, 0);
+        }
+        let blocks = |m: &PrefixMap| m.chain(&k).map(|e| m.entry(e).block).collect::<Vec<_>>();
+        assert_eq!(blocks(&m), vec![5, 3, 9]);
+        assert!(m.remove(&k, 3));
+        assert_eq!(blocks(&m), vec![5, 9]);
+        assert!(m.remove(&k, 5));
+        assert_eq!(blocks(&m), vec![9]);
+        assert_eq!(m.len(), 1);
+        assert!(m.remove(&k, 9));
+        assert_eq!(m.len(), 0);
+        assert!(m.head(&k).is_none());
+        assert!(m.check().is_ok());
+    }
+
+    /// Half the keys collide with each other; the rest spread over buckets.
+    fn key_of(k: u8) -> CacheKey {
+        let mut key = colliding(k);
+        if k >= 12 {
+            let mut b = [k; 32];
+            b[0] = k.wrapping_mul(37);
+            key.hash = BlockHash::from_slice(&b).unwrap_or_default();
+        }
+        key
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Insert(u8, u32),
+        Remove(u8, u32),
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (0..24u8, 0..6u32).prop_map(|(k, b)| Op::Insert(k, b)),
+            (0..24u8, 0..6u32).prop_map(|(k, b)| Op::Remove(k, b)),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Against a plain map of key -> blocks in insertion order: keys that
+        /// collide on bucket and tag, chains, overflow across buckets, growth
+        /// from one bucket.
+        #[test]
+        fn the_map_answers_as_a_list_of_blocks_per_key(ops in proptest::collection::vec(op(), 1..300)) {
+            let mut m = PrefixMap::with_capacity(1, 0);
+            let mut model: std::collections::HashMap<u8, Vec<u32>> = std::collections::HashMap::new();
+            for op in ops {
+                match op {
+                    Op::Insert(k, b) => {
+                        m.insert(key_of(k), b, 0, 0);
+                        model.entry(k).or_default().push(b);
+                    }
+                    Op::Remove(k, b) => {
+                        let list = model.entry(k).or_default();
+                        let expected = list.iter().position(|&x| x == b).map(|i| list.remove(i));
+                        proptest::prop_assert_eq!(m.remove(&key_of(k), b), expected.is_some());
+                    }
+                }
+                proptest::prop_assert!(m.check().is_ok());
+            }
+            for k in 0..24u8 {
+                let got: Vec<u32> = m.chain(&key_of(k)).map(|e| m.entry(e).block).collect();
+                proptest::prop_assert_eq!(got, model.get(&k).cloned().unwrap_or_default());
+            }
+            proptest::prop_assert_eq!(m.len(), model.values().filter(|v| !v.is_empty()).count());
+        }
+    }
+}

@@ -112,7 +112,9 @@ fn dram_latency(words: usize) -> f64 {
 
 fn main() {
     let (rounds, cycles): (usize, usize) = (arg(1, 7), arg(2, 20));
-    let chase = (0..3).map(|_| dram_latency(1 << 26)).fold(f64::MAX, f64::min);
+    let chase = (0..3)
+        .map(|_| dram_latency(1 << 26))
+        .fold(f64::MAX, f64::min);
     let mut pools = Vec::new();
     for exp in 3..=7u32 {
         let n = 10u32.pow(exp);

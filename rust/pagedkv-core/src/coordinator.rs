@@ -72,6 +72,10 @@ pub(crate) struct Coordinator {
     /// Some group frees blocks outside its attention window (sliding window,
     /// chunked local, Mamba).
     any_skipping: bool,
+    /// Every group is full attention (or MLA, sinks) and the groups are not
+    /// searched as a hybrid: a running request's decode step that needs no
+    /// block and fills none changes nothing but its counts.
+    plain_decode: bool,
     verifier: Verifier,
     /// The blocks the last allocation took, per group.
     new_blocks: Vec<Vec<BlockId>>,
@@ -162,8 +166,11 @@ impl Coordinator {
             let simple = attn.len() == 2 && attn[0].is_full;
             Mode::Hybrid { attn, simple }
         };
+        let plain_decode = !matches!(mode, Mode::Hybrid { .. })
+            && cfg.groups.iter().all(|g| g.kind.is_full_attention());
         Ok(Self {
             pool,
+            plain_decode,
             new_blocks: vec![Vec::new(); groups.len()],
             groups,
             mode,
@@ -225,6 +232,37 @@ impl Coordinator {
     /// Whether some group releases blocks that fall out of its window.
     pub(crate) fn any_skipping(&self) -> bool {
         self.any_skipping
+    }
+
+    /// The common decode step of a running request, decided without the
+    /// general path: no group needs a block for `num_tokens` slots and none
+    /// has a block to publish up to `to_cache` tokens (with caching). Then
+    /// the step's new blocks are none and `true` is returned; `false` leaves
+    /// the step to the general path, with nothing changed.
+    pub(crate) fn decode_step_needs_nothing(
+        &mut self,
+        req: &Request,
+        num_tokens: u64,
+        to_cache: usize,
+        caching: bool,
+    ) -> bool {
+        if !self.plain_decode {
+            return false;
+        }
+        let hashed = (req.hashes().len() * self.hash_block_size) as u64;
+        let to_cache = (to_cache as u64).min(hashed);
+        for (gm, gb) in self.groups.iter().zip(&req.groups) {
+            if gb.partial_hit().is_some()
+                || gm.blocks_ceil(num_tokens) > gb.blocks().len() as u64
+                || (caching && gm.blocks_floor(to_cache) as usize > gb.num_cached().unwrap_or(0))
+            {
+                return false;
+            }
+        }
+        for out in &mut self.new_blocks {
+            out.clear();
+        }
+        true
     }
 
     /// Prefix hits cut short by hit verification.

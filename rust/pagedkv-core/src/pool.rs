@@ -524,17 +524,19 @@ impl BlockPool {
     /// vLLM's `_insert_block_hash`: the key becomes the block's primary key, or an
     /// extra one when it already has a primary. Whether the map changed.
     fn insert_block_hash(&mut self, id: BlockId, key: CacheKey, tokens: u32) -> bool {
-        if self.block_key(id) == Some(key) || self.map_contains(&key, id) {
-            return false;
-        }
-        if self.blocks[id as usize].key == NIL {
+        let primary = self.blocks[id as usize].key;
+        if primary == NIL {
+            // A block without a primary key carries no key at all.
             let e = self.map.insert(key, id, tokens, self.next_stamp);
             self.blocks[id as usize].key = e;
             self.next_stamp += 1;
-        } else {
-            self.secondary.entry(id).or_default().push(key);
-            self.map.insert(key, id, tokens, 0);
+            return true;
         }
+        if self.map.entry(primary).key == key || self.map_contains(&key, id) {
+            return false;
+        }
+        self.secondary.entry(id).or_default().push(key);
+        self.map.insert(key, id, tokens, 0);
         true
     }
 

@@ -170,7 +170,10 @@ impl PrefixMap {
     }
 
     fn find(&self, key: &CacheKey) -> Option<Slot> {
-        let h = mix(key);
+        self.find_hashed(key, mix(key))
+    }
+
+    fn find_hashed(&self, key: &CacheKey, h: u64) -> Option<Slot> {
         let t = tag(h);
         let mask = self.num_buckets - 1;
         let mut b = self.home(h);
@@ -258,7 +261,8 @@ impl PrefixMap {
             next: NIL,
             stamp,
         });
-        if let Some(s) = self.find(&key) {
+        let h = mix(&key);
+        if let Some(s) = self.find_hashed(&key, h) {
             let mut last = self.bucket(s.bucket)[ENTRIES + s.lane];
             while self.entries[last as usize].next != NIL {
                 last = self.entries[last as usize].next;
@@ -268,7 +272,7 @@ impl PrefixMap {
             if self.len + 1 > max_keys(self.num_buckets) {
                 self.grow();
             }
-            self.place(mix(&key), e);
+            self.place(h, e);
             self.len += 1;
         }
         e

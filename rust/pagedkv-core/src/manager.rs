@@ -91,6 +91,20 @@ pub struct AllocateArgs {
 }
 
 impl AllocateArgs {
+    /// Only the counts of a step (new, computed and lookahead tokens) differ
+    /// from [`Self::step`]'s defaults: nothing adopted, loaded, reserved,
+    /// delayed or in flight.
+    #[must_use]
+    pub fn is_plain_step(&self) -> bool {
+        self.num_new_computed_tokens == 0
+            && self.num_external_computed_tokens == 0
+            && !self.delay_cache_blocks
+            && self.num_encoder_tokens == 0
+            && !self.full_sequence_must_fit
+            && self.reserved_blocks == 0
+            && self.num_in_flight_tokens == 0
+    }
+
     /// A running request's step: `num_new_tokens` after `num_computed_tokens`.
     #[must_use]
     pub fn step(num_new_tokens: u64, num_computed_tokens: u64) -> Self {
@@ -520,6 +534,17 @@ impl KvCacheManager {
         a: &AllocateArgs,
         hit: Option<&ComputedBlocks>,
     ) -> Result<bool> {
+        if hit.is_none()
+            && a.is_plain_step()
+            && self.decode_step_needs_nothing(
+                slot,
+                a.num_new_tokens,
+                a.num_computed_tokens,
+                a.num_lookahead_tokens,
+            )
+        {
+            return Ok(true);
+        }
         let num_new_computed = if let Some(h) = hit {
             self.validate_hit(slot, h, a.num_new_computed_tokens)?;
             a.num_new_computed_tokens

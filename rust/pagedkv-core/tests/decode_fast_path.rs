@@ -1,8 +1,9 @@
-//! The batch decode step decides most steps (no block needed, none filled)
-//! without the general allocation path: its results, block tables, events and
-//! tracked counts must be those of `allocate_slots` called for each request in
+//! A decode step decides most steps (no block needed, none filled) without the
+//! general allocation path: the batch's results, block tables, events and
+//! tracked counts must be those of the general path called for each request in
 //! order, including the steps where a lookahead needs a block or a token fills
-//! one.
+//! one. (The single calls take the general path through an in-flight token
+//! count, which full attention ignores.)
 use pagedkv_core::{
     AllocateArgs, BatchAllocation, KvCacheManager, ManagerConfig, RequestRefs, RequestSpec,
 };
@@ -36,15 +37,20 @@ fn admit(m: &mut KvCacheManager, id: &str, n: u32) -> u64 {
 
 #[test]
 fn batch_decode_steps_match_single_calls_block_for_block_and_event_for_event() {
-    let (mut single, mut batch) = (mgr(), mgr());
+    let (mut single, mut batch, mut plain) = (mgr(), mgr(), mgr());
     let ids = ["a", "b", "c"];
     let lens = [7u32, 8, 9];
     let mut handles = Vec::new();
     for (id, &n) in ids.iter().zip(&lens) {
         admit(&mut single, id, n);
+        admit(&mut plain, id, n);
         handles.push(admit(&mut batch, id, n));
     }
-    let _ = (single.take_events(), batch.take_events());
+    let _ = (
+        single.take_events(),
+        batch.take_events(),
+        plain.take_events(),
+    );
     let mut computed: Vec<u64> = lens.iter().map(|&n| u64::from(n)).collect();
     let mut saw_noop = false;
     let mut saw_alloc = false;
@@ -55,11 +61,22 @@ fn batch_decode_steps_match_single_calls_block_for_block_and_event_for_event() {
         for (i, id) in ids.iter().enumerate() {
             let args = AllocateArgs {
                 num_lookahead_tokens: la,
+                num_in_flight_tokens: 1,
                 ..AllocateArgs::step(1, computed[i])
             };
+            assert!(!args.is_plain_step());
             let new = single.allocate_slots(id, &args, None).expect("single");
             want.push(new.expect("fits")[0].clone());
+            // The same step as a plain single call (the fast path).
+            let args = AllocateArgs {
+                num_lookahead_tokens: la,
+                ..AllocateArgs::step(1, computed[i])
+            };
+            let new = plain.allocate_slots(id, &args, None).expect("plain");
+            assert_eq!(new.expect("fits")[0], want[i], "step {step}: plain call");
         }
+        let events = single.take_events();
+        assert_eq!(events, plain.take_events(), "step {step}: plain events");
         let mut out = BatchAllocation::default();
         if step % 2 == 0 {
             batch
@@ -86,11 +103,7 @@ fn batch_decode_steps_match_single_calls_block_for_block_and_event_for_event() {
         assert_eq!(got, want, "step {step}: new blocks");
         saw_noop |= got.iter().any(Vec::is_empty);
         saw_alloc |= got.iter().any(|b| !b.is_empty());
-        assert_eq!(
-            single.take_events(),
-            batch.take_events(),
-            "step {step}: events"
-        );
+        assert_eq!(events, batch.take_events(), "step {step}: events");
         assert_eq!(single.num_free_blocks(), batch.num_free_blocks());
         for id in ids {
             assert_eq!(
@@ -101,6 +114,7 @@ fn batch_decode_steps_match_single_calls_block_for_block_and_event_for_event() {
         let tokens = [step as u32; 3];
         for (id, t) in ids.iter().zip(tokens) {
             single.append_token_ids(id, &[t]).expect("append");
+            plain.append_token_ids(id, &[t]).expect("append");
         }
         batch
             .append_token_ids_batch_refs(RequestRefs::Handles(&handles), &tokens)

@@ -184,7 +184,7 @@ impl KvCacheManager {
     /// publishes none (most steps): its counts recorded as `allocate_validated`
     /// records them, and `true`. `false`: nothing changed, the general path
     /// decides.
-    fn decode_step_needs_nothing(
+    pub(super) fn decode_step_needs_nothing(
         &mut self,
         slot: u32,
         num_new_tokens: u64,

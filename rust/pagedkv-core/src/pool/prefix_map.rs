@@ -76,8 +76,9 @@ fn max_keys(num_buckets: usize) -> usize {
     num_buckets * LANES * 4 / 5
 }
 
+/// At least two buckets, so that a key's home is a shift of fewer than 64 bits.
 fn buckets_for(keys: usize) -> usize {
-    let mut n = 1usize;
+    let mut n = 2usize;
     while max_keys(n) < keys {
         n *= 2;
     }
@@ -97,7 +98,7 @@ fn tag(h: u64) -> u32 {
 }
 
 /// Bit `i` set when lane `i` holds tag `t` (one vector compare).
-fn matching_lanes(bucket: &[u32; WORDS], t: u32) -> u32 {
+fn matching_lanes(bucket: &[u32], t: u32) -> u32 {
     let mut m = 0u32;
     for (lane, &x) in bucket[..8].iter().enumerate() {
         m |= u32::from(x == t) << lane;
@@ -149,8 +150,7 @@ impl PrefixMap {
     }
 
     fn home(&self, h: u64) -> usize {
-        // `shift` is 64 for a one-bucket table: every key's home is bucket 0.
-        h.checked_shr(self.shift).unwrap_or(0) as usize
+        (h >> self.shift) as usize
     }
 
     fn bucket_words(&self, b: usize) -> &[u32; WORDS] {
@@ -177,12 +177,14 @@ impl PrefixMap {
         let t = tag(h);
         let mask = self.num_buckets - 1;
         let mut b = self.home(h);
+        let table = &self.table[self.base..];
         for _ in 0..self.num_buckets {
-            let bucket = self.bucket_words(b);
+            let bucket = table.get(b * WORDS..(b + 1) * WORDS)?;
             let mut hits = matching_lanes(bucket, t);
             while hits != 0 {
                 let lane = hits.trailing_zeros() as usize;
-                if self.entries[bucket[ENTRIES + lane] as usize].key == *key {
+                let e = bucket[ENTRIES + lane] as usize;
+                if self.entries.get(e).is_some_and(|x| x.key == *key) {
                     return Some(Slot { bucket: b, lane });
                 }
                 hits &= hits - 1;

@@ -138,11 +138,11 @@ impl BlockPool {
         // pages, backed as they fill), so it never rehashes while the cache
         // fills; the entry arena reserves up to 2^20 entries (64 MiB) and
         // grows by doubling beyond.
-        let map = if enable_caching {
-            PrefixMap::with_capacity(n as usize, (n as usize).min(KEY_RESERVE))
-        } else {
-            PrefixMap::with_capacity(0, 0)
-        };
+        let keys = if enable_caching { n as usize } else { 0 };
+        let map = PrefixMap::try_with_capacity(keys, keys.min(KEY_RESERVE)).ok_or_else(|| {
+            // About 9 bytes of table per block beside its 16 bytes of state.
+            Error::InvalidConfig(cannot_allocate(n, size_of::<Block>() + 9))
+        })?;
         Ok(Self {
             blocks,
             head,

@@ -107,6 +107,15 @@ fn matching_lanes(bucket: &[u32], t: u32) -> u32 {
     m & ((1 << LANES) - 1)
 }
 
+/// Whether a table of `n` buckets can be allocated (a failed `vec!` aborts
+/// the process; `try_reserve` reports instead).
+fn table_fits(n: usize) -> bool {
+    let mut probe: Vec<u32> = Vec::new();
+    n.checked_add(1)
+        .and_then(|b| b.checked_mul(WORDS))
+        .is_some_and(|words| probe.try_reserve_exact(words).is_ok())
+}
+
 /// A zeroed table of `n` buckets and the word where the first one starts.
 fn zeroed_table(n: usize) -> (Vec<u32>, usize) {
     let table = vec![0u32; (n + 1) * WORDS];
@@ -118,12 +127,25 @@ fn zeroed_table(n: usize) -> (Vec<u32>, usize) {
 impl PrefixMap {
     /// An empty map sized for `keys` keys without growing; the arena reserves
     /// `entries` entries up front.
+    ///
+    /// # Panics
+    /// When the table cannot be allocated ([`Self::try_with_capacity`] says so
+    /// instead).
+    #[cfg(test)]
     pub(crate) fn with_capacity(keys: usize, entries: usize) -> Self {
+        Self::try_with_capacity(keys, entries).unwrap_or_else(|| panic!("table too large"))
+    }
+
+    /// [`Self::with_capacity`], or `None` when the table cannot be allocated.
+    pub(crate) fn try_with_capacity(keys: usize, entries: usize) -> Option<Self> {
         let n = buckets_for(keys);
+        if !table_fits(n) {
+            return None;
+        }
         let (table, base) = zeroed_table(n);
         let mut arena = Vec::new();
         let _ = arena.try_reserve_exact(entries);
-        Self {
+        Some(Self {
             table,
             base,
             num_buckets: n,
@@ -131,7 +153,7 @@ impl PrefixMap {
             len: 0,
             entries: arena,
             free_entry: NIL,
-        }
+        })
     }
 
     /// Whether the table and its entries outgrow the caches a lookup can count
@@ -455,6 +477,14 @@ mod tests {
             let present = m.head(&colliding(i)).is_some();
             assert_eq!(present, i % 3 != 0);
         }
+    }
+
+    #[test]
+    fn a_table_larger_than_the_address_space_is_refused_not_aborted() {
+        // 2^45 buckets: 2 PiB, past any x86-64 or AArch64 user address space.
+        assert!(!table_fits(1 << 45));
+        assert!(!table_fits(usize::MAX / 4));
+        assert!(table_fits(1 << 10));
     }
 
     #[test]

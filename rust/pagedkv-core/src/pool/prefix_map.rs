@@ -111,9 +111,13 @@ fn matching_lanes(bucket: &[u32], t: u32) -> u32 {
 /// the process; `try_reserve` reports instead).
 fn table_fits(n: usize) -> bool {
     let mut probe: Vec<u32> = Vec::new();
-    n.checked_add(1)
+    let fits = n
+        .checked_add(1)
         .and_then(|b| b.checked_mul(WORDS))
-        .is_some_and(|words| probe.try_reserve_exact(words).is_ok())
+        .is_some_and(|words| probe.try_reserve_exact(words).is_ok());
+    // The allocation must happen: an unused one may be assumed to succeed.
+    black_box(probe.as_ptr());
+    fits
 }
 
 /// A zeroed table of `n` buckets and the word where the first one starts.

@@ -234,9 +234,10 @@ impl Coordinator {
         self.any_skipping
     }
 
-    /// The common decode step of a running request, decided without the
-    /// general path: no group needs a block for `num_tokens` slots and none
-    /// has a block to publish up to `to_cache` tokens (with caching). Then
+    /// The common decode step of a running request (one that holds blocks),
+    /// decided without the general path: no group needs a block for
+    /// `num_tokens` slots and none has a block to publish up to `to_cache`
+    /// tokens (with caching). Then
     /// the step's new blocks are none and `true` is returned; `false` leaves
     /// the step to the general path, with nothing changed.
     pub(crate) fn decode_step_needs_nothing(
@@ -251,13 +252,19 @@ impl Coordinator {
         }
         let hashed = (req.hashes().len() * self.hash_block_size) as u64;
         let to_cache = (to_cache as u64).min(hashed);
+        let mut holds_blocks = false;
         for (gm, gb) in self.groups.iter().zip(&req.groups) {
+            holds_blocks |= !gb.blocks().is_empty();
             if gb.partial_hit().is_some()
                 || gm.blocks_ceil(num_tokens) > gb.blocks().len() as u64
                 || (caching && gm.blocks_floor(to_cache) as usize > gb.num_cached().unwrap_or(0))
             {
                 return false;
             }
+        }
+        if !holds_blocks {
+            // Not running: an admission, for the general path.
+            return false;
         }
         for out in &mut self.new_blocks {
             out.clear();

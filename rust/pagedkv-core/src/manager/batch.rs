@@ -194,7 +194,7 @@ impl KvCacheManager {
         let max_len = self.cfg.max_model_len;
         let caching = self.cfg.enable_caching;
         let req = self.table.get_mut(slot);
-        if !req.admitted || !req.holds_blocks() {
+        if !req.admitted {
             return false;
         }
         let total_computed = num_computed_tokens.min(max_len);

@@ -159,6 +159,8 @@ impl KvCacheManager {
     ) -> Result<()> {
         let free_at_start = i64::from(self.coord.pool().num_free_blocks());
         let max_len = self.cfg.max_model_len;
+        // The bound for the last token count seen (a decode step repeats one).
+        let mut bound: Option<(u64, i64)> = None;
         for (i, &slot) in slots.iter().enumerate() {
             let args = AllocateArgs {
                 num_lookahead_tokens,
@@ -167,7 +169,16 @@ impl KvCacheManager {
             self.validate_args(slot, &args)?;
             // A step that cannot need more blocks than are free cannot be one
             // that never fits: the exact count is left to the allocation.
-            if self.max_step_blocks(num_new_tokens[i] + num_lookahead_tokens) <= free_at_start {
+            let tokens = num_new_tokens[i].saturating_add(num_lookahead_tokens);
+            let max_blocks = match bound {
+                Some((t, b)) if t == tokens => b,
+                _ => {
+                    let b = self.max_step_blocks(tokens);
+                    bound = Some((tokens, b));
+                    b
+                }
+            };
+            if max_blocks <= free_at_start {
                 continue;
             }
             let need_args = Need {

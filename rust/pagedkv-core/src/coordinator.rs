@@ -250,17 +250,15 @@ impl Coordinator {
         if !self.plain_decode {
             return false;
         }
-        let hashed = (req.hashes().len() * self.hash_block_size) as u64;
-        let to_cache = (to_cache as u64).min(hashed);
         let mut holds_blocks = false;
         for (gm, gb) in self.groups.iter().zip(&req.groups) {
             holds_blocks |= !gb.blocks().is_empty();
-            if gb.partial_hit().is_some()
-                || gm.blocks_ceil(num_tokens) > gb.blocks().len() as u64
-                || (caching && gm.blocks_floor(to_cache) as usize > gb.num_cached().unwrap_or(0))
-            {
+            if gb.partial_hit().is_some() || gm.blocks_ceil(num_tokens) > gb.blocks().len() as u64 {
                 return false;
             }
+        }
+        if caching && !self.fills_no_block(req, to_cache) {
+            return false;
         }
         if !holds_blocks {
             // Not running: an admission, for the general path.
@@ -270,6 +268,15 @@ impl Coordinator {
             out.clear();
         }
         true
+    }
+
+    /// No group has a full block to publish up to `num_tokens` tokens (as far
+    /// as the request is hashed) beyond what it has cached.
+    fn fills_no_block(&self, req: &Request, num_tokens: usize) -> bool {
+        let hashed = req.hashes().len() * self.hash_block_size;
+        self.groups.iter().zip(&req.groups).all(|(gm, gb)| {
+            gm.blocks_floor(num_tokens.min(hashed) as u64) as usize <= gb.num_cached().unwrap_or(0)
+        })
     }
 
     /// Prefix hits cut short by hit verification.
@@ -694,13 +701,7 @@ impl Coordinator {
             reprefillable: self.reprefillable as usize,
         };
         // Most decode steps fill no block: nothing new to publish in any group.
-        let hashed = req.hashes().len() * hbs;
-        if !hybrid
-            && self.groups.iter().zip(&req.groups).all(|(gm, gb)| {
-                gm.blocks_floor(num_tokens.min(hashed) as u64) as usize
-                    <= gb.num_cached().unwrap_or(0)
-            })
-        {
+        if !hybrid && self.fills_no_block(req, num_tokens) {
             return;
         }
         let (boundaries, nb) = replay_boundaries(

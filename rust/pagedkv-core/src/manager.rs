@@ -527,6 +527,38 @@ impl KvCacheManager {
         Ok(ok.then_some(self.coord.new_blocks()))
     }
 
+    /// A validated decode step of a running request that takes no block and
+    /// publishes none (most steps): its counts recorded as `allocate_validated`
+    /// records them, and `true`. `false`: nothing changed, the general path
+    /// decides.
+    pub(super) fn decode_step_needs_nothing(
+        &mut self,
+        slot: u32,
+        num_new_tokens: u64,
+        num_computed_tokens: u64,
+        num_lookahead_tokens: u64,
+    ) -> bool {
+        let max_len = self.cfg.max_model_len;
+        let caching = self.cfg.enable_caching;
+        let req = self.table.get_mut(slot);
+        if !req.admitted {
+            return false;
+        }
+        let total_computed = num_computed_tokens.min(max_len);
+        let main_model = (total_computed + num_new_tokens).min(max_len);
+        let need_slot = (main_model + num_lookahead_tokens).min(max_len);
+        let to_cache = (total_computed + num_new_tokens).min(req.num_tokens() as u64) as usize;
+        if !self
+            .coord
+            .decode_step_needs_nothing(req, need_slot, to_cache, caching)
+        {
+            return false;
+        }
+        req.num_computed_at_step = num_computed_tokens;
+        req.scheduled_through = main_model;
+        true
+    }
+
     /// `allocate_slots` once the arguments were validated.
     fn allocate_validated(
         &mut self,
@@ -545,6 +577,16 @@ impl KvCacheManager {
         {
             return Ok(true);
         }
+        self.allocate_general(slot, a, hit)
+    }
+
+    /// `allocate_validated` without the decode fast path (the caller tried it).
+    pub(super) fn allocate_general(
+        &mut self,
+        slot: u32,
+        a: &AllocateArgs,
+        hit: Option<&ComputedBlocks>,
+    ) -> Result<bool> {
         let num_new_computed = if let Some(h) = hit {
             self.validate_hit(slot, h, a.num_new_computed_tokens)?;
             a.num_new_computed_tokens

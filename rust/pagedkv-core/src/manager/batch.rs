@@ -153,21 +153,15 @@ impl KvCacheManager {
         }
         for (i, &slot) in slots.iter().enumerate() {
             let (new, computed) = (num_new_tokens[i], num_computed_tokens[i]);
-            if self.decode_step_needs_nothing(slot, new, computed, num_lookahead_tokens) {
-                for offsets in &mut out.offsets {
-                    let end = offsets[offsets.len() - 1];
-                    offsets.push(end);
-                }
-                out.num_allocated += 1;
-                continue;
-            }
-            let args = AllocateArgs {
-                num_lookahead_tokens,
-                ..AllocateArgs::step(new, computed)
-            };
             // Validated above, before anything changed.
-            if !self.allocate_validated(slot, &args, None)? {
-                break;
+            if !self.decode_step_needs_nothing(slot, new, computed, num_lookahead_tokens) {
+                let args = AllocateArgs {
+                    num_lookahead_tokens,
+                    ..AllocateArgs::step(new, computed)
+                };
+                if !self.allocate_general(slot, &args, None)? {
+                    break;
+                }
             }
             for (g, new) in self.coord.new_blocks().iter().enumerate() {
                 out.block_ids[g].extend_from_slice(new);
@@ -176,40 +170,6 @@ impl KvCacheManager {
             out.num_allocated += 1;
         }
         Ok(())
-    }
-}
-
-impl KvCacheManager {
-    /// A validated decode step of a running request that takes no block and
-    /// publishes none (most steps): its counts recorded as `allocate_validated`
-    /// records them, and `true`. `false`: nothing changed, the general path
-    /// decides.
-    pub(super) fn decode_step_needs_nothing(
-        &mut self,
-        slot: u32,
-        num_new_tokens: u64,
-        num_computed_tokens: u64,
-        num_lookahead_tokens: u64,
-    ) -> bool {
-        let max_len = self.cfg.max_model_len;
-        let caching = self.cfg.enable_caching;
-        let req = self.table.get_mut(slot);
-        if !req.admitted {
-            return false;
-        }
-        let total_computed = num_computed_tokens.min(max_len);
-        let main_model = (total_computed + num_new_tokens).min(max_len);
-        let need_slot = (main_model + num_lookahead_tokens).min(max_len);
-        let to_cache = (total_computed + num_new_tokens).min(req.num_tokens() as u64) as usize;
-        if !self
-            .coord
-            .decode_step_needs_nothing(req, need_slot, to_cache, caching)
-        {
-            return false;
-        }
-        req.num_computed_at_step = num_computed_tokens;
-        req.scheduled_through = main_model;
-        true
     }
 }
 

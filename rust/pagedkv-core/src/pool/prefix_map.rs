@@ -179,12 +179,6 @@ impl PrefixMap {
         (h >> self.shift) as usize
     }
 
-    fn bucket_words(&self, b: usize) -> &[u32; WORDS] {
-        let at = self.base + b * WORDS;
-        let words: &[u32] = &self.table[at..at + WORDS];
-        words.try_into().unwrap_or(&[0; WORDS])
-    }
-
     fn bucket(&self, b: usize) -> &[u32] {
         let at = self.base + b * WORDS;
         &self.table[at..at + WORDS]
@@ -234,7 +228,7 @@ impl PrefixMap {
     pub(crate) fn warm_candidate(&self, key: &CacheKey) {
         let h = mix(key);
         let t = tag(h);
-        let bucket = self.bucket_words(self.home(h));
+        let bucket = self.bucket(self.home(h));
         let hits = matching_lanes(bucket, t);
         if hits != 0 {
             let lane = hits.trailing_zeros() as usize;
@@ -343,7 +337,8 @@ impl PrefixMap {
 
     /// Removes `(key, block)`; whether it was there.
     pub(crate) fn remove(&mut self, key: &CacheKey, block: BlockId) -> bool {
-        let Some(s) = self.find(key) else {
+        let h = mix(key);
+        let Some(s) = self.find_hashed(key, h) else {
             return false;
         };
         let head = self.bucket(s.bucket)[ENTRIES + s.lane];
@@ -351,7 +346,7 @@ impl PrefixMap {
             let next = self.entries[head as usize].next;
             self.release_entry(head);
             if next == NIL {
-                self.remove_slot(key, s);
+                self.remove_slot(h, s);
             } else {
                 self.bucket_mut(s.bucket)[ENTRIES + s.lane] = next;
             }
@@ -372,9 +367,9 @@ impl PrefixMap {
         }
     }
 
-    fn remove_slot(&mut self, key: &CacheKey, s: Slot) {
+    fn remove_slot(&mut self, h: u64, s: Slot) {
         let mask = self.num_buckets - 1;
-        let mut b = self.home(mix(key));
+        let mut b = self.home(h);
         while b != s.bucket {
             self.bucket_mut(b)[OVERFLOW] -= 1;
             b = (b + 1) & mask;

@@ -1,7 +1,8 @@
 //! Instruction-count probe for comparing two builds without timing noise:
 //! `decode N` makes N decode `allocate_slots` calls that need no new block,
 //! `admit N` admits and removes N distinct 2,560-token prompts, on one
-//! full-attention manager. Run under callgrind with N and with 0; the difference
+//! full-attention manager, `lookup N` makes N lookups of a cached 160-block
+//! prefix. Run under callgrind with N and with 0; the difference
 //! divided by N is the instructions per call:
 //!
 //! `valgrind --tool=callgrind target/release/examples/call_instructions decode 200000`
@@ -31,6 +32,32 @@ fn main() {
         let args = AllocateArgs::step(1, 999);
         for _ in 0..n {
             black_box(mgr.allocate_slots("r", &args, None).unwrap().is_some());
+        }
+    } else if what == "lookup" {
+        let cached: Vec<u32> = (0..2560u32).map(|i| (i * 31) % 32000).collect();
+        let mut p = cached.clone();
+        mgr.add_request(
+            "c",
+            RequestSpec {
+                prompt_token_ids: cached,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let h = mgr.get_computed_blocks("c").unwrap();
+        mgr.allocate_slots("c", &AllocateArgs::step(2560, 0), Some(&h))
+            .unwrap();
+        p.push(1);
+        mgr.add_request(
+            "h",
+            RequestSpec {
+                prompt_token_ids: p,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        for _ in 0..n {
+            black_box(mgr.get_computed_blocks("h").unwrap().num_computed_tokens);
         }
     } else if what == "admit" {
         let base: Vec<u32> = (0..2560u32).map(|i| (i * 31) % 32000).collect();

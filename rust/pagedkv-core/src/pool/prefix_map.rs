@@ -189,11 +189,13 @@ impl PrefixMap {
         &mut self.table[at..at + WORDS]
     }
 
-    fn find(&self, key: &CacheKey) -> Option<Slot> {
+    fn find(&self, key: &CacheKey) -> Option<(Slot, u32)> {
         self.find_hashed(key, mix(key))
     }
 
-    fn find_hashed(&self, key: &CacheKey, h: u64) -> Option<Slot> {
+    /// The slot holding `key` and its head entry.
+    #[inline]
+    fn find_hashed(&self, key: &CacheKey, h: u64) -> Option<(Slot, u32)> {
         let t = tag(h);
         let mask = self.num_buckets - 1;
         let mut b = self.home(h);
@@ -203,9 +205,9 @@ impl PrefixMap {
             let mut hits = matching_lanes(bucket, t);
             while hits != 0 {
                 let lane = hits.trailing_zeros() as usize;
-                let e = bucket[ENTRIES + lane] as usize;
-                if self.entries.get(e).is_some_and(|x| x.key == *key) {
-                    return Some(Slot { bucket: b, lane });
+                let e = bucket[ENTRIES + lane];
+                if self.entries.get(e as usize).is_some_and(|x| x.key == *key) {
+                    return Some((Slot { bucket: b, lane }, e));
                 }
                 hits &= hits - 1;
             }
@@ -238,8 +240,7 @@ impl PrefixMap {
 
     /// The first entry under `key`.
     pub(crate) fn head(&self, key: &CacheKey) -> Option<u32> {
-        let s = self.find(key)?;
-        Some(self.bucket(s.bucket)[ENTRIES + s.lane])
+        self.find(key).map(|(_, e)| e)
     }
 
     /// The entries under `key`, in insertion order.
@@ -284,8 +285,8 @@ impl PrefixMap {
             stamp,
         });
         let h = mix(&key);
-        if let Some(s) = self.find_hashed(&key, h) {
-            let mut last = self.bucket(s.bucket)[ENTRIES + s.lane];
+        if let Some((_, head)) = self.find_hashed(&key, h) {
+            let mut last = head;
             while self.entries[last as usize].next != NIL {
                 last = self.entries[last as usize].next;
             }
@@ -338,10 +339,9 @@ impl PrefixMap {
     /// Removes `(key, block)`; whether it was there.
     pub(crate) fn remove(&mut self, key: &CacheKey, block: BlockId) -> bool {
         let h = mix(key);
-        let Some(s) = self.find_hashed(key, h) else {
+        let Some((s, head)) = self.find_hashed(key, h) else {
             return false;
         };
-        let head = self.bucket(s.bucket)[ENTRIES + s.lane];
         if self.entries[head as usize].block == block {
             let next = self.entries[head as usize].next;
             self.release_entry(head);

@@ -27,15 +27,13 @@ impl GroupManager {
         for &g in group_ids {
             out[g as usize].resize(start_block, NULL_BLOCK);
         }
-        let mut found = Vec::with_capacity(group_ids.len());
         for i in start_block..max_blocks {
             let Some(hash) = self.hash_at(q.hashes, i) else {
                 break;
             };
-            if !Self::lookup_all(pool, hash, group_ids, &mut found) {
+            if !Self::lookup_into(pool, hash, group_ids, out) {
                 break;
             }
-            Self::push_all(out, group_ids, &found);
         }
         out[group_ids[0] as usize].len() * bs
     }

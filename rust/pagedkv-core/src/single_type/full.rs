@@ -16,7 +16,6 @@ impl GroupManager {
         out: &mut [Vec<BlockId>],
     ) -> usize {
         let bs = self.block_size as usize;
-        let mut found = Vec::with_capacity(group_ids.len());
         let mut n = 0usize;
         // Lookups read ahead in windows (8 blocks, then 32): a miss at the
         // first block reads little ahead for nothing.
@@ -25,6 +24,9 @@ impl GroupManager {
         for i in 0..limit {
             if i == warmed {
                 warmed = (i + if i == 0 { 8 } else { 32 }).min(limit);
+                for &g in group_ids {
+                    out[g as usize].reserve(warmed - i);
+                }
                 pool.warm_lookups((i..warmed).flat_map(|j| {
                     let hash = q.hashes[(j + 1) * self.scale - 1];
                     group_ids.iter().map(move |&group| CacheKey { hash, group })
@@ -33,10 +35,9 @@ impl GroupManager {
             let Some(hash) = self.hash_at(q.hashes, i) else {
                 break;
             };
-            if !Self::lookup_all(pool, hash, group_ids, &mut found) {
+            if !Self::lookup_into(pool, hash, group_ids, out) {
                 break;
             }
-            Self::push_all(out, group_ids, &found);
             n += 1;
         }
         let mut hit = n * bs;
@@ -49,8 +50,7 @@ impl GroupManager {
             let first = n * scale;
             let last = (first + scale - 1).min(q.max_len / a).min(q.hashes.len());
             for j in (first..last).rev() {
-                if Self::lookup_all(pool, q.hashes[j], group_ids, &mut found) {
-                    Self::push_all(out, group_ids, &found);
+                if Self::lookup_into(pool, q.hashes[j], group_ids, out) {
                     hit = (j + 1) * a;
                     break;
                 }

@@ -361,6 +361,30 @@ impl GroupManager {
         true
     }
 
+    /// Appends one cached block of every group in `group_ids` under `hash` to
+    /// that group's list in `out`; appends nothing and returns `false` when any
+    /// group misses. Inlined into the lookup loops: as a call it costs a
+    /// third more instructions per block looked up.
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
+    fn lookup_into(
+        pool: &BlockPool,
+        hash: BlockHash,
+        group_ids: &[u32],
+        out: &mut [Vec<BlockId>],
+    ) -> bool {
+        for (k, &g) in group_ids.iter().enumerate() {
+            let Some(b) = pool.cached_block(&CacheKey { hash, group: g }) else {
+                for &done in &group_ids[..k] {
+                    out[done as usize].pop();
+                }
+                return false;
+            };
+            out[g as usize].push(b);
+        }
+        true
+    }
+
     fn hash_at(&self, hashes: &[BlockHash], i: usize) -> Option<BlockHash> {
         hashes.get((i + 1) * self.scale - 1).copied()
     }
@@ -392,12 +416,6 @@ impl GroupManager {
             AttentionKind::CrossAttention
             | AttentionKind::ReplayedSlidingWindow { .. }
             | AttentionKind::CircularBuffer => 0,
-        }
-    }
-
-    fn push_all(out: &mut [Vec<BlockId>], group_ids: &[u32], found: &[BlockId]) {
-        for (&g, &b) in group_ids.iter().zip(found) {
-            out[g as usize].push(b);
         }
     }
 

@@ -140,8 +140,8 @@ impl BlockPool {
         // grows by doubling beyond.
         let keys = if enable_caching { n as usize } else { 0 };
         let map = PrefixMap::try_with_capacity(keys, keys.min(KEY_RESERVE)).ok_or_else(|| {
-            // About 9 bytes of table per block beside its 16 bytes of state.
-            Error::InvalidConfig(cannot_allocate(n, size_of::<Block>() + 9))
+            // At most 14 bytes of table per block beside its 16 bytes of state.
+            Error::InvalidConfig(cannot_allocate(n, size_of::<Block>() + 14))
         })?;
         Ok(Self {
             blocks,
@@ -472,6 +472,17 @@ impl BlockPool {
     #[must_use]
     pub fn cached_block(&self, key: &CacheKey) -> Option<BlockId> {
         self.map.head(key).map(|e| self.map.entry(e).block)
+    }
+
+    /// Appends the first block cached under each of `hashes` in `group` to
+    /// `out`, stopping at the first miss; returns how many it appended.
+    pub(crate) fn cached_run<'a>(
+        &self,
+        hashes: impl Iterator<Item = &'a BlockHash>,
+        group: u32,
+        out: &mut Vec<BlockId>,
+    ) -> usize {
+        self.map.first_blocks_run(hashes, group, out)
     }
 
     /// Reads ahead what lookups of `keys` will need (the buckets, then the

@@ -2,16 +2,18 @@
 //!
 //! Every `(key, block)` pair is an entry in one arena (a cache line each: the
 //! full key, the block, the tokens the key covers, its stamp, the next entry
-//! under the same key). The table holds only 4-byte entry numbers and 4-byte
-//! tags, seven pairs per 64-byte bucket, so a probe reads one cache line and a
-//! hit one more (the entry, which also names the block). A key usually maps to
-//! one block; equal content computed twice maps to several, chained in
-//! insertion order from the entry the table points to.
+//! under the same key). The table holds only 4-byte entry numbers and 1-byte
+//! tags, six pairs per 32-byte bucket (two buckets per cache line; 7 to 14
+//! bytes of table per key the table is sized for), so a probe reads one cache line and a
+//! hit one more (the entry, which also names the block). The six tags are
+//! matched at once as bytes of one word. A key usually maps to one block;
+//! equal content computed twice maps to several, chained in insertion order
+//! from the entry the table points to.
 //!
 //! Collisions: linear probing over buckets. Each bucket counts the keys whose
-//! home it is but that live further on (`overflow`), so a lookup stops at the
-//! first bucket that does not hold the key and has no overflow, and a removal
-//! needs no tombstone (F14's scheme).
+//! home it is but that live further on (`overflow`, one byte that sticks at
+//! 255), so a lookup stops at the first bucket that does not hold the key and
+//! has no overflow, and a removal needs no tombstone (F14's scheme).
 //!
 //! Staged lookups: [`PrefixMap::warm_bucket`] and [`PrefixMap::warm_candidate`]
 //! read the line a later probe needs without depending on it, so the lookups,
@@ -21,9 +23,10 @@
 use std::hint::black_box;
 
 use super::{BlockId, CacheKey};
+use crate::hash::BlockHash;
 
 const NIL: u32 = u32::MAX;
-const LANES: usize = 7;
+const LANES: usize = 6;
 
 /// One entry: a key and one block it maps to. 64 bytes, one cache line.
 #[derive(Clone, Copy, Debug)]
@@ -41,11 +44,19 @@ pub(crate) struct KeyEntry {
     pub(crate) stamp: u64,
 }
 
-/// Words per bucket: seven tags, the overflow count, seven entry numbers and
-/// one unused word (64 bytes, one cache line).
-const WORDS: usize = 16;
-const OVERFLOW: usize = LANES;
-const ENTRIES: usize = LANES + 1;
+/// Words per bucket (32 bytes): the tag word (words 0 and 1: the lanes' tags
+/// in bytes 0 to 5, byte 6 unused, the overflow count in byte 7), then the six
+/// lanes' entry numbers.
+const WORDS: usize = 8;
+const ENTRIES: usize = 2;
+/// The high bit of every lane's tag byte.
+const LANE_HIGH_BITS: u64 = 0x0000_8080_8080_8080;
+const LOW7: u64 = 0x7f7f_7f7f_7f7f_7f7f;
+const OVERFLOW_ONE: u32 = 1 << 24;
+const OVERFLOW_STUCK: u32 = 255;
+/// Words allocated past the buckets, so that they can start on a 64-byte
+/// boundary.
+const ALIGN_SLACK: usize = 16;
 
 /// The table slot of a key found in the map.
 #[derive(Clone, Copy)]
@@ -88,23 +99,52 @@ fn buckets_for(keys: usize) -> usize {
 /// The key's 64-bit hash: digests are uniform, but test keys and short
 /// non-cryptographic digests need mixing (and the group must move the bucket).
 fn mix(key: &CacheKey) -> u64 {
-    let x = key.hash.fingerprint() ^ u64::from(key.group).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    mix_parts(&key.hash, key.group)
+}
+
+fn mix_parts(hash: &BlockHash, group: u32) -> u64 {
+    let x = hash.fingerprint() ^ u64::from(group).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     let h = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
     h ^ (h >> 29)
 }
 
-fn tag(h: u64) -> u32 {
-    (h as u32) | 1
+/// The key's tag: 7 bits of its hash (not those that choose the bucket), and
+/// a set high bit, so that no tag is 0 (an empty lane).
+fn tag(h: u64) -> u8 {
+    (h as u8) | 0x80
 }
 
-/// Bit `i` set when lane `i` holds tag `t` (one vector compare).
-fn matching_lanes(bucket: &[u32], t: u32) -> u32 {
-    let mut m = 0u32;
-    for (lane, &x) in bucket[..8].iter().enumerate() {
-        m |= u32::from(x == t) << lane;
-    }
-    // Word 7 is the overflow count, not a tag.
-    m & ((1 << LANES) - 1)
+/// The bucket's six tags and overflow count as one word.
+fn tag_word(bucket: &[u32]) -> u64 {
+    u64::from(bucket[0]) | (u64::from(bucket[1]) << 32)
+}
+
+/// The high bit of byte `i` set when lane `i` holds tag `t` (an empty lane:
+/// `t == 0`), nothing else: the bytes of the tag word compared at once.
+fn matching_lanes(bucket: &[u32], t: u8) -> u64 {
+    let x = tag_word(bucket) ^ (u64::from(t) * 0x0101_0101_0101_0101);
+    // A byte's high bit survives iff the byte of `x` is zero (exact: no
+    // carries cross bytes).
+    !(((x & LOW7) + LOW7) | x | LOW7) & LANE_HIGH_BITS
+}
+
+/// The next lane in a `matching_lanes` mask.
+fn first_lane(hits: u64) -> usize {
+    hits.trailing_zeros() as usize / 8
+}
+
+fn overflow(bucket: &[u32]) -> u32 {
+    bucket[1] >> 24
+}
+
+fn tag_at(bucket: &[u32], lane: usize) -> u8 {
+    (bucket[lane / 4] >> (lane % 4 * 8)) as u8
+}
+
+fn set_tag(bucket: &mut [u32], lane: usize, t: u8) {
+    let shift = lane % 4 * 8;
+    let w = &mut bucket[lane / 4];
+    *w = (*w & !(0xff << shift)) | (u32::from(t) << shift);
 }
 
 /// Whether a table of `n` buckets can be allocated (a failed `vec!` aborts
@@ -112,8 +152,8 @@ fn matching_lanes(bucket: &[u32], t: u32) -> u32 {
 fn table_fits(n: usize) -> bool {
     let mut probe: Vec<u32> = Vec::new();
     let fits = n
-        .checked_add(1)
-        .and_then(|b| b.checked_mul(WORDS))
+        .checked_mul(WORDS)
+        .and_then(|w| w.checked_add(ALIGN_SLACK))
         .is_some_and(|words| probe.try_reserve_exact(words).is_ok());
     // The allocation must happen: an unused one may be assumed to succeed.
     black_box(probe.as_ptr());
@@ -122,7 +162,7 @@ fn table_fits(n: usize) -> bool {
 
 /// A zeroed table of `n` buckets and the word where the first one starts.
 fn zeroed_table(n: usize) -> (Vec<u32>, usize) {
-    let table = vec![0u32; (n + 1) * WORDS];
+    let table = vec![0u32; n * WORDS + ALIGN_SLACK];
     let misaligned = (table.as_ptr() as usize) % 64;
     let base = ((64 - misaligned) % 64) / 4;
     (table, base)
@@ -163,7 +203,7 @@ impl PrefixMap {
     /// Whether the table and its entries outgrow the caches a lookup can count
     /// on (2 MiB): staged lookups pay off only then.
     pub(crate) fn is_large(&self) -> bool {
-        (self.num_buckets + self.entries.len()) * 64 > (2 << 20)
+        self.num_buckets * WORDS * 4 + self.entries.len() * 64 > (2 << 20)
     }
 
     /// Keys in the map.
@@ -196,6 +236,12 @@ impl PrefixMap {
     /// The slot holding `key` and its head entry.
     #[inline]
     fn find_hashed(&self, key: &CacheKey, h: u64) -> Option<(Slot, u32)> {
+        self.probe(h, |k| k == key)
+    }
+
+    /// The slot and head entry of the key hashing to `h` that `is_key` accepts.
+    #[inline]
+    fn probe(&self, h: u64, is_key: impl Fn(&CacheKey) -> bool) -> Option<(Slot, u32)> {
         let t = tag(h);
         let mask = self.num_buckets - 1;
         let mut b = self.home(h);
@@ -204,19 +250,39 @@ impl PrefixMap {
             let bucket = table.get(b * WORDS..(b + 1) * WORDS)?;
             let mut hits = matching_lanes(bucket, t);
             while hits != 0 {
-                let lane = hits.trailing_zeros() as usize;
+                let lane = first_lane(hits);
                 let e = bucket[ENTRIES + lane];
-                if self.entries.get(e as usize).is_some_and(|x| x.key == *key) {
+                if self.entries.get(e as usize).is_some_and(|x| is_key(&x.key)) {
                     return Some((Slot { bucket: b, lane }, e));
                 }
                 hits &= hits - 1;
             }
-            if bucket[OVERFLOW] == 0 {
+            if overflow(bucket) == 0 {
                 return None;
             }
             b = (b + 1) & mask;
         }
         None
+    }
+
+    /// Appends the first block under each of `hashes` in `group` to `out`,
+    /// stopping at the first key the map lacks; returns how many it appended.
+    pub(crate) fn first_blocks_run<'a>(
+        &self,
+        hashes: impl Iterator<Item = &'a BlockHash>,
+        group: u32,
+        out: &mut Vec<BlockId>,
+    ) -> usize {
+        let mut n = 0;
+        for hash in hashes {
+            let h = mix_parts(hash, group);
+            let Some((_, e)) = self.probe(h, |k| k.hash == *hash && k.group == group) else {
+                break;
+            };
+            out.push(self.entries[e as usize].block);
+            n += 1;
+        }
+        n
     }
 
     /// Reads the bucket a lookup of `key` starts at (a staged lookup's first
@@ -233,7 +299,7 @@ impl PrefixMap {
         let bucket = self.bucket(self.home(h));
         let hits = matching_lanes(bucket, t);
         if hits != 0 {
-            let lane = hits.trailing_zeros() as usize;
+            let lane = first_lane(hits);
             black_box(self.entries[bucket[ENTRIES + lane] as usize].block);
         }
     }
@@ -307,12 +373,16 @@ impl PrefixMap {
         let mut b = self.home(h);
         loop {
             let bucket = self.bucket_mut(b);
-            if let Some(lane) = bucket[..LANES].iter().position(|&x| x == 0) {
-                bucket[lane] = tag(h);
+            let empty = matching_lanes(bucket, 0);
+            if empty != 0 {
+                let lane = first_lane(empty);
+                set_tag(bucket, lane, tag(h));
                 bucket[ENTRIES + lane] = e;
                 return;
             }
-            bucket[OVERFLOW] += 1;
+            if overflow(bucket) < OVERFLOW_STUCK {
+                bucket[1] += OVERFLOW_ONE;
+            }
             b = (b + 1) & mask;
         }
     }
@@ -328,7 +398,7 @@ impl PrefixMap {
         for b in 0..old_n {
             let at = old_base + b * WORDS;
             for lane in 0..LANES {
-                if old[at + lane] != 0 {
+                if tag_at(&old[at..at + WORDS], lane) != 0 {
                     let e = old[at + ENTRIES + lane];
                     self.place(mix(&self.entries[e as usize].key), e);
                 }
@@ -371,10 +441,13 @@ impl PrefixMap {
         let mask = self.num_buckets - 1;
         let mut b = self.home(h);
         while b != s.bucket {
-            self.bucket_mut(b)[OVERFLOW] -= 1;
+            let bucket = self.bucket_mut(b);
+            if overflow(bucket) < OVERFLOW_STUCK {
+                bucket[1] -= OVERFLOW_ONE;
+            }
             b = (b + 1) & mask;
         }
-        self.bucket_mut(s.bucket)[s.lane] = 0;
+        set_tag(self.bucket_mut(s.bucket), s.lane, 0);
         self.len -= 1;
     }
 
@@ -387,12 +460,12 @@ impl PrefixMap {
     }
 
     /// The keys in the table with their head entries.
-    fn slots(&self) -> impl Iterator<Item = (usize, u32, u32)> + '_ {
+    fn slots(&self) -> impl Iterator<Item = (usize, u8, u32)> + '_ {
         (0..self.num_buckets).flat_map(move |b| {
             let bucket = self.bucket(b);
             (0..LANES)
-                .filter(move |&lane| bucket[lane] != 0)
-                .map(move |lane| (b, bucket[lane], bucket[ENTRIES + lane]))
+                .filter(move |&lane| tag_at(bucket, lane) != 0)
+                .map(move |lane| (b, tag_at(bucket, lane), bucket[ENTRIES + lane]))
         })
     }
 
@@ -410,7 +483,8 @@ impl PrefixMap {
     }
 
     /// Structural checks of the table itself: every key reachable from its
-    /// home, overflow counts exact, tags matching the keys.
+    /// home, overflow counts exact (or stuck at their maximum), tags matching
+    /// the keys, the unused byte clear.
     pub(crate) fn check(&self) -> Result<(), String> {
         let mask = self.num_buckets - 1;
         let mut expected = vec![0u32; self.num_buckets];
@@ -430,8 +504,14 @@ impl PrefixMap {
         if keys != self.len {
             return Err(format!("prefix map counts {} keys, holds {keys}", self.len));
         }
-        if (0..self.num_buckets).any(|b| self.bucket(b)[OVERFLOW] != expected[b]) {
+        if (0..self.num_buckets).any(|b| {
+            let stored = overflow(self.bucket(b));
+            stored != expected[b] && stored != OVERFLOW_STUCK
+        }) {
             return Err("prefix map overflow counts are wrong".into());
+        }
+        if (0..self.num_buckets).any(|b| tag_at(self.bucket(b), LANES) != 0) {
+            return Err("prefix map bucket has a seventh tag".into());
         }
         Ok(())
     }
@@ -440,7 +520,6 @@ impl PrefixMap {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hash::BlockHash;
 
     /// Keys sharing their first 8 bytes collide on bucket and tag: only the
     /// full-key comparison tells them apart.
@@ -476,6 +555,40 @@ mod tests {
             let present = m.head(&colliding(i)).is_some();
             assert_eq!(present, i % 3 != 0);
         }
+    }
+
+    #[test]
+    fn an_overflow_count_past_its_byte_sticks_and_lookups_still_end() {
+        // 300 keys with one home: the home bucket's overflow passes 255.
+        let key = |i: u16| {
+            let mut b = [7u8; 32];
+            b[30..].copy_from_slice(&i.to_le_bytes());
+            CacheKey {
+                hash: BlockHash::from_slice(&b).unwrap_or_default(),
+                group: 0,
+            }
+        };
+        let mut m = PrefixMap::with_capacity(4096, 0);
+        for i in 0..300u16 {
+            m.insert(key(i), u32::from(i), 16, 0);
+        }
+        let home = m.home(mix(&key(0)));
+        assert_eq!(overflow(m.bucket(home)), OVERFLOW_STUCK);
+        assert!(m.check().is_ok());
+        for i in (0..300u16).rev() {
+            assert_eq!(
+                m.head(&key(i)).map(|e| m.entry(e).block),
+                Some(u32::from(i))
+            );
+            assert!(m.remove(&key(i), u32::from(i)));
+            assert!(m.head(&key(i)).is_none());
+        }
+        assert_eq!(m.len(), 0);
+        assert!(m.check().is_ok());
+        // The stuck count only lengthens probes: a key placed again is found.
+        m.insert(key(5), 9, 16, 0);
+        assert_eq!(m.head(&key(5)).map(|e| m.entry(e).block), Some(9));
+        assert!(m.check().is_ok());
     }
 
     #[test]

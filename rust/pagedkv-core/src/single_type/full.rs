@@ -19,26 +19,29 @@ impl GroupManager {
         let mut n = 0usize;
         // Lookups read ahead in windows (8 blocks, then 32): a miss at the
         // first block reads little ahead for nothing.
-        let mut warmed = 0usize;
         let limit = (q.max_len / bs).min(q.hashes.len() / self.scale);
-        for i in 0..limit {
-            if i == warmed {
-                warmed = (i + if i == 0 { 8 } else { 32 }).min(limit);
-                for &g in group_ids {
-                    out[g as usize].reserve(warmed - i);
-                }
-                pool.warm_lookups((i..warmed).flat_map(|j| {
-                    let hash = q.hashes[(j + 1) * self.scale - 1];
-                    group_ids.iter().map(move |&group| CacheKey { hash, group })
-                }));
-            }
-            let Some(hash) = self.hash_at(q.hashes, i) else {
-                break;
+        while n < limit {
+            let end = (n + if n == 0 { 8 } else { 32 }).min(limit);
+            pool.warm_lookups((n..end).flat_map(|j| {
+                let hash = q.hashes[(j + 1) * self.scale - 1];
+                group_ids.iter().map(move |&group| CacheKey { hash, group })
+            }));
+            let window = q.hashes[(n + 1) * self.scale - 1..end * self.scale]
+                .iter()
+                .step_by(self.scale);
+            let found = if let &[g] = group_ids {
+                let v = &mut out[g as usize];
+                v.reserve(end - n);
+                pool.cached_run(window, g, v)
+            } else {
+                window
+                    .take_while(|&&hash| Self::lookup_into(pool, hash, group_ids, out))
+                    .count()
             };
-            if !Self::lookup_into(pool, hash, group_ids, out) {
+            n += found;
+            if n < end {
                 break;
             }
-            n += 1;
         }
         let mut hit = n * bs;
         // Fine-grained lookups (partial hits, `alignment` = the hash block) go on

@@ -71,44 +71,50 @@ pub struct RequestSpec {
 
 /// One request's state. Its fields are read across the crate and written only
 /// here and, for the per-group block lists, by the group managers.
+///
+/// Laid out for a decode step on cold caches: what `allocate_slots` and
+/// `append_token_ids` read of a running request (its token and hash counts,
+/// the pending hash job, its step counts, the group block lists, `admitted`)
+/// sits in its first two cache lines; the rest follows.
 #[derive(Clone, Debug)]
+#[repr(C, align(64))]
 pub(crate) struct Request {
-    pub id: String,
-    pub uid: u64,
     pub tokens: Vec<u32>,
-    pub num_prompt_tokens: usize,
     /// The block hashes (read through [`Self::hashes`]: while the prompt is
     /// hashed in the background they are in `pending`).
     hash_vec: Vec<BlockHash>,
+    /// The prompt's hashes being computed on the manager's hash worker.
+    pending: Option<Arc<HashJob>>,
+    /// Tokens computed once the last allocated step has run: its computed tokens
+    /// (hit and external included) plus the tokens it scheduled. What a decode
+    /// step's `num_computed_tokens` is when the caller does not pass it.
+    pub scheduled_through: u64,
+    /// Tokens computed when the last allocation started (vLLM reads
+    /// `request.num_computed_tokens` while caching).
+    pub num_computed_at_step: u64,
+    pub groups: Vec<GroupBlocks>,
+    pub num_prompt_tokens: usize,
+    /// Holds an allocation (between a successful `allocate_slots` and `free`).
+    pub admitted: bool,
+    pub verify: bool,
+    pub skip_reading: bool,
+    /// A prefix-cache lookup ran since the last admission (stats are recorded at
+    /// admission, as vLLM's scheduler does).
+    pub pending_lookup: bool,
+    pub num_preemptions: u32,
+    pub id: String,
+    pub uid: u64,
     /// With hit verification on: the strong context digest through each hash
     /// block (`ctx[j]` covers tokens and extra keys of hash blocks `0..=j`).
     ctx_vec: Vec<[u8; 32]>,
-    /// The prompt's hashes being computed on the manager's hash worker.
-    pending: Option<Arc<HashJob>>,
-    pub verify: bool,
     pub lora: Option<Lora>,
     pub cache_salt: Option<String>,
     pub mm: Vec<MmFeature>,
     /// SHA-256 of each hash block's slice of the prompt embeddings (blocks past
     /// the prompt hash the empty slice, as vLLM does).
     pub embed_digests: Option<Vec<[u8; 32]>>,
-    pub skip_reading: bool,
     pub session_id: Option<String>,
-    pub num_preemptions: u32,
-    /// A prefix-cache lookup ran since the last admission (stats are recorded at
-    /// admission, as vLLM's scheduler does).
-    pub pending_lookup: bool,
     pub shared_prefix_boundary: u64,
-    /// Tokens computed when the last allocation started (vLLM reads
-    /// `request.num_computed_tokens` while caching).
-    pub num_computed_at_step: u64,
-    /// Holds an allocation (between a successful `allocate_slots` and `free`).
-    pub admitted: bool,
-    /// Tokens computed once the last allocated step has run: its computed tokens
-    /// (hit and external included) plus the tokens it scheduled. What a decode
-    /// step's `num_computed_tokens` is when the caller does not pass it.
-    pub scheduled_through: u64,
-    pub groups: Vec<GroupBlocks>,
 }
 
 impl Request {
@@ -594,6 +600,19 @@ const EMPTY_SHA256: [u8; 32] = [
     0xe3, 0xb0, 0xc4, 0x42, 0x98, 0xfc, 0x1c, 0x14, 0x9a, 0xfb, 0xf4, 0xc8, 0x99, 0x6f, 0xb9, 0x24,
     0x27, 0xae, 0x41, 0xe4, 0x64, 0x9b, 0x93, 0x4c, 0xa4, 0x95, 0x99, 0x1b, 0x78, 0x52, 0xb8, 0x55,
 ];
+
+// What a decode step reads of a request stays in its first two cache lines.
+const _: () = {
+    use std::mem::{align_of, offset_of, size_of};
+    assert!(align_of::<Request>() == 64);
+    assert!(offset_of!(Request, tokens) + size_of::<Vec<u32>>() <= 128);
+    assert!(offset_of!(Request, hash_vec) + size_of::<Vec<BlockHash>>() <= 128);
+    assert!(offset_of!(Request, pending) + size_of::<Option<Arc<HashJob>>>() <= 128);
+    assert!(offset_of!(Request, scheduled_through) + 8 <= 128);
+    assert!(offset_of!(Request, num_computed_at_step) + 8 <= 128);
+    assert!(offset_of!(Request, groups) + size_of::<Vec<GroupBlocks>>() <= 128);
+    assert!(offset_of!(Request, admitted) < 128);
+};
 
 #[cfg(test)]
 mod tests {

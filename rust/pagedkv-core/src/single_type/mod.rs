@@ -26,23 +26,25 @@ use crate::pool::{BlockId, BlockPool, CacheKey, NULL_BLOCK};
 use crate::request::Request;
 use crate::spec::{AttentionKind, GroupSpec, MambaCacheMode};
 
-/// One request's blocks in one KV-cache group.
+/// One request's blocks in one KV-cache group. What a decode step reads (the
+/// blocks, the cached count, a pending partial hit) is its first cache line.
 #[derive(Clone, Debug, Default)]
+#[repr(C, align(64))]
 pub(crate) struct GroupBlocks {
     blocks: Vec<BlockId>,
     /// Number of leading blocks already cached; `Some` once the request is
     /// running in this group (vLLM's `num_cached_block` entry).
     num_cached: Option<usize>,
+    /// A prefix hit ending inside a block: `(index, shared block)`, copied on
+    /// write into a private block at the next allocation (vLLM's
+    /// `_partial_hit_reqs`).
+    partial_hit: Option<(usize, BlockId)>,
     /// Mamba "align": blocks were allocated since admission.
     mamba_allocated: bool,
     /// Mamba "align": index of the previous step's state block.
     mamba_last_state: Option<usize>,
     /// Mamba "align": blocks before this index were already retired.
     mamba_retired: usize,
-    /// A prefix hit ending inside a block: `(index, shared block)`, copied on
-    /// write into a private block at the next allocation (vLLM's
-    /// `_partial_hit_reqs`).
-    partial_hit: Option<(usize, BlockId)>,
     /// Mamba "align": the prefill checkpoint this step reserved, `(position,
     /// column)` (vLLM's `_checkpoints`).
     checkpoint: Option<(u64, usize)>,
@@ -50,6 +52,15 @@ pub(crate) struct GroupBlocks {
     /// block it keeps writing, `(block, boundary tokens)`.
     producer_tail: Option<(BlockId, u64)>,
 }
+
+// What a decode step reads of a group's blocks stays in its first cache line.
+const _: () = {
+    use std::mem::{align_of, offset_of, size_of};
+    assert!(align_of::<GroupBlocks>() == 64);
+    assert!(offset_of!(GroupBlocks, blocks) + size_of::<Vec<BlockId>>() <= 64);
+    assert!(offset_of!(GroupBlocks, num_cached) + size_of::<Option<usize>>() <= 64);
+    assert!(offset_of!(GroupBlocks, partial_hit) + size_of::<Option<(usize, BlockId)>>() <= 64);
+};
 
 /// Block ids a request's table reserves room for beyond those it holds when it
 /// grows: a decode that needs this many more blocks appends them without a

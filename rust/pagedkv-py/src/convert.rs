@@ -67,35 +67,49 @@ fn token_item(item: &Bound<'_, PyAny>) -> PkResult<u32> {
     }
 }
 
-/// Token ids from a list of Python ints. Exact ints in range take a direct path
-/// (no reference counting, no error machinery); anything else goes through
-/// [`token_item`], which converts or explains.
+/// Item `i` (below the list's length) of `list` when it is an exact Python int
+/// that fits an `i64`: read directly (no reference counting, no error
+/// machinery). `None` for anything else; the caller's slow path converts or
+/// explains.
 #[allow(unsafe_code)] // the one unsafe block of the workspace: see its SAFETY note
+#[allow(clippy::useless_conversion)] // `c_long` is 32 bits on Windows
+fn exact_int_item(list: &Bound<'_, PyList>, i: usize) -> Option<i64> {
+    debug_assert!(i < list.len());
+    let int_type = std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type);
+    // SAFETY: the GIL is held (`list` is bound to it) and nothing here runs
+    // Python code, so the list cannot change under us; `PyList_GetItem` checks
+    // the index itself and returns a borrowed reference, used only here and
+    // only after its null check; an error it or `PyLong_AsLong` sets is
+    // cleared before returning.
+    unsafe {
+        let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
+        if item.is_null() {
+            pyo3::ffi::PyErr_Clear();
+            return None;
+        }
+        if pyo3::ffi::Py_TYPE(item) != int_type {
+            return None;
+        }
+        let v = pyo3::ffi::PyLong_AsLong(item);
+        if v == -1 && !pyo3::ffi::PyErr_Occurred().is_null() {
+            pyo3::ffi::PyErr_Clear();
+            return None;
+        }
+        Some(i64::from(v))
+    }
+}
+
+/// Token ids from a list of Python ints: exact ints in range take
+/// [`exact_int_item`]'s direct path, anything else goes through
+/// [`token_item`], which converts or explains.
 fn list_tokens(list: &Bound<'_, PyList>, limit: usize) -> PkResult<Vec<u32>> {
     let n = list.len();
     if n > limit {
         return Err(too_many("token ids", n, limit));
     }
     let mut out = Vec::with_capacity(n);
-    let int_type = std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type);
     for i in 0..n {
-        // SAFETY: `i < n`, the length read above; the GIL is held and nothing in
-        // this loop's fast path runs Python code, so the list cannot change under
-        // us. The item is a borrowed reference used only in this iteration.
-        let fast = unsafe {
-            let item = pyo3::ffi::PyList_GetItem(list.as_ptr(), i as pyo3::ffi::Py_ssize_t);
-            if !item.is_null() && pyo3::ffi::Py_TYPE(item) == int_type {
-                let v = pyo3::ffi::PyLong_AsLong(item);
-                if v == -1 {
-                    // -1, or an overflow error to drop: the slow path decides.
-                    pyo3::ffi::PyErr_Clear();
-                }
-                u32::try_from(v).ok()
-            } else {
-                None
-            }
-        };
-        match fast {
+        match exact_int_item(list, i).and_then(|v| u32::try_from(v).ok()) {
             Some(t) => out.push(t),
             None => out.push(token_item(&list.get_item(i)?)?),
         }
@@ -291,6 +305,23 @@ pub enum BatchIds {
 
 impl BatchIds {
     pub fn extract(obj: &Bound<'_, PyAny>) -> PkResult<Self> {
+        if let Ok(list) = obj.cast::<PyList>() {
+            let first_is_int = match list.len() {
+                0 => false,
+                _ => list.get_item(0)?.is_instance_of::<PyInt>(),
+            };
+            if first_is_int {
+                return (0..list.len())
+                    .map(|i| match exact_int_item(list, i) {
+                        Some(h) if h >= 0 => Ok(h as u64),
+                        _ => list.get_item(i)?.extract::<u64>().map_err(|_| {
+                            type_error("request handles must be ints returned by add_request")
+                        }),
+                    })
+                    .collect::<PkResult<Vec<u64>>>()
+                    .map(Self::Handles);
+            }
+        }
         if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
             // A negative value is no handle: it maps to one that is never live.
             return Ok(Self::Handles(
@@ -299,23 +330,6 @@ impl BatchIds {
         }
         if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u64>>() {
             return Ok(Self::Handles(a.as_slice()?.to_vec()));
-        }
-        if let Ok(list) = obj.cast::<PyList>() {
-            let first_is_int = match list.len() {
-                0 => false,
-                _ => list.get_item(0)?.is_instance_of::<PyInt>(),
-            };
-            if first_is_int {
-                return list
-                    .iter()
-                    .map(|h| {
-                        h.extract::<u64>().map_err(|_| {
-                            type_error("request handles must be ints returned by add_request")
-                        })
-                    })
-                    .collect::<PkResult<Vec<u64>>>()
-                    .map(Self::Handles);
-            }
         }
         if obj.is_instance_of::<PyString>() {
             return Err(type_error(

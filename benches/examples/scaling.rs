@@ -16,7 +16,8 @@
 //! pointer chase through a random cycle over 512 MiB, TLB misses included, as
 //! the prefix map of a 10^7-block pool has them).
 //!
-//! `cargo run --release -p pagedkv-benches --example scaling [rounds] [cycles]`
+//! `cargo run --release -p pagedkv-benches --example scaling [rounds] [cycles] [from] [to]`
+//! (pool sizes 10^from .. 10^to, 3 and 7 by default)
 use std::time::{Duration, Instant};
 
 use pagedkv_benches::{admit, arg, manager, tokens};
@@ -112,11 +113,12 @@ fn dram_latency(words: usize) -> f64 {
 
 fn main() {
     let (rounds, cycles): (usize, usize) = (arg(1, 7), arg(2, 20));
+    let (from, to): (u32, u32) = (arg(3, 3), arg(4, 7));
     let chase = (0..3)
         .map(|_| dram_latency(1 << 26))
         .fold(f64::MAX, f64::min);
     let mut pools = Vec::new();
-    for exp in 3..=7u32 {
+    for exp in from.clamp(1, 9)..=to.clamp(1, 9) {
         let n = 10u32.pow(exp);
         let t = Instant::now();
         let mut mgr = manager(n);

@@ -72,8 +72,6 @@ pub(crate) struct PrefixMap {
     table: Vec<u32>,
     base: usize,
     num_buckets: usize,
-    /// `64 - log2(num_buckets)`: a key's home is the top bits of its hash.
-    shift: u32,
     /// Keys in the table (not entries: a key with several blocks counts once).
     len: usize,
     entries: Vec<KeyEntry>,
@@ -85,13 +83,17 @@ fn max_keys(num_buckets: usize) -> usize {
     num_buckets * LANES * 4 / 5
 }
 
-/// At least two buckets, so that a key's home is a shift of fewer than 64 bits.
+/// A table for `keys` keys fills 3/5 of its lanes (any number of buckets, at
+/// least two): the same load whatever the pool's size, where a power of two
+/// would leave it anywhere from 2/5 to 4/5, and probes past the home bucket
+/// grow quickly towards 4/5.
 fn buckets_for(keys: usize) -> usize {
-    let mut n = 2usize;
-    while max_keys(n) < keys {
-        n *= 2;
-    }
-    n
+    (keys.saturating_mul(5) / (LANES * 3) + 1).max(2)
+}
+
+/// The bucket after `b` in a table of `n`.
+fn next_bucket(b: usize, n: usize) -> usize {
+    if b + 1 == n { 0 } else { b + 1 }
 }
 
 /// The key's 64-bit hash: digests are uniform, but test keys and short
@@ -194,7 +196,6 @@ impl PrefixMap {
             table,
             base,
             num_buckets: n,
-            shift: 64 - n.trailing_zeros(),
             len: 0,
             entries: arena,
             free_entry: NIL,
@@ -216,8 +217,10 @@ impl PrefixMap {
         &self.entries[e as usize]
     }
 
+    /// A key's home bucket: its hash's high bits scaled to the table (the tag
+    /// takes the low ones).
     fn home(&self, h: u64) -> usize {
-        (h >> self.shift) as usize
+        ((u128::from(h) * self.num_buckets as u128) >> 64) as usize
     }
 
     fn bucket(&self, b: usize) -> &[u32] {
@@ -244,7 +247,7 @@ impl PrefixMap {
     #[inline]
     fn probe(&self, h: u64, is_key: impl Fn(&CacheKey) -> bool) -> Option<(Slot, u32)> {
         let t = tag(h);
-        let mask = self.num_buckets - 1;
+        let buckets = self.num_buckets;
         let mut b = self.home(h);
         let table = &self.table[self.base..];
         for _ in 0..self.num_buckets {
@@ -261,7 +264,7 @@ impl PrefixMap {
             if overflow(bucket) == 0 {
                 return None;
             }
-            b = (b + 1) & mask;
+            b = next_bucket(b, buckets);
         }
         None
     }
@@ -370,7 +373,7 @@ impl PrefixMap {
 
     /// Puts a key known to be absent into the table.
     fn place(&mut self, h: u64, e: u32) {
-        let mask = self.num_buckets - 1;
+        let n = self.num_buckets;
         let mut b = self.home(h);
         loop {
             let bucket = self.bucket_mut(b);
@@ -382,7 +385,7 @@ impl PrefixMap {
                 return;
             }
             bucket[OVERFLOW] += 1;
-            b = (b + 1) & mask;
+            b = next_bucket(b, n);
         }
     }
 
@@ -393,7 +396,6 @@ impl PrefixMap {
         let n = old_n * 2;
         (self.table, self.base) = zeroed_table(n);
         self.num_buckets = n;
-        self.shift = 64 - n.trailing_zeros();
         for b in 0..old_n {
             let at = old_base + b * WORDS;
             for lane in 0..LANES {
@@ -437,11 +439,11 @@ impl PrefixMap {
     }
 
     fn remove_slot(&mut self, h: u64, s: Slot) {
-        let mask = self.num_buckets - 1;
+        let n = self.num_buckets;
         let mut b = self.home(h);
         while b != s.bucket {
             self.bucket_mut(b)[OVERFLOW] -= 1;
-            b = (b + 1) & mask;
+            b = next_bucket(b, n);
         }
         set_tag(self.bucket_mut(s.bucket), s.lane, 0);
         self.len -= 1;
@@ -481,7 +483,7 @@ impl PrefixMap {
     /// Structural checks of the table itself: every key reachable from its
     /// home, overflow counts exact, tags matching the keys.
     pub(crate) fn check(&self) -> Result<(), String> {
-        let mask = self.num_buckets - 1;
+        let n = self.num_buckets;
         let mut expected = vec![0u32; self.num_buckets];
         let mut keys = 0usize;
         for (b, t, head) in self.slots() {
@@ -493,7 +495,7 @@ impl PrefixMap {
             let mut x = self.home(h);
             while x != b {
                 expected[x] += 1;
-                x = (x + 1) & mask;
+                x = next_bucket(x, n);
             }
         }
         if keys != self.len {

@@ -478,7 +478,7 @@ impl BlockPool {
     /// `out`, stopping at the first miss; returns how many it appended.
     pub(crate) fn cached_run<'a>(
         &self,
-        hashes: impl Iterator<Item = &'a BlockHash>,
+        hashes: impl ExactSizeIterator<Item = &'a BlockHash>,
         group: u32,
         out: &mut Vec<BlockId>,
     ) -> usize {

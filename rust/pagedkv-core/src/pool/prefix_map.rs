@@ -271,18 +271,24 @@ impl PrefixMap {
 
     /// Appends the first block under each of `hashes` in `group` to `out`,
     /// stopping at the first key the map lacks; returns how many it appended.
+    ///
+    /// `out` grows once, at the first hit, for every key left: a miss at the
+    /// first key allocates nothing.
     pub(crate) fn first_blocks_run<'a>(
         &self,
-        hashes: impl Iterator<Item = &'a BlockHash>,
+        mut hashes: impl ExactSizeIterator<Item = &'a BlockHash>,
         group: u32,
         out: &mut Vec<BlockId>,
     ) -> usize {
         let mut n = 0;
-        for hash in hashes {
+        while let Some(hash) = hashes.next() {
             let h = mix_parts(hash, group);
             let Some((_, e)) = self.probe(h, |k| k.hash == *hash && k.group == group) else {
                 break;
             };
+            if n == 0 {
+                out.reserve(hashes.len() + 1);
+            }
             out.push(self.entries[e as usize].block);
             n += 1;
         }

@@ -30,9 +30,7 @@ impl GroupManager {
                 .iter()
                 .step_by(self.scale);
             let found = if let &[g] = group_ids {
-                let v = &mut out[g as usize];
-                v.reserve(end - n);
-                pool.cached_run(window, g, v)
+                pool.cached_run(window, g, &mut out[g as usize])
             } else {
                 window
                     .take_while(|&&hash| Self::lookup_into(pool, hash, group_ids, out))

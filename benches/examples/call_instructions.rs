@@ -35,18 +35,8 @@ fn main() {
         }
     } else if what == "lookup" {
         let cached: Vec<u32> = (0..2560u32).map(|i| (i * 31) % 32000).collect();
-        let mut p = cached.clone();
-        mgr.add_request(
-            "c",
-            RequestSpec {
-                prompt_token_ids: cached,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        let h = mgr.get_computed_blocks("c").unwrap();
-        mgr.allocate_slots("c", &AllocateArgs::step(2560, 0), Some(&h))
-            .unwrap();
+        assert!(pagedkv_benches::admit(&mut mgr, "c", &cached));
+        let mut p = cached;
         p.push(1);
         mgr.add_request(
             "h",

@@ -2,11 +2,13 @@
 //! `decode N` makes N decode `allocate_slots` calls that need no new block,
 //! `admit N` admits and removes N distinct 2,560-token prompts, on one
 //! full-attention manager, `lookup N` makes N lookups of a cached 160-block
-//! prefix. Run under callgrind with N and with 0; the difference
+//! prefix (`lookup_hybrid N`: with three sliding-window groups beside). Run under callgrind with N and with 0; the difference
 //! divided by N is the instructions per call:
 //!
 //! `valgrind --tool=callgrind target/release/examples/call_instructions decode 200000`
-use pagedkv_core::{AllocateArgs, KvCacheManager, ManagerConfig, RequestSpec};
+use pagedkv_core::{
+    AllocateArgs, AttentionKind, GroupSpec, KvCacheManager, ManagerConfig, RequestSpec,
+};
 use std::hint::black_box;
 
 fn main() {
@@ -15,7 +17,21 @@ fn main() {
         .nth(2)
         .and_then(|s| s.parse().ok())
         .unwrap_or(1_000_000);
-    let mut mgr = KvCacheManager::new(ManagerConfig::full_attention(1 << 16, 16, 1 << 20)).unwrap();
+    let mut cfg = ManagerConfig::full_attention(1 << 16, 16, 1 << 20);
+    if what == "lookup_hybrid" {
+        // Full attention and three sliding windows (512, 1,024 and 1,536 tokens).
+        cfg.groups = (0..4u32)
+            .map(|i| {
+                let kind = if i == 0 {
+                    AttentionKind::FullAttention
+                } else {
+                    AttentionKind::SlidingWindow { window: 512 * i }
+                };
+                GroupSpec::new(kind, 16)
+            })
+            .collect();
+    }
+    let mut mgr = KvCacheManager::new(cfg).unwrap();
     let prompt: Vec<u32> = (0..1000u32).map(|i| (i * 7919) % 32000).collect();
     mgr.add_request(
         "r",
@@ -33,7 +49,7 @@ fn main() {
         for _ in 0..n {
             black_box(mgr.allocate_slots("r", &args, None).unwrap().is_some());
         }
-    } else if what == "lookup" {
+    } else if what == "lookup" || what == "lookup_hybrid" {
         let cached: Vec<u32> = (0..2560u32).map(|i| (i * 31) % 32000).collect();
         assert!(pagedkv_benches::admit(&mut mgr, "c", &cached));
         let mut p = cached;

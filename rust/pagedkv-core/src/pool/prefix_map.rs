@@ -244,7 +244,10 @@ impl PrefixMap {
     }
 
     /// The slot and head entry of the key hashing to `h` that `is_key` accepts.
-    #[inline]
+    /// Inlined everywhere: as a call, lookups and admissions take 1–5 % more
+    /// instructions.
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     fn probe(&self, h: u64, is_key: impl Fn(&CacheKey) -> bool) -> Option<(Slot, u32)> {
         let t = tag(h);
         let buckets = self.num_buckets;

@@ -140,8 +140,8 @@ impl BlockPool {
         // grows by doubling beyond.
         let keys = if enable_caching { n as usize } else { 0 };
         let map = PrefixMap::try_with_capacity(keys, keys.min(KEY_RESERVE)).ok_or_else(|| {
-            // At most 20 bytes of table per block beside its 16 bytes of state.
-            Error::InvalidConfig(cannot_allocate(n, size_of::<Block>() + 20))
+            // About 14 bytes of table per block beside its 16 bytes of state.
+            Error::InvalidConfig(cannot_allocate(n, size_of::<Block>() + 14))
         })?;
         Ok(Self {
             blocks,

@@ -3,18 +3,19 @@
 //! Every `(key, block)` pair is an entry in one arena (a cache line each: the
 //! full key, the block, the tokens the key covers, its stamp, the next entry
 //! under the same key). The table holds only 4-byte entry numbers and 2-byte
-//! tags, eight pairs per 64-byte bucket (10 to 20 bytes of table per key the
-//! table is sized for), so a probe reads one cache line and a hit one more
-//! (the entry, which also names the block). The eight tags are matched four at
-//! a time as the 16-bit lanes of two words; a 15-bit tag sends a probe to a
-//! wrong entry once in ~5,000 probes of a table at its fullest (a 7-bit one
-//! did so once in ~30, a DRAM miss each at 10^7 blocks). A key usually maps to one block;
+//! tags, eight pairs per 64-byte bucket (about 13 bytes of table per key it is
+//! sized for), so a probe reads one cache line and a hit one more (the entry,
+//! which also names the block). The eight tags are matched four at a time as
+//! the 16-bit lanes of two words; a 15-bit tag sends a probe to a wrong entry
+//! once in ~5,000 probes of a table at its fullest (a 7-bit one did so once in
+//! ~30, a DRAM miss each at 10^7 blocks). A key usually maps to one block;
 //! equal content computed twice maps to several, chained in insertion order
 //! from the entry the table points to.
 //!
 //! Collisions: linear probing over buckets. Each bucket counts the keys whose
-//! home it is but that live further on (`overflow`), so a lookup stops at the first bucket that does not hold the key and
-//! has no overflow, and a removal needs no tombstone (F14's scheme).
+//! home it is but that live further on (`overflow`), so a lookup stops at the
+//! first bucket that does not hold the key and has no overflow, and a removal
+//! needs no tombstone (F14's scheme).
 //!
 //! Staged lookups: [`PrefixMap::warm_bucket`] and [`PrefixMap::warm_candidate`]
 //! read the line a later probe needs without depending on it, so the lookups,
@@ -253,7 +254,7 @@ impl PrefixMap {
         let buckets = self.num_buckets;
         let mut b = self.home(h);
         let table = &self.table[self.base..];
-        for _ in 0..self.num_buckets {
+        for _ in 0..buckets {
             let bucket = table.get(b * WORDS..(b + 1) * WORDS)?;
             let mut hits = matching_lanes(bucket, t);
             while hits != 0 {

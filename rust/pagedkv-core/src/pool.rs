@@ -474,6 +474,14 @@ impl BlockPool {
         self.map.head(key).map(|e| self.map.entry(e).block)
     }
 
+    /// The first block cached under `(hash, group)` ([`Self::cached_block`]
+    /// for a lookup loop: no key built).
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
+    pub(crate) fn first_cached(&self, hash: &BlockHash, group: u32) -> Option<BlockId> {
+        self.map.first_block(hash, group)
+    }
+
     /// Appends the first block cached under each of `hashes` in `group` to
     /// `out`, stopping at the first miss; returns how many it appended.
     pub(crate) fn cached_run<'a>(
@@ -483,6 +491,13 @@ impl BlockPool {
         out: &mut Vec<BlockId>,
     ) -> usize {
         self.map.first_blocks_run(hashes, group, out)
+    }
+
+    /// Whether lookups read ahead ([`Self::warm_lookups`] does nothing
+    /// otherwise): the map is larger than the caches.
+    #[inline]
+    pub(crate) fn reads_ahead(&self) -> bool {
+        self.map.is_large()
     }
 
     /// Reads ahead what lookups of `keys` will need (the buckets, then the

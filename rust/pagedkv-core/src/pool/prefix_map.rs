@@ -273,6 +273,16 @@ impl PrefixMap {
         None
     }
 
+    /// The first block under `(hash, group)`: [`Self::head`] without building
+    /// the key, its parts compared one by one (a lookup loop's probe).
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
+    pub(crate) fn first_block(&self, hash: &BlockHash, group: u32) -> Option<BlockId> {
+        let h = mix_parts(hash, group);
+        self.probe(h, |k| k.hash == *hash && k.group == group)
+            .map(|(_, e)| self.entries[e as usize].block)
+    }
+
     /// Appends the first block under each of `hashes` in `group` to `out`,
     /// stopping at the first key the map lacks; returns how many it appended.
     ///

@@ -364,7 +364,7 @@ impl GroupManager {
     ) -> bool {
         found.clear();
         for &g in group_ids {
-            match pool.cached_block(&CacheKey { hash, group: g }) {
+            match pool.first_cached(&hash, g) {
                 Some(b) => found.push(b),
                 None => return false,
             }
@@ -385,7 +385,7 @@ impl GroupManager {
         out: &mut [Vec<BlockId>],
     ) -> bool {
         for (k, &g) in group_ids.iter().enumerate() {
-            let Some(b) = pool.cached_block(&CacheKey { hash, group: g }) else {
+            let Some(b) = pool.first_cached(&hash, g) else {
                 for &done in &group_ids[..k] {
                     out[done as usize].pop();
                 }
@@ -394,6 +394,25 @@ impl GroupManager {
             out[g as usize].push(b);
         }
         true
+    }
+
+    /// Reads ahead the lookups of blocks `range` in every group of
+    /// `group_ids` (a map larger than the caches; see `BlockPool::warm_lookups`).
+    /// Callers ask [`BlockPool::reads_ahead`] first: with a small map the loop
+    /// stays free of it.
+    #[cold]
+    fn warm_range(
+        &self,
+        pool: &BlockPool,
+        hashes: &[BlockHash],
+        range: std::ops::Range<usize>,
+        group_ids: &[u32],
+    ) {
+        pool.warm_lookups(
+            range
+                .filter_map(|j| self.hash_at(hashes, j))
+                .flat_map(|hash| group_ids.iter().map(move |&group| CacheKey { hash, group })),
+        );
     }
 
     fn hash_at(&self, hashes: &[BlockHash], i: usize) -> Option<BlockHash> {

@@ -6,6 +6,9 @@
 use super::{GroupManager, Lookup};
 use crate::pool::{BlockId, BlockPool, NULL_BLOCK};
 
+/// Blocks read ahead at a time, right to left (a map larger than the caches).
+const READ_AHEAD: usize = 32;
+
 impl GroupManager {
     pub(super) fn find_sliding(
         &self,
@@ -18,40 +21,61 @@ impl GroupManager {
         let bs = self.block_size as usize;
         let need = contiguous_blocks_for_hit(window, self.block_size, q.drop_eagle_block);
         let max_blocks = q.max_len / bs;
+        // The run being matched goes into `out` right to left (pushed as
+        // found, dropped at a miss), then is turned round and moved behind
+        // the null blocks before it.
         for &g in group_ids {
-            out[g as usize].resize(max_blocks, NULL_BLOCK);
+            out[g as usize].reserve(max_blocks);
         }
-        let mut found = Vec::with_capacity(group_ids.len());
         let mut run = 0usize;
-        let mut matched = false;
+        let mut start = 0usize;
         for i in (0..max_blocks).rev() {
-            let hit = self
-                .hash_at(q.hashes, i)
-                .is_some_and(|h| Self::lookup_all(pool, h, group_ids, &mut found));
-            if !hit {
+            if (max_blocks - 1 - i) % READ_AHEAD == 0 && pool.reads_ahead() {
+                self.warm_range(
+                    pool,
+                    q.hashes,
+                    i.saturating_sub(READ_AHEAD - 1)..i + 1,
+                    group_ids,
+                );
+            }
+            let hit = self.hash_at(q.hashes, i).is_some_and(|h| match *group_ids {
+                [g] => pool
+                    .first_cached(&h, g)
+                    .map(|b| out[g as usize].push(b))
+                    .is_some(),
+                _ => Self::lookup_into(pool, h, group_ids, out),
+            });
+            let aligned = || {
+                let post_pop = if q.drop_eagle_block { i } else { i + 1 };
+                bs == q.alignment || (post_pop * bs) % q.alignment == 0
+            };
+            if !hit || (run == 0 && !aligned()) {
+                if hit || run > 0 {
+                    Self::truncate_all(out, group_ids, 0);
+                }
                 run = 0;
                 continue;
             }
-            if run == 0 && bs != q.alignment {
-                let post_pop = if q.drop_eagle_block { i } else { i + 1 };
-                if (post_pop * bs) % q.alignment != 0 {
-                    continue;
-                }
-            }
-            for (&g, &b) in group_ids.iter().zip(&found) {
-                out[g as usize][i] = b;
-            }
             run += 1;
             if run >= need {
-                Self::truncate_all(out, group_ids, i + run);
-                matched = true;
+                start = i;
                 break;
+            }
+        }
+        // Unmatched, `run` is the run touching position 0: a hit even if
+        // shorter than the window, cut back to the alignment.
+        let matched = run >= need;
+        for &g in group_ids {
+            let list = &mut out[g as usize];
+            list.reverse();
+            if start > 0 {
+                list.resize(start + run, NULL_BLOCK);
+                list.copy_within(0..run, start);
+                list[..start].fill(NULL_BLOCK);
             }
         }
         let len_of = |out: &[Vec<BlockId>]| out[group_ids[0] as usize].len();
         if !matched {
-            // A run touching position 0 is a hit even if shorter than the window.
-            Self::truncate_all(out, group_ids, run);
             while bs != q.alignment && (len_of(out) * bs) % q.alignment != 0 {
                 let l = len_of(out) - 1;
                 Self::truncate_all(out, group_ids, l);

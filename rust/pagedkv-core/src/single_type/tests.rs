@@ -86,6 +86,57 @@ fn sliding_window_hit_needs_a_contiguous_run_ending_the_prefix() {
     }
 }
 
+/// Two groups with one sliding-window spec: a position counts only where both
+/// groups have the block (vLLM's `SlidingWindowManager` asks every group of
+/// the spec), so a run in group 0 that group 1 breaks restarts.
+#[test]
+fn sliding_window_groups_of_one_spec_hit_only_where_all_of_them_do() {
+    let m = manager(AttentionKind::SlidingWindow { window: 4 }, 2);
+    let (t, f) = (true, false);
+    let cases: &[(&[bool], &[bool], usize)] = &[
+        (&[t, t, t, t], &[t, t, t, t], 4),
+        (&[t, t, t, t], &[t, t, f, t], 2),
+        (&[t, t, t, t, t], &[t, f, t, t, f], 4),
+        (&[t, t, t, t, t, t], &[f, t, t, f, t, t], 6),
+        (&[t, t, f, t], &[t, t, t, f], 2),
+        (&[f, t, t, t], &[t, t, t, f], 3),
+        (&[t, t, t, t], &[f, f, f, f], 0),
+    ];
+    for &(g0, g1, expect) in cases {
+        let mut pool = BlockPool::new(2000, true, false);
+        let hashes: Vec<BlockHash> = (0..g0.len()).map(hash).collect();
+        for (group, flags) in [(0u32, g0), (1, g1)] {
+            for (i, _) in flags.iter().enumerate().filter(|(_, f)| **f) {
+                let key = CacheKey {
+                    hash: hashes[i],
+                    group,
+                };
+                pool.cache_block(i as u32 + 10 + 100 * group, key);
+            }
+        }
+        let q = Lookup {
+            hashes: &hashes,
+            max_len: g0.len() * 2,
+            drop_eagle_block: false,
+            alignment: 2,
+        };
+        let mut out = vec![Vec::new(), Vec::new()];
+        let hit = m.find_longest_cache_hit(&pool, &q, &[0, 1], &mut out);
+        assert_eq!(hit, expect * 2, "{g0:?} {g1:?}");
+        for (group, list) in out.iter().enumerate() {
+            assert_eq!(list.len(), expect, "{g0:?} {g1:?}");
+            for (i, &b) in list.iter().enumerate() {
+                let want = if i + 2 < expect {
+                    NULL_BLOCK
+                } else {
+                    i as u32 + 10 + 100 * group as u32
+                };
+                assert_eq!(b, want, "{g0:?} {g1:?} group {group}");
+            }
+        }
+    }
+}
+
 #[test]
 fn chunked_local_hit_starts_at_the_current_chunk() {
     let m = manager(AttentionKind::ChunkedLocal { chunk: 4 }, 2);

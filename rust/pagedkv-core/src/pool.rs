@@ -9,6 +9,7 @@
 use crate::error::{Error, Result, invalid};
 use crate::events::KvEvent;
 use crate::hash::BlockHash;
+use pagedkv_prefetch::prefetch;
 
 /// A physical block id. Block 0 is the null block.
 pub type BlockId = u32;
@@ -78,6 +79,9 @@ pub struct BlockPool {
     /// Bumped whenever a cached block loses its key: lookup results taken before
     /// a bump must be re-validated.
     epoch: u64,
+    /// The free-queue head whose next pops were prefetched
+    /// ([`Self::prefetch_next_pops`]), `NIL` when none.
+    staged_head: u32,
     /// Scratch runs of `free_blocks` (kept to avoid allocating per call).
     scratch_first: Vec<BlockId>,
     scratch_last: Vec<BlockId>,
@@ -155,6 +159,7 @@ impl BlockPool {
             events_enabled,
             events: Vec::new(),
             epoch: 0,
+            staged_head: NIL,
             scratch_first: Vec::new(),
             scratch_last: Vec::new(),
             metrics: None,
@@ -364,18 +369,16 @@ impl BlockPool {
         let start = out.len();
         self.popleft_n(n, out);
         if self.enable_caching && n > 1 && self.map.is_large() {
-            // The evictions' entries, then their buckets, read ahead.
+            // The evictions' entries, then their buckets, prefetched (the
+            // blocks themselves were read by the pop).
             let keyed = || {
                 out[start..]
                     .iter()
                     .map(|&id| self.blocks[id as usize].key)
                     .filter(|&k| k != NIL)
-                    .map(|k| self.map.entry(k).key)
             };
-            keyed().for_each(|k| {
-                std::hint::black_box(k.group);
-            });
-            keyed().for_each(|k| self.map.warm_bucket(&k));
+            keyed().for_each(|k| prefetch(self.map.entry(k)));
+            keyed().for_each(|k| self.map.warm_bucket(&self.map.entry(k).key));
         }
         for &id in &out[start..] {
             if self.enable_caching {
@@ -387,7 +390,53 @@ impl BlockPool {
                 m.log(BlockActivityKind::Allocated, id);
             }
         }
+        if self.enable_caching && self.map.is_large() {
+            let single = (n == 1).then(|| out[start]);
+            self.prefetch_next_pops(single);
+        }
         true
+    }
+
+    /// Prefetches, one call ahead, what the next pops from the free queue
+    /// touch: evicting the head reads its block (cached: the pop that made it
+    /// the head wrote it), its prefix-map entry, then the bucket that entry's
+    /// key lives in, and the pop rewrites the next block's link. Each line
+    /// needs the one before it, so they are staged over two calls: a call
+    /// that took the one block staged last time (`popped`, the common decode
+    /// step) finds the head's entry and the next block cached, reads them
+    /// and prefetches the head's bucket, the next block's entry and the
+    /// block after it. A call that took several blocks only starts the
+    /// stages that need no read (an admission never waits here); the first
+    /// single pop after it reads the next block once, waiting for it.
+    fn prefetch_next_pops(&mut self, popped: Option<BlockId>) {
+        let steady = popped.is_some_and(|b| b == self.staged_head);
+        self.staged_head = NIL;
+        let Some(&head) = self.blocks.get(self.head as usize) else {
+            return;
+        };
+        if head.key != NIL {
+            let entry = self.map.entry(head.key);
+            if steady {
+                self.map.warm_bucket(&entry.key);
+            } else {
+                prefetch(entry);
+            }
+        }
+        let Some(next) = self.blocks.get(head.next as usize) else {
+            return;
+        };
+        if popped.is_none() {
+            prefetch(next);
+            return;
+        }
+        let next = *next;
+        if next.key != NIL {
+            prefetch(self.map.entry(next.key));
+        }
+        if let Some(after) = self.blocks.get(next.next as usize) {
+            prefetch(after);
+        }
+        self.staged_head = self.head;
     }
 
     /// Takes references on prefix-hit blocks, pulling eviction candidates out of
@@ -395,16 +444,18 @@ impl BlockPool {
     pub fn touch(&mut self, ids: &[BlockId]) {
         if ids.len() > 1 && self.blocks.len() * size_of::<Block>() > (2 << 20) {
             // The blocks, then the free-queue neighbours an unlink rewrites,
-            // read ahead.
+            // prefetched.
             for &id in ids {
-                std::hint::black_box(self.blocks[id as usize].ref_cnt);
+                if let Some(b) = self.blocks.get(id as usize) {
+                    prefetch(b);
+                }
             }
             for &id in ids {
                 let b = self.blocks[id as usize];
                 if b.ref_cnt == 0 && id != NULL_BLOCK {
                     for x in [b.prev, b.next] {
-                        if x != NIL {
-                            std::hint::black_box(self.blocks[x as usize].ref_cnt);
+                        if let Some(n) = self.blocks.get(x as usize) {
+                            prefetch(n);
                         }
                     }
                 }

@@ -24,6 +24,8 @@
 
 use std::hint::black_box;
 
+use pagedkv_prefetch::prefetch;
+
 use super::{BlockId, CacheKey};
 use crate::hash::BlockHash;
 
@@ -312,7 +314,7 @@ impl PrefixMap {
     /// Reads the bucket a lookup of `key` starts at (a staged lookup's first
     /// stage).
     pub(crate) fn warm_bucket(&self, key: &CacheKey) {
-        black_box(self.bucket(self.home(mix(key)))[0]);
+        prefetch(&self.bucket(self.home(mix(key)))[0]);
     }
 
     /// Reads the entry a lookup of `key` would compare first (its bucket should
@@ -324,7 +326,9 @@ impl PrefixMap {
         let hits = matching_lanes(bucket, t);
         if hits != 0 {
             let lane = first_lane(hits);
-            black_box(self.entries[bucket[ENTRIES + lane] as usize].block);
+            if let Some(entry) = self.entries.get(bucket[ENTRIES + lane] as usize) {
+                prefetch(entry);
+            }
         }
     }
 

@@ -204,3 +204,55 @@ fn a_large_pool_evicts_looks_up_and_touches_as_a_small_one_does() {
     assert_eq!(p.num_cached_keys(), (N - 1 - 1_000) as usize);
     assert!(p.check_invariants(None).is_ok());
 }
+
+/// Single-block pops from a large pool are prefetched one call ahead; each
+/// still takes the free queue's head, whatever moved the head in between (an
+/// uncached block freed to the front, a touch of the head, several blocks
+/// taken at once), and evicts exactly that block's key.
+#[test]
+fn staged_single_pops_take_the_head_whatever_moved_it() {
+    const N: u32 = 60_000;
+    let mut p = BlockPool::new(N, true, false);
+    let mut out = Vec::new();
+    assert!(p.get_new_blocks(N - 1, &mut out));
+    for &id in &out {
+        assert!(p.cache_block(id, numbered(id)));
+    }
+    p.free_blocks(out.iter().copied());
+    assert!(p.map.is_large());
+    let mut queue: std::collections::VecDeque<BlockId> = (1..N).collect();
+    let mut uncached = Vec::new();
+    for step in 0..400u32 {
+        match step % 10 {
+            3 if !uncached.is_empty() => {
+                // Freed without a key: to the front of the queue.
+                let id = uncached.pop().unwrap_or(NULL_BLOCK);
+                p.free_blocks([id]);
+                queue.push_front(id);
+            }
+            7 => {
+                let head = queue.pop_front().unwrap_or(NULL_BLOCK);
+                p.touch(&[head]);
+                assert_eq!(p.ref_cnt(head), 1);
+            }
+            9 => {
+                out.clear();
+                assert!(p.get_new_blocks(5, &mut out));
+                let want: Vec<BlockId> = queue.drain(..5).collect();
+                assert_eq!(out, want);
+                uncached.extend_from_slice(&out);
+            }
+            _ => {}
+        }
+        out.clear();
+        assert!(p.get_new_blocks(1, &mut out));
+        assert_eq!(
+            out,
+            [queue.pop_front().unwrap_or(NULL_BLOCK)],
+            "step {step}"
+        );
+        assert!(p.cached_block(&numbered(out[0])).is_none());
+        uncached.push(out[0]);
+    }
+    assert!(p.check_invariants(None).is_ok());
+}

@@ -168,19 +168,30 @@ fn numbered(i: u32) -> CacheKey {
     }
 }
 
-/// A pool whose prefix map outgrows the caches reads ahead for its lookups,
-/// evictions and touches: the answers are those of an unstaged pool.
-#[test]
-fn a_large_pool_evicts_looks_up_and_touches_as_a_small_one_does() {
-    const N: u32 = 60_000;
-    let mut p = BlockPool::new(N, true, true);
+/// Blocks of a pool whose prefix map outgrows the caches.
+const LARGE: u32 = 60_000;
+
+/// A pool of `LARGE` blocks, each cached under `numbered(id)` and free again,
+/// in id order.
+fn large_cached_pool(events: bool) -> BlockPool {
+    let mut p = BlockPool::new(LARGE, true, events);
     let mut out = Vec::new();
-    assert!(p.get_new_blocks(N - 1, &mut out));
+    assert!(p.get_new_blocks(LARGE - 1, &mut out));
     for &id in &out {
         assert!(p.cache_block(id, numbered(id)));
     }
     p.free_blocks(out.iter().copied());
     assert!(p.map.is_large());
+    p
+}
+
+/// A pool whose prefix map outgrows the caches reads ahead for its lookups,
+/// evictions and touches: the answers are those of an unstaged pool.
+#[test]
+fn a_large_pool_evicts_looks_up_and_touches_as_a_small_one_does() {
+    const N: u32 = LARGE;
+    let mut p = large_cached_pool(true);
+    let mut out = Vec::new();
     // Lookups read ahead, then answer exactly.
     let keys: Vec<CacheKey> = (1..=64).map(numbered).collect();
     p.warm_lookups(keys.iter().copied());
@@ -211,15 +222,9 @@ fn a_large_pool_evicts_looks_up_and_touches_as_a_small_one_does() {
 /// taken at once), and evicts exactly that block's key.
 #[test]
 fn staged_single_pops_take_the_head_whatever_moved_it() {
-    const N: u32 = 60_000;
-    let mut p = BlockPool::new(N, true, false);
+    const N: u32 = LARGE;
+    let mut p = large_cached_pool(false);
     let mut out = Vec::new();
-    assert!(p.get_new_blocks(N - 1, &mut out));
-    for &id in &out {
-        assert!(p.cache_block(id, numbered(id)));
-    }
-    p.free_blocks(out.iter().copied());
-    assert!(p.map.is_large());
     let mut queue: std::collections::VecDeque<BlockId> = (1..N).collect();
     let mut uncached = Vec::new();
     for step in 0..400u32 {

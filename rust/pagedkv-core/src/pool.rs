@@ -544,6 +544,17 @@ impl BlockPool {
         self.map.first_blocks_run(hashes, group, out)
     }
 
+    /// [`Self::cached_run`] over at most 32 hashes of a map larger than the
+    /// caches, their misses staged to be in flight together.
+    pub(crate) fn cached_run_staged<'a>(
+        &self,
+        hashes: impl ExactSizeIterator<Item = &'a BlockHash> + Clone,
+        group: u32,
+        out: &mut Vec<BlockId>,
+    ) -> usize {
+        self.map.first_blocks_run_staged(hashes, group, out)
+    }
+
     /// Whether lookups read ahead ([`Self::warm_lookups`] does nothing
     /// otherwise): the map is larger than the caches.
     #[inline]

@@ -30,6 +30,8 @@ use super::{BlockId, CacheKey};
 use crate::hash::BlockHash;
 
 const NIL: u32 = u32::MAX;
+/// Most keys [`PrefixMap::first_blocks_run_staged`] takes at once.
+pub(crate) const STAGED_RUN: usize = 32;
 const LANES: usize = 8;
 
 /// One entry: a key and one block it maps to. 64 bytes, one cache line.
@@ -309,6 +311,53 @@ impl PrefixMap {
             n += 1;
         }
         n
+    }
+
+    /// [`Self::first_blocks_run`] over at most `STAGED_RUN` keys of a map
+    /// larger than the caches, staged: each key's hash is mixed once, its
+    /// bucket prefetched; then each bucket is read and the entry its tag
+    /// names prefetched; then the run is probed. The misses of the window are
+    /// in flight together, and a hot window pays for the staging with two
+    /// tag matches per key, not three hash mixes.
+    pub(crate) fn first_blocks_run_staged<'a>(
+        &self,
+        hashes: impl ExactSizeIterator<Item = &'a BlockHash> + Clone,
+        group: u32,
+        out: &mut Vec<BlockId>,
+    ) -> usize {
+        debug_assert!(hashes.len() <= STAGED_RUN, "a window longer than the stage");
+        let mut mixed = [0u64; STAGED_RUN];
+        let n = hashes.len().min(STAGED_RUN);
+        for (m, hash) in mixed.iter_mut().zip(hashes.clone()) {
+            *m = mix_parts(hash, group);
+            if let Some(word) = self.table.get(self.base + self.home(*m) * WORDS) {
+                prefetch(word);
+            }
+        }
+        for &h in &mixed[..n] {
+            let bucket = self.bucket(self.home(h));
+            let hits = matching_lanes(bucket, tag(h));
+            if hits != 0 {
+                if let Some(entry) = self
+                    .entries
+                    .get(bucket[ENTRIES + first_lane(hits)] as usize)
+                {
+                    prefetch(entry);
+                }
+            }
+        }
+        let mut found = 0;
+        for (&h, hash) in mixed[..n].iter().zip(hashes) {
+            let Some((_, e)) = self.probe(h, |k| k.hash == *hash && k.group == group) else {
+                break;
+            };
+            if found == 0 {
+                out.reserve(n);
+            }
+            out.push(self.entries[e as usize].block);
+            found += 1;
+        }
+        found
     }
 
     /// Reads the bucket a lookup of `key` starts at (a staged lookup's first

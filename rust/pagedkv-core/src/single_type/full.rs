@@ -20,18 +20,23 @@ impl GroupManager {
         // Lookups read ahead in windows (8 blocks, then 32): a miss at the
         // first block reads little ahead for nothing.
         let limit = (q.max_len / bs).min(q.hashes.len() / self.scale);
+        let staged = pool.reads_ahead();
         while n < limit {
             let end = (n + if n == 0 { 8 } else { 32 }).min(limit);
-            pool.warm_lookups((n..end).flat_map(|j| {
-                let hash = q.hashes[(j + 1) * self.scale - 1];
-                group_ids.iter().map(move |&group| CacheKey { hash, group })
-            }));
             let window = q.hashes[(n + 1) * self.scale - 1..end * self.scale]
                 .iter()
                 .step_by(self.scale);
             let found = if let &[g] = group_ids {
-                pool.cached_run(window, g, &mut out[g as usize])
+                if staged {
+                    pool.cached_run_staged(window, g, &mut out[g as usize])
+                } else {
+                    pool.cached_run(window, g, &mut out[g as usize])
+                }
             } else {
+                pool.warm_lookups((n..end).flat_map(|j| {
+                    let hash = q.hashes[(j + 1) * self.scale - 1];
+                    group_ids.iter().map(move |&group| CacheKey { hash, group })
+                }));
                 window
                     .take_while(|&&hash| Self::lookup_into(pool, hash, group_ids, out))
                     .count()

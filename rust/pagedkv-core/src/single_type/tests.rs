@@ -294,3 +294,45 @@ fn sliding_window_retention_keeps_only_reachable_tails() {
     m.alignment = 16;
     assert_eq!(masked(&m, Some(16)).len(), 16);
 }
+
+/// Full attention on a pool whose map outgrows the caches: each read-ahead
+/// window (8 blocks, then 32) is looked up staged, and the hit is the same
+/// longest cached prefix, up to the first block missing in any window.
+#[test]
+fn full_attention_hits_on_a_large_map_match_the_cached_prefix() {
+    let m = manager(AttentionKind::FullAttention, 2);
+    let mut pool = BlockPool::new(60_000, true, false);
+    let hashes: Vec<BlockHash> = (0..40_000).map(hash).collect();
+    for (i, &h) in hashes.iter().enumerate() {
+        pool.cache_block(i as u32 + 10, CacheKey { hash: h, group: 0 });
+    }
+    assert!(pool.reads_ahead());
+    for asked in [100usize, 7, 8, 9, 41, 72] {
+        let q = Lookup {
+            hashes: &hashes[..asked],
+            max_len: asked * 2,
+            drop_eagle_block: false,
+            alignment: 2,
+        };
+        let mut out = vec![Vec::new()];
+        let hit = m.find_longest_cache_hit(&pool, &q, &[0], &mut out);
+        let want: Vec<BlockId> = (0..asked as u32).map(|i| i + 10).collect();
+        assert_eq!(out[0], want, "{asked} asked");
+        assert_eq!(hit, asked * 2);
+    }
+    // A block missing inside a window ends the hit there, in every window.
+    for gap in [0usize, 5, 8, 20, 39, 40, 71, 99] {
+        let mut hs = hashes[..100].to_vec();
+        hs[gap] = hash(1_000_000 + gap);
+        let q = Lookup {
+            hashes: &hs,
+            max_len: 200,
+            drop_eagle_block: false,
+            alignment: 2,
+        };
+        let mut out = vec![Vec::new()];
+        let hit = m.find_longest_cache_hit(&pool, &q, &[0], &mut out);
+        assert_eq!(hit, gap * 2, "gap at {gap}");
+        assert_eq!(out[0], (0..gap as u32).map(|i| i + 10).collect::<Vec<_>>());
+    }
+}

@@ -330,21 +330,10 @@ impl PrefixMap {
         let n = hashes.len().min(STAGED_RUN);
         for (m, hash) in mixed.iter_mut().zip(hashes.clone()) {
             *m = mix_parts(hash, group);
-            if let Some(word) = self.table.get(self.base + self.home(*m) * WORDS) {
-                prefetch(word);
-            }
+            self.prefetch_home(*m);
         }
         for &h in &mixed[..n] {
-            let bucket = self.bucket(self.home(h));
-            let hits = matching_lanes(bucket, tag(h));
-            if hits != 0 {
-                if let Some(entry) = self
-                    .entries
-                    .get(bucket[ENTRIES + first_lane(hits)] as usize)
-                {
-                    prefetch(entry);
-                }
-            }
+            self.prefetch_candidate(h);
         }
         let mut found = 0;
         for (&h, hash) in mixed[..n].iter().zip(hashes) {
@@ -360,22 +349,37 @@ impl PrefixMap {
         found
     }
 
-    /// Reads the bucket a lookup of `key` starts at (a staged lookup's first
-    /// stage).
+    /// Prefetches the bucket a lookup of `key` starts at (a staged lookup's
+    /// first stage).
     pub(crate) fn warm_bucket(&self, key: &CacheKey) {
-        prefetch(&self.bucket(self.home(mix(key)))[0]);
+        self.prefetch_home(mix(key));
     }
 
-    /// Reads the entry a lookup of `key` would compare first (its bucket should
-    /// be warm already: the second stage).
+    /// Prefetches the entry a lookup of `key` would compare first (its bucket
+    /// should be in flight already: the second stage).
     pub(crate) fn warm_candidate(&self, key: &CacheKey) {
-        let h = mix(key);
-        let t = tag(h);
+        self.prefetch_candidate(mix(key));
+    }
+
+    /// Prefetches the home bucket of the key hashing to `h`.
+    #[inline]
+    fn prefetch_home(&self, h: u64) {
+        if let Some(word) = self.table.get(self.base + self.home(h) * WORDS) {
+            prefetch(word);
+        }
+    }
+
+    /// Reads the home bucket of the key hashing to `h` and prefetches the
+    /// entry of the first lane whose tag matches.
+    #[inline]
+    fn prefetch_candidate(&self, h: u64) {
         let bucket = self.bucket(self.home(h));
-        let hits = matching_lanes(bucket, t);
+        let hits = matching_lanes(bucket, tag(h));
         if hits != 0 {
-            let lane = first_lane(hits);
-            if let Some(entry) = self.entries.get(bucket[ENTRIES + lane] as usize) {
+            if let Some(entry) = self
+                .entries
+                .get(bucket[ENTRIES + first_lane(hits)] as usize)
+            {
                 prefetch(entry);
             }
         }

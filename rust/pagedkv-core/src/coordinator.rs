@@ -717,12 +717,11 @@ impl Coordinator {
             let cached_before = req.groups[g].num_cached().unwrap_or(0);
             let n = cacheable.tokens(gm, num_tokens);
             let published = gm.cache_blocks(&mut self.pool, req, g, n, hbs, &retention);
-            if let Some((from, to, mask)) = &published {
-                if self.pool.events_enabled() {
-                    let ev =
-                        stored_event(gm, req, g, (*from, *to), mask.as_deref(), self.lookahead);
-                    self.pool.push_event(KvEvent::BlockStored(ev));
-                }
+            if let Some((from, to, mask)) = &published
+                && self.pool.events_enabled()
+            {
+                let ev = stored_event(gm, req, g, (*from, *to), mask.as_deref(), self.lookahead);
+                self.pool.push_event(KvEvent::BlockStored(ev));
             }
             // Partial prompt-tail entries exist where vLLM allows a hash block
             // below the group block size: hybrid models. (A single group with a
@@ -742,11 +741,11 @@ impl Coordinator {
                 )
                 .map(|b| b as usize)
             };
-            if let Some(boundary) = partial {
-                if self.pool.events_enabled() {
-                    let ev = partial_stored_event(req, g, boundary, hbs, self.lookahead);
-                    self.pool.push_event(KvEvent::BlockStored(ev));
-                }
+            if let Some(boundary) = partial
+                && self.pool.events_enabled()
+            {
+                let ev = partial_stored_event(req, g, boundary, hbs, self.lookahead);
+                self.pool.push_event(KvEvent::BlockStored(ev));
             }
             if let Some((from, to, _)) = published {
                 gm.offer_boundary_states(&self.pool, req, g, from..to);
@@ -829,11 +828,11 @@ impl Coordinator {
     pub(crate) fn take_events(&mut self) -> Vec<KvEvent> {
         let mut evs = self.pool.take_events();
         for ev in &mut evs {
-            if let KvEvent::BlockStored(s) = ev {
-                if let Some(gm) = self.groups.get(s.group_idx as usize) {
-                    s.kv_cache_spec_kind = Some(gm.spec().kind.spec_kind());
-                    s.kv_cache_spec_sliding_window = gm.spec().kind.sliding_window();
-                }
+            if let KvEvent::BlockStored(s) = ev
+                && let Some(gm) = self.groups.get(s.group_idx as usize)
+            {
+                s.kv_cache_spec_kind = Some(gm.spec().kind.spec_kind());
+                s.kv_cache_spec_sliding_window = gm.spec().kind.sliding_window();
             }
         }
         evs

@@ -8,8 +8,7 @@
 //! XXH3-128 over the parent digest, the tokens as little-endian `u32` and a typed,
 //! length-prefixed encoding of the extra keys — no CBOR, no per-token branching.
 
-use sha2::digest::consts::U64;
-use sha2::digest::generic_array::GenericArray;
+use sha2::block_api::compress256;
 
 use crate::error::{Error, Result, invalid};
 use xxhash_rust::xxh3::xxh3_128;
@@ -435,10 +434,12 @@ impl BlockHasher {
         extra: &[ExtraKey],
     ) -> BlockHash {
         let parent = parent.unwrap_or(&self.none_hash);
-        if self.algo == HashAlgo::Sha256Cbor && self.truncate == 0 && extra.is_empty() {
-            if let Some(h) = sha256_cbor_direct(parent, tokens) {
-                return h;
-            }
+        if self.algo == HashAlgo::Sha256Cbor
+            && self.truncate == 0
+            && extra.is_empty()
+            && let Some(h) = sha256_cbor_direct(parent, tokens)
+        {
+            return h;
         }
         let buf = &mut self.buf;
         buf.clear();
@@ -547,27 +548,20 @@ fn encode_block_cbor(m: &mut [u8], parent: &[u8; 32], tokens: &[u32]) -> usize {
 fn sha256_cbor_direct(parent: &BlockHash, tokens: &[u32]) -> Option<BlockHash> {
     let parent: &[u8; 32] = parent.as_bytes().try_into().ok()?;
     if tokens.len() <= TWO_BLOCK_MAX_TOKENS {
-        // 117 bytes at most, + 8 of store slack, inside 128.
-        let mut m = [0u8; 128];
-        let len = encode_block_cbor(&mut m, parent, tokens);
-        // The encoder's slack stores may have left bytes past the message.
-        m[len..].fill(0);
-        m[len] = 0x80;
-        let end = if len < 56 { 64 } else { 128 };
-        m[end - 8..end].copy_from_slice(&((len as u64) * 8).to_be_bytes());
+        // 117 bytes at most, + 8 of store slack, inside 128 (and the padding
+        // store at `len` ends by 126). The message is encoded in the two
+        // SHA-256 blocks themselves and compressed where it lies: a copy into
+        // a block array would have to wait for the encoder's stores.
+        let mut blocks = [[0u8; 64]; 2];
+        let m = blocks.as_flattened_mut();
+        let len = encode_block_cbor(m, parent, tokens);
+        // The padding marker, and zeros over the up to 7 bytes the encoder's
+        // slack stores left past the message, in one store.
+        m[len..len + 8].copy_from_slice(&0x80u64.to_le_bytes());
+        let n = if len < 56 { 1 } else { 2 };
+        m[n * 64 - 8..n * 64].copy_from_slice(&((len as u64) * 8).to_be_bytes());
         let mut state = SHA256_H0;
-        let (a, b) = m.split_at(64);
-        if end == 64 {
-            sha2::compress256(&mut state, &[*GenericArray::<u8, U64>::from_slice(a)]);
-        } else {
-            sha2::compress256(
-                &mut state,
-                &[
-                    *GenericArray::<u8, U64>::from_slice(a),
-                    *GenericArray::<u8, U64>::from_slice(b),
-                ],
-            );
-        }
+        compress256(&mut state, &blocks[..n]);
         return Some(BlockHash {
             bytes: state_bytes(state),
             len: 32,
@@ -624,22 +618,16 @@ const SHA256_H0: [u32; 8] = [
 #[must_use]
 pub fn sha256_bytes(data: &[u8]) -> [u8; 32] {
     let mut state = SHA256_H0;
-    let mut blocks = data.chunks_exact(64);
-    for block in &mut blocks {
-        sha2::compress256(
-            &mut state,
-            core::slice::from_ref(GenericArray::<u8, U64>::from_slice(block)),
-        );
-    }
-    let rem = blocks.remainder();
-    let mut tail = [GenericArray::<u8, U64>::default(); 2];
+    let (blocks, rem) = data.as_chunks::<64>();
+    compress256(&mut state, blocks);
+    let mut tail = [[0u8; 64]; 2];
     tail[0][..rem.len()].copy_from_slice(rem);
     tail[0][rem.len()] = 0x80;
     // The 64-bit message length in bits closes the last block; it needs 8 free
     // bytes after the 0x80 marker, or a second block.
     let n = if rem.len() < 56 { 1 } else { 2 };
     tail[n - 1][56..].copy_from_slice(&((data.len() as u64) * 8).to_be_bytes());
-    sha2::compress256(&mut state, &tail[..n]);
+    compress256(&mut state, &tail[..n]);
     state_bytes(state)
 }
 

@@ -640,11 +640,11 @@ impl BlockPool {
         self.blocks[id as usize].key = NIL;
         let key = self.map.entry(slot).key;
         let mut removed = usize::from(self.pop_and_report(key, id));
-        if !self.secondary.is_empty() {
-            if let Some(extra) = self.secondary.remove(&id) {
-                for key in extra {
-                    removed += usize::from(self.pop_and_report(key, id));
-                }
+        if !self.secondary.is_empty()
+            && let Some(extra) = self.secondary.remove(&id)
+        {
+            for key in extra {
+                removed += usize::from(self.pop_and_report(key, id));
             }
         }
         if removed > 0 {
@@ -870,13 +870,13 @@ impl BlockPool {
             if b.ref_cnt == 0 && !seen[i] {
                 return Err(format!("block {i} has ref_cnt 0 but is not free"));
             }
-            if let Some(exp) = expected_refs {
-                if exp[i] != b.ref_cnt {
-                    return Err(format!(
-                        "block {i} has ref_cnt {} but {} holders",
-                        b.ref_cnt, exp[i]
-                    ));
-                }
+            if let Some(exp) = expected_refs
+                && exp[i] != b.ref_cnt
+            {
+                return Err(format!(
+                    "block {i} has ref_cnt {} but {} holders",
+                    b.ref_cnt, exp[i]
+                ));
             }
         }
         if self.blocks[0].key != NIL {

@@ -564,10 +564,10 @@ impl PrefixIndex {
                     return bad(format!("replica {} misses hash {h:#x}", x.replica));
                 }
             }
-            if let Some(ix) = &node.index {
-                if ix.pos.len() != node.holders.len() || ix.per_replica != replicas {
-                    return bad(format!("hash {h:#x}: its holder map is out of date"));
-                }
+            if let Some(ix) = &node.index
+                && (ix.pos.len() != node.holders.len() || ix.per_replica != replicas)
+            {
+                return bad(format!("hash {h:#x}: its holder map is out of date"));
             }
             for &r in replicas.keys() {
                 per_replica[r as usize] += 1;

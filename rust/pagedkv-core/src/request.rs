@@ -310,10 +310,10 @@ impl Request {
         hash_block_size: usize,
     ) {
         self.tokens.push(token);
-        if let Some(h) = hasher {
-            if self.tokens.len() % hash_block_size == 0 {
-                self.update_hashes(h, hash_block_size);
-            }
+        if let Some(h) = hasher
+            && self.tokens.len().is_multiple_of(hash_block_size)
+        {
+            self.update_hashes(h, hash_block_size);
         }
     }
 
@@ -374,10 +374,10 @@ impl Request {
                 });
             }
         }
-        if start == 0 {
-            if let Some(salt) = &self.cache_salt {
-                out.push(ExtraKey::CacheSalt(salt));
-            }
+        if start == 0
+            && let Some(salt) = &self.cache_salt
+        {
+            out.push(ExtraKey::CacheSalt(salt));
         }
         if let Some(d) = &self.embed_digests {
             let empty = EMPTY_SHA256;

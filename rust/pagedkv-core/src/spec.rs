@@ -387,10 +387,10 @@ impl ManagerConfig {
                 self.max_model_len
             ));
         }
-        if let Some(n) = self.hash_truncate_bytes {
-            if !(1..=32).contains(&n) {
-                return bad(format!("hash_truncate_bytes must be in 1..=32, got {n}"));
-            }
+        if let Some(n) = self.hash_truncate_bytes
+            && !(1..=32).contains(&n)
+        {
+            return bad(format!("hash_truncate_bytes must be in 1..=32, got {n}"));
         }
         if !(self.watermark >= 0.0 && self.watermark.is_finite()) {
             return bad(format!(
@@ -521,10 +521,10 @@ impl ManagerConfig {
                 self.num_prefill_lookahead
             ));
         }
-        if let Some(n) = self.max_in_flight_tokens {
-            if n == 0 || n >= MAX_TOKENS {
-                return bad(format!("max_in_flight_tokens must be in 1..2**40, got {n}"));
-            }
+        if let Some(n) = self.max_in_flight_tokens
+            && (n == 0 || n >= MAX_TOKENS)
+        {
+            return bad(format!("max_in_flight_tokens must be in 1..2**40, got {n}"));
         }
         Ok(hbs)
     }

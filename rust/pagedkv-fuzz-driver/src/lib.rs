@@ -499,7 +499,7 @@ impl Driver {
             7..=9 => {
                 let id = request_id(b);
                 let mut a = self.args(b, &id, false);
-                if b.u8() % 4 == 0 {
+                if b.u8().is_multiple_of(4) {
                     a.num_external_computed_tokens = 0;
                 }
                 let r = self.mgr.allocate_slots(&id, &a, None).map(|o| o.is_some());
@@ -537,8 +537,16 @@ impl Driver {
                 let mut comps = Vec::new();
                 for id in &names {
                     let done = self.computed.get(id).copied().unwrap_or(0);
-                    news.push(if b.u8() % 8 == 0 { b.count() } else { 1 });
-                    comps.push(if b.u8() % 8 == 0 { b.count() } else { done });
+                    news.push(if b.u8().is_multiple_of(8) {
+                        b.count()
+                    } else {
+                        1
+                    });
+                    comps.push(if b.u8().is_multiple_of(8) {
+                        b.count()
+                    } else {
+                        done
+                    });
                 }
                 if b.u8() == 0 {
                     news.pop();

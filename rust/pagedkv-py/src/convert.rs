@@ -205,12 +205,11 @@ pub fn suffix<'py>(obj: &Bound<'py, PyAny>, from: usize) -> PkResult<Option<Boun
 pub fn engine_tokens(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<u32>> {
     // A list of non-negative token ids takes the fast path; negative ids (and
     // every error) the item-by-item one below.
-    if let Ok(list) = obj.cast::<PyList>() {
-        if let Ok(t) = list_tokens(list, limit) {
-            if t.iter().all(|v| *v <= 0x7fff_ffff) {
-                return Ok(t);
-            }
-        }
+    if let Ok(list) = obj.cast::<PyList>()
+        && let Ok(t) = list_tokens(list, limit)
+        && t.iter().all(|v| *v <= 0x7fff_ffff)
+    {
+        return Ok(t);
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error("token ids must be a sequence of ints"));

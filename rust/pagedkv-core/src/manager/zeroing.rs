@@ -49,11 +49,9 @@ impl KvCacheManager {
                 "start_token {start_token} is out of range (at most 2**40)"
             )));
         }
-        if let Some(gm) =
-            self.coord.groups().iter().find(|gm| {
-                gm.records_new_block_ids() && start_token % u64::from(gm.block_size()) != 0
-            })
-        {
+        if let Some(gm) = self.coord.groups().iter().find(|gm| {
+            gm.records_new_block_ids() && !start_token.is_multiple_of(u64::from(gm.block_size()))
+        }) {
             return Err(invalid(format!(
                 "start_token {start_token} is not a multiple of the block size {}",
                 gm.block_size()

@@ -375,13 +375,12 @@ impl PrefixMap {
     fn prefetch_candidate(&self, h: u64) {
         let bucket = self.bucket(self.home(h));
         let hits = matching_lanes(bucket, tag(h));
-        if hits != 0 {
-            if let Some(entry) = self
+        if hits != 0
+            && let Some(entry) = self
                 .entries
                 .get(bucket[ENTRIES + first_lane(hits)] as usize)
-            {
-                prefetch(entry);
-            }
+        {
+            prefetch(entry);
         }
     }
 

@@ -51,7 +51,7 @@ impl GroupManager {
         // into the first block that missed, probing its interior hash-block
         // boundaries from the highest down.
         let a = q.alignment;
-        if a < bs && bs % a == 0 {
+        if a < bs && bs.is_multiple_of(a) {
             let scale = bs / a;
             let first = n * scale;
             let last = (first + scale - 1).min(q.max_len / a).min(q.hashes.len());
@@ -92,7 +92,7 @@ impl GroupManager {
         };
         let boundary = (limit / hash_block_size).min(req.hashes().len()) * hash_block_size;
         let bs = self.block_size as usize;
-        if boundary == 0 || boundary > num_tokens || boundary % bs == 0 {
+        if boundary == 0 || boundary > num_tokens || boundary.is_multiple_of(bs) {
             return None;
         }
         let &block = req.groups[g].blocks.get(boundary / bs)?;

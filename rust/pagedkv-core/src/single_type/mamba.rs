@@ -20,7 +20,7 @@ impl GroupManager {
         let bs = self.block_size as usize;
         let mut found = Vec::with_capacity(group_ids.len());
         let a = q.alignment;
-        if a < bs && bs % a == 0 {
+        if a < bs && bs.is_multiple_of(a) {
             // Fine-grained: the rightmost hash-block boundary with a cached state
             // (a state registered inside a block, or a full one).
             let scale = bs / a;
@@ -43,7 +43,7 @@ impl GroupManager {
             if !Self::lookup_all(pool, hash, group_ids, &mut found) {
                 continue;
             }
-            if bs != q.alignment && ((i + 1) * bs) % q.alignment != 0 {
+            if bs != q.alignment && !((i + 1) * bs).is_multiple_of(q.alignment) {
                 continue;
             }
             for (&g, &b) in group_ids.iter().zip(&found) {
@@ -317,7 +317,7 @@ impl GroupManager {
             self.cached_this_step.insert(key);
             return Some(position);
         }
-        if num_tokens == 0 || num_tokens % hbs != 0 {
+        if num_tokens == 0 || !num_tokens.is_multiple_of(hbs) {
             return None;
         }
         let latest =
@@ -337,7 +337,7 @@ impl GroupManager {
         let key = key_at(num_tokens)?;
         let new = pool.cache_partial_block(block, key, num_tokens as u32);
         self.cached_this_step.insert(key);
-        if num_tokens % bs != 0 {
+        if !num_tokens.is_multiple_of(bs) {
             let gb = &mut req.groups[g];
             gb.partial_hit = Some((idx, block));
             gb.num_cached = Some(idx);

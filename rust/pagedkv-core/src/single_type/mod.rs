@@ -507,10 +507,8 @@ impl GroupManager {
             num_tokens += bs * u64::from(num_speculative_blocks);
         }
         let mut required = self.blocks_ceil(num_tokens);
-        if apply_admission_cap {
-            if let Some(cap) = self.admission_cap {
-                required = required.min(cap);
-            }
+        if apply_admission_cap && let Some(cap) = self.admission_cap {
+            required = required.min(cap);
         }
         let have = gb.blocks.len() as u64;
         if gb.num_cached.is_some() {
@@ -528,7 +526,7 @@ impl GroupManager {
     /// vLLM's `_has_partial_local_hit`: the local prefix hit ends inside one of
     /// this group's blocks, so its shared tail block is copied on write.
     fn has_partial_local_hit(&self, hit: &[BlockId], num_local: u64) -> bool {
-        !hit.is_empty() && num_local % u64::from(self.block_size) != 0
+        !hit.is_empty() && !num_local.is_multiple_of(u64::from(self.block_size))
     }
 
     /// Mamba "align": the prefill checkpoint this step reserves, `(position,
@@ -608,7 +606,7 @@ impl GroupManager {
             .extend(std::iter::repeat_n(NULL_BLOCK, skipped_blocks));
         gb.blocks.extend_from_slice(hit);
         gb.num_cached = Some(gb.blocks.len());
-        if let Some(&last) = hit.last().filter(|_| num_local % bs != 0) {
+        if let Some(&last) = hit.last().filter(|_| !num_local.is_multiple_of(bs)) {
             // The hit ends inside its last block: the next allocation copies it
             // into a private block, which is cached again once full.
             let idx = (num_local / bs) as usize;

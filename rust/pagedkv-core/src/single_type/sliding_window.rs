@@ -30,7 +30,7 @@ impl GroupManager {
         let mut run = 0usize;
         let mut start = 0usize;
         for i in (0..max_blocks).rev() {
-            if (max_blocks - 1 - i) % READ_AHEAD == 0 && pool.reads_ahead() {
+            if (max_blocks - 1 - i).is_multiple_of(READ_AHEAD) && pool.reads_ahead() {
                 self.warm_range(
                     pool,
                     q.hashes,
@@ -47,7 +47,7 @@ impl GroupManager {
             });
             let aligned = || {
                 let post_pop = if q.drop_eagle_block { i } else { i + 1 };
-                bs == q.alignment || (post_pop * bs) % q.alignment == 0
+                bs == q.alignment || (post_pop * bs).is_multiple_of(q.alignment)
             };
             if !hit || (run == 0 && !aligned()) {
                 if hit || run > 0 {
@@ -76,7 +76,7 @@ impl GroupManager {
         }
         let len_of = |out: &[Vec<BlockId>]| out[group_ids[0] as usize].len();
         if !matched {
-            while bs != q.alignment && (len_of(out) * bs) % q.alignment != 0 {
+            while bs != q.alignment && !(len_of(out) * bs).is_multiple_of(q.alignment) {
                 let l = len_of(out) - 1;
                 Self::truncate_all(out, group_ids, l);
             }
@@ -84,7 +84,7 @@ impl GroupManager {
         if q.drop_eagle_block && len_of(out) > 0 {
             let l = len_of(out) - 1;
             Self::truncate_all(out, group_ids, l);
-            while bs != q.alignment && (len_of(out) * bs) % q.alignment != 0 {
+            while bs != q.alignment && !(len_of(out) * bs).is_multiple_of(q.alignment) {
                 let l = len_of(out) - 1;
                 Self::truncate_all(out, group_ids, l);
             }
@@ -104,7 +104,7 @@ impl GroupManager {
     ) -> Option<Vec<bool>> {
         let bs = u64::from(self.block_size);
         let align = self.alignment;
-        if align % bs != 0 {
+        if !align.is_multiple_of(bs) {
             return None;
         }
         let need = contiguous_blocks_for_hit(window, self.block_size, self.use_eagle);

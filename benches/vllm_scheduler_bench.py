@@ -10,7 +10,8 @@ same workload (shared system prompts, unique suffixes, arrivals spread over
 steps) until every request finishes, with a fake model that samples one token
 per scheduled request. Reported per side: the scheduler loop's wall time per
 step and the time inside the manager's methods per step (every public method
-timed the same way on both sides), min and median over the rounds.
+timed the same way on both sides), min and median over the rounds, and the
+time per call of ``allocate_slots`` and ``get_computed_blocks``.
 
     HF_HOME=$DROPIN/hf_home HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu \\
       $DROPIN/.venv/bin/python benches/vllm_scheduler_bench.py \\
@@ -60,6 +61,7 @@ def workload(seed: int, n: int) -> list[tuple[int, list[int], int]]:
 
 
 def timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:
+    """``fn``, adding its seconds to ``acc[0]`` and one call to ``acc[1]``."""
     clock = time.perf_counter
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -68,13 +70,18 @@ def timed(fn: Callable[..., Any], acc: list[float]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         finally:
             acc[0] += clock() - t
+            acc[1] += 1
 
     return wrapper
 
 
+#: The methods whose time per call is reported on their own.
+BROKEN_DOWN = ("allocate_slots", "get_computed_blocks")
+
+
 def run_once(
     side: str, reqs: list[tuple[int, list[int], int]], args: argparse.Namespace
-) -> tuple[float, float, int]:
+) -> tuple[float, float, int, dict[str, float]]:
     import pagedkv.vllm as pv
     from tests.v1.core.utils import create_scheduler
     from vllm.sampling_params import SamplingParams
@@ -96,9 +103,9 @@ def run_once(
     )
     mgr = sched.kv_cache_manager
     assert (type(mgr).__module__.startswith("pagedkv")) == (side == "pagedkv"), type(mgr)
-    acc = [0.0]
+    accs = {name: [0.0, 0] for name in MANAGER_METHODS}
     for name in MANAGER_METHODS:
-        setattr(mgr, name, timed(getattr(mgr, name), acc))
+        setattr(mgr, name, timed(getattr(mgr, name), accs[name]))
     init_none_hash(sha256_cbor)
     hasher = get_request_block_hasher(16, sha256_cbor)
     pending = list(enumerate(reqs))
@@ -123,7 +130,9 @@ def run_once(
         step += 1
         steps += 1 if ids else 0
     wall = time.perf_counter() - t0
-    return wall / max(steps, 1), acc[0] / max(steps, 1), steps
+    per_call = {name: accs[name][0] / max(accs[name][1], 1) for name in BROKEN_DOWN}
+    in_manager = sum(a[0] for a in accs.values())
+    return wall / max(steps, 1), in_manager / max(steps, 1), steps, per_call
 
 
 def main() -> None:
@@ -140,7 +149,10 @@ def main() -> None:
     args = p.parse_args()
     sys.path.insert(0, args.vllm_tests)
     reqs = workload(args.seed, args.requests)
-    res: dict[str, list[tuple[float, float, int]]] = {"vllm": [], "pagedkv": []}
+    res: dict[str, list[tuple[float, float, int, dict[str, float]]]] = {
+        "vllm": [],
+        "pagedkv": [],
+    }
     for r in range(args.rounds):
         for side in ("vllm", "pagedkv") if r % 2 == 0 else ("pagedkv", "vllm"):
             res[side].append(run_once(side, reqs, args))
@@ -153,6 +165,13 @@ def main() -> None:
             f"{side:8} {rows[0][2]:>6} {min(loop):>9.1f} {statistics.median(loop):>9.1f} "
             f"{min(mgr):>8.1f} {statistics.median(mgr):>8.1f}"
         )
+    print("µs per call (min / median)")
+    for name in BROKEN_DOWN:
+        line = [f"  {name:20}"]
+        for side, rows in res.items():
+            calls = [x[3][name] * 1e6 for x in rows]
+            line.append(f"{side} {min(calls):6.2f} / {statistics.median(calls):6.2f}")
+        print("  ".join(line))
     v = statistics.median(x[1] for x in res["vllm"])
     k = statistics.median(x[1] for x in res["pagedkv"])
     print(f"manager time per step, median: vLLM / pagedkv = {v / k:.1f}x")

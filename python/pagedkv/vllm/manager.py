@@ -116,6 +116,7 @@ class KVCacheManager:
             )
         except InvalidConfigError as e:
             raise ValueError(str(e)) from e
+        self._allocate_synced = self._core.allocate_slots_synced
         self.max_model_len = max_model_len
         self.num_prefill_lookahead = num_prefill_lookahead
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
@@ -173,10 +174,11 @@ class KVCacheManager:
                 self._freeze_lists(rid)
                 core.remove_request(rid)
             lora = request.lora_request
+            tokens = _token_list(request)
             n = request.num_prompt_tokens
             core.add_request(
                 rid,
-                _token_list(request)[:n],
+                tokens if len(tokens) == n else tokens[:n],
                 lora_name=lora.lora_name if lora is not None else None,
                 lora_id=lora.lora_int_id if lora is not None else None,
                 cache_salt=request.cache_salt,
@@ -305,12 +307,22 @@ class KVCacheManager:
             raise ValueError(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
             )
-        rid = self._register(request)
-        hit = self._hit(rid, new_computed_blocks, num_new_computed_tokens)
+        rid = request.request_id
+        if self._live.get(rid) is not request:
+            self._register(request)
+        hit = (
+            None
+            if new_computed_blocks is None
+            else self._hit(rid, new_computed_blocks, num_new_computed_tokens)
+        )
+        try:  # the request's own list behind its read-only view (see _token_list)
+            tokens = request._all_token_ids
+        except AttributeError:
+            tokens = request.all_token_ids
         # One crossing: the request's new tokens and hashes, then the allocation.
-        new = self._core.allocate_slots_synced(
+        new = self._allocate_synced(
             rid,
-            _token_list(request),
+            tokens,
             request.block_hashes,
             request.shared_prefix_boundary,
             num_new_tokens,
@@ -327,7 +339,9 @@ class KVCacheManager:
             request.num_in_flight_tokens,
             skip_zeroing_group_ids or None,  # nothing to convert on the common path
         )
-        return None if new is None else self._wrap(new)
+        if not new:  # None (does not fit), or () (nothing allocated: most decode steps)
+            return None if new is None else self.empty_kv_cache_blocks
+        return self._wrap(new)
 
     # ---- freeing ---------------------------------------------------------------
 

@@ -446,13 +446,15 @@ impl PyManager {
             },
             skip_zeroing_group_ids.as_deref(),
         )?;
-        Self::allocate(slf, request_id, &args, hit)
+        Self::allocate(slf, request_id, &args, hit, Nothing::EmptyGroups)
     }
 
     /// vLLM's `allocate_slots` for an engine that owns its requests, in one
     /// crossing: `sync_request(request_id, token_ids, block_hashes,
     /// shared_prefix_boundary)`, then `allocate_slots` with vLLM's answers
-    /// (`vllm_lenient`). Arguments are positional, in vLLM's order.
+    /// (`vllm_lenient`). Arguments are positional, in vLLM's order. Returns
+    /// None when the blocks do not fit, `()` when nothing was allocated, else
+    /// the new block ids per group.
     #[pyo3(signature = (request_id, token_ids, block_hashes, shared_prefix_boundary,
         num_new_tokens, num_computed_tokens, num_new_computed_tokens, new_computed_blocks,
         num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
@@ -501,7 +503,9 @@ impl PyManager {
         let spb = count("shared_prefix_boundary", shared_prefix_boundary)?;
         Self::sync(slf, request_id, token_ids, block_hashes, spb)?;
         let hit = new_computed_blocks.as_ref().map(|h| &h.inner);
-        Self::allocate(slf, request_id, &args, hit)
+        // Nothing allocated (most decode steps): `()`, which the caller tells
+        // apart by its truth value alone.
+        Self::allocate(slf, request_id, &args, hit, Nothing::Unit)
     }
 
     /// One decode step of many running requests in one call (per-request
@@ -1079,12 +1083,13 @@ impl PyManager {
     }
 
     /// The core's `allocate_slots` and its result as int32 arrays per group
-    /// (the shared empty tuple when nothing was allocated).
+    /// (`nothing` when nothing was allocated).
     fn allocate(
         slf: &Bound<'_, Self>,
         request_id: &str,
         args: &AllocateArgs,
         hit: Option<&ComputedBlocks>,
+        nothing: Nothing,
     ) -> PkResult<Option<Py<PyTuple>>> {
         let py = slf.py();
         let groups = {
@@ -1093,13 +1098,25 @@ impl PyManager {
             match this.inner.allocate_slots(request_id, args, hit)? {
                 None => return Ok(None),
                 Some(g) if g.iter().all(Vec::is_empty) => {
-                    return Ok(Some(this.empty.clone_ref(py)));
+                    return Ok(Some(match nothing {
+                        Nothing::EmptyGroups => this.empty.clone_ref(py),
+                        Nothing::Unit => PyTuple::empty(py).unbind(),
+                    }));
                 }
                 Some(g) => groups_i32(g),
             }
         };
         Ok(Some(groups_tuple(py, groups)?.unbind()))
     }
+}
+
+/// What an allocation that took no block returns.
+#[derive(Clone, Copy)]
+enum Nothing {
+    /// The shared tuple of one empty id array per group (pagedkv's API).
+    EmptyGroups,
+    /// `()` (vLLM's adapter tests the result's truth value).
+    Unit,
 }
 
 /// `allocate_slots`' counts as Python passed them (checked by [`Counts::args`]).

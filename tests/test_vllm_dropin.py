@@ -207,11 +207,16 @@ def test_allocate_slots_synced_syncs_then_allocates_as_vllm() -> None:
     new = m.allocate_slots_synced("r", tokens, [b"\x01" * 8], *args)
     assert new is not None and new[0].tolist() == [1, 2, 3]
     assert (m.num_tokens("r"), m.block_hashes("r")) == (40, [b"\x01" * 8])
+    # A decode step inside the last block takes nothing: `()`, falsy (vLLM's
+    # adapter tells it from None and from new blocks by its truth value).
+    step = [1, 40, *args[2:]]
+    assert m.allocate_slots_synced("r", [*tokens, 9], [b"\x01" * 8], *step) == ()
+    assert m.num_tokens("r") == 41
     # A bad count is refused before anything changes.
     bad = [0, -1, *args[2:]]
     with pytest.raises(InvalidArgumentError):
-        m.allocate_slots_synced("r", [*tokens, 5], [b"\x01" * 8], *bad)
-    assert m.num_tokens("r") == 40
+        m.allocate_slots_synced("r", [*tokens, 9, 5], [b"\x01" * 8], *bad)
+    assert m.num_tokens("r") == 41
     # A request that can never fit: vLLM's None, not CannotFitError.
     m.add_request("big", list(range(100)))
     assert m.allocate_slots_synced("big", list(range(100)), [], 0, 100, *args[2:]) is None

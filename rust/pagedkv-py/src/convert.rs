@@ -103,12 +103,19 @@ fn exact_int_item(list: &Bound<'_, PyList>, i: usize) -> Option<i64> {
 /// [`exact_int_item`]'s direct path, anything else goes through
 /// [`token_item`], which converts or explains.
 fn list_tokens(list: &Bound<'_, PyList>, limit: usize) -> PkResult<Vec<u32>> {
+    list_tokens_from(list, 0, limit)
+}
+
+/// [`list_tokens`] of the items from index `from` on (none when the list is
+/// no longer), read in place.
+fn list_tokens_from(list: &Bound<'_, PyList>, from: usize, limit: usize) -> PkResult<Vec<u32>> {
     let n = list.len();
-    if n > limit {
-        return Err(too_many("token ids", n, limit));
+    let from = from.min(n);
+    if n - from > limit {
+        return Err(too_many("token ids", n - from, limit));
     }
-    let mut out = Vec::with_capacity(n);
-    for i in 0..n {
+    let mut out = Vec::with_capacity(n - from);
+    for i in from..n {
         match exact_int_item(list, i).and_then(|v| u32::try_from(v).ok()) {
             Some(t) => out.push(t),
             None => out.push(token_item(&list.get_item(i)?)?),
@@ -197,6 +204,26 @@ pub fn suffix<'py>(obj: &Bound<'py, PyAny>, from: usize) -> PkResult<Option<Boun
     }
     let slice = pyo3::types::PySlice::new(obj.py(), from as isize, len as isize, 1);
     Ok(Some(obj.get_item(slice)?))
+}
+
+/// The token ids of `obj` from index `from` on (an engine request's new
+/// tokens), read as [`engine_tokens`] reads them; a list of non-negative ids is
+/// read in place instead of sliced first.
+///
+/// # Errors
+/// As [`suffix`] and [`engine_tokens`].
+pub fn engine_tokens_from(obj: &Bound<'_, PyAny>, from: usize, limit: usize) -> PkResult<Vec<u32>> {
+    if let Ok(list) = obj.cast::<PyList>()
+        && list.len() >= from
+        && let Ok(t) = list_tokens_from(list, from, limit)
+        && t.iter().all(|v| *v <= 0x7fff_ffff)
+    {
+        return Ok(t);
+    }
+    match suffix(obj, from)? {
+        Some(t) => engine_tokens(&t, limit),
+        None => Ok(Vec::new()),
+    }
 }
 
 /// Token ids of an engine's request: signed 32-bit ints (`-2**31..2**31`),

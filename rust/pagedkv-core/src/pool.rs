@@ -9,7 +9,7 @@
 use crate::error::{Error, Result, invalid};
 use crate::events::KvEvent;
 use crate::hash::BlockHash;
-use pagedkv_prefetch::prefetch;
+use pagedkv_arch::prefetch;
 
 /// A physical block id. Block 0 is the null block.
 pub type BlockId = u32;

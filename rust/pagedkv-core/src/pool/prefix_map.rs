@@ -5,8 +5,8 @@
 //! under the same key). The table holds only 4-byte entry numbers and 2-byte
 //! tags, eight pairs per 64-byte bucket (about 13 bytes of table per key it is
 //! sized for), so a probe reads one cache line and a hit one more (the entry,
-//! which also names the block). The eight tags are matched four at a time as
-//! the 16-bit lanes of two words; a 15-bit tag sends a probe to a wrong entry
+//! which also names the block). The eight tags are matched at once, as eight
+//! 16-bit lanes ([`pagedkv_arch::lanes_equal`]); a 15-bit tag sends a probe to a wrong entry
 //! once in ~5,000 probes of a table at its fullest (a 7-bit one did so once in
 //! ~30, a DRAM miss each at 10^7 blocks). A key usually maps to one block;
 //! equal content computed twice maps to several, chained in insertion order
@@ -24,7 +24,7 @@
 
 use std::hint::black_box;
 
-use pagedkv_prefetch::prefetch;
+use pagedkv_arch::{lanes_equal, prefetch};
 
 use super::{BlockId, CacheKey};
 use crate::hash::BlockHash;
@@ -56,7 +56,6 @@ pub(crate) struct KeyEntry {
 const WORDS: usize = 16;
 const ENTRIES: usize = 4;
 const OVERFLOW: usize = 12;
-const LOW15: u64 = 0x7fff_7fff_7fff_7fff;
 /// Words allocated past the buckets, so that they can start on a 64-byte
 /// boundary.
 const ALIGN_SLACK: usize = 16;
@@ -119,26 +118,18 @@ fn tag(h: u64) -> u16 {
     (h as u16) | 0x8000
 }
 
-/// The high bit of each 16-bit lane of `w` that is zero, nothing else (exact:
-/// no carries cross lanes).
-fn zero_lanes(w: u64) -> u64 {
-    !(((w & LOW15) + LOW15) | w | LOW15)
-}
-
 /// A bit per lane that holds tag `t` (an empty lane: `t == 0`), nothing else:
-/// four lanes of a word compared at once. Lanes 0 to 3 are bits 0, 16, 32
-/// and 48, lanes 4 to 7 bits 1, 17, 33 and 49 (see [`first_lane`]).
-fn matching_lanes(bucket: &[u32], t: u16) -> u64 {
-    let spread = u64::from(t) * 0x0001_0001_0001_0001;
+/// lane `i` is bit `2 * i` (see [`first_lane`]), the eight tags compared at
+/// once ([`pagedkv_arch::lanes_equal`]).
+fn matching_lanes(bucket: &[u32], t: u16) -> u32 {
     let lo = u64::from(bucket[0]) | (u64::from(bucket[1]) << 32);
     let hi = u64::from(bucket[2]) | (u64::from(bucket[3]) << 32);
-    (zero_lanes(lo ^ spread) >> 15) | (zero_lanes(hi ^ spread) >> 14)
+    lanes_equal([lo, hi], t)
 }
 
 /// The next lane in a `matching_lanes` mask.
-fn first_lane(hits: u64) -> usize {
-    let p = hits.trailing_zeros() as usize;
-    (p >> 4) | ((p & 1) << 2)
+fn first_lane(hits: u32) -> usize {
+    (hits.trailing_zeros() / 2) as usize
 }
 
 fn overflow(bucket: &[u32]) -> u32 {

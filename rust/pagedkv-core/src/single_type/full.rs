@@ -45,6 +45,13 @@ impl GroupManager {
             if n < end {
                 break;
             }
+            if n == end.min(8) && end < limit {
+                // The first window hit throughout: the rest of the run goes into
+                // lists grown once, not once per window.
+                for &g in group_ids {
+                    out[g as usize].reserve(limit - n);
+                }
+            }
         }
         let mut hit = n * bs;
         // Fine-grained lookups (partial hits, `alignment` = the hash block) go on

@@ -6,9 +6,9 @@
 //! tags, eight pairs per 64-byte bucket (about 13 bytes of table per key it is
 //! sized for), so a probe reads one cache line and a hit one more (the entry,
 //! which also names the block). The eight tags are matched at once, as eight
-//! 16-bit lanes ([`pagedkv_arch::lanes_equal`]); a 15-bit tag sends a probe to a wrong entry
-//! once in ~5,000 probes of a table at its fullest (a 7-bit one did so once in
-//! ~30, a DRAM miss each at 10^7 blocks). A key usually maps to one block;
+//! 16-bit lanes ([`pagedkv_arch::lanes_equal`]); a 15-bit tag sends a probe to
+//! a wrong entry once in ~5,000 probes of a table at its fullest (a 7-bit one
+//! did so once in ~30, a DRAM miss each at 10^7 blocks). A key usually maps to one block;
 //! equal content computed twice maps to several, chained in insertion order
 //! from the entry the table points to.
 //!

@@ -9,6 +9,7 @@ with vLLM's own ``KVCacheManager`` on the same ``Request`` objects.
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Sequence
 from typing import Any
 
 import pagedkv as pk
@@ -95,6 +96,39 @@ def test_sync_request_reads_only_what_the_manager_lacks() -> None:
     with pytest.raises(InvalidArgumentError, match="max_model_len"):
         m.sync_request("r", [*tokens, 7, -1, 8], [h0], 10**9)
     assert m.num_tokens("r") == 22
+
+
+class _ReadOnlyTokens(Sequence[int]):
+    """A read-only view of a token list (as vLLM's ``ConstantList``)."""
+
+    def __init__(self, items: list[int]) -> None:
+        self._items = items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._items[i]
+
+
+@pytest.mark.parametrize("kind", [list, tuple, _ReadOnlyTokens])
+def test_sync_reads_new_tokens_from_any_sequence(kind: Any) -> None:
+    # A list's new tokens are read in place, anything else through a slice:
+    # the same tokens either way, a placeholder (-1) among them.
+    m = engine_manager(block_size=4)
+    m.add_request("r", [5, 6])
+    m.sync_request("r", kind([5, 6, 7, -1]), [b"\x01" * 8])
+    m.sync_request("r", kind([5, 6, 7, -1]), [b"\x01" * 8])  # nothing new
+    m.sync_request("r", kind([5, 6, 7, -1, 2**31 - 1]), [b"\x01" * 8])
+    assert m.num_tokens("r") == 5
+    with pytest.raises(InvalidArgumentError, match="fewer than"):
+        m.sync_request("r", kind([5, 6, 7]), [b"\x01" * 8])
+    with pytest.raises(InvalidArgumentError, match="outside"):
+        m.sync_request("r", kind([5, 6, 7, -1, 2**31 - 1, 2**31]), [b"\x01" * 8])
+    assert m.num_tokens("r") == 5
+    admit(m, "r")
+    (stored,) = [e for e in m.take_events() if isinstance(e, pk.BlockStored)]
+    assert stored.token_ids == [5, 6, 7, -1]
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,9 @@
 //! which also names the block). The eight tags are matched at once, as eight
 //! 16-bit lanes ([`pagedkv_arch::lanes_equal`]); a 15-bit tag sends a probe to
 //! a wrong entry once in ~5,000 probes of a table at its fullest (a 7-bit one
-//! did so once in ~30, a DRAM miss each at 10^7 blocks). A key usually maps to one block;
-//! equal content computed twice maps to several, chained in insertion order
-//! from the entry the table points to.
+//! did so once in ~30, a DRAM miss each at 10^7 blocks). A key usually maps to
+//! one block; equal content computed twice maps to several, chained in
+//! insertion order from the entry the table points to.
 //!
 //! Collisions: linear probing over buckets. Each bucket counts the keys whose
 //! home it is but that live further on (`overflow`), so a lookup stops at the
@@ -285,18 +285,35 @@ impl PrefixMap {
     /// first key allocates nothing.
     pub(crate) fn first_blocks_run<'a>(
         &self,
-        mut hashes: impl ExactSizeIterator<Item = &'a BlockHash>,
+        hashes: impl ExactSizeIterator<Item = &'a BlockHash>,
+        group: u32,
+        out: &mut Vec<BlockId>,
+    ) -> usize {
+        self.probe_run(
+            hashes.map(|hash| (mix_parts(hash, group), hash)),
+            group,
+            out,
+        )
+    }
+
+    /// The run of [`Self::first_blocks_run`] over keys whose hashes are mixed
+    /// (`(mix, hash)` pairs): probes until the first miss, growing `out` once,
+    /// at the first hit, for every key left.
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
+    fn probe_run<'a>(
+        &self,
+        mut keys: impl ExactSizeIterator<Item = (u64, &'a BlockHash)>,
         group: u32,
         out: &mut Vec<BlockId>,
     ) -> usize {
         let mut n = 0;
-        while let Some(hash) = hashes.next() {
-            let h = mix_parts(hash, group);
+        while let Some((h, hash)) = keys.next() {
             let Some((_, e)) = self.probe(h, |k| k.hash == *hash && k.group == group) else {
                 break;
             };
             if n == 0 {
-                out.reserve(hashes.len() + 1);
+                out.reserve(keys.len() + 1);
             }
             out.push(self.entries[e as usize].block);
             n += 1;
@@ -326,18 +343,7 @@ impl PrefixMap {
         for &h in &mixed[..n] {
             self.prefetch_candidate(h);
         }
-        let mut found = 0;
-        for (&h, hash) in mixed[..n].iter().zip(hashes) {
-            let Some((_, e)) = self.probe(h, |k| k.hash == *hash && k.group == group) else {
-                break;
-            };
-            if found == 0 {
-                out.reserve(n);
-            }
-            out.push(self.entries[e as usize].block);
-            found += 1;
-        }
-        found
+        self.probe_run(mixed[..n].iter().copied().zip(hashes), group, out)
     }
 
     /// Prefetches the bucket a lookup of `key` starts at (a staged lookup's

@@ -213,11 +213,7 @@ pub fn suffix<'py>(obj: &Bound<'py, PyAny>, from: usize) -> PkResult<Option<Boun
 /// # Errors
 /// As [`suffix`] and [`engine_tokens`].
 pub fn engine_tokens_from(obj: &Bound<'_, PyAny>, from: usize, limit: usize) -> PkResult<Vec<u32>> {
-    if let Ok(list) = obj.cast::<PyList>()
-        && list.len() >= from
-        && let Ok(t) = list_tokens_from(list, from, limit)
-        && t.iter().all(|v| *v <= 0x7fff_ffff)
-    {
+    if let Some(t) = engine_list_tokens(obj, from, limit) {
         return Ok(t);
     }
     match suffix(obj, from)? {
@@ -226,16 +222,26 @@ pub fn engine_tokens_from(obj: &Bound<'_, PyAny>, from: usize, limit: usize) -> 
     }
 }
 
+/// The engine token ids' fast path: the items of a list from index `from` on,
+/// when all are non-negative ids in range. None for anything else (negative
+/// ids, errors, not a list, a list shorter than `from`): the caller's general
+/// path converts or explains.
+fn engine_list_tokens(obj: &Bound<'_, PyAny>, from: usize, limit: usize) -> Option<Vec<u32>> {
+    let list = obj.cast::<PyList>().ok()?;
+    if list.len() < from {
+        return None;
+    }
+    let t = list_tokens_from(list, from, limit).ok()?;
+    t.iter().all(|v| *v <= 0x7fff_ffff).then_some(t)
+}
+
 /// Token ids of an engine's request: signed 32-bit ints (`-2**31..2**31`),
 /// stored in two's complement, so vLLM's `-1` multimodal placeholder is
 /// [`pagedkv_core::PLACEHOLDER_TOKEN`] and events give every id back as it came in.
 pub fn engine_tokens(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<u32>> {
     // A list of non-negative token ids takes the fast path; negative ids (and
     // every error) the item-by-item one below.
-    if let Ok(list) = obj.cast::<PyList>()
-        && let Ok(t) = list_tokens(list, limit)
-        && t.iter().all(|v| *v <= 0x7fff_ffff)
-    {
+    if let Some(t) = engine_list_tokens(obj, 0, limit) {
         return Ok(t);
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {

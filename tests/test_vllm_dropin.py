@@ -256,6 +256,38 @@ def test_allocate_slots_synced_syncs_then_allocates_as_vllm() -> None:
     assert m.allocate_slots_synced("big", list(range(100)), [], 0, 100, *args[2:]) is None
 
 
+def test_a_manager_that_reads_no_token_ids_takes_a_prompt_by_its_length() -> None:
+    # vLLM's default: its own hashes, events off. Nothing reads a token id's
+    # value, so a prompt may come as its length and is never converted.
+    tokens, hashes = vllm_case(4)
+    quiet = make_manager(4, 11, external_block_hashes=True)
+    listed = make_manager(4, 11, external_block_hashes=True)
+    assert not quiet.reads_token_values
+    quiet.add_request("a", len(tokens))
+    listed.add_request("a", tokens)
+    out = []
+    for m in (quiet, listed):
+        m.sync_request("a", tokens, hashes)
+        # Output tokens sync as usual (only those past the prompt are read).
+        m.add_request("b", len(tokens) if m is quiet else tokens)
+        m.sync_request("b", [*tokens, 7], hashes)
+        out.append((admit(m, "a"), admit(m, "b"), m.num_tokens("b"), m.num_free_blocks))
+        m.check_invariants()
+    assert out[0] == out[1]
+    assert out[0][1][1] == len(tokens) // 4 * 4  # b hits a's whole blocks
+    # Refused, nothing registered: a negative or too long length, and a length
+    # for a manager that hashes the ids or publishes them in events.
+    for bad in (-1, 8193):
+        with pytest.raises(InvalidArgumentError):
+            quiet.add_request("x", bad)
+    for m in (engine_manager(), make_manager()):
+        assert m.reads_token_values
+        with pytest.raises(InvalidArgumentError, match="pass the prompt's token ids"):
+            m.add_request("x", 8)
+        assert "x" not in m
+    assert "x" not in quiet
+
+
 def test_vllm_lenient_returns_none_where_pagedkv_raises() -> None:
     m = engine_manager(num_blocks=5)
     m.add_request("big", list(range(100)))
@@ -318,7 +350,7 @@ def test_the_plugin_installs_only_when_asked(monkeypatch: pytest.MonkeyPatch) ->
 # ---- side by side with vLLM's own manager (where vLLM is installed) ---------
 
 
-def _vllm_pair(num_blocks: int, block_size: int) -> tuple[Any, Any, Any]:
+def _vllm_pair(num_blocks: int, block_size: int, events: bool = True) -> tuple[Any, Any, Any]:
     vllm_core = pytest.importorskip("vllm.v1.core.kv_cache_manager")
     import torch
     from pagedkv.vllm import KVCacheManager
@@ -337,13 +369,16 @@ def _vllm_pair(num_blocks: int, block_size: int) -> tuple[Any, Any, Any]:
         scheduler_block_size=block_size,
         hash_block_size=block_size,
         log_stats=True,
-        enable_kv_cache_events=True,
+        enable_kv_cache_events=events,
     )
     return vllm_core.KVCacheManager(cfg, **kw), KVCacheManager(cfg, **kw), cfg
 
 
-def test_side_by_side_with_vllms_own_manager() -> None:
-    ref, ours, _ = _vllm_pair(num_blocks=24, block_size=4)
+@pytest.mark.parametrize("events", [True, False])
+def test_side_by_side_with_vllms_own_manager(events: bool) -> None:
+    # Without events (vLLM's default) the drop-in registers prompts by length.
+    ref, ours, _ = _vllm_pair(num_blocks=24, block_size=4, events=events)
+    assert ours._prompt_by_length is not events
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash

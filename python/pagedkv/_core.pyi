@@ -184,12 +184,14 @@ class KVCacheManager:
     @property
     def none_hash(self) -> bytes: ...
     @property
+    def reads_token_values(self) -> bool: ...
+    @property
     def num_cached_block_hashes(self) -> int: ...
     def __contains__(self, request_id: str, /) -> bool: ...
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: Sequence[int] | npt.NDArray[Any],
+        prompt_token_ids: Sequence[int] | npt.NDArray[Any] | int,
         *,
         lora_name: str | None = None,
         lora_path: str | None = None,

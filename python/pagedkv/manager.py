@@ -211,7 +211,7 @@ class KVCacheManager(_core.KVCacheManager):
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: Sequence[int] | Any,
+        prompt_token_ids: Sequence[int] | int | Any,
         *,
         lora_name: str | None = None,
         lora_path: str | None = None,
@@ -231,6 +231,9 @@ class KVCacheManager(_core.KVCacheManager):
         with one row per prompt token (hashed per block, as vLLM does).
         ``skip_reading_prefix_cache``: prompt-logprobs requests never read the cache.
         ``session_id``: the client session, published on the request's events.
+        ``prompt_token_ids`` may be the prompt's length alone (an int) when the
+        manager does not read token ids (``reads_token_values`` false: the
+        engine's block hashes, events off).
         """
         return super().add_request(
             request_id,

@@ -117,6 +117,9 @@ class KVCacheManager:
         except InvalidConfigError as e:
             raise ValueError(str(e)) from e
         self._allocate_synced = self._core.allocate_slots_synced
+        # Events off: the core reads no token id's value (vLLM hashes), so a
+        # new request's prompt is registered by its length, not converted.
+        self._prompt_by_length = not self._core.reads_token_values
         self.max_model_len = max_model_len
         self.num_prefill_lookahead = num_prefill_lookahead
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
@@ -174,11 +177,15 @@ class KVCacheManager:
                 self._freeze_lists(rid)
                 core.remove_request(rid)
             lora = request.lora_request
-            tokens = _token_list(request)
             n = request.num_prompt_tokens
+            if self._prompt_by_length:
+                prompt: Any = n
+            else:
+                tokens = _token_list(request)
+                prompt = tokens if len(tokens) == n else tokens[:n]
             core.add_request(
                 rid,
-                tokens if len(tokens) == n else tokens[:n],
+                prompt,
                 lora_name=lora.lora_name if lora is not None else None,
                 lora_id=lora.lora_int_id if lora is not None else None,
                 cache_salt=request.cache_salt,

@@ -515,3 +515,55 @@ fn cached_tokens_are_estimated_from_the_requests_blocks() {
     assert_eq!(ok(m.estimate_cached_tokens("r")), 48);
     assert!(m.estimate_cached_tokens("nope").is_err());
 }
+
+#[test]
+fn a_manager_that_only_counts_tokens_takes_a_prompt_by_its_length() {
+    // Events off: with the engine's hashes nothing reads a token id's value.
+    let quiet = |num_blocks| {
+        let mut cfg = ManagerConfig::full_attention(num_blocks, 16, 128);
+        cfg.external_block_hashes = true;
+        ok(KvCacheManager::new(cfg))
+    };
+    let (mut counted, mut listed) = (quiet(11), quiet(11));
+    assert!(!counted.reads_token_values());
+    let hashes = [h(1, 0), h(1, 1), h(1, 2)];
+    ok(counted.add_request_counted("r0", 55, RequestSpec::default()));
+    ok(counted.extend_request("r0", (55, 0), &[], &hashes));
+    add(&mut listed, "r0", seq(0, 55), &hashes);
+    assert_eq!(ok(counted.num_tokens("r0")), 55);
+    assert_eq!(ok(counted.num_prompt_tokens("r0")), 55);
+    // Output tokens come as usual; lookups and allocations match those of
+    // the same request registered with its ids.
+    for m in [&mut counted, &mut listed] {
+        assert_eq!(admit(m, "r0"), (vec![], 0, Some(vec![1, 2, 3, 4])));
+        ok(m.sync_request("r0", (55, 3), &[7], &[], None));
+        add(m, "r1", seq(0, 40), &hashes[..2]);
+        assert_eq!(admit(m, "r1"), (vec![1, 2], 32, Some(vec![5])));
+    }
+    assert_eq!(ok(counted.num_tokens("r0")), 56);
+
+    // Refused, and nothing registered: ids given too, a prompt past
+    // max_model_len (before anything is reserved for it), a manager that
+    // hashes, verifies or publishes events.
+    let with_ids = RequestSpec {
+        prompt_token_ids: seq(0, 4),
+        ..Default::default()
+    };
+    assert!(counted.add_request_counted("x", 4, with_ids).is_err());
+    assert!(
+        counted
+            .add_request_counted("x", usize::MAX, RequestSpec::default())
+            .is_err()
+    );
+    assert!(!counted.contains("x"));
+    let mut events = engine_mgr(11, 16);
+    let mut hashing = ok(KvCacheManager::new(ManagerConfig::full_attention(
+        11, 16, 128,
+    )));
+    for m in [&mut events, &mut hashing] {
+        assert!(m.reads_token_values());
+        let e = m.add_request_counted("x", 4, RequestSpec::default());
+        assert!(e.is_err_and(|e| e.to_string().contains("pass the prompt's token ids")));
+        assert!(!m.contains("x"));
+    }
+}

@@ -9,7 +9,7 @@
 
 use numpy::PyArray1;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyTuple};
 
 use pagedkv_core::pool::{BlockActivityKind, BlockPoolStats};
 use pagedkv_core::{
@@ -238,12 +238,18 @@ impl PyManager {
         skip_reading_prefix_cache: bool,
         session_id: Option<String>,
     ) -> PkResult<u64> {
+        // A prompt by its length, for a manager that does not read token ids.
+        let counted = if prompt_token_ids.is_exact_instance_of::<PyInt>() {
+            Some(count("prompt length", prompt_token_ids.extract::<i64>()?)?)
+        } else {
+            None
+        };
         // An engine's own token lists may hold vLLM's -1 placeholders.
         let (external, limit) = Self::token_limit(slf)?;
-        let prompt_token_ids = if external {
-            engine_tokens(prompt_token_ids, limit)?
-        } else {
-            tokens(prompt_token_ids, limit)?
+        let prompt_token_ids = match counted {
+            Some(_) => Vec::new(),
+            None if external => engine_tokens(prompt_token_ids, limit)?,
+            None => tokens(prompt_token_ids, limit)?,
         };
         let mm_features = mm_features
             .unwrap_or_default()
@@ -265,7 +271,23 @@ impl PyManager {
             skip_reading_prefix_cache,
             session_id,
         };
-        Ok(borrow_mut(slf)?.inner.add_request(request_id, spec)?)
+        let inner = &mut borrow_mut(slf)?.inner;
+        Ok(match counted {
+            Some(n) => {
+                let n = usize::try_from(n).unwrap_or(usize::MAX);
+                inner.add_request_counted(request_id, n, spec)?
+            }
+            None => inner.add_request(request_id, spec)?,
+        })
+    }
+
+    /// Whether the manager reads token ids' values, not only their number: it
+    /// hashes them, verifies hits against them or publishes them in events.
+    /// One that does not takes a prompt by its length (an int in place of
+    /// the ids).
+    #[getter]
+    fn reads_token_values(&self) -> bool {
+        self.inner.reads_token_values()
     }
 
     fn append_token_ids(

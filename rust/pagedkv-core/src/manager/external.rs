@@ -10,6 +10,7 @@ use crate::error::{Error, Result, invalid};
 use crate::hash::BlockHash;
 use crate::pool::{BlockId, NULL_BLOCK};
 use crate::request::{Request, RequestSpec};
+use crate::request_table::RequestHandle;
 use crate::single_type::{GroupBlocks, Need};
 use crate::spec::MAX_TOKENS;
 use crate::stats::PrefixCacheStats;
@@ -100,6 +101,53 @@ impl KvCacheManager {
             .get_mut(slot)
             .set_shared_prefix_boundary(boundary);
         Ok(())
+    }
+
+    /// Whether the manager reads the values of a request's token ids, not only
+    /// their number: it hashes them itself, checks hits against them, or
+    /// publishes them in `BlockStored` events. One that does none of these (an
+    /// engine's own hashes and events off, vLLM's default) only counts them,
+    /// and takes a prompt by its length ([`Self::add_request_counted`]).
+    #[must_use]
+    pub fn reads_token_values(&self) -> bool {
+        !self.cfg.external_block_hashes
+            || self.coord.pool().events_enabled()
+            || self.cfg.verify_cached_tokens
+    }
+
+    /// [`Self::add_request`] with the prompt given by its length alone
+    /// (`spec.prompt_token_ids` empty), for a manager that does not read token
+    /// values ([`Self::reads_token_values`]): an engine need not convert ids
+    /// nothing reads. The request's tokens past the prompt come as usual.
+    ///
+    /// # Errors
+    /// A manager that reads token values; token ids in `spec`; as
+    /// [`Self::add_request`].
+    pub fn add_request_counted(
+        &mut self,
+        id: &str,
+        num_prompt_tokens: usize,
+        mut spec: RequestSpec,
+    ) -> Result<RequestHandle> {
+        if self.reads_token_values() {
+            return Err(invalid(
+                "this manager reads token ids (it hashes them, verifies hits against \
+                 them or publishes them in events): pass the prompt's token ids",
+            ));
+        }
+        if !spec.prompt_token_ids.is_empty() {
+            return Err(invalid("a prompt given by its length carries no token ids"));
+        }
+        // Checked before the placeholder ids are allocated.
+        if num_prompt_tokens as u64 > self.cfg.max_model_len {
+            return Err(invalid(format!(
+                "prompt of {num_prompt_tokens} tokens is longer than max_model_len {}",
+                self.cfg.max_model_len
+            )));
+        }
+        // Placeholder values: only their number is ever read.
+        spec.prompt_token_ids = vec![0; num_prompt_tokens];
+        self.add_request(id, spec)
     }
 
     fn check_engine_mode(&self, call: &str) -> Result<()> {

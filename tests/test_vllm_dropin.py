@@ -456,3 +456,47 @@ def test_free_queue_links_walk_the_queue_in_order() -> None:
     held = m.get_block_ids("s")[0][0]
     assert m.free_neighbors(int(held)) is None
     assert m.free_neighbors(0) is None  # the null block is never queued
+
+
+def test_lookup_and_allocation_results_read_no_block_object_until_asked() -> None:
+    # A hit the scheduler hands back to allocate_slots, and the ids it sends to
+    # the workers, never fetch block objects (a memory miss each when cold).
+    _, ours, _ = _vllm_pair(num_blocks=24, block_size=4, events=False)
+    from pagedkv.vllm.views import BlockRun
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256_cbor)
+    hasher = get_request_block_hasher(4, sha256_cbor)
+
+    def req(rid: str) -> Any:
+        sp = SamplingParams(max_tokens=8)
+        return Request(rid, list(range(30)), sp, None, block_hasher=hasher)
+
+    a, b = req("a"), req("b")
+    blocks, hit, _ = ours.get_computed_blocks(a)
+    new = ours.allocate_slots(a, a.num_tokens, hit, blocks)
+    (run,) = new.blocks
+    assert type(run) is BlockRun and run._items is None
+    assert new.get_block_ids() == ([1, 2, 3, 4, 5, 6, 7, 8],)
+    assert new.get_block_ids(allow_none=True, group_ids=[0]) == ([1, 2, 3, 4, 5, 6, 7, 8],)
+    assert run._items is None
+    a.num_computed_tokens = a.num_tokens
+    blocks, hit, _ = ours.get_computed_blocks(b)
+    assert hit == 28
+    assert ours.allocate_slots(b, b.num_tokens - hit, hit, blocks).get_block_ids() == ([9],)
+    (run,) = blocks.blocks
+    assert run._items is None  # the hit went back to the core untouched
+    # Read, a run is the list of vLLM's block objects.
+    objs = ours.block_pool.blocks
+    assert len(run) == 7 and bool(run)
+    assert run == [objs[i] for i in range(1, 8)] and [objs[i] for i in range(1, 8)] == run
+    assert run[0] is objs[1] and run[-1].block_id == 7 and run[1:3] == [objs[2], objs[3]]
+    assert [blk.block_id for blk in reversed(run)] == list(range(7, 0, -1))
+    assert run + [objs[9]] == [*run, objs[9]]  # noqa: RUF005 (the operator is under test)
+    assert [objs[9]] + run == [objs[9], *run]  # noqa: RUF005
+    assert run != (objs[1],)  # a list, not a tuple
+    assert (blocks + ours.empty_kv_cache_blocks).get_block_ids() == (list(range(1, 8)),)
+    assert ours.get_blocks("b").get_block_ids() == ([*range(1, 8), 9],)

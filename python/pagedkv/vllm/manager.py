@@ -39,7 +39,14 @@ from vllm.v1.request import Request
 from pagedkv import _core
 from pagedkv.errors import InvalidArgumentError, InvalidConfigError
 from pagedkv.manager import _mm_tuple
-from pagedkv.vllm.views import BlockPoolView, PagedBlock, coordinator_view, core_group
+from pagedkv.vllm.views import (
+    BlockPoolView,
+    BlockRun,
+    PagedBlock,
+    PagedKVCacheBlocks,
+    coordinator_view,
+    core_group,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -198,8 +205,9 @@ class KVCacheManager:
     def _wrap(self, groups: Sequence[Any]) -> KVCacheBlocks:
         if not any(map(len, groups)):  # most decode steps allocate nothing
             return self.empty_kv_cache_blocks
-        blocks = self._blocks
-        return KVCacheBlocks(tuple([blocks[i] for i in g.tolist()] for g in groups))
+        # Block objects are fetched only where read (see `BlockRun`).
+        pool = self._blocks
+        return PagedKVCacheBlocks(tuple([BlockRun(g, pool) for g in groups]))
 
     # ---- properties ----------------------------------------------------------
 

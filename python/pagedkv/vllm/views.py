@@ -13,6 +13,7 @@ from vllm.v1.core.kv_cache_coordinator import (
     SpecGroup,
     UnitaryKVCacheCoordinator,
 )
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -99,6 +100,81 @@ def _core_kind(spec: KVCacheSpec) -> dict[str, Any]:
     if isinstance(spec, FullAttentionSpec) and name in ("FullAttentionSpec", "MLAAttentionSpec"):
         return {"kind": "full_attention", "block_size": bs}
     raise NotImplementedError(f"pagedkv's vLLM manager does not support {name} groups yet")
+
+
+class BlockRun(Sequence[KVCacheBlock]):
+    """One group's blocks of a lookup, named by block id; the block objects
+    are fetched when first read. A hit the scheduler only hands back to
+    ``allocate_slots`` (which reuses the core's own) never touches them: on
+    cold caches that is a memory miss per block saved. Reads as a list:
+    indexing, slicing, iteration, ``len``, ``==`` with a list, ``+``."""
+
+    __slots__ = ("_ids", "_items", "_pool")
+
+    def __init__(self, ids: Any, pool: list[Any]) -> None:
+        self._ids = ids  # an int array
+        self._pool = pool
+        self._items: list[KVCacheBlock] | None = None
+
+    def _list(self) -> list[KVCacheBlock]:
+        items = self._items
+        if items is None:
+            pool = self._pool
+            items = self._items = [pool[i] for i in self._ids.tolist()]
+        return items
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def block_ids(self) -> list[int]:
+        """The blocks' ids (no block object read)."""
+        return self._ids.tolist()  # type: ignore[no-any-return]
+
+    @overload
+    def __getitem__(self, i: int) -> KVCacheBlock: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[KVCacheBlock]: ...
+    def __getitem__(self, i: int | slice) -> KVCacheBlock | list[KVCacheBlock]:
+        return self._list()[i]
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        return iter(self._list())
+
+    def __reversed__(self) -> Iterator[KVCacheBlock]:
+        return reversed(self._list())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, BlockRun):
+            other = other._list()
+        if not isinstance(other, list):
+            return NotImplemented
+        return self._list() == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __add__(self, other: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+        return [*self._list(), *other]
+
+    def __radd__(self, other: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+        return [*other, *self._list()]
+
+    def __repr__(self) -> str:
+        return repr(self._list())
+
+
+class PagedKVCacheBlocks(KVCacheBlocks):
+    """vLLM's ``KVCacheBlocks`` over ``BlockRun`` groups: block ids are read
+    from the core's arrays, without fetching the block objects."""
+
+    def get_block_ids(  # type: ignore[override]
+        self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
+    ) -> tuple[list[int], ...] | None:
+        groups = self.blocks if group_ids is None else tuple(self.blocks[g] for g in group_ids)
+        if allow_none and not any(map(len, groups)):
+            return None
+        return tuple(
+            [b.block_id for b in g] if type(g) is not BlockRun else g.block_ids() for g in groups
+        )
 
 
 class PagedBlock(KVCacheBlock):

@@ -131,6 +131,26 @@ def test_sync_reads_new_tokens_from_any_sequence(kind: Any) -> None:
     assert stored.token_ids == [5, 6, 7, -1]
 
 
+@pytest.mark.parametrize("kind", [list, tuple, _ReadOnlyTokens])
+def test_sync_reads_new_block_hashes_from_any_sequence(kind: Any) -> None:
+    # As the tokens: a list's new hashes are read in place, anything else
+    # through a slice; a shorter sequence or a non-bytes hash changes nothing.
+    m = engine_manager(block_size=4)
+    m.add_request("r", list(range(12)))
+    h = [bytes([i]) * 8 for i in range(3)]
+    m.sync_request("r", list(range(12)), kind(h[:1]))
+    m.sync_request("r", list(range(12)), kind(h[:1]))  # nothing new
+    m.sync_request("r", list(range(12)), kind(h))
+    assert m.block_hashes("r") == h
+    with pytest.raises(InvalidArgumentError, match="fewer than"):
+        m.sync_request("r", list(range(12)), kind(h[:2]))
+    with pytest.raises(TypeError, match="bytes"):
+        m.sync_request("r", list(range(12)), kind([*h, "not bytes"]))
+    with pytest.raises(InvalidArgumentError, match="block hash"):
+        m.sync_request("r", list(range(12)), kind([*h, b""]))
+    assert m.block_hashes("r") == h
+
+
 @pytest.mark.parametrize(
     ("bad", "expected"),
     [

@@ -190,14 +190,19 @@ pub fn tokens(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<u32>> {
     Ok(out)
 }
 
+/// A sequence of `len` items given where the manager holds `from` already.
+fn shorter_than_held(len: usize, from: usize) -> PyPkError {
+    invalid_arg(format!(
+        "the sequence has {len} items, fewer than the {from} the manager already holds"
+    ))
+}
+
 /// The items of a sequence from index `from` on (a slice of it, so a list or
 /// any sequence that slices).
 pub fn suffix<'py>(obj: &Bound<'py, PyAny>, from: usize) -> PkResult<Option<Bound<'py, PyAny>>> {
     let len = obj.len()?;
     if len < from {
-        return Err(invalid_arg(format!(
-            "the sequence has {len} items, fewer than the {from} the manager already holds"
-        )));
+        return Err(shorter_than_held(len, from));
     }
     if len == from {
         return Ok(None);
@@ -274,18 +279,50 @@ pub fn block_hash_list(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<Blo
     let mut out = Vec::with_capacity(reserve_for(obj, limit, "block hashes")?);
     for item in obj.try_iter()? {
         check_room(out.len(), limit, "block hashes")?;
-        let item = item?;
-        let b = item.cast::<PyBytes>().map_err(|_| {
-            type_error(format!(
-                "block hashes must be bytes, got {}",
-                item.get_type()
-                    .name()
-                    .map_or_else(|_| "?".into(), |n| n.to_string())
-            ))
-        })?;
-        out.push(block_hash("block hash", b.as_bytes())?);
+        out.push(block_hash_item(&item?)?);
     }
     Ok(out)
+}
+
+/// The block hashes of a sequence from index `from` on (an engine request's
+/// new hashes): a list is read in place, anything else sliced first.
+///
+/// # Errors
+/// As [`suffix`] and [`block_hash_list`].
+pub fn block_hashes_from(
+    obj: &Bound<'_, PyAny>,
+    from: usize,
+    limit: usize,
+) -> PkResult<Vec<BlockHash>> {
+    let Ok(list) = obj.cast::<PyList>() else {
+        return match suffix(obj, from)? {
+            Some(h) => block_hash_list(&h, limit),
+            None => Ok(Vec::new()),
+        };
+    };
+    let n = list.len();
+    if n < from {
+        return Err(shorter_than_held(n, from));
+    }
+    if n - from > limit {
+        return Err(too_many("block hashes", n - from, limit));
+    }
+    (from..n)
+        .map(|i| block_hash_item(&list.get_item(i)?))
+        .collect()
+}
+
+/// One block hash: bytes, 1..=32 long.
+fn block_hash_item(item: &Bound<'_, PyAny>) -> PkResult<BlockHash> {
+    let b = item.cast::<PyBytes>().map_err(|_| {
+        type_error(format!(
+            "block hashes must be bytes, got {}",
+            item.get_type()
+                .name()
+                .map_or_else(|_| "?".into(), |n| n.to_string())
+        ))
+    })?;
+    block_hash("block hash", b.as_bytes())
 }
 
 /// Non-negative counts from an int `NumPy` array or a sequence.

@@ -18,8 +18,8 @@ use pagedkv_core::{
 };
 
 use crate::convert::{
-    BatchIds, block_hash, block_hash_list, count, counts, engine_tokens, engine_tokens_from,
-    groups_i32, groups_tuple, ids_i32, manager_config, suffix, tokens,
+    BatchIds, block_hash, block_hash_list, block_hashes_from, count, counts, engine_tokens,
+    engine_tokens_from, groups_i32, groups_tuple, ids_i32, manager_config, tokens,
 };
 use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg};
 use crate::events;
@@ -1088,10 +1088,7 @@ impl PyManager {
         let at = borrow(slf)?.inner.request_lengths(request_id)?;
         let limit = Self::token_limit(slf)?.1;
         let new_tokens = engine_tokens_from(token_ids, at.0, limit)?;
-        let new_hashes = match suffix(block_hashes, at.1)? {
-            Some(h) => block_hash_list(&h, limit)?,
-            None => Vec::new(),
-        };
+        let new_hashes = block_hashes_from(block_hashes, at.1, limit)?;
         Ok(borrow_mut(slf)?.inner.sync_request(
             request_id,
             at,

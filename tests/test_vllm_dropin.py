@@ -308,6 +308,34 @@ def test_a_manager_that_reads_no_token_ids_takes_a_prompt_by_its_length() -> Non
     assert "x" not in quiet
 
 
+def test_blocks_an_engine_filled_are_cached_under_a_requests_hashes() -> None:
+    # vLLM's BlockPool.cache_full_blocks on blocks a connector took and filled.
+    tokens, hashes = vllm_case(4)
+    m = engine_manager(block_size=4)
+    m.add_request("r", tokens)
+    m.sync_request("r", tokens, hashes)
+    mine = m.get_new_blocks(3)
+    assert mine is not None
+    with pytest.raises(InvalidArgumentError, match="not held"):
+        m.cache_detached_blocks("r", 0, [*mine[:2], 9], 0, 3)
+    with pytest.raises(InvalidArgumentError, match="mask"):
+        m.cache_detached_blocks("r", 0, mine, 0, 3, [True])
+    with pytest.raises(InvalidArgumentError, match="past"):
+        m.cache_detached_blocks("r", 1, mine, 0, 3)
+    assert m.num_pending_events == 0
+    m.cache_detached_blocks("r", 0, mine, 0, 3, [True, False, True])
+    (stored,) = m.take_events(raw_hashes=True)
+    assert isinstance(stored, pk.BlockStored)
+    assert stored.block_hashes == [hashes[0], hashes[2]]
+    assert stored.token_ids == tokens[:12]
+    # The cache points at them: block 1 (masked out) ends the hit.
+    m.add_request("s", tokens)
+    m.sync_request("s", tokens, hashes)
+    assert m.get_computed_blocks("s").num_computed_tokens == 4
+    m.free_blocks(mine)
+    m.check_invariants()
+
+
 def test_vllm_lenient_returns_none_where_pagedkv_raises() -> None:
     m = engine_manager(num_blocks=5)
     m.add_request("big", list(range(100)))
@@ -520,3 +548,49 @@ def test_lookup_and_allocation_results_read_no_block_object_until_asked() -> Non
     assert run != (objs[1],)  # a list, not a tuple
     assert (blocks + ours.empty_kv_cache_blocks).get_block_ids() == (list(range(1, 8)),)
     assert ours.get_blocks("b").get_block_ids() == ([*range(1, 8), 9],)
+
+
+def test_cache_full_blocks_and_appended_events_side_by_side_with_vllm() -> None:
+    ref, ours, _ = _vllm_pair(num_blocks=24, block_size=4)
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256_cbor)
+    hasher = get_request_block_hasher(4, sha256_cbor)
+
+    def run(mgr: Any) -> list[Any]:
+        req = Request("r", list(range(14)), SamplingParams(max_tokens=4), None, block_hasher=hasher)
+        pool = mgr.block_pool
+        blocks = pool.get_new_blocks(3)
+        pool.cache_full_blocks(req, blocks, 0, 1, 4, 0)
+        foreign = BlockStored(
+            block_hashes=[7],
+            parent_block_hash=None,
+            token_ids=[1, 2, 3, 4],
+            block_size=4,
+            lora_id=None,
+            medium=None,
+            lora_name=None,
+            group_idx=5,
+        )
+        pool.kv_event_queue.append(foreign)
+        pool.cache_full_blocks(req, blocks, 1, 3, 4, 0, block_mask=[False, True])
+        queued = len(pool.kv_event_queue)
+        events = mgr.take_events()
+        out = [queued, [type(e).__name__ for e in events], events[1] is foreign]
+        out += [
+            (e.block_hashes, e.parent_block_hash, e.token_ids, e.group_idx, e.kv_cache_spec_kind)
+            for e in events
+        ]
+        blocks2, hit, _ = mgr.get_computed_blocks(
+            Request("s", list(range(14)), SamplingParams(max_tokens=4), None, block_hasher=hasher)
+        )
+        out.append((hit, blocks2.get_block_ids()))
+        pool.free_blocks(blocks)
+        out.append(pool.get_num_free_blocks())
+        return out
+
+    assert run(ours) == run(ref)

@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import vllm.v1.core.kv_cache_manager as _vllm_manager_module
 from vllm.distributed.kv_events import AllBlocksCleared as VllmAllBlocksCleared
 from vllm.distributed.kv_events import BlockRemoved as VllmBlockRemoved
 from vllm.distributed.kv_events import BlockStored as VllmBlockStored
@@ -159,6 +160,8 @@ class KVCacheManager:
         # req_to_blocks lists handed out, frozen when their request is forgotten.
         self._live_lists: dict[str, list[weakref.ref[Any]]] = {}
         self._live_stats = _LiveStats(self._core) if log_stats else None
+        # Events appended to block_pool.kv_event_queue (with the core's before them).
+        self._queued_events: list[KVCacheEvent] = []
         self.block_pool = BlockPoolView(self)
         self.coordinator = coordinator_view(self)
 
@@ -529,13 +532,36 @@ class KVCacheManager:
     # ---- events -------------------------------------------------------------------
 
     def take_events(self) -> list[KVCacheEvent]:
-        """The KV-cache events since the last call, as vLLM's event objects."""
-        out: list[KVCacheEvent] = []
+        """The KV-cache events since the last call, as vLLM's event objects: the
+        core's and those appended to ``block_pool.kv_event_queue``, in order,
+        each ``BlockStored`` annotated with its group's spec (vLLM's rules)."""
+        events = self._queued_events
+        self._queued_events = []
+        events += self._core_events()
+        if not self.enable_kv_cache_events:
+            return []  # as vLLM's pool, which keeps no event then
         meta = self.kv_cache_event_metadata
+        for ev in events:
+            if not isinstance(ev, VllmBlockStored) or ev.group_idx is None:
+                continue
+            g = ev.group_idx
+            if not 0 <= g < len(meta):
+                _vllm_manager_module.logger.warning("Group index `%s` not in KV cache metadata", g)
+                continue
+            ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window = meta[g]
+        return events
+
+    def _queue_event(self, event: KVCacheEvent) -> None:
+        """``block_pool.kv_event_queue.append``: another component's event, after
+        every event the core recorded so far."""
+        self._queued_events += self._core_events()
+        self._queued_events.append(event)
+
+    def _core_events(self) -> list[KVCacheEvent]:
+        """Drains the core's events as vLLM's event objects (not annotated)."""
+        out: list[KVCacheEvent] = []
         for ev in self._core.take_events(raw_hashes=True):
             if isinstance(ev, _core.BlockStored):
-                g = ev.group_idx
-                kind, window = meta[g] if g is not None and 0 <= g < len(meta) else (None, None)
                 parent = ev.parent_block_hash
                 out.append(
                     VllmBlockStored(
@@ -549,9 +575,7 @@ class KVCacheManager:
                         medium=ev.medium,
                         lora_name=ev.lora_name,
                         extra_keys=ev.extra_keys,
-                        group_idx=g,
-                        kv_cache_spec_kind=kind,
-                        kv_cache_spec_sliding_window=window,
+                        group_idx=ev.group_idx,
                         session_id=ev.session_id,
                         lookahead_token_ids=ev.lookahead_token_ids,
                     )

@@ -353,6 +353,40 @@ class BlockPoolView:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         return [self.blocks[i] for i in ids.tolist()]
 
+    def cache_full_blocks(
+        self,
+        request: Any,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
+    ) -> None:
+        """Caches blocks the caller took with ``get_new_blocks`` and filled with
+        the request's tokens (``blocks[i]`` holds its block ``i``): blocks
+        ``num_cached_blocks`` to ``num_full_blocks`` under the request's
+        hashes (those ``block_mask`` keeps), with one ``BlockStored``. The
+        blocks stay the caller's until ``free_blocks``."""
+        owner = self._owner
+        managers = owner.coordinator.single_type_managers
+        if not 0 <= kv_cache_group_id < len(managers):
+            raise ValueError(f"kv_cache_group_id {kv_cache_group_id} is out of range")
+        if block_size != managers[kv_cache_group_id].block_size:
+            raise ValueError(
+                f"block_size {block_size} is not group {kv_cache_group_id}'s "
+                f"{managers[kv_cache_group_id].block_size}"
+            )
+        rid = owner._sync(request)
+        owner._core.cache_detached_blocks(
+            rid,
+            kv_cache_group_id,
+            [b.block_id for b in blocks],
+            num_cached_blocks,
+            num_full_blocks,
+            None if block_mask is None else list(block_mask),
+        )
+
     def get_cached_block(
         self, block_hash: bytes, kv_cache_group_ids: Iterable[int]
     ) -> list[PagedBlock] | None:
@@ -418,14 +452,19 @@ class _LiveBlocks(Sequence[PagedBlock]):
 
 
 class _PendingEvents:
-    """The pool's event queue, as far as a reader can see it: its length (the
-    events recorded and not yet taken)."""
+    """The pool's event queue as vLLM's components use it: its length (the
+    events recorded and not yet taken) and ``append`` (another component's
+    event, taken after the core's recorded before it)."""
 
     def __init__(self, owner: KVCacheManager) -> None:
-        self._core = owner._core
+        self._owner = owner
 
     def __len__(self) -> int:
-        return int(self._core.num_pending_events)
+        owner = self._owner
+        return int(owner._core.num_pending_events) + len(owner._queued_events)
+
+    def append(self, event: Any) -> None:
+        self._owner._queue_event(event)
 
 
 class _ReqToBlocks(Mapping[str, Sequence[PagedBlock]]):

@@ -720,7 +720,16 @@ impl Coordinator {
             if let Some((from, to, mask)) = &published
                 && self.pool.events_enabled()
             {
-                let ev = stored_event(gm, req, g, (*from, *to), mask.as_deref(), self.lookahead);
+                let blocks = req.groups[g].blocks();
+                let ev = stored_event(
+                    gm,
+                    req,
+                    g,
+                    blocks,
+                    (*from, *to),
+                    mask.as_deref(),
+                    self.lookahead,
+                );
                 self.pool.push_event(KvEvent::BlockStored(ev));
             }
             // Partial prompt-tail entries exist where vLLM allows a hash block
@@ -761,6 +770,35 @@ impl Coordinator {
                     self.verifier.record(&self.pool, req, g, i, bs, hbs);
                 }
             }
+        }
+    }
+
+    /// Caches blocks `[from, to)` of `blocks` (those `mask` keeps), the
+    /// request's blocks in group `g` held outside it (an engine filled them),
+    /// under the request's hashes, as vLLM's `BlockPool.cache_full_blocks`:
+    /// one `BlockStored` for the run. The caller checked the range, the mask,
+    /// the hashes and the blocks.
+    pub(crate) fn cache_blocks_held_outside(
+        &mut self,
+        req: &Request,
+        g: usize,
+        blocks: &[BlockId],
+        (from, to): (usize, usize),
+        mask: Option<&[bool]>,
+    ) {
+        let gm = &self.groups[g];
+        let bs = gm.block_size() as usize;
+        for (i, &b) in blocks.iter().enumerate().take(to).skip(from) {
+            if mask.is_some_and(|m| !m[i - from]) {
+                continue;
+            }
+            if let Some(key) = gm.key_for(req.hashes(), i) {
+                self.pool.cache_full_block(b, key, ((i + 1) * bs) as u32);
+            }
+        }
+        if self.pool.events_enabled() {
+            let ev = stored_event(gm, req, g, blocks, (from, to), mask, self.lookahead);
+            self.pool.push_event(KvEvent::BlockStored(ev));
         }
     }
 
@@ -1017,17 +1055,18 @@ fn partial_stored_event(
     }
 }
 
-/// The `BlockStored` of blocks `[from, to)` of group `g` (those `mask` keeps).
+/// The `BlockStored` of blocks `[from, to)` of group `g` (those `mask` keeps),
+/// the request's `blocks` in that group.
 fn stored_event(
     gm: &GroupManager,
     req: &Request,
     g: usize,
+    blocks: &[BlockId],
     (from, to): (usize, usize),
     mask: Option<&[bool]>,
     lookahead: usize,
 ) -> BlockStored {
     let bs = gm.block_size() as usize;
-    let blocks = req.groups[g].blocks();
     let mut hashes = Vec::new();
     let mut extra = Vec::new();
     let mut ahead = Vec::new();

@@ -567,3 +567,81 @@ fn a_manager_that_only_counts_tokens_takes_a_prompt_by_its_length() {
         assert!(!m.contains("x"));
     }
 }
+
+#[test]
+fn blocks_the_engine_filled_are_cached_under_the_requests_hashes() {
+    // vLLM's BlockPool.cache_full_blocks on blocks a connector took with
+    // get_new_blocks and filled: cached, one BlockStored, hit by the next request.
+    let mut m = engine_mgr(11, 4);
+    let hashes = [h(1, 0), h(1, 1), h(1, 2)];
+    add(&mut m, "r", seq(0, 13), &hashes);
+    let Some(mine) = m.get_new_blocks(3) else {
+        panic!("3 blocks are free")
+    };
+    assert_eq!(mine, vec![1, 2, 3]);
+    // Refused, nothing cached: past the blocks given, past the hashed tokens,
+    // a block the engine does not hold, an unknown group or request.
+    assert!(
+        m.cache_detached_blocks("r", 0, &mine[..1], (0, 2), None)
+            .is_err()
+    );
+    assert!(
+        m.cache_detached_blocks("r", 0, &[1, 2, 3, 4], (0, 4), None)
+            .is_err()
+    );
+    assert!(
+        m.cache_detached_blocks("r", 0, &[1, 9], (0, 2), None)
+            .is_err()
+    );
+    assert!(
+        m.cache_detached_blocks("r", 1, &mine, (0, 2), None)
+            .is_err()
+    );
+    assert!(
+        m.cache_detached_blocks("nobody", 0, &mine, (0, 2), None)
+            .is_err()
+    );
+    assert!(
+        m.cache_detached_blocks("r", 0, &mine, (0, 2), Some(&[true]))
+            .is_err()
+    );
+    assert!(m.take_events().is_empty());
+    // A masked-out block is neither cached nor published.
+    ok(m.cache_detached_blocks("r", 0, &mine, (0, 1), Some(&[false])));
+    assert_eq!(ok(m.get_computed_blocks("r")).num_computed_tokens, 0);
+    // Blocks 1 and 2 of the request (0 was cached before: the parent).
+    ok(m.cache_detached_blocks("r", 0, &mine, (0, 1), None));
+    ok(m.cache_detached_blocks("r", 0, &mine, (1, 3), Some(&[true, true])));
+    let stored: Vec<_> = m
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockStored(s) => Some(s),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stored.len(), 3);
+    assert!(stored[0].block_hashes.is_empty());
+    let stored = &stored[1..];
+    assert_eq!(stored[0].block_hashes, vec![hashes[0]]);
+    assert_eq!(stored[0].parent_block_hash, None);
+    assert_eq!(stored[0].token_ids, seq(0, 4));
+    assert_eq!(stored[1].block_hashes, hashes[1..].to_vec());
+    assert_eq!(stored[1].parent_block_hash, Some(hashes[0]));
+    assert_eq!(stored[1].token_ids, seq(4, 12));
+    assert_eq!(
+        (stored[1].group_idx, stored[1].session_id.as_deref()),
+        (0, Some("session-r"))
+    );
+    // Still the engine's: a request's lookup finds them, and they return to
+    // the pool as cached blocks when the engine frees them.
+    add(&mut m, "s", seq(0, 13), &hashes);
+    let hit = ok(m.get_computed_blocks("s"));
+    assert_eq!(
+        (hit.block_ids[0].clone(), hit.num_computed_tokens),
+        (vec![1, 2, 3], 12)
+    );
+    ok(m.free_blocks(&mine));
+    assert_eq!(m.num_free_blocks(), 10);
+    assert_eq!(admit(&mut m, "s"), (vec![1, 2, 3], 12, Some(vec![4])));
+}

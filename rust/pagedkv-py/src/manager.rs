@@ -658,6 +658,39 @@ impl PyManager {
         Ok(PyArray1::from_vec(slf.py(), ids_i32(&ids)))
     }
 
+    /// Caches blocks the engine holds and filled with the request's tokens:
+    /// `block_ids[i]` holds the request's block `i` in group `group`; blocks
+    /// `num_cached_blocks` to `num_full_blocks` go into the prefix cache under
+    /// the request's hashes, with one `BlockStored` (vLLM's
+    /// `BlockPool.cache_full_blocks`); `mask`, one entry per block of the
+    /// range, skips the blocks it marks false.
+    #[pyo3(signature = (request_id, group, block_ids, num_cached_blocks, num_full_blocks, mask = None))]
+    fn cache_detached_blocks(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        group: i64,
+        block_ids: &Bound<'_, PyAny>,
+        num_cached_blocks: i64,
+        num_full_blocks: i64,
+        mask: Option<Vec<bool>>,
+    ) -> PkResult<()> {
+        let ids = crate::convert::block_ids(block_ids)?;
+        let as_index = |name: &str, v: i64| -> PkResult<usize> {
+            usize::try_from(count(name, v)?)
+                .map_err(|_| invalid_arg(format!("{name} is too large")))
+        };
+        let group = as_index("group", group)?;
+        let from = as_index("num_cached_blocks", num_cached_blocks)?;
+        let to = as_index("num_full_blocks", num_full_blocks)?;
+        Ok(borrow_mut(slf)?.inner.cache_detached_blocks(
+            request_id,
+            group,
+            &ids,
+            (from, to),
+            mask.as_deref(),
+        )?)
+    }
+
     /// Returns detached blocks to the pool, the first evicted first.
     fn free_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PkResult<()> {
         let items = block_ids.try_iter()?.collect::<PyResult<Vec<_>>>()?;

@@ -245,6 +245,70 @@ impl KvCacheManager {
         Some(out)
     }
 
+    /// Publishes blocks the engine holds ([`Self::get_new_blocks`]) and has
+    /// filled with the request's tokens into the prefix cache of group `group`:
+    /// `blocks[i]` holds the request's block `i`, and blocks `num_cached_blocks`
+    /// to `num_full_blocks` (those `mask` keeps: one entry per block of the
+    /// range) are cached under the request's hashes, with one `BlockStored`
+    /// (vLLM's `BlockPool.cache_full_blocks`; a connector that loaded KV
+    /// computed elsewhere). The blocks stay the engine's until
+    /// [`Self::free_blocks`], which returns them as cached, evictable blocks.
+    ///
+    /// # Errors
+    /// Unknown request or group; a range past `blocks` or past the request's
+    /// hashed tokens; a mask of another length; a block in the range the
+    /// engine does not hold. Nothing is cached then.
+    pub fn cache_detached_blocks(
+        &mut self,
+        id: &str,
+        group: usize,
+        blocks: &[BlockId],
+        (num_cached_blocks, num_full_blocks): (usize, usize),
+        mask: Option<&[bool]>,
+    ) -> Result<()> {
+        let slot = self.table.slot(id)?;
+        let Some(gm) = self.coord.groups().get(group) else {
+            return Err(invalid(format!(
+                "group {group} is past the manager's {}",
+                self.coord.groups().len()
+            )));
+        };
+        let req = self.table.get(slot);
+        let bs = gm.block_size() as usize;
+        let hashed = req.hashes().len() * self.hash_block_size;
+        if num_full_blocks > blocks.len() || num_full_blocks * bs > hashed {
+            return Err(invalid(format!(
+                "blocks {num_cached_blocks}..{num_full_blocks} are past the {} given or the \
+                 {hashed} hashed tokens of request {id:?}",
+                blocks.len()
+            )));
+        }
+        let range = num_cached_blocks.min(num_full_blocks)..num_full_blocks;
+        if let Some(m) = mask
+            && m.len() != range.len()
+        {
+            return Err(invalid(format!(
+                "the mask has {} entries for {} blocks",
+                m.len(),
+                range.len()
+            )));
+        }
+        if let Some(&b) = blocks[range.clone()]
+            .iter()
+            .find(|&&b| b != NULL_BLOCK && !self.detached.contains_key(&b))
+        {
+            return Err(invalid(format!(
+                "block {b} is not held by the engine (get_new_blocks or pop_blocks_for_free)"
+            )));
+        }
+        if range.is_empty() {
+            return Ok(());
+        }
+        self.coord
+            .cache_blocks_held_outside(req, group, blocks, (range.start, range.end), mask);
+        Ok(())
+    }
+
     /// Leading blocks of the request already cached, per group (`None` in a
     /// group the request has not run in yet: vLLM's `num_cached_block` entry).
     ///

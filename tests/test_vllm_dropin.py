@@ -336,6 +336,33 @@ def test_blocks_an_engine_filled_are_cached_under_a_requests_hashes() -> None:
     m.check_invariants()
 
 
+def test_a_partial_entry_on_a_block_an_engine_filled() -> None:
+    # vLLM's BlockPool.cache_partial_block: the hash of the hash block ending
+    # at the boundary, in the group; None for the null block.
+    tokens, hashes = vllm_case(4)
+    m = engine_manager(block_size=8, hash_block_size=4, partial_hash_hits=True)
+    m.add_request("r", tokens)
+    m.sync_request("r", tokens, hashes)
+    (block,) = m.get_new_blocks(1) or []
+    assert m.cache_detached_partial_block("r", 0, int(block), 4) == (hashes[0], 0)
+    assert m.cache_detached_partial_block("r", 0, 0, 4) is None
+    for bad in (0, 6, 4 * len(hashes) + 4):
+        with pytest.raises(InvalidArgumentError, match="hash block boundary"):
+            m.cache_detached_partial_block("r", 0, int(block), bad)
+    with pytest.raises(InvalidArgumentError, match="not held"):
+        m.cache_detached_partial_block("r", 0, int(block) + 1, 4)
+    (stored,) = m.take_events(raw_hashes=True)
+    assert isinstance(stored, pk.BlockStored)
+    assert (stored.block_hashes, stored.token_ids) == ([hashes[0]], tokens[:4])
+    # The same entry again is no new event; replacing it drops it first.
+    m.cache_detached_partial_block("r", 0, int(block), 4)
+    assert m.num_pending_events == 0
+    m.cache_detached_partial_block("r", 0, int(block), 4, replace_existing=True)
+    assert [type(e).__name__ for e in m.take_events()] == ["BlockRemoved", "BlockStored"]
+    m.free_blocks([int(block)])
+    m.check_invariants()
+
+
 def test_vllm_lenient_returns_none_where_pagedkv_raises() -> None:
     m = engine_manager(num_blocks=5)
     m.add_request("big", list(range(100)))
@@ -594,3 +621,56 @@ def test_cache_full_blocks_and_appended_events_side_by_side_with_vllm() -> None:
         return out
 
     assert run(ours) == run(ref)
+
+
+def test_partial_entries_on_filled_blocks_side_by_side_with_vllm() -> None:
+    # vLLM's test_hybrid_partial_hash_truncates_full_attention_hit_length, then
+    # a replaced entry: hits and block counts as vLLM's own manager answers.
+    vllm_core = pytest.importorskip("vllm.v1.core.kv_cache_manager")
+    import torch
+    from pagedkv.vllm import KVCacheManager
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256_cbor)
+    full = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    mamba = MambaSpec(
+        block_size=4, shapes=(1, 1), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
+    cfg = KVCacheConfig(
+        num_blocks=24,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["f"], full), KVCacheGroupSpec(["m"], mamba)],
+    )
+
+    def run(cls: Any) -> list[Any]:
+        mgr = cls(cfg, max_model_len=8192, hash_block_size=2, scheduler_block_size=4)
+        hasher = get_request_block_hasher(2, sha256_cbor)
+        prompt = [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+        req = Request("0", prompt, SamplingParams(max_tokens=4), None, block_hasher=hasher)
+        pool = mgr.block_pool
+        blocks = pool.get_new_blocks(3)
+        pool.cache_full_blocks(req, blocks, 0, 2, 4, 0)
+        keys = [pool.cache_partial_block(req, blocks[2], 10, 0, 4)]
+        (m,) = pool.get_new_blocks(1)
+        keys.append(pool.cache_partial_block(req, m, 6, 1, 4))
+        keys.append(pool.cache_partial_block(req, pool.null_block, 6, 1, 4))
+        out: list[Any] = [keys]
+        for replace in (None, 4):
+            if replace is not None:
+                pool.cache_partial_block(req, m, replace, 1, 4, replace_existing_hashes=True)
+            hit, n, _ = mgr.get_computed_blocks(req)
+            out.append((n, [len(g) for g in hit.blocks]))
+        pool.free_blocks([*blocks, m])
+        out.append(pool.get_num_free_blocks())
+        return out
+
+    assert run(KVCacheManager) == run(vllm_core.KVCacheManager)

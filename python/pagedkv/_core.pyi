@@ -299,6 +299,15 @@ class KVCacheManager:
         num_full_blocks: int,
         mask: Sequence[bool] | None = None,
     ) -> None: ...
+    def cache_detached_partial_block(
+        self,
+        request_id: str,
+        group: int,
+        block_id: int,
+        num_tokens: int,
+        *,
+        replace_existing: bool = False,
+    ) -> tuple[bytes, int] | None: ...
     def get_new_blocks(self, n: int) -> _IdArray | None: ...
     def num_cached_blocks(self, request_id: str) -> list[int | None]: ...
     @property

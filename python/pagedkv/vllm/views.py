@@ -369,14 +369,7 @@ class BlockPoolView:
         hashes (those ``block_mask`` keeps), with one ``BlockStored``. The
         blocks stay the caller's until ``free_blocks``."""
         owner = self._owner
-        managers = owner.coordinator.single_type_managers
-        if not 0 <= kv_cache_group_id < len(managers):
-            raise ValueError(f"kv_cache_group_id {kv_cache_group_id} is out of range")
-        if block_size != managers[kv_cache_group_id].block_size:
-            raise ValueError(
-                f"block_size {block_size} is not group {kv_cache_group_id}'s "
-                f"{managers[kv_cache_group_id].block_size}"
-            )
+        self._check_group(kv_cache_group_id, block_size)
         rid = owner._sync(request)
         owner._core.cache_detached_blocks(
             rid,
@@ -386,6 +379,38 @@ class BlockPoolView:
             num_full_blocks,
             None if block_mask is None else list(block_mask),
         )
+
+    def cache_partial_block(
+        self,
+        request: Any,
+        block: KVCacheBlock,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+        replace_existing_hashes: bool = False,
+    ) -> Any:
+        """Makes a block the caller holds reachable from the request's prefix
+        boundary of ``num_tokens`` tokens (a partial entry); returns its
+        ``BlockHashWithGroupId``, None for the null block."""
+        owner = self._owner
+        self._check_group(kv_cache_group_id, block_size)
+        key = owner._core.cache_detached_partial_block(
+            owner._sync(request),
+            kv_cache_group_id,
+            block.block_id,
+            num_tokens,
+            replace_existing=replace_existing_hashes,
+        )
+        return None if key is None else make_block_hash_with_group_id(*key)  # type: ignore[arg-type]
+
+    def _check_group(self, group: int, block_size: int) -> None:
+        managers = self._owner.coordinator.single_type_managers
+        if not 0 <= group < len(managers):
+            raise ValueError(f"kv_cache_group_id {group} is out of range")
+        if block_size != managers[group].block_size:
+            raise ValueError(
+                f"block_size {block_size} is not group {group}'s {managers[group].block_size}"
+            )
 
     def get_cached_block(
         self, block_hash: bytes, kv_cache_group_ids: Iterable[int]

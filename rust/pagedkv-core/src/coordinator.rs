@@ -10,7 +10,7 @@
 use crate::error::{Error, Result};
 use crate::events::{BlockStored, KvEvent};
 use crate::hash::BlockHash;
-use crate::pool::{BlockId, BlockPool, NULL_BLOCK};
+use crate::pool::{BlockId, BlockPool, CacheKey, NULL_BLOCK};
 use crate::request::Request;
 use crate::single_type::{GroupManager, GroupParams, Lookup, Need, Retention};
 use crate::spec::{AttentionKind, ManagerConfig};
@@ -800,6 +800,35 @@ impl Coordinator {
             let ev = stored_event(gm, req, g, blocks, (from, to), mask, self.lookahead);
             self.pool.push_event(KvEvent::BlockStored(ev));
         }
+    }
+
+    /// Makes `block`, held outside the request (an engine filled it), reachable
+    /// from the prefix boundary of `boundary` tokens of the request in group
+    /// `g` (a partial entry, vLLM's `BlockPool.cache_partial_block`); with
+    /// `replace`, the block's entries are dropped first. A new entry gets its
+    /// `BlockStored`. The caller checked the boundary and the block.
+    pub(crate) fn cache_partial_held_outside(
+        &mut self,
+        req: &Request,
+        g: usize,
+        block: BlockId,
+        boundary: usize,
+        replace: bool,
+    ) -> CacheKey {
+        let hbs = self.hash_block_size;
+        let key = CacheKey {
+            hash: req.hashes()[boundary / hbs - 1],
+            group: self.groups[g].group_id(),
+        };
+        if replace {
+            self.pool.maybe_evict(block);
+        }
+        if self.pool.cache_partial_block(block, key, boundary as u32) && self.pool.events_enabled()
+        {
+            let ev = partial_stored_event(req, g, boundary, hbs, self.lookahead);
+            self.pool.push_event(KvEvent::BlockStored(ev));
+        }
+        key
     }
 
     /// Records each Mamba group's prefill checkpoint for this step (vLLM does so

@@ -318,3 +318,64 @@ fn reprefillable_tokens_are_never_cached() {
     ok(m.allocate_slots("a", &AllocateArgs::step(16, 0), None));
     assert_eq!(m.pool().num_cached_keys(), 3);
 }
+
+#[test]
+fn partial_entries_on_blocks_an_engine_filled_truncate_the_full_attention_hit() {
+    // vLLM's test_hybrid_partial_hash_truncates_full_attention_hit_length:
+    // whole blocks and partial entries put into the cache on blocks taken
+    // with get_new_blocks; the Mamba entry at 6 tokens bounds the hit.
+    let mut m = hybrid(&Hybrid {
+        hbs: 2,
+        full: 4,
+        mamba: 4,
+        checkpoint_alignment: None,
+        retention: None,
+        eagle: false,
+        partial: true,
+        num_blocks: 24,
+    });
+    add(&mut m, "0", vec![0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]);
+    let Some(full) = m.get_new_blocks(3) else {
+        panic!("free blocks")
+    };
+    ok(m.cache_detached_blocks("0", 0, &full, (0, 2), None));
+    let key = ok(m.cache_detached_partial_block("0", 0, full[2], 10, false));
+    assert_eq!(key.map(|k| k.group), Some(0));
+    let Some(mamba) = m.get_new_blocks(1) else {
+        panic!("free blocks")
+    };
+    ok(m.cache_detached_partial_block("0", 1, mamba[0], 6, false));
+    // Refused: not on a hash block boundary, past the hashed tokens, a block
+    // the engine does not hold; the null block caches nothing.
+    assert!(
+        m.cache_detached_partial_block("0", 1, mamba[0], 5, false)
+            .is_err()
+    );
+    assert!(
+        m.cache_detached_partial_block("0", 1, mamba[0], 14, false)
+            .is_err()
+    );
+    assert!(
+        m.cache_detached_partial_block("0", 1, 20, 6, false)
+            .is_err()
+    );
+    assert_eq!(
+        ok(m.cache_detached_partial_block("0", 1, 0, 6, false)),
+        None
+    );
+    let hit = ok(m.get_computed_blocks("0"));
+    assert_eq!(hit.num_computed_tokens, 6);
+    assert_eq!(
+        hit.block_ids.iter().map(Vec::len).collect::<Vec<_>>(),
+        vec![2, 2]
+    );
+    // Replacing the Mamba block's entries with one at 4 tokens: the hit ends
+    // there, one block per group (as vLLM answers).
+    ok(m.cache_detached_partial_block("0", 1, mamba[0], 4, true));
+    let hit = ok(m.get_computed_blocks("0"));
+    assert_eq!(hit.num_computed_tokens, 4);
+    assert_eq!(
+        hit.block_ids.iter().map(Vec::len).collect::<Vec<_>>(),
+        vec![1, 1]
+    );
+}

@@ -675,13 +675,9 @@ impl PyManager {
         mask: Option<Vec<bool>>,
     ) -> PkResult<()> {
         let ids = crate::convert::block_ids(block_ids)?;
-        let as_index = |name: &str, v: i64| -> PkResult<usize> {
-            usize::try_from(count(name, v)?)
-                .map_err(|_| invalid_arg(format!("{name} is too large")))
-        };
-        let group = as_index("group", group)?;
-        let from = as_index("num_cached_blocks", num_cached_blocks)?;
-        let to = as_index("num_full_blocks", num_full_blocks)?;
+        let group = Self::index("group", group)?;
+        let from = Self::index("num_cached_blocks", num_cached_blocks)?;
+        let to = Self::index("num_full_blocks", num_full_blocks)?;
         Ok(borrow_mut(slf)?.inner.cache_detached_blocks(
             request_id,
             group,
@@ -689,6 +685,34 @@ impl PyManager {
             (from, to),
             mask.as_deref(),
         )?)
+    }
+
+    /// Makes a block the engine holds reachable from the request's prefix
+    /// boundary of `num_tokens` tokens in `group` (a partial entry, vLLM's
+    /// `BlockPool.cache_partial_block`); `replace_existing` drops the block's
+    /// entries first. Returns the entry's `(hash, group)`, None for the null
+    /// block.
+    #[pyo3(signature = (request_id, group, block_id, num_tokens, *, replace_existing = false))]
+    fn cache_detached_partial_block<'py>(
+        slf: &Bound<'py, Self>,
+        request_id: &str,
+        group: i64,
+        block_id: i64,
+        num_tokens: i64,
+        replace_existing: bool,
+    ) -> PkResult<Option<(Bound<'py, PyBytes>, u32)>> {
+        let group = Self::index("group", group)?;
+        let block = u32::try_from(block_id)
+            .map_err(|_| invalid_arg(format!("block id {block_id} is outside 0..2**32")))?;
+        let n = Self::index("num_tokens", num_tokens)?;
+        let key = borrow_mut(slf)?.inner.cache_detached_partial_block(
+            request_id,
+            group,
+            block,
+            n,
+            replace_existing,
+        )?;
+        Ok(key.map(|k| (PyBytes::new(slf.py(), k.hash.as_bytes()), k.group)))
     }
 
     /// Returns detached blocks to the pool, the first evicted first.
@@ -1088,6 +1112,11 @@ impl PyManager {
 }
 
 impl PyManager {
+    /// A non-negative count or index Python passed.
+    fn index(name: &str, v: i64) -> PkResult<usize> {
+        usize::try_from(count(name, v)?).map_err(|_| invalid_arg(format!("{name} is too large")))
+    }
+
     /// Whether the engine hashes requests (its token ids are signed), and the
     /// most token ids one call may carry: `max_model_len`, which no request
     /// may pass (checked before anything is reserved for them).

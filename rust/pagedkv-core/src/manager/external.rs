@@ -8,7 +8,7 @@ use rustc_hash::FxHashMap;
 use super::{ComputedBlocks, KvCacheManager};
 use crate::error::{Error, Result, invalid};
 use crate::hash::BlockHash;
-use crate::pool::{BlockId, NULL_BLOCK};
+use crate::pool::{BlockId, CacheKey, NULL_BLOCK};
 use crate::request::{Request, RequestSpec};
 use crate::request_table::RequestHandle;
 use crate::single_type::{GroupBlocks, Need};
@@ -307,6 +307,61 @@ impl KvCacheManager {
         self.coord
             .cache_blocks_held_outside(req, group, blocks, (range.start, range.end), mask);
         Ok(())
+    }
+
+    /// Makes a block the engine holds ([`Self::get_new_blocks`]) reachable from
+    /// the request's prefix boundary of `num_tokens` tokens in group `group`: a
+    /// partial entry under the hash of the hash block ending there (vLLM's
+    /// `BlockPool.cache_partial_block`). With `replace_existing`, the block's
+    /// entries are dropped first (its contents were replaced). Returns the key
+    /// the entry is under; `None` for the null block (nothing cached).
+    ///
+    /// # Errors
+    /// Unknown request or group; `num_tokens` not a positive multiple of the
+    /// hash block size, or past the request's hashed tokens; a block the
+    /// engine does not hold.
+    pub fn cache_detached_partial_block(
+        &mut self,
+        id: &str,
+        group: usize,
+        block: BlockId,
+        num_tokens: usize,
+        replace_existing: bool,
+    ) -> Result<Option<CacheKey>> {
+        let slot = self.table.slot(id)?;
+        if group >= self.coord.groups().len() {
+            return Err(invalid(format!(
+                "group {group} is past the manager's {}",
+                self.coord.groups().len()
+            )));
+        }
+        let req = self.table.get(slot);
+        let hbs = self.hash_block_size;
+        if num_tokens == 0
+            || !num_tokens.is_multiple_of(hbs)
+            || num_tokens > req.hashes().len() * hbs
+        {
+            return Err(invalid(format!(
+                "a partial entry ends on a hash block boundary within the {} hashed tokens \
+                 of request {id:?}, not at {num_tokens}",
+                req.hashes().len() * hbs
+            )));
+        }
+        if block == NULL_BLOCK {
+            return Ok(None);
+        }
+        if !self.detached.contains_key(&block) {
+            return Err(invalid(format!(
+                "block {block} is not held by the engine (get_new_blocks or pop_blocks_for_free)"
+            )));
+        }
+        Ok(Some(self.coord.cache_partial_held_outside(
+            req,
+            group,
+            block,
+            num_tokens,
+            replace_existing,
+        )))
     }
 
     /// Leading blocks of the request already cached, per group (`None` in a

@@ -273,6 +273,11 @@ impl GroupManager {
         self.block_size
     }
 
+    /// The group its cache keys carry.
+    pub(crate) fn group_id(&self) -> u32 {
+        self.group_id
+    }
+
     /// Whole blocks in `n` tokens.
     #[inline]
     pub(crate) fn blocks_floor(&self, n: u64) -> u64 {

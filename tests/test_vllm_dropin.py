@@ -454,6 +454,10 @@ def test_side_by_side_with_vllms_own_manager(events: bool) -> None:
     # Without events (vLLM's default) the drop-in registers prompts by length.
     ref, ours, _ = _vllm_pair(num_blocks=24, block_size=4, events=events)
     assert ours._prompt_by_length is not events
+    # The coordinator is of the kind vLLM builds, under its class's name.
+    assert isinstance(ours.coordinator, type(ref.coordinator))
+    assert type(ours.coordinator).__name__ == type(ref.coordinator).__name__
+    assert type(ours.coordinator).__module__ == "pagedkv.vllm.views"
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash

@@ -800,8 +800,9 @@ _COORDINATOR_VIEWS: dict[type, type[CoordinatorView]] = {}
 def coordinator_view(owner: KVCacheManager) -> CoordinatorView:
     """The coordinator view, also an instance of the coordinator class vLLM
     would build (no prefix cache, one group, or hybrid), so ``isinstance``
-    checks on ``manager.coordinator`` see the kind. vLLM's own ``__init__``
-    never runs."""
+    checks on ``manager.coordinator`` see the kind; the view's class carries
+    that class's name (in pagedkv's module). vLLM's own ``__init__`` never
+    runs."""
     if not owner.enable_caching:
         vllm_cls: type = KVCacheCoordinatorNoPrefixCache
     elif owner._core.lookup_groups is None:
@@ -810,6 +811,9 @@ def coordinator_view(owner: KVCacheManager) -> CoordinatorView:
         vllm_cls = HybridKVCacheCoordinator
     cls = _COORDINATOR_VIEWS.get(vllm_cls)
     if cls is None:
-        cls = type(f"PagedKV{vllm_cls.__name__}View", (CoordinatorView, vllm_cls), {})
+        name = vllm_cls.__name__
+        cls = type(
+            name, (CoordinatorView, vllm_cls), {"__qualname__": name, "__module__": __name__}
+        )
         _COORDINATOR_VIEWS[vllm_cls] = cls
     return cls(owner)

@@ -673,7 +673,7 @@ def _view_class(group: Any) -> type[SingleTypeManagerView]:
         return SingleTypeManagerView
     cls = _VIEW_CLASSES.get(vllm_cls)
     if cls is None:
-        cls = type(f"PagedKV{vllm_cls.__name__}View", (SingleTypeManagerView, vllm_cls), {})
+        cls = _named_after(vllm_cls, SingleTypeManagerView)
         _VIEW_CLASSES[vllm_cls] = cls
     return cls
 
@@ -797,12 +797,18 @@ class CoordinatorView:
 _COORDINATOR_VIEWS: dict[type, type[CoordinatorView]] = {}
 
 
+def _named_after(vllm_cls: type, view: type) -> Any:
+    """A view class that is also ``vllm_cls`` (the view's state and methods
+    first in line), under ``vllm_cls``'s name in this module."""
+    name = vllm_cls.__name__
+    return type(name, (view, vllm_cls), {"__qualname__": name, "__module__": __name__})
+
+
 def coordinator_view(owner: KVCacheManager) -> CoordinatorView:
     """The coordinator view, also an instance of the coordinator class vLLM
     would build (no prefix cache, one group, or hybrid), so ``isinstance``
-    checks on ``manager.coordinator`` see the kind; the view's class carries
-    that class's name (in pagedkv's module). vLLM's own ``__init__`` never
-    runs."""
+    checks on ``manager.coordinator`` see the kind (under that class's name,
+    in pagedkv's module). vLLM's own ``__init__`` never runs."""
     if not owner.enable_caching:
         vllm_cls: type = KVCacheCoordinatorNoPrefixCache
     elif owner._core.lookup_groups is None:
@@ -811,9 +817,6 @@ def coordinator_view(owner: KVCacheManager) -> CoordinatorView:
         vllm_cls = HybridKVCacheCoordinator
     cls = _COORDINATOR_VIEWS.get(vllm_cls)
     if cls is None:
-        name = vllm_cls.__name__
-        cls = type(
-            name, (CoordinatorView, vllm_cls), {"__qualname__": name, "__module__": __name__}
-        )
+        cls = _named_after(vllm_cls, CoordinatorView)
         _COORDINATOR_VIEWS[vllm_cls] = cls
     return cls(owner)

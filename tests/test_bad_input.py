@@ -137,6 +137,8 @@ ID_METHODS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "finalize_partial_tail_offloads": lambda m, r: m.finalize_partial_tail_offloads(r, 0, 0),
     "record_blocks_for_zeroing": lambda m, r: m.record_blocks_for_zeroing(r, 0),
     "get_computed_blocks_for_connector": lambda m, r: m.get_computed_blocks_for_connector(r),
+    "cache_detached_blocks": lambda m, r: m.cache_detached_blocks(r, 0, [], 0, 0),
+    "cache_detached_partial_block": lambda m, r: m.cache_detached_partial_block(r, 0, 0, 16),
 }
 # Batch calls also take the int handles add_request returns.
 HANDLE_METHODS = ("allocate_slots_batch", "append_token_ids_batch")
@@ -425,6 +427,32 @@ def test_bad_token_ids(
     check_refused(mgr, lambda m: call(m, make()), expected)
     assert "new" not in mgr
     assert mgr.num_tokens("run") == 55
+
+
+@pytest.mark.parametrize(
+    ("call", "expected"),
+    [
+        (lambda m: m.cache_detached_blocks("run", -1, [], 0, 0), InvalidArgumentError),
+        (lambda m: m.cache_detached_blocks("run", 1, [], 0, 0), InvalidArgumentError),
+        (lambda m: m.cache_detached_blocks("run", 0, None, 0, 1), TypeError),
+        (lambda m: m.cache_detached_blocks("run", 0, [-1], 0, 1), InvalidArgumentError),
+        (lambda m: m.cache_detached_blocks("run", 0, [1], -1, 1), InvalidArgumentError),
+        (lambda m: m.cache_detached_blocks("run", 0, [1], 0, 1, "x"), TypeError),
+        # A block the request holds is not the engine's to cache.
+        (lambda m: m.cache_detached_blocks("run", 0, [1], 0, 1), InvalidArgumentError),
+        (lambda m: m.cache_detached_blocks("run", 0, [1, 2, 3, 4, 9], 0, 5), InvalidArgumentError),
+        (lambda m: m.cache_detached_partial_block("run", 0, 1, 16), InvalidArgumentError),
+        (lambda m: m.cache_detached_partial_block("run", 0, 2**40, 16), InvalidArgumentError),
+        (lambda m: m.cache_detached_partial_block("run", 0, 1, -16), InvalidArgumentError),
+        (lambda m: m.cache_detached_partial_block("run", 0, 1, 15), InvalidArgumentError),
+        (lambda m: m.cache_detached_partial_block("run", 2, 1, 16), InvalidArgumentError),
+        (lambda m: m.cache_detached_partial_block("run", 0, None, 16), TypeError),
+    ],
+)
+def test_bad_detached_block_caching(
+    call: Callable[[pk.KVCacheManager], Any], expected: type[BaseException]
+) -> None:
+    check_refused(busy(), call, expected)
 
 
 def test_empty_and_too_long_prompts_are_refused() -> None:
@@ -741,6 +769,7 @@ def test_every_public_method_is_in_the_matrix() -> None:
         "lookup_groups",
         "full_attention_group",
         "num_pending_events",
+        "reads_token_values",
     }
     public = {n for n in dir(pk.KVCacheManager) if not n.startswith("_")}
     assert public - covered == set()

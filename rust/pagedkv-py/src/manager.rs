@@ -21,7 +21,7 @@ use crate::convert::{
     BatchIds, block_hash, block_hash_list, block_hashes_from, count, counts, engine_tokens,
     engine_tokens_from, groups_i32, groups_tuple, ids_i32, manager_config, tokens,
 };
-use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg};
+use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg, type_error};
 use crate::events;
 
 /// Result of `get_computed_blocks`.
@@ -238,8 +238,16 @@ impl PyManager {
         skip_reading_prefix_cache: bool,
         session_id: Option<String>,
     ) -> PkResult<u64> {
-        // A prompt by its length, for a manager that does not read token ids.
+        // A prompt by its length, for a manager that does not read token ids
+        // (to one that does, an int is not token ids).
         let counted = if prompt_token_ids.is_exact_instance_of::<PyInt>() {
+            if borrow(slf)?.inner.reads_token_values() {
+                return Err(type_error(
+                    "prompt_token_ids must be a sequence of token ids: this manager reads \
+                     them (it hashes them, verifies hits against them or publishes them in \
+                     events), so a prompt's length alone will not do",
+                ));
+            }
             Some(count("prompt length", prompt_token_ids.extract::<i64>()?)?)
         } else {
             None

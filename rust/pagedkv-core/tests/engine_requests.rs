@@ -6,7 +6,7 @@
 //! `test_deferred_block_free.py`, `test_swa_inflight_window_free.py`).
 
 use pagedkv_core::{
-    AllocateArgs, AttentionKind, BlockHash, Error, GroupSpec, KvCacheManager, KvEvent,
+    AllocateArgs, AttentionKind, BlockHash, BlockStored, Error, GroupSpec, KvCacheManager, KvEvent,
     ManagerConfig, PLACEHOLDER_TOKEN, RequestSpec,
 };
 
@@ -54,6 +54,17 @@ fn admit(m: &mut KvCacheManager, id: &str) -> (Vec<u32>, u64, Option<Vec<u32>>) 
     (hit.block_ids[0].clone(), hit.num_computed_tokens, new)
 }
 
+/// The `BlockStored` events drained from `m`.
+fn stored_events(m: &mut KvCacheManager) -> Vec<BlockStored> {
+    m.take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockStored(s) => Some(s),
+            _ => None,
+        })
+        .collect()
+}
+
 fn seq(a: u32, b: u32) -> Vec<u32> {
     (a..b).collect()
 }
@@ -70,14 +81,7 @@ fn hits_follow_the_engines_hashes_not_the_tokens() {
     add(&mut m, "r2", seq(0, 55), &[h(3, 0)]);
     assert_eq!(admit(&mut m, "r2").1, 0);
     // The events carry the engine's hashes and the request's session.
-    let stored: Vec<_> = m
-        .take_events()
-        .into_iter()
-        .filter_map(|e| match e {
-            KvEvent::BlockStored(s) => Some(s),
-            _ => None,
-        })
-        .collect();
+    let stored = stored_events(&mut m);
     assert_eq!(stored[0].block_hashes, vec![h(1, 0), h(1, 1), h(1, 2)]);
     assert_eq!(stored[0].session_id.as_deref(), Some("session-r0"));
     assert_eq!(stored[1].block_hashes, vec![h(2, 2)]);
@@ -612,14 +616,7 @@ fn blocks_the_engine_filled_are_cached_under_the_requests_hashes() {
     // Blocks 1 and 2 of the request (0 was cached before: the parent).
     ok(m.cache_detached_blocks("r", 0, &mine, (0, 1), None));
     ok(m.cache_detached_blocks("r", 0, &mine, (1, 3), Some(&[true, true])));
-    let stored: Vec<_> = m
-        .take_events()
-        .into_iter()
-        .filter_map(|e| match e {
-            KvEvent::BlockStored(s) => Some(s),
-            _ => None,
-        })
-        .collect();
+    let stored = stored_events(&mut m);
     assert_eq!(stored.len(), 3);
     assert!(stored[0].block_hashes.is_empty());
     let stored = &stored[1..];

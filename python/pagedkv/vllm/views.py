@@ -102,12 +102,49 @@ def _core_kind(spec: KVCacheSpec) -> dict[str, Any]:
     raise NotImplementedError(f"pagedkv's vLLM manager does not support {name} groups yet")
 
 
-class BlockRun(Sequence[KVCacheBlock]):
+class _BlockList(Sequence[KVCacheBlock]):
+    """A read-only list of block objects that a subclass's ``_list()`` makes:
+    indexing, slicing, iteration, ``len``, ``+``, printed as the list."""
+
+    __slots__ = ()
+
+    def _list(self) -> list[KVCacheBlock]:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> KVCacheBlock: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[KVCacheBlock]: ...
+    def __getitem__(self, i: int | slice) -> KVCacheBlock | list[KVCacheBlock]:
+        return self._list()[i]
+
+    def __len__(self) -> int:
+        return len(self._list())
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        return iter(self._list())
+
+    def __reversed__(self) -> Iterator[KVCacheBlock]:
+        return reversed(self._list())
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __add__(self, other: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+        return [*self._list(), *other]
+
+    def __radd__(self, other: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
+        return [*other, *self._list()]
+
+    def __repr__(self) -> str:
+        return repr(self._list())
+
+
+class BlockRun(_BlockList):
     """One group's blocks of a lookup, named by block id; the block objects
     are fetched when first read. A hit the scheduler only hands back to
     ``allocate_slots`` (which reuses the core's own) never touches them: on
-    cold caches that is a memory miss per block saved. Reads as a list:
-    indexing, slicing, iteration, ``len``, ``==`` with a list, ``+``."""
+    cold caches that is a memory miss per block saved. Reads as a list
+    (``==`` with a list included)."""
 
     __slots__ = ("_ids", "_items", "_pool")
 
@@ -130,36 +167,12 @@ class BlockRun(Sequence[KVCacheBlock]):
         """The blocks' ids (no block object read)."""
         return self._ids.tolist()  # type: ignore[no-any-return]
 
-    @overload
-    def __getitem__(self, i: int) -> KVCacheBlock: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[KVCacheBlock]: ...
-    def __getitem__(self, i: int | slice) -> KVCacheBlock | list[KVCacheBlock]:
-        return self._list()[i]
-
-    def __iter__(self) -> Iterator[KVCacheBlock]:
-        return iter(self._list())
-
-    def __reversed__(self) -> Iterator[KVCacheBlock]:
-        return reversed(self._list())
-
     def __eq__(self, other: object) -> bool:
         if isinstance(other, BlockRun):
             other = other._list()
         if not isinstance(other, list):
             return NotImplemented
         return self._list() == other
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __add__(self, other: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
-        return [*self._list(), *other]
-
-    def __radd__(self, other: Iterable[KVCacheBlock]) -> list[KVCacheBlock]:
-        return [*other, *self._list()]
-
-    def __repr__(self) -> str:
-        return repr(self._list())
 
 
 class PagedKVCacheBlocks(KVCacheBlocks):
@@ -434,7 +447,7 @@ class BlockPoolView:
         return self._owner.take_events()
 
 
-class _LiveBlocks(Sequence[PagedBlock]):
+class _LiveBlocks(_BlockList):
     """One request's blocks in one group, read from the core at each access (a
     list vLLM's managers keep and mutate in place, so a caller holding it sees
     later allocations). When the manager forgets the request, the list keeps
@@ -443,9 +456,9 @@ class _LiveBlocks(Sequence[PagedBlock]):
     def __init__(self, rows: _ReqToBlocks, request_id: str) -> None:
         self._rows = rows
         self._request_id = request_id
-        self._frozen: list[PagedBlock] | None = None
+        self._frozen: list[KVCacheBlock] | None = None
 
-    def _list(self) -> list[PagedBlock]:
+    def _list(self) -> list[KVCacheBlock]:
         if self._frozen is not None:
             return self._frozen
         ids = self._rows._ids(self._request_id) or []
@@ -457,23 +470,8 @@ class _LiveBlocks(Sequence[PagedBlock]):
         if self._frozen is None:
             self._frozen = self._list()
 
-    @overload
-    def __getitem__(self, i: int) -> PagedBlock: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[PagedBlock]: ...
-    def __getitem__(self, i: int | slice) -> PagedBlock | list[PagedBlock]:
-        return self._list()[i]
-
-    def __len__(self) -> int:
-        return len(self._list())
-
     def __eq__(self, other: object) -> bool:
         return self._list() == (list(other) if isinstance(other, Sequence) else other)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return repr(self._list())
 
 
 class _PendingEvents:

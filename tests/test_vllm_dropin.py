@@ -425,7 +425,9 @@ def test_the_plugin_installs_only_when_asked(monkeypatch: pytest.MonkeyPatch) ->
 # ---- side by side with vLLM's own manager (where vLLM is installed) ---------
 
 
-def _vllm_pair(num_blocks: int, block_size: int, events: bool = True) -> tuple[Any, Any, Any]:
+def _vllm_pair(
+    num_blocks: int, block_size: int, events: bool = True, metrics_collector: Any = None
+) -> tuple[Any, Any, Any]:
     vllm_core = pytest.importorskip("vllm.v1.core.kv_cache_manager")
     import torch
     from pagedkv.vllm import KVCacheManager
@@ -446,6 +448,8 @@ def _vllm_pair(num_blocks: int, block_size: int, events: bool = True) -> tuple[A
         log_stats=True,
         enable_kv_cache_events=events,
     )
+    if metrics_collector is not None:
+        kw["metrics_collector"] = metrics_collector
     return vllm_core.KVCacheManager(cfg, **kw), KVCacheManager(cfg, **kw), cfg
 
 
@@ -678,3 +682,39 @@ def test_partial_entries_on_filled_blocks_side_by_side_with_vllm() -> None:
         return out
 
     assert run(KVCacheManager) == run(vllm_core.KVCacheManager)
+
+
+def test_residency_metrics_collector_side_by_side_with_vllm() -> None:
+    # vLLM's --kv-cache-metrics: its KVCacheMetricsCollector (every block
+    # sampled) sees the same allocations, hits, evictions and reset from
+    # pagedkv's pool as from vLLM's.
+    pytest.importorskip("vllm")
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256_cbor)
+    hasher = get_request_block_hasher(4, sha256_cbor)
+
+    def run(side: int) -> list[Any]:
+        col = KVCacheMetricsCollector(sample_rate=1.0)
+        mgr = _vllm_pair(num_blocks=12, block_size=4, metrics_collector=col)[side]
+        out: list[Any] = []
+        prompts = [list(range(17)), list(range(17)), [9] * 21, [8] * 30]
+        for i, p in enumerate(prompts):
+            r = Request(f"r{i}", p, SamplingParams(max_tokens=4), None, block_hasher=hasher)
+            blocks, hit, _ = mgr.get_computed_blocks(r)
+            mgr.allocate_slots(r, r.num_tokens - hit, hit, blocks)
+            state = {b: len(m.access_history) for b, m in col.block_metrics.items()}
+            out.append((hit, state, len(col.drain_events())))
+            mgr.free(r)
+        out.append(mgr.reset_prefix_cache())
+        out.append((dict(col.block_metrics), col.drain_events()))
+        (b,) = mgr.block_pool.get_new_blocks(1)
+        out.append(sorted(col.block_metrics))
+        mgr.block_pool.free_blocks([b])
+        return out
+
+    assert run(1) == run(0)

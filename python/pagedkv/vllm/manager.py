@@ -75,7 +75,6 @@ class KVCacheManager:
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
         unsupported = {
-            "metrics_collector": metrics_collector is not None,
             "hisparse_host_num_blocks": getattr(kv_cache_config, "hisparse_host_num_blocks", None)
             is not None,
         }
@@ -113,6 +112,9 @@ class KVCacheManager:
             # Mamba layouts and mixed-precision caches zero fresh attention blocks.
             "zero_new_blocks": bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False)),
         }
+        if metrics_collector is not None:
+            # The pool logs its block activity for vLLM's residency collector.
+            options["kv_cache_metrics"] = True
         if max_in_flight_tokens is not None:
             options["max_in_flight_tokens"] = max_in_flight_tokens
         retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
@@ -136,6 +138,9 @@ class KVCacheManager:
         self.use_eagle = use_eagle
         self.log_stats = log_stats
         self.metrics_collector = metrics_collector
+        if metrics_collector is not None:
+            # Each allocation feeds the collector (no cost when there is none).
+            self.allocate_slots = self._allocate_slots_observed  # type: ignore[method-assign]
         self.kv_cache_config = kv_cache_config
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
@@ -361,6 +366,32 @@ class KVCacheManager:
             return None if new is None else self.empty_kv_cache_blocks
         return self._wrap(new)
 
+    def _allocate_slots_observed(self, *args: Any, **kwargs: Any) -> KVCacheBlocks | None:
+        """``allocate_slots``, then the block activity it caused to the collector."""
+        try:
+            return type(self).allocate_slots(self, *args, **kwargs)
+        finally:
+            self._observe_blocks()
+
+    def _observe_blocks(self) -> None:
+        """Feeds vLLM's ``metrics_collector`` the pool's block activity since the
+        last call, in order, as vLLM's pool calls it: blocks allocated, cached
+        blocks adopted by a hit, blocks evicted, the cache reset."""
+        col = self.metrics_collector
+        if col is None:
+            return
+        kinds, ids = self._core.take_block_activity()
+        blocks = self._blocks
+        for kind, bid in zip(kinds.tolist(), ids.tolist(), strict=True):
+            if kind == _core.BLOCK_ALLOCATED:
+                col.on_block_allocated(blocks[bid])
+            elif kind == _core.BLOCK_ACCESSED:
+                col.on_block_accessed(blocks[bid])
+            elif kind == _core.BLOCK_EVICTED:
+                col.on_block_evicted(blocks[bid])
+            else:
+                col.reset()
+
     # ---- freeing ---------------------------------------------------------------
 
     def free(self, request: Request) -> None:
@@ -401,10 +432,13 @@ class KVCacheManager:
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drops these blocks from the prefix cache."""
         self._core.evict_blocks(block_ids)
+        self._observe_blocks()
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache when no block is in use."""
-        return self._core.reset_prefix_cache()
+        ok = self._core.reset_prefix_cache()
+        self._observe_blocks()
+        return ok
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publishes the request's full blocks up to ``num_computed_tokens``."""

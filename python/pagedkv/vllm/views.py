@@ -356,7 +356,7 @@ class BlockPoolView:
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drops these blocks from the prefix cache."""
-        self._owner._core.evict_blocks(block_ids)
+        self._owner.evict_blocks(block_ids)
 
     def get_new_blocks(self, num_blocks: int) -> list[PagedBlock]:
         """Takes blocks from the free queue for the caller's own use; they go
@@ -364,6 +364,7 @@ class BlockPoolView:
         ids = self._owner._core.get_new_blocks(num_blocks)
         if ids is None:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        self._owner._observe_blocks()
         return [self.blocks[i] for i in ids.tolist()]
 
     def cache_full_blocks(
@@ -392,6 +393,7 @@ class BlockPoolView:
             num_full_blocks,
             None if block_mask is None else list(block_mask),
         )
+        owner._observe_blocks()
 
     def cache_partial_block(
         self,
@@ -414,6 +416,7 @@ class BlockPoolView:
             num_tokens,
             replace_existing=replace_existing_hashes,
         )
+        owner._observe_blocks()
         return None if key is None else make_block_hash_with_group_id(*key)  # type: ignore[arg-type]
 
     def _check_group(self, group: int, block_size: int) -> None:
@@ -440,7 +443,7 @@ class BlockPoolView:
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache when no block is in use."""
-        return self._owner._core.reset_prefix_cache()
+        return self._owner.reset_prefix_cache()
 
     def take_events(self) -> list[Any]:
         """The manager's events (vLLM's event objects)."""

@@ -642,3 +642,41 @@ fn blocks_the_engine_filled_are_cached_under_the_requests_hashes() {
     assert_eq!(m.num_free_blocks(), 10);
     assert_eq!(admit(&mut m, "s"), (vec![1, 2, 3], 12, Some(vec![4])));
 }
+
+#[test]
+fn only_blocks_the_engine_alone_holds_take_cache_entries() {
+    let mut m = engine_mgr(11, 4);
+    let hashes = [h(1, 0), h(1, 1), h(1, 2)];
+    add(&mut m, "r", seq(0, 13), &hashes);
+    assert_eq!(admit(&mut m, "r"), (vec![], 0, Some(vec![1, 2, 3, 4])));
+    add(&mut m, "s", seq(0, 13), &hashes);
+    // A request's block is not the engine's to cache.
+    let of_r = m.cache_detached_blocks("s", 0, &[1], (0, 1), None);
+    assert!(of_r.is_err_and(|e| e.to_string().contains("not held by the engine")));
+    let Some(mine) = m.get_new_blocks(2) else {
+        panic!("free blocks")
+    };
+    // Cached as the request's block 1 (8 tokens): as block 0 (4 tokens) it
+    // would hold other content, refused; as block 2 it is promoted, as vLLM's
+    // cache_full_blocks does with a block cached for fewer tokens.
+    ok(m.cache_detached_blocks("s", 0, &[0, mine[0]], (1, 2), None));
+    let shorter = m.cache_detached_blocks("s", 0, &mine, (0, 1), None);
+    assert!(shorter.is_err_and(|e| e.to_string().contains("another hash")));
+    ok(m.cache_detached_blocks("s", 0, &[0, mine[0]], (1, 2), None)); // same entry
+    ok(m.cache_detached_blocks("s", 0, &[0, 0, mine[0]], (2, 3), None));
+    // A request that hits an engine-held block holds it too: its entries are
+    // then the request's, and the engine's calls are refused.
+    ok(m.cache_detached_blocks("s", 0, &mine[1..], (0, 1), None));
+    ok(m.evict_blocks(&[1]));
+    // (Block 2 of the chain is cached twice: r's block 3 first, found first.)
+    assert_eq!(admit(&mut m, "s").0, vec![mine[1], 2, 3]);
+    let e = m.cache_detached_blocks("s", 0, &[mine[1]], (0, 1), None);
+    assert!(e.is_err_and(|e| e.to_string().contains("held by a request too")));
+    let e = m.cache_detached_partial_block("s", 0, mine[1], 4, true);
+    assert!(e.is_err_and(|e| e.to_string().contains("held by a request too")));
+    ok(m.free_blocks(&mine));
+    ok(m.remove_request("s"));
+    ok(m.remove_request("r"));
+    m.check_invariants().unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(m.num_free_blocks(), 10);
+}

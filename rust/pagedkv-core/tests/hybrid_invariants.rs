@@ -1,7 +1,8 @@
 //! Random operation sequences over multi-group (hybrid) pools: after every call the
 //! invariants hold (ref counts equal holders, free queue xor referenced, no block
 //! held by two groups, map and block keys agree), calls never panic, and
-//! removing every request returns every block.
+//! removing every request (and freeing the blocks the engine took for itself,
+//! cached under a request's hashes or not) returns every block.
 
 use pagedkv_core::{
     AllocateArgs, AttentionKind, GroupSpec, HashAlgo, KvCacheManager, MambaCacheMode,
@@ -39,6 +40,22 @@ enum Op {
     },
     Reset,
     NewStep,
+    /// The engine takes blocks for itself (`get_new_blocks`).
+    Take {
+        n: u32,
+    },
+    /// It caches blocks it took under a request's hashes, whole or partial.
+    CacheTaken {
+        req: usize,
+        group: usize,
+        first: usize,
+        range: (usize, usize),
+        partial: Option<(usize, bool)>,
+    },
+    /// It frees some of them (`free_blocks`).
+    FreeTaken {
+        k: usize,
+    },
 }
 
 fn layouts() -> Vec<Vec<GroupSpec>> {
@@ -110,6 +127,20 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..80u32).prop_map(|block| Op::Evict { block }),
         1 => Just(Op::Reset),
         2 => Just(Op::NewStep),
+        1 => (1..5u32).prop_map(|n| Op::Take { n }),
+        2 => (
+            (0..8usize, 0..3usize, 0..8usize),
+            (0..6usize, 0..6usize),
+            prop::option::weighted(0.4, (1..40usize, any::<bool>())),
+        )
+            .prop_map(|((req, group, first), range, partial)| Op::CacheTaken {
+                req,
+                group,
+                first,
+                range,
+                partial,
+            }),
+        1 => (0..8usize).prop_map(|k| Op::FreeTaken { k }),
     ]
 }
 
@@ -118,6 +149,8 @@ struct Sim {
     mgr: KvCacheManager,
     reqs: Vec<(String, u64)>,
     next: usize,
+    /// Blocks the engine took with `get_new_blocks` and has not freed.
+    taken: Vec<u32>,
 }
 
 impl Sim {
@@ -230,6 +263,47 @@ impl Sim {
                 let _ = self.mgr.reset_prefix_cache();
             }
             Op::NewStep => self.mgr.new_step_starts(),
+            Op::Take { n } => {
+                if let Some(ids) = self.mgr.get_new_blocks(*n) {
+                    self.taken.extend(ids);
+                }
+            }
+            Op::CacheTaken {
+                req,
+                group,
+                first,
+                range: (from, to),
+                partial,
+            } => {
+                let Some((id, _)) = self.id(*req) else { return };
+                if self.taken.is_empty() {
+                    return;
+                }
+                // The request's blocks `from..to`, held in taken blocks from
+                // `first` on (refusals, e.g. past the hashed tokens, allowed).
+                let first = first % self.taken.len();
+                let blocks = &self.taken[first..];
+                match partial {
+                    None => {
+                        let _ =
+                            self.mgr
+                                .cache_detached_blocks(&id, *group, blocks, (*from, *to), None);
+                    }
+                    Some((tokens, replace)) => {
+                        let _ = self.mgr.cache_detached_partial_block(
+                            &id, *group, blocks[0], *tokens, *replace,
+                        );
+                    }
+                }
+            }
+            Op::FreeTaken { k } => {
+                if self.taken.is_empty() {
+                    return;
+                }
+                let k = k % self.taken.len() + 1;
+                let freed: Vec<u32> = self.taken.drain(..k).collect();
+                assert!(self.mgr.free_blocks(&freed).is_ok());
+            }
         }
     }
 }
@@ -259,7 +333,7 @@ proptest! {
         cfg.max_in_flight_tokens = Some(32);
         cfg.prefix_cache_retention_interval = if sparse { retention } else { None };
         let Ok(mgr) = KvCacheManager::new(cfg) else { return Ok(()) };
-        let mut sim = Sim { mgr, reqs: Vec::new(), next: 0 };
+        let mut sim = Sim { mgr, reqs: Vec::new(), next: 0, taken: Vec::new() };
         for (i, op) in ops.iter().enumerate() {
             sim.apply(op, &bases);
             if let Err(e) = sim.mgr.check_invariants() {
@@ -271,6 +345,7 @@ proptest! {
         for id in ids {
             prop_assert!(sim.mgr.remove_request(&id).is_ok());
         }
+        prop_assert!(sim.mgr.free_blocks(&sim.taken).is_ok());
         // vLLM 0.33 itself keeps blocks of a Mamba "align" group referenced
         // after an EAGLE request that ended a chunk inside a Mamba block is
         // freed (the regression case below: its own KVCacheManager leaves the

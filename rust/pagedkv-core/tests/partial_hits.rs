@@ -363,6 +363,9 @@ fn partial_entries_on_blocks_an_engine_filled_truncate_the_full_attention_hit() 
         ok(m.cache_detached_partial_block("0", 1, 0, 6, false)),
         None
     );
+    // One block, one group's content: another group's entry needs a replace.
+    let other = m.cache_detached_partial_block("0", 1, full[2], 6, false);
+    assert!(other.is_err_and(|e| e.to_string().contains("cached in group 0")));
     let hit = ok(m.get_computed_blocks("0"));
     assert_eq!(hit.num_computed_tokens, 6);
     assert_eq!(

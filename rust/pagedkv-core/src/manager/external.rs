@@ -257,7 +257,8 @@ impl KvCacheManager {
     /// # Errors
     /// Unknown request or group; a range past `blocks` or past the request's
     /// hashed tokens; a mask of another length; a block in the range the
-    /// engine does not hold. Nothing is cached then.
+    /// engine does not hold, or that a request holds too, or that is cached
+    /// under another whole-block hash. Nothing is cached then.
     pub fn cache_detached_blocks(
         &mut self,
         id: &str,
@@ -293,13 +294,25 @@ impl KvCacheManager {
                 range.len()
             )));
         }
-        if let Some(&b) = blocks[range.clone()]
-            .iter()
-            .find(|&&b| b != NULL_BLOCK && !self.detached.contains_key(&b))
-        {
-            return Err(invalid(format!(
-                "block {b} is not held by the engine (get_new_blocks or pop_blocks_for_free)"
-            )));
+        for (i, &b) in blocks.iter().enumerate().take(range.end).skip(range.start) {
+            if b == NULL_BLOCK || mask.is_some_and(|m| !m[i - range.start]) {
+                continue;
+            }
+            self.check_engine_only(b)?;
+            // A block cached under another key holds other content (vLLM
+            // asserts), except a shorter partial entry of the same group,
+            // which is promoted.
+            let tokens = ((i + 1) * bs) as u32;
+            let key = self.coord.groups()[group].key_for(req.hashes(), i);
+            let pool = self.coord.pool();
+            if let (Some(k), Some(key)) = (pool.block_key(b), key)
+                && k != key
+                && (k.group != key.group || pool.primary_tokens(b).is_none_or(|t| t >= tokens))
+            {
+                return Err(invalid(format!(
+                    "block {b} is cached under another hash already"
+                )));
+            }
         }
         if range.is_empty() {
             return Ok(());
@@ -319,7 +332,8 @@ impl KvCacheManager {
     /// # Errors
     /// Unknown request or group; `num_tokens` not a positive multiple of the
     /// hash block size, or past the request's hashed tokens; a block the
-    /// engine does not hold.
+    /// engine does not hold, or that a request holds too, or (unless replaced)
+    /// cached in another group.
     pub fn cache_detached_partial_block(
         &mut self,
         id: &str,
@@ -350,9 +364,17 @@ impl KvCacheManager {
         if block == NULL_BLOCK {
             return Ok(None);
         }
-        if !self.detached.contains_key(&block) {
+        self.check_engine_only(block)?;
+        // A block holds one group's content: entries of another group's are
+        // refused unless they are all replaced.
+        let group_id = self.coord.groups()[group].group_id();
+        if !replace_existing
+            && let Some(k) = self.coord.pool().block_key(block)
+            && k.group != group_id
+        {
             return Err(invalid(format!(
-                "block {block} is not held by the engine (get_new_blocks or pop_blocks_for_free)"
+                "block {block} is cached in group {} already",
+                k.group
             )));
         }
         Ok(Some(self.coord.cache_partial_held_outside(
@@ -362,6 +384,23 @@ impl KvCacheManager {
             num_tokens,
             replace_existing,
         )))
+    }
+
+    /// Refuses a block the engine does not hold, or one a request holds too
+    /// (its cache entries are that request's to keep).
+    fn check_engine_only(&self, b: BlockId) -> Result<()> {
+        let held = self.detached.get(&b).copied().unwrap_or(0);
+        if held == 0 {
+            return Err(invalid(format!(
+                "block {b} is not held by the engine (get_new_blocks or pop_blocks_for_free)"
+            )));
+        }
+        if self.coord.pool().ref_cnt(b) > held {
+            return Err(invalid(format!(
+                "block {b} is held by a request too: its cache entries stay as they are"
+            )));
+        }
+        Ok(())
     }
 
     /// Leading blocks of the request already cached, per group (`None` in a

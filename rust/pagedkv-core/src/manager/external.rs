@@ -258,7 +258,8 @@ impl KvCacheManager {
     /// Unknown request or group; a range past `blocks` or past the request's
     /// hashed tokens; a mask of another length; a block in the range the
     /// engine does not hold, or that a request holds too, or that is cached
-    /// under another whole-block hash. Nothing is cached then.
+    /// under another key (a shorter entry of the same group is promoted, as
+    /// vLLM does). Nothing is cached then.
     pub fn cache_detached_blocks(
         &mut self,
         id: &str,

@@ -358,11 +358,14 @@ fn non_negative(name: &str, values: impl Iterator<Item = i64> + Clone) -> PkResu
 pub fn block_ids(obj: &Bound<'_, PyAny>) -> PkResult<Vec<BlockId>> {
     counts("block id", obj)?
         .into_iter()
-        .map(|v| {
-            BlockId::try_from(v)
-                .map_err(|_| invalid_arg(format!("block id {v} is outside 0..2**32")))
-        })
+        .map(|v| block_id(i128::from(v)))
         .collect()
+}
+
+/// One block id (`0..2**32`).
+pub fn block_id(v: impl Into<i128>) -> PkResult<BlockId> {
+    let v = v.into();
+    BlockId::try_from(v).map_err(|_| invalid_arg(format!("block id {v} is outside 0..2**32")))
 }
 
 /// The requests of a batch call: a sequence of ids, or handles (a list of ints

@@ -710,8 +710,7 @@ impl PyManager {
         replace_existing: bool,
     ) -> PkResult<Option<(Bound<'py, PyBytes>, u32)>> {
         let group = Self::index("group", group)?;
-        let block = u32::try_from(block_id)
-            .map_err(|_| invalid_arg(format!("block id {block_id} is outside 0..2**32")))?;
+        let block = crate::convert::block_id(block_id)?;
         let n = Self::index("num_tokens", num_tokens)?;
         let key = borrow_mut(slf)?.inner.cache_detached_partial_block(
             request_id,

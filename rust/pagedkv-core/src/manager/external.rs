@@ -11,7 +11,7 @@ use crate::hash::BlockHash;
 use crate::pool::{BlockId, CacheKey, NULL_BLOCK};
 use crate::request::{Request, RequestSpec};
 use crate::request_table::RequestHandle;
-use crate::single_type::{GroupBlocks, Need};
+use crate::single_type::{GroupBlocks, GroupManager, Need};
 use crate::spec::MAX_TOKENS;
 use crate::stats::PrefixCacheStats;
 
@@ -269,12 +269,7 @@ impl KvCacheManager {
         mask: Option<&[bool]>,
     ) -> Result<()> {
         let slot = self.table.slot(id)?;
-        let Some(gm) = self.coord.groups().get(group) else {
-            return Err(invalid(format!(
-                "group {group} is past the manager's {}",
-                self.coord.groups().len()
-            )));
-        };
+        let gm = self.group_manager(group)?;
         let req = self.table.get(slot);
         let bs = gm.block_size() as usize;
         let hashed = req.hashes().len() * self.hash_block_size;
@@ -304,7 +299,7 @@ impl KvCacheManager {
             // asserts), except a shorter partial entry of the same group,
             // which is promoted.
             let tokens = ((i + 1) * bs) as u32;
-            let key = self.coord.groups()[group].key_for(req.hashes(), i);
+            let key = gm.key_for(req.hashes(), i);
             let pool = self.coord.pool();
             if let (Some(k), Some(key)) = (pool.block_key(b), key)
                 && k != key
@@ -344,12 +339,7 @@ impl KvCacheManager {
         replace_existing: bool,
     ) -> Result<Option<CacheKey>> {
         let slot = self.table.slot(id)?;
-        if group >= self.coord.groups().len() {
-            return Err(invalid(format!(
-                "group {group} is past the manager's {}",
-                self.coord.groups().len()
-            )));
-        }
+        let group_id = self.group_manager(group)?.group_id();
         let req = self.table.get(slot);
         let hbs = self.hash_block_size;
         if num_tokens == 0
@@ -368,7 +358,6 @@ impl KvCacheManager {
         self.check_engine_only(block)?;
         // A block holds one group's content: entries of another group's are
         // refused unless they are all replaced.
-        let group_id = self.coord.groups()[group].group_id();
         if !replace_existing
             && let Some(k) = self.coord.pool().block_key(block)
             && k.group != group_id
@@ -385,6 +374,17 @@ impl KvCacheManager {
             num_tokens,
             replace_existing,
         )))
+    }
+
+    /// The manager of group `group`.
+    fn group_manager(&self, group: usize) -> Result<&GroupManager> {
+        let groups = self.coord.groups();
+        groups.get(group).ok_or_else(|| {
+            invalid(format!(
+                "group {group} is past the manager's {}",
+                groups.len()
+            ))
+        })
     }
 
     /// Refuses a block the engine does not hold, or one a request holds too

@@ -187,7 +187,9 @@ impl Coordinator {
                 !g.kind.is_full_attention()
                     && !matches!(
                         g.kind,
-                        AttentionKind::CrossAttention | AttentionKind::CircularBuffer
+                        AttentionKind::CrossAttention
+                            | AttentionKind::CircularBuffer
+                            | AttentionKind::EngineManaged
                     )
             }),
             verifier: Verifier::new(cfg.verify_cached_tokens, cfg.num_blocks)?,

@@ -88,6 +88,14 @@ pub struct AllocateArgs {
     /// load writes after this step: they are not listed for zeroing, which
     /// would race the load (vLLM's `skip_zeroing_group_ids`).
     pub skip_zeroing_groups: u64,
+    /// Blocks the engine-managed groups ([`crate::AttentionKind::EngineManaged`])
+    /// take from the pool in this step, counted with the manager's own in the
+    /// step's capacity check (vLLM adds up every group's need before any
+    /// allocates).
+    pub engine_managed_blocks: u64,
+    /// The same for the whole request, counted in the `full_sequence_must_fit`
+    /// check.
+    pub engine_managed_full_blocks: u64,
 }
 
 impl AllocateArgs {
@@ -103,6 +111,7 @@ impl AllocateArgs {
             && !self.full_sequence_must_fit
             && self.reserved_blocks == 0
             && self.num_in_flight_tokens == 0
+            && self.engine_managed_blocks == 0
     }
 
     /// A running request's step: `num_new_tokens` after `num_computed_tokens`.
@@ -122,6 +131,8 @@ impl AllocateArgs {
             num_in_flight_tokens: 0,
             vllm_lenient: false,
             skip_zeroing_groups: 0,
+            engine_managed_blocks: 0,
+            engine_managed_full_blocks: 0,
         }
     }
 
@@ -652,7 +663,7 @@ impl KvCacheManager {
             if need > free && !blocked && !a.vllm_lenient {
                 self.check_ever_fits(slot, need, hit_blocks, total_computed)?;
             }
-            if need + watermark > free {
+            if need + a.engine_managed_full_blocks as i64 + watermark > free {
                 return Ok(false);
             }
         }
@@ -671,7 +682,7 @@ impl KvCacheManager {
             need
         };
         let available = i64::from(self.num_free_blocks()) - a.reserved_blocks as i64;
-        if need + watermark > available {
+        if need + a.engine_managed_blocks as i64 + watermark > available {
             return Ok(false);
         }
 

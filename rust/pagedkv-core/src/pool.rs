@@ -87,6 +87,12 @@ pub struct BlockPool {
     scratch_last: Vec<BlockId>,
     /// `Some` when built [`BlockPool::with_metrics`].
     metrics: Option<Box<PoolMetrics>>,
+    /// Blocks released with [`Self::unpin`] whose contents someone still reads
+    /// until the pool hands them out again.
+    watched: rustc_hash::FxHashSet<BlockId>,
+    /// Watched blocks handed out (or wiped by a reset) since the last
+    /// [`Self::take_reused`], in that order.
+    reused: Vec<BlockId>,
 }
 
 /// The refusal of a pool too large to allocate.
@@ -163,6 +169,8 @@ impl BlockPool {
             scratch_first: Vec::new(),
             scratch_last: Vec::new(),
             metrics: None,
+            watched: rustc_hash::FxHashSet::default(),
+            reused: Vec::new(),
         })
     }
 
@@ -368,6 +376,13 @@ impl BlockPool {
         }
         let start = out.len();
         self.popleft_n(n, out);
+        if !self.watched.is_empty() {
+            for &id in &out[start..] {
+                if self.watched.remove(&id) {
+                    self.reused.push(id);
+                }
+            }
+        }
         if self.enable_caching && n > 1 && self.map.is_large() {
             // The evictions' entries, then their buckets, prefetched (the
             // blocks themselves were read by the pop).
@@ -486,6 +501,43 @@ impl BlockPool {
             self.unlink(id);
         }
         self.blocks[id as usize].ref_cnt += 1;
+    }
+
+    /// Drops one reference from each block while its contents stay readable
+    /// until the pool reuses it (vLLM's `unpin_blocks`): a block reaching 0
+    /// joins the tail of the free queue, cached or not, so it is taken last,
+    /// and the block is watched: [`Self::take_reused`] lists it once
+    /// [`Self::get_new_blocks`] hands it out or a reset wipes the cache. The
+    /// null block is skipped; each block must be referenced (the caller checks).
+    pub fn unpin(&mut self, ids: &[BlockId]) {
+        let mut last = std::mem::take(&mut self.scratch_last);
+        last.clear();
+        for &id in ids {
+            if id == NULL_BLOCK {
+                continue;
+            }
+            let b = &mut self.blocks[id as usize];
+            debug_assert!(b.ref_cnt > 0, "unpin of a free block {id}");
+            b.ref_cnt -= 1;
+            self.watched.insert(id);
+            if b.ref_cnt == 0 {
+                last.push(id);
+            }
+        }
+        self.append_n(&last);
+        self.scratch_last = last;
+    }
+
+    /// The watched blocks ([`Self::unpin`]) reused since the last call, in the
+    /// order they were handed out; a reset lists every watched block.
+    pub fn take_reused(&mut self) -> Vec<BlockId> {
+        std::mem::take(&mut self.reused)
+    }
+
+    /// Whether any block is watched or reported reused and not yet taken.
+    #[must_use]
+    pub fn watches_blocks(&self) -> bool {
+        !self.watched.is_empty() || !self.reused.is_empty()
     }
 
     /// Drops one reference from each block, given in eviction order (first =
@@ -759,6 +811,11 @@ impl BlockPool {
         self.secondary.clear();
         for b in &mut self.blocks {
             b.key = NIL;
+        }
+        if !self.watched.is_empty() {
+            let mut wiped: Vec<BlockId> = self.watched.drain().collect();
+            wiped.sort_unstable();
+            self.reused.extend(wiped);
         }
         self.epoch += 1;
         if self.events_enabled {

@@ -77,6 +77,12 @@ pub enum AttentionKind {
     /// One scratch block per request for its whole life, never cached (vLLM's
     /// `CircularBufferSpec`: a ring holding the keys still being compressed).
     CircularBuffer,
+    /// A group whose blocks the engine manages itself, through the pool's
+    /// engine-held block calls (`get_new_blocks`, `touch_blocks`,
+    /// `unpin_blocks`, `free_blocks`): the manager allocates, caches and looks
+    /// up nothing for it, and keeps its place in the group order (vLLM's
+    /// HiSparse host, resident and hot groups, run by vLLM's own managers).
+    EngineManaged,
 }
 
 impl AttentionKind {
@@ -92,7 +98,7 @@ impl AttentionKind {
             Self::CrossAttention => "cross_attention",
             Self::SinkFullAttention { .. } => "sink_full_attention",
             Self::ReplayedSlidingWindow { .. } => "sliding_window_mla",
-            Self::CircularBuffer => "unknown",
+            Self::CircularBuffer | Self::EngineManaged => "unknown",
         }
     }
 
@@ -131,7 +137,10 @@ impl AttentionKind {
     pub fn prefix_cacheable(&self) -> bool {
         !matches!(
             self,
-            Self::CrossAttention | Self::ReplayedSlidingWindow { .. } | Self::CircularBuffer
+            Self::CrossAttention
+                | Self::ReplayedSlidingWindow { .. }
+                | Self::CircularBuffer
+                | Self::EngineManaged
         )
     }
 

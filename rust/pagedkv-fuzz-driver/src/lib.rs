@@ -427,6 +427,8 @@ impl Driver {
             num_in_flight_tokens: 0,
             vllm_lenient: false,
             skip_zeroing_groups: 0,
+            engine_managed_blocks: 0,
+            engine_managed_full_blocks: 0,
         }
     }
 

@@ -563,6 +563,7 @@ fn group_spec(d: &Bound<'_, PyDict>) -> PkResult<GroupSpec> {
             }
         }
         "circular_buffer" => AttentionKind::CircularBuffer,
+        "engine_managed" => AttentionKind::EngineManaged,
         "chunked_local_attention" => AttentionKind::ChunkedLocal {
             chunk: get_u32("attention_chunk_size")?,
         },

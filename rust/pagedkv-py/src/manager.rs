@@ -489,7 +489,7 @@ impl PyManager {
         num_new_tokens, num_computed_tokens, num_new_computed_tokens, new_computed_blocks,
         num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
         num_encoder_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
-        num_in_flight_tokens, skip_zeroing_group_ids, /))]
+        num_in_flight_tokens, skip_zeroing_group_ids, /, *, engine_managed_blocks = None))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
     fn allocate_slots_synced(
         slf: &Bound<'_, Self>,
@@ -510,8 +510,9 @@ impl PyManager {
         has_scheduled_reqs: bool,
         num_in_flight_tokens: i64,
         skip_zeroing_group_ids: Option<Vec<i64>>,
+        engine_managed_blocks: Option<(i64, i64)>,
     ) -> PkResult<Option<Py<PyTuple>>> {
-        let args = Counts {
+        let mut args = Counts {
             num_new_tokens,
             num_computed_tokens,
             num_lookahead_tokens,
@@ -530,6 +531,10 @@ impl PyManager {
             },
             skip_zeroing_group_ids.as_deref(),
         )?;
+        if let Some((step, full)) = engine_managed_blocks {
+            args.engine_managed_blocks = count("engine_managed_blocks", step)?;
+            args.engine_managed_full_blocks = count("engine_managed_blocks", full)?;
+        }
         let spb = count("shared_prefix_boundary", shared_prefix_boundary)?;
         Self::sync(slf, request_id, token_ids, block_hashes, spb)?;
         let hit = new_computed_blocks.as_ref().map(|h| &h.inner);
@@ -724,9 +729,30 @@ impl PyManager {
 
     /// Returns detached blocks to the pool, the first evicted first.
     fn free_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PkResult<()> {
-        let items = block_ids.try_iter()?.collect::<PyResult<Vec<_>>>()?;
-        let ids = crate::convert::block_ids(PyList::new(slf.py(), items)?.as_any())?;
+        let ids = Self::id_list(slf, block_ids)?;
         Ok(borrow_mut(slf)?.inner.free_blocks(&ids)?)
+    }
+
+    /// Takes one more reference on each block for the engine (vLLM's
+    /// `BlockPool.touch`); `free_blocks` or `unpin_blocks` returns it.
+    fn touch_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PkResult<()> {
+        let ids = Self::id_list(slf, block_ids)?;
+        Ok(borrow_mut(slf)?.inner.touch_blocks(&ids)?)
+    }
+
+    /// Returns engine-held references whose blocks stay readable until the pool
+    /// reuses them (vLLM's `BlockPool.unpin_blocks`): evicted last, reported
+    /// by `take_reused_blocks` once handed out again.
+    fn unpin_blocks(slf: &Bound<'_, Self>, block_ids: &Bound<'_, PyAny>) -> PkResult<()> {
+        let ids = Self::id_list(slf, block_ids)?;
+        Ok(borrow_mut(slf)?.inner.unpin_blocks(&ids)?)
+    }
+
+    /// The unpinned blocks handed out again (or wiped by a reset) since the
+    /// last call, in that order.
+    fn take_reused_blocks<'py>(slf: &Bound<'py, Self>) -> PkResult<Bound<'py, PyArray1<i32>>> {
+        let ids = borrow_mut(slf)?.inner.take_reused_blocks();
+        Ok(PyArray1::from_vec(slf.py(), ids_i32(&ids)))
     }
 
     /// Takes `n` blocks from the free queue for the engine's own use (they count
@@ -1119,6 +1145,17 @@ impl PyManager {
 }
 
 impl PyManager {
+    /// Block ids from any iterable of ints.
+    fn id_list(
+        slf: &Bound<'_, Self>,
+        block_ids: &Bound<'_, PyAny>,
+    ) -> PkResult<Vec<pagedkv_core::BlockId>> {
+        let items = block_ids.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+        Ok(crate::convert::block_ids(
+            PyList::new(slf.py(), items)?.as_any(),
+        )?)
+    }
+
     /// A non-negative count or index Python passed.
     fn index(name: &str, v: i64) -> PkResult<usize> {
         usize::try_from(count(name, v)?).map_err(|_| invalid_arg(format!("{name} is too large")))
@@ -1258,6 +1295,8 @@ impl Counts {
             num_in_flight_tokens: count("num_in_flight_tokens", self.num_in_flight_tokens)?,
             vllm_lenient: f.vllm_lenient,
             skip_zeroing_groups,
+            engine_managed_blocks: 0,
+            engine_managed_full_blocks: 0,
         })
     }
 }

@@ -201,8 +201,16 @@ impl KvCacheManager {
     /// A block that is not detached (as often as it is listed); nothing is
     /// freed then.
     pub fn free_blocks(&mut self, ordered: &[BlockId]) -> Result<()> {
+        self.release_detached(ordered, "freed")?;
+        self.coord.pool_mut().free_blocks(ordered.iter().copied());
+        Ok(())
+    }
+
+    /// Drops the engine's references on `ids` (as often as each is listed),
+    /// or refuses with nothing changed when it holds fewer.
+    fn release_detached(&mut self, ids: &[BlockId], verb: &str) -> Result<()> {
         let mut want: FxHashMap<BlockId, u32> = FxHashMap::default();
-        for &b in ordered {
+        for &b in ids {
             if b != NULL_BLOCK {
                 *want.entry(b).or_insert(0) += 1;
             }
@@ -212,8 +220,8 @@ impl KvCacheManager {
             .find(|&(b, &n)| self.detached.get(b).is_none_or(|&held| held < n))
         {
             return Err(invalid(format!(
-                "block {b} is freed {n} time(s) but only {} reference(s) were detached \
-                 by pop_blocks_for_free",
+                "block {b} is {verb} {n} time(s) but the engine holds only {} reference(s) \
+                 (from pop_blocks_for_free, get_new_blocks or touch_blocks)",
                 self.detached.get(&b).copied().unwrap_or(0)
             )));
         }
@@ -226,8 +234,54 @@ impl KvCacheManager {
                 self.detached.remove(&b);
             }
         }
-        self.coord.pool_mut().free_blocks(ordered.iter().copied());
         Ok(())
+    }
+
+    /// Takes one more reference on each block for the engine (vLLM's
+    /// `BlockPool.touch`): a free block leaves the free queue and keeps its
+    /// cache entries. The engine returns the reference with
+    /// [`Self::free_blocks`] or [`Self::unpin_blocks`]. The null block is
+    /// skipped.
+    ///
+    /// # Errors
+    /// A block id outside the pool; nothing is touched then.
+    pub fn touch_blocks(&mut self, ids: &[BlockId]) -> Result<()> {
+        let n = self.coord.pool().num_blocks();
+        if let Some(&b) = ids.iter().find(|&&b| b >= n) {
+            return Err(invalid(format!(
+                "block {b} is not in the pool of {n} blocks"
+            )));
+        }
+        self.coord.pool_mut().touch(ids);
+        for &b in ids {
+            if b != NULL_BLOCK {
+                *self.detached.entry(b).or_insert(0) += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Returns engine-held references whose blocks stay readable until the
+    /// pool reuses them (vLLM's `BlockPool.unpin_blocks`): a block no one
+    /// references any more joins the tail of the free queue, cached or not,
+    /// so it is evicted last, and [`Self::take_reused_blocks`] reports it once
+    /// the pool hands it out again or a reset wipes the cache.
+    ///
+    /// # Errors
+    /// A block the engine holds fewer references on than listed; nothing
+    /// changes then.
+    pub fn unpin_blocks(&mut self, ids: &[BlockId]) -> Result<()> {
+        self.release_detached(ids, "unpinned")?;
+        self.coord.pool_mut().unpin(ids);
+        Ok(())
+    }
+
+    /// The unpinned blocks ([`Self::unpin_blocks`]) the pool handed out again
+    /// since the last call, in that order (every allocation path: requests'
+    /// blocks, copy-on-write copies, [`Self::get_new_blocks`]), and after a
+    /// prefix-cache reset every unpinned block not reported yet.
+    pub fn take_reused_blocks(&mut self) -> Vec<BlockId> {
+        self.coord.pool_mut().take_reused()
     }
 
     /// Takes `n` blocks from the free queue (evicting cached ones as vLLM's

@@ -100,6 +100,8 @@ impl KvCacheManager {
             a.num_encoder_tokens,
             a.reserved_blocks,
             a.num_in_flight_tokens,
+            a.engine_managed_blocks,
+            a.engine_managed_full_blocks,
         ] {
             if x > (1 << 40) {
                 return Err(invalid(format!("count {x} is out of range")));

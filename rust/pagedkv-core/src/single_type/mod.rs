@@ -328,6 +328,11 @@ impl GroupManager {
         self.spec.kind == AttentionKind::CrossAttention
     }
 
+    /// A group whose blocks the engine manages itself: the manager gives it none.
+    pub(crate) fn is_engine_managed(&self) -> bool {
+        self.spec.kind == AttentionKind::EngineManaged
+    }
+
     /// Cache key of the request's `i`-th block of this group. A block spanning
     /// several hash blocks is keyed by its last hash block's hash: vLLM keys it by
     /// the concatenation of the spanned hashes, and since each hash chains over all
@@ -349,7 +354,8 @@ impl GroupManager {
             | AttentionKind::MlaAttention
             | AttentionKind::SinkFullAttention { .. }
             | AttentionKind::CrossAttention
-            | AttentionKind::CircularBuffer => 0,
+            | AttentionKind::CircularBuffer
+            | AttentionKind::EngineManaged => 0,
             AttentionKind::SlidingWindow { window }
             | AttentionKind::ReplayedSlidingWindow { window } => {
                 (n + 1).saturating_sub(u64::from(window))
@@ -450,7 +456,8 @@ impl GroupManager {
             AttentionKind::Mamba { .. } => self.find_mamba(pool, q, group_ids, out),
             AttentionKind::CrossAttention
             | AttentionKind::ReplayedSlidingWindow { .. }
-            | AttentionKind::CircularBuffer => 0,
+            | AttentionKind::CircularBuffer
+            | AttentionKind::EngineManaged => 0,
         }
     }
 
@@ -478,6 +485,9 @@ impl GroupManager {
         if self.spec.kind == AttentionKind::CircularBuffer {
             // The ring's one block, claimed once.
             return i64::from(gb.blocks.is_empty());
+        }
+        if self.is_engine_managed() {
+            return 0;
         }
         if let AttentionKind::Mamba {
             num_speculative_blocks,
@@ -597,7 +607,9 @@ impl GroupManager {
     ) {
         if matches!(
             self.kind(),
-            AttentionKind::CrossAttention | AttentionKind::CircularBuffer
+            AttentionKind::CrossAttention
+                | AttentionKind::CircularBuffer
+                | AttentionKind::EngineManaged
         ) {
             return;
         }
@@ -630,7 +642,7 @@ impl GroupManager {
         record_for_zeroing: bool,
     ) {
         match self.kind() {
-            AttentionKind::CrossAttention => return,
+            AttentionKind::CrossAttention | AttentionKind::EngineManaged => return,
             AttentionKind::CircularBuffer => {
                 if gb.blocks.is_empty() {
                     let _ = pool.get_new_blocks(1, &mut gb.blocks);
@@ -677,6 +689,9 @@ impl GroupManager {
                 let _ = pool.get_new_blocks(1, out);
                 gb.blocks.extend_from_slice(&out[start..]);
             }
+            return;
+        }
+        if self.is_engine_managed() {
             return;
         }
         if let AttentionKind::Mamba {

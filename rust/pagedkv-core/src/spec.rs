@@ -81,7 +81,7 @@ pub enum AttentionKind {
     /// engine-held block calls (`get_new_blocks`, `touch_blocks`,
     /// `unpin_blocks`, `free_blocks`): the manager allocates, caches and looks
     /// up nothing for it, and keeps its place in the group order (vLLM's
-    /// HiSparse host, resident and hot groups, run by vLLM's own managers).
+    /// `HiSparse` host, resident and hot groups, run by vLLM's own managers).
     EngineManaged,
 }
 

@@ -1151,9 +1151,7 @@ impl PyManager {
         block_ids: &Bound<'_, PyAny>,
     ) -> PkResult<Vec<pagedkv_core::BlockId>> {
         let items = block_ids.try_iter()?.collect::<PyResult<Vec<_>>>()?;
-        Ok(crate::convert::block_ids(
-            PyList::new(slf.py(), items)?.as_any(),
-        )?)
+        crate::convert::block_ids(PyList::new(slf.py(), items)?.as_any())
     }
 
     /// A non-negative count or index Python passed.

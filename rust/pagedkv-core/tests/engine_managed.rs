@@ -1,5 +1,5 @@
 //! Groups and blocks an engine manages itself next to the manager's own
-//! (vLLM 0.33's HiSparse host, resident and hot groups): engine-managed groups
+//! (vLLM 0.33's `HiSparse` host, resident and hot groups): engine-managed groups
 //! keep their place in the group order and take nothing from the manager, their
 //! needs count in the manager's capacity checks, and the pool's engine calls
 //! `touch_blocks`, `unpin_blocks` and `take_reused_blocks` behave as vLLM's
@@ -16,7 +16,7 @@ fn ok<T>(r: Result<T, Error>) -> T {
     r.unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// vLLM's HiSparse test layout: `[host source, indexer, resident, hot]`, the
+/// vLLM's `HiSparse` test layout: `[host source, indexer, resident, hot]`, the
 /// indexer the only group the manager runs.
 fn hisparse_mgr(num_blocks: u32, block_size: u32) -> KvCacheManager {
     let managed = GroupSpec::new(AttentionKind::EngineManaged, block_size);

@@ -267,6 +267,8 @@ COUNT_PARAMS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "record_prefix_cache_stats.num_tokens": lambda m, v: m.record_prefix_cache_stats(v, 0, False),
     "record_prefix_cache_stats.num_hits": lambda m, v: m.record_prefix_cache_stats(100, v, False),
     "free_blocks.block_id": lambda m, v: m.free_blocks([v]),
+    "touch_blocks.block_id": lambda m, v: m.touch_blocks([1, v]),
+    "unpin_blocks.block_id": lambda m, v: m.unpin_blocks([v]),
     "get_new_blocks.n": lambda m, v: m.get_new_blocks(v),
     "cached_block_num_tokens.block_id": lambda m, v: m.cached_block_num_tokens(v),
     "free_neighbors.block_id": lambda m, v: m.free_neighbors(v),
@@ -748,6 +750,7 @@ def test_every_public_method_is_in_the_matrix() -> None:
         "free_block_ids",
         "block_pool_stats",
         "take_block_activity",
+        "take_reused_blocks",
         # Read-only properties.
         "num_free_blocks",
         "usage",

@@ -227,7 +227,7 @@ def test_deferred_free_keeps_blocks_until_free_blocks() -> None:
     assert m.num_detached_block_refs == 4
     assert m.block_ref_count(4) == 1
     m.check_invariants()
-    with pytest.raises(InvalidArgumentError, match="detached"):
+    with pytest.raises(InvalidArgumentError, match="engine holds only"):
         m.free_blocks([4, 4])
     assert m.num_detached_block_refs == 4
     m.free_blocks(reversed(popped))

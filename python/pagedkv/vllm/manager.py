@@ -47,6 +47,7 @@ from pagedkv.vllm.views import (
     PagedKVCacheBlocks,
     coordinator_view,
     core_group,
+    engine_managed,
 )
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,17 @@ logger = logging.getLogger(__name__)
 
 class KVCacheManager:
     """vLLM 0.33's ``KVCacheManager``, answered by pagedkv's core."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> KVCacheManager:
+        # A layout with HiSparse groups gets the manager that runs vLLM's own
+        # managers for them on pagedkv's pool.
+        config = kwargs.get("kv_cache_config", args[0] if args else None)
+        groups = getattr(config, "kv_cache_groups", ())
+        if cls is KVCacheManager and any(engine_managed(g) for g in groups):
+            from pagedkv.vllm.hisparse import HiSparseKVCacheManager
+
+            cls = HiSparseKVCacheManager
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -74,19 +86,16 @@ class KVCacheManager:
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
     ) -> None:
-        unsupported = {
-            "hisparse_host_num_blocks": getattr(kv_cache_config, "hisparse_host_num_blocks", None)
-            is not None,
-        }
-        missing = [k for k, v in unsupported.items() if v]
-        if missing:
-            raise NotImplementedError(
-                f"pagedkv's vLLM manager does not support {', '.join(missing)} yet"
-            )
         assert watermark >= 0.0, "watermark must be non-negative"
         groups = [
-            core_group(g.kv_cache_spec, dcp_world_size, pcp_world_size)
-            for g in kv_cache_config.kv_cache_groups
+            {
+                "kind": "engine_managed",
+                "block_size": g.kv_cache_spec.block_size,
+                "tag": f"engine-managed group {i}",
+            }
+            if engine_managed(g)
+            else core_group(g.kv_cache_spec, dcp_world_size, pcp_world_size)
+            for i, g in enumerate(kv_cache_config.kv_cache_groups)
         ]
         self._group_block_sizes = [g["block_size"] for g in groups]
         options: dict[str, Any] = {
@@ -131,6 +140,9 @@ class KVCacheManager:
         # new request's prompt is registered by its length, not converted.
         self._prompt_by_length = not self._core.reads_token_values
         self.max_model_len = max_model_len
+        self.max_in_flight_tokens = max_in_flight_tokens
+        self.dcp_world_size = dcp_world_size
+        self.pcp_world_size = pcp_world_size
         self.num_prefill_lookahead = num_prefill_lookahead
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.enable_caching = enable_caching
@@ -138,9 +150,6 @@ class KVCacheManager:
         self.use_eagle = use_eagle
         self.log_stats = log_stats
         self.metrics_collector = metrics_collector
-        if metrics_collector is not None:
-            # Each allocation feeds the collector (no cost when there is none).
-            self.allocate_slots = self._allocate_slots_observed  # type: ignore[method-assign]
         self.kv_cache_config = kv_cache_config
         self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
@@ -167,8 +176,16 @@ class KVCacheManager:
         self._live_stats = _LiveStats(self._core) if log_stats else None
         # Events appended to block_pool.kv_event_queue (with the core's before them).
         self._queued_events: list[KVCacheEvent] = []
+        # Groups vLLM's own managers run on the pool (see pagedkv.vllm.hisparse).
+        self._engine_groups: tuple[tuple[int, Any], ...] = ()
+        self._engine_ids: frozenset[int] = frozenset()
+        self._engine_lookup: tuple[tuple[int, Any], ...] = ()
+        self._drop_eagle: set[int] = set()
         self.block_pool = BlockPoolView(self)
         self.coordinator = coordinator_view(self)
+        if metrics_collector is not None:
+            # Each allocation feeds the collector (no cost when there is none).
+            self._hook_allocations()
 
     # ---- requests ------------------------------------------------------------
 
@@ -366,12 +383,21 @@ class KVCacheManager:
             return None if new is None else self.empty_kv_cache_blocks
         return self._wrap(new)
 
-    def _allocate_slots_observed(self, *args: Any, **kwargs: Any) -> KVCacheBlocks | None:
-        """``allocate_slots``, then the block activity it caused to the collector."""
+    def _hook_allocations(self) -> None:
+        """From now on each ``allocate_slots`` is followed by what watches the
+        pool: the metrics collector, the watchers of unpinned blocks. Installed
+        on the instance once either exists, so without them it costs nothing."""
+        if "allocate_slots" not in self.__dict__:
+            self.allocate_slots = self._allocate_slots_hooked  # type: ignore[method-assign]
+
+    def _allocate_slots_hooked(self, *args: Any, **kwargs: Any) -> KVCacheBlocks | None:
+        """``allocate_slots``, then the block activity it caused to the collector
+        and the reuse of unpinned blocks to their watchers."""
         try:
             return type(self).allocate_slots(self, *args, **kwargs)
         finally:
             self._observe_blocks()
+            self.block_pool._fire_reused()
 
     def _observe_blocks(self) -> None:
         """Feeds vLLM's ``metrics_collector`` the pool's block activity since the
@@ -438,6 +464,7 @@ class KVCacheManager:
         """Empties the prefix cache when no block is in use."""
         ok = self._core.reset_prefix_cache()
         self._observe_blocks()
+        self.block_pool._fire_reused(reset=True)
         return ok
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:

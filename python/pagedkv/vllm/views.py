@@ -19,6 +19,9 @@ from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    HiSparseHotSpec,
+    HiSparseResidentSpec,
+    KVCacheGroupRole,
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
@@ -54,6 +57,15 @@ def core_group(
     ):
         raise AssertionError(f"PCP does not support {group['kind']} groups")
     return {**group, "tag": repr(spec)}
+
+
+def engine_managed(group: Any) -> bool:
+    """Whether vLLM's own manager runs the group on pagedkv's pool (an
+    engine-managed core group): HiSparse's host source, resident and hot
+    groups, whose state vLLM's ``HiSparseCoordinator`` reads and writes."""
+    return getattr(group, "role", None) == KVCacheGroupRole.HISPARSE_SOURCE or isinstance(
+        group.kv_cache_spec, (HiSparseResidentSpec, HiSparseHotSpec)
+    )
 
 
 def _core_kind(spec: KVCacheSpec) -> dict[str, Any]:
@@ -332,6 +344,11 @@ class BlockPoolView:
     def __init__(self, owner: KVCacheManager) -> None:
         self._owner = owner
         self.blocks = owner._blocks
+        for b in self.blocks:
+            setattr(b, "pool", self)  # noqa: B010 - a slot of vLLM's block
+        self.metrics_collector = owner.metrics_collector
+        # Callbacks for blocks released with ``unpin_blocks``, by block id.
+        self._reuse_watchers: dict[int, Any] = {}
         self.null_block = owner._blocks[0]
         self.num_gpu_blocks = len(owner._blocks)
         self.enable_caching = owner.enable_caching
@@ -351,8 +368,58 @@ class BlockPoolView:
         return self._owner._core.usage
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Returns blocks detached by ``pop_blocks_for_free``, first evicted first."""
-        self._owner._core.free_blocks([b.block_id for b in ordered_blocks])
+        """Returns blocks the caller holds (``pop_blocks_for_free``,
+        ``get_new_blocks``, ``touch``), first evicted first; a block of another
+        pool (a host tier's) goes back to its own pool, as vLLM routes it."""
+        ids: list[int] = []
+        others: dict[Any, list[KVCacheBlock]] = {}
+        for b in ordered_blocks:
+            pool = b.pool
+            if pool is self or pool is None:
+                ids.append(b.block_id)
+            else:
+                others.setdefault(pool, []).append(b)
+        self._owner._core.free_blocks(ids)
+        for pool, blocks in others.items():
+            pool.free_blocks(blocks)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """One more reference on each block for the caller (a free block leaves
+        the free queue, keeping its cache entries); ``free_blocks`` or
+        ``unpin_blocks`` returns it."""
+        self._owner._core.touch_blocks([b.block_id for b in blocks])
+        self._owner._observe_blocks()
+
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Any) -> None:
+        """Returns references whose blocks stay readable until the pool reuses
+        them: a released block joins the tail of the free queue (taken last,
+        cached or not), and ``on_reuse(block)`` runs once the pool hands it out
+        again or the cache is reset."""
+        blocks = [b for b in blocks]
+        if any(b.is_null for b in blocks):
+            raise AssertionError("unpin_blocks: the null block holds no reference")
+        self._owner._core.unpin_blocks([b.block_id for b in blocks])
+        for b in blocks:
+            self._reuse_watchers[b.block_id] = on_reuse
+        self._owner._hook_allocations()
+
+    def _fire_reused(self, reset: bool = False) -> None:
+        """Runs the watchers of the unpinned blocks the pool reused since the
+        last call: in the order it handed them out, and after a reset in the
+        order they were unpinned (vLLM's order)."""
+        watchers = self._reuse_watchers
+        if not watchers:
+            return
+        ids = self._owner._core.take_reused_blocks().tolist()
+        if not ids:
+            return
+        if reset:
+            wiped = set(ids)
+            ids = [i for i in watchers if i in wiped]
+        for i in ids:
+            watcher = watchers.pop(i, None)
+            if watcher is not None:
+                watcher(self.blocks[i])
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drops these blocks from the prefix cache."""
@@ -365,6 +432,7 @@ class BlockPoolView:
         if ids is None:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         self._owner._observe_blocks()
+        self._fire_reused()
         return [self.blocks[i] for i in ids.tolist()]
 
     def cache_full_blocks(
@@ -717,14 +785,19 @@ class CoordinatorView:
         self, block_hashes: Sequence[Any], max_cache_hit_length: int
     ) -> tuple[tuple[list[PagedBlock], ...], tuple[int, ...]]:
         """Each lookup group's own hit, unreconciled: blocks and tokens per group."""
-        found = self._owner._core.find_longest_cache_hit_per_group(
-            block_hashes, max_cache_hit_length
-        )
+        owner = self._owner
+        found = owner._core.find_longest_cache_hit_per_group(block_hashes, max_cache_hit_length)
         if found is None:
             raise AttributeError("per-group hits: only a hybrid coordinator has them")
         groups, hits = found
-        blocks = self._owner._blocks
-        return tuple([blocks[i] for i in g.tolist()] for g in groups), tuple(hits)
+        blocks = owner._blocks
+        out_blocks = [[blocks[i] for i in g.tolist()] for g in groups]
+        out_hits = list(hits)
+        for g, manager in owner._engine_lookup:
+            out_blocks[g], out_hits[g] = engine_group_hit(
+                owner, g, manager, block_hashes, max_cache_hit_length
+            )
+        return tuple(out_blocks), tuple(out_hits)
 
     @property
     def attention_groups(self) -> list[SpecGroup]:
@@ -733,8 +806,15 @@ class CoordinatorView:
         lookup = self._owner._core.lookup_groups
         if lookup is None:
             raise AttributeError("attention_groups: only a hybrid coordinator has them")
-        groups = self._owner.kv_cache_config.kv_cache_groups
-        return [
+        owner = self._owner
+        groups = owner.kv_cache_config.kv_cache_groups
+        # The engine-managed groups looked up (a host source) come first, as
+        # vLLM orders full-attention groups by group id.
+        engine = [
+            SpecGroup(m.kv_cache_spec, [g], type(m), g in owner._drop_eagle)
+            for g, m in owner._engine_lookup
+        ]
+        return engine + [
             SpecGroup(
                 groups[ids[0]].kv_cache_spec,
                 list(ids),
@@ -774,28 +854,60 @@ class CoordinatorView:
         apply_admission_cap: bool = False,
         prefill_end: int | None = None,
     ) -> int:
-        """Blocks a request without a new hit needs for ``num_tokens`` tokens."""
+        """Blocks a request without a new hit in the core's groups needs for
+        ``num_tokens`` tokens, with what the engine-managed groups need."""
         owner = self._owner
-        if any(new_computed_blocks):
+        engine = owner._engine_groups
+        if any(b for g, b in enumerate(new_computed_blocks) if g not in owner._engine_ids):
             raise NotImplementedError(
                 "get_num_blocks_to_allocate with new computed blocks: use allocate_slots"
             )
-        return owner._core.num_blocks_to_allocate(
+        main = num_tokens if num_tokens_main_model is None else num_tokens_main_model
+        n: int = owner._core.num_blocks_to_allocate(
             request_id if request_id in owner._live else None,
             num_tokens,
             total_computed_tokens=total_computed_tokens,
-            num_tokens_main_model=num_tokens
-            if num_tokens_main_model is None
-            else num_tokens_main_model,
+            num_tokens_main_model=main,
             num_encoder_tokens=num_encoder_tokens,
             apply_admission_cap=apply_admission_cap,
         )
+        local = total_computed_tokens if num_local_computed_tokens is None else num_local_computed_tokens
+        for g, manager in engine:
+            n += manager.get_num_blocks_to_allocate(
+                request_id,
+                num_tokens,
+                new_computed_blocks[g],
+                total_computed_tokens,
+                local,
+                main,
+                apply_admission_cap=apply_admission_cap,
+                prefill_end=prefill_end or 0,
+            )
+        return n
 
     def get_blocks(self, request_id: str) -> tuple[list[PagedBlock], ...]:
         return self._owner.get_blocks(request_id).blocks  # type: ignore[return-value]
 
 
 _COORDINATOR_VIEWS: dict[type, type[CoordinatorView]] = {}
+
+
+def engine_group_hit(
+    owner: KVCacheManager, group: int, manager: Any, block_hashes: Any, max_length: int
+) -> tuple[list[Any], int]:
+    """An engine-managed group's own hit (vLLM's manager searching its pool)."""
+    blocks, n = type(manager).find_longest_cache_hit(
+        block_hashes=block_hashes,
+        max_length=max_length,
+        kv_cache_group_ids=[group],
+        block_pool=manager.block_pool,
+        kv_cache_spec=manager.kv_cache_spec,
+        drop_eagle_block=group in owner._drop_eagle,
+        alignment_tokens=manager.cache_hit_alignment_tokens,
+        dcp_world_size=manager.dcp_world_size,
+        pcp_world_size=manager.pcp_world_size,
+    )
+    return blocks[0], n
 
 
 def _named_after(vllm_cls: type, view: type) -> Any:

@@ -1,0 +1,352 @@
+"""vLLM 0.33's HiSparse layout on pagedkv: host-backed sparse residency.
+
+A HiSparse model's KV-cache groups are ``[source, indexer, resident*, hot*,
+regular...]``. vLLM's own ``HiSparseCoordinator`` (a Python state machine that
+vLLM's tests, connector and scheduler drive directly) reads and writes the
+source, resident and hot groups' managers and the pools under them. So those
+groups run vLLM's own single-type managers: the source group on its host
+``BlockPool``, the resident and hot groups on pagedkv's device pool, where they
+take, touch, unpin and free blocks through the pool's engine calls. The core
+keeps them as engine-managed groups (their places in the group order, their
+needs in its capacity checks) and runs every other group itself: the indexer
+and regular groups' allocation, prefix cache, lookups and events, as for any
+other layout.
+
+Each call runs the groups in vLLM's order as far as the layout allows: the
+engine-managed groups before the first core group, the core's groups, then the
+rest. In vLLM's layouts the resident and hot groups follow the indexer, so
+device blocks come out in vLLM's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_coordinator import replay_boundaries
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
+from vllm.v1.request import Request
+
+from pagedkv.vllm.manager import KVCacheManager
+from pagedkv.vllm.views import BlockRun, engine_group_hit, engine_managed
+
+
+class HiSparseKVCacheManager(KVCacheManager):
+    """``KVCacheManager`` for a layout with HiSparse groups (vLLM's
+    ``hisparse_host_num_blocks``): vLLM's HiSparse managers on pagedkv's pool,
+    every other group in the core."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        config = self.kv_cache_config
+        coordinator = self.coordinator
+        alignment = coordinator._cache_hit_alignment_tokens
+        managers = list(coordinator.single_type_managers)
+        engine: list[tuple[int, Any]] = []
+        for g, group in enumerate(config.kv_cache_groups):
+            if not engine_managed(group):
+                continue
+            manager = get_manager_for_kv_cache_spec(
+                group.kv_cache_spec,
+                self.max_in_flight_tokens or self.max_model_len,
+                self.max_model_len,
+                role=group.role,
+                block_pool=self.block_pool,
+                enable_caching=self.enable_caching,
+                kv_cache_group_id=g,
+                dcp_world_size=self.dcp_world_size,
+                pcp_world_size=self.pcp_world_size,
+                scheduler_block_size=self.scheduler_block_size,
+                needs_kv_cache_zeroing=config.needs_kv_cache_zeroing,
+            )
+            manager.cache_hit_alignment_tokens = alignment
+            managers[g] = manager
+            engine.append((g, manager))
+        coordinator.single_type_managers = tuple(managers)
+        self._engine_groups = tuple(engine)
+        self._engine_ids = frozenset(g for g, _ in engine)
+        first_core = next(
+            (g for g in range(len(managers)) if g not in self._engine_ids), len(managers)
+        )
+        # vLLM's group order: the engine groups before the core's first, then after.
+        self._engine_before = tuple((g, m) for g, m in engine if g < first_core)
+        self._engine_after = tuple((g, m) for g, m in engine if g > first_core)
+        # Engine groups looked up for hits (the host source), before the core's.
+        self._engine_lookup = tuple(
+            (g, m) for g, m in engine if m.kv_cache_spec.prefix_cacheable
+        )
+        self.retained_hit_group_ids = tuple(g for g, m in engine if m.retains_longer_hit)
+        self._drop_eagle = coordinator.eagle_group_ids if self.use_eagle else set()
+
+    # ---- lookups -------------------------------------------------------------
+
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        """The longest cached prefix: the host source's hit first, then the
+        core's groups' hit capped at it. The source keeps its longer hit (vLLM's
+        ``retains_longer_hit``); the hit length is the reconciled one."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        rid = self._sync(request)
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        cap = max_cache_hit_length
+        longest = 0
+        found: dict[int, list[Any]] = {}
+        for g, m in self._engine_lookup:
+            found[g], n = engine_group_hit(self, g, m, request.block_hashes, cap)
+            cap = n
+            longest = max(longest, n)
+        hit = self._core.get_computed_blocks(rid, cap)
+        num = hit.num_computed_tokens
+        longest = max(longest, hit.shared_prefix_boundary or num)
+        for g, m in self._engine_lookup:
+            if not m.retains_longer_hit:
+                del found[g][cdiv(num, m.block_size) :]
+        pool = self._blocks
+        merged = tuple(
+            found.get(g, []) if g in self._engine_ids else BlockRun(ids, pool)
+            for g, ids in enumerate(hit.block_ids)
+        )
+        if not any(map(len, merged)):
+            return self.empty_kv_cache_blocks, 0, 0
+        blocks = KVCacheBlocks(merged)
+        blocks._pagedkv_hit = (rid, merged, hit)  # type: ignore[attr-defined]
+        return blocks, num, longest if longest > num else 0
+
+    def get_computed_blocks_for_connector(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int, bool]:
+        """``get_computed_blocks`` and False (no Mamba group to diverge)."""
+        return *self.get_computed_blocks(request, max_cache_hit_length), False
+
+    def _hit(self, rid: str, blocks: KVCacheBlocks | None, num_new_computed_tokens: int) -> Any:
+        if blocks is None or blocks is self.empty_kv_cache_blocks:
+            return None
+        kept = getattr(blocks, "_pagedkv_hit", None)
+        if kept is not None and kept[0] == rid and kept[1] is blocks.blocks:
+            return kept[2]
+        engine = self._engine_ids
+        ids = [
+            [] if g in engine else [b.block_id for b in group]
+            for g, group in enumerate(blocks.blocks)
+        ]
+        if num_new_computed_tokens == 0 and not any(ids):
+            return None
+        return self._core.computed_blocks_from_ids(
+            rid, ids, num_new_computed_tokens, check_cached=False
+        )
+
+    # ---- allocation ------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> KVCacheBlocks | None:
+        """vLLM's ``allocate_slots`` over both kinds of group: every group's
+        need is counted before any allocates; then the core adopts, allocates
+        and caches for its groups, and vLLM's managers for theirs."""
+        if (
+            num_new_tokens == 0
+            and num_external_computed_tokens == 0
+            and num_new_computed_tokens == 0
+        ):
+            raise ValueError(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
+            )
+        rid = request.request_id
+        if self._live.get(rid) is not request:
+            self._register(request)
+        ext = num_external_computed_tokens
+        groups: tuple[Sequence[Any], ...] | None = None
+        if new_computed_blocks is not None:
+            groups = new_computed_blocks.blocks
+            if self.retained_hit_group_ids:
+                # Only the prefix the local and external hits cover is adopted.
+                reused = num_new_computed_tokens + ext
+                trimmed = list(groups)
+                for g in self.retained_hit_group_ids:
+                    bs = self.coordinator.single_type_managers[g].block_size
+                    trimmed[g] = trimmed[g][: cdiv(reused, bs)]
+                groups = tuple(trimmed)
+        hit_groups = groups if groups is not None else self.empty_kv_cache_blocks.blocks
+        local = request.num_computed_tokens + num_new_computed_tokens
+        total = min(local + ext, self.max_model_len)
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        main = total + num_new_tokens
+        need_slot = min(main + num_lookahead_tokens, self.max_model_len)
+        engine = self._engine_groups
+        full_need = 0
+        if full_sequence_must_fit:
+            full = min(request.num_tokens, self.max_model_len)
+            for g, m in engine:
+                full_need += m.get_num_blocks_to_allocate(
+                    rid,
+                    full,
+                    hit_groups[g],
+                    total,
+                    local,
+                    full,
+                    apply_admission_cap=True,
+                    prefill_end=prefill_end,
+                )
+        step_need = sum(
+            m.get_num_blocks_to_allocate(
+                rid, need_slot, hit_groups[g], local + ext, local, main, prefill_end=prefill_end
+            )
+            for g, m in engine
+        )
+        # vLLM adopts hits into a group only for a request no group tracks yet.
+        adopting = (groups is not None or ext > 0) and not (
+            any(rid in m.num_cached_block for _, m in engine)
+            or any(n is not None for n in self._core.num_cached_blocks(rid))
+        )
+        hit = (
+            None
+            if new_computed_blocks is None
+            else self._hit(rid, new_computed_blocks, num_new_computed_tokens)
+        )
+        try:
+            tokens = request._all_token_ids
+        except AttributeError:
+            tokens = request.all_token_ids
+        new = self._allocate_synced(
+            rid,
+            tokens,
+            request.block_hashes,
+            request.shared_prefix_boundary,
+            num_new_tokens,
+            request.num_computed_tokens,
+            num_new_computed_tokens,
+            hit,
+            num_lookahead_tokens,
+            ext,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+            request.num_in_flight_tokens,
+            skip_zeroing_group_ids or None,
+            engine_managed_blocks=(step_need, full_need),
+        )
+        if new is None:
+            return None
+        self._observe_blocks()
+        self.block_pool._fire_reused()
+        if adopting:
+            for g, m in engine:
+                m.add_local_computed_blocks(rid, hit_groups[g], local, ext)
+            if ext > 0:
+                for g, m in engine:
+                    m.allocate_external_computed_blocks(
+                        rid, local, ext, record_for_zeroing=g not in skip_zeroing_group_ids
+                    )
+        added = {g: m.allocate_new_blocks(rid, need_slot, main) for g, m in engine}
+        if not delay_cache_blocks:
+            self._cache_engine_groups(request, min(total + num_new_tokens, request.num_tokens))
+        pool = self._blocks
+        out = tuple(
+            added[g] if g in added else (BlockRun(new[g], pool) if new else [])
+            for g in range(self.num_kv_cache_groups)
+        )
+        return self.create_kv_cache_blocks(out)
+
+    def _cache_engine_groups(self, request: Request, num_tokens: int) -> None:
+        """Each caching engine-managed group's ``cache_blocks`` (the host
+        source publishes once its copies are durable)."""
+        coordinator = self.coordinator
+        boundaries = replay_boundaries(
+            request.num_prompt_tokens,
+            self.scheduler_block_size,
+            use_eagle=bool(self._drop_eagle),
+        )
+        cacheable = max(0, num_tokens - coordinator.num_reprefillable_tokens)
+        for _, m in self._engine_groups:
+            if m.enable_caching:
+                m.cache_blocks(
+                    request,
+                    cacheable,
+                    retention_interval=coordinator.retention_interval,
+                    replay_boundaries=boundaries,
+                )
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Publishes the request's full blocks in every group."""
+        super().cache_blocks(request, num_computed_tokens)
+        if self.enable_caching:
+            self._cache_engine_groups(request, num_computed_tokens)
+
+    # ---- freeing -----------------------------------------------------------------
+
+    def free(self, request: Request) -> None:
+        """Frees the request's blocks in every group, in vLLM's group order."""
+        rid = request.request_id
+        for _, m in self._engine_before:
+            m.free(rid)
+        super().free(request)
+        for _, m in self._engine_after:
+            m.free(rid)
+
+    def pop_blocks_for_free(self, request: Request) -> list[Any]:
+        """Every group's blocks, in group order, still referenced: the caller
+        returns them with ``block_pool.free_blocks`` (host blocks go back to
+        the host pool)."""
+        rid = request.request_id
+        out: list[Any] = []
+        for _, m in self._engine_before:
+            out += m.pop_blocks_for_free(rid)
+        out += super().pop_blocks_for_free(request)
+        for _, m in self._engine_after:
+            out += m.pop_blocks_for_free(rid)
+        return out
+
+    def reset_prefix_cache(self) -> bool:
+        """Resets every pool once: the host pool, then the device pool."""
+        pools = dict.fromkeys(
+            m.block_pool for _, m in self._engine_groups if m.block_pool is not self.block_pool
+        )
+        host_ok = all([pool.reset_prefix_cache() for pool in pools])
+        return super().reset_prefix_cache() and host_ok
+
+    # ---- reading a request's blocks -----------------------------------------------
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        """The request's blocks per group (vLLM's managers' rows where they run)."""
+        engine = dict(self._engine_groups)
+        core_ids = (
+            self._core.get_block_ids(request_id) if request_id in self._live else None
+        )
+        pool = self._blocks
+        out = tuple(
+            list(engine[g].req_to_blocks.get(request_id) or [])
+            if g in engine
+            else (BlockRun(core_ids[g], pool) if core_ids is not None else [])
+            for g in range(self.num_kv_cache_groups)
+        )
+        return self.create_kv_cache_blocks(out)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block ids per group."""
+        return tuple([b.block_id for b in g] for g in self.get_blocks(request_id).blocks)
+
+    def take_new_block_ids(self) -> list[int]:
+        """Fresh blocks to zero: the core's groups', then vLLM's managers'."""
+        ids = super().take_new_block_ids()
+        for _, m in self._engine_groups:
+            ids.extend(m.take_new_block_ids())
+        return ids

@@ -718,3 +718,181 @@ def test_residency_metrics_collector_side_by_side_with_vllm() -> None:
         return out
 
     assert run(1) == run(0)
+
+
+# ---- HiSparse: vLLM's host-backed sparse residency on pagedkv's pool -----------
+
+
+def _hisparse_pair(
+    num_blocks: int, host_blocks: int, *, caching: bool = True, events: bool = True
+) -> tuple[Any, Any]:
+    """vLLM's own manager and the drop-in for vLLM's HiSparse test layout
+    ``[host source, indexer, resident, hot]`` (block size 16), each with its
+    ``HiSparseCoordinator`` bound."""
+    vllm_core = pytest.importorskip("vllm.v1.core.kv_cache_manager")
+    import torch
+    from pagedkv.vllm import KVCacheManager
+    from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        HiSparseHotSpec,
+        HiSparseResidentSpec,
+        KVCacheConfig,
+        KVCacheGroupRole,
+        KVCacheGroupSpec,
+    )
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    cfg = KVCacheConfig(
+        num_blocks=num_blocks,
+        hisparse_host_num_blocks=host_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["source"], spec, role=KVCacheGroupRole.HISPARSE_SOURCE, host_resident=True
+            ),
+            KVCacheGroupSpec(["indexer"], spec, role=KVCacheGroupRole.HISPARSE_INDEXER),
+            KVCacheGroupSpec(["resident"], HiSparseResidentSpec(block_size=16, page_size=64)),
+            KVCacheGroupSpec(
+                ["hot"], HiSparseHotSpec(block_size=16, page_size=64, blocks_per_request=2)
+            ),
+        ],
+    )
+    kw = dict(
+        max_model_len=128,
+        scheduler_block_size=16,
+        hash_block_size=16,
+        enable_caching=caching,
+        enable_kv_cache_events=events,
+    )
+    pair = vllm_core.KVCacheManager(cfg, **kw), KVCacheManager(cfg, **kw)
+    for m in pair:
+        get_hisparse_coordinator(m)
+    return pair
+
+
+def _hisparse_request(rid: str, tokens: list[int]) -> Any:
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(
+        rid,
+        tokens,
+        SamplingParams(max_tokens=8),
+        None,
+        block_hasher=get_request_block_hasher(16, sha256),
+    )
+
+
+def _hisparse_step(mgr: Any, req: Any, n: int, **kw: Any) -> Any:
+    """``allocate_slots`` and the connector's per-step residency work, then
+    every planned spill acknowledged (host pages become durable)."""
+    from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
+
+    coordinator = get_hisparse_coordinator(mgr)
+    blocks = mgr.allocate_slots(req, n, **kw)
+    if blocks is not None:
+        done = min(
+            req.num_computed_tokens
+            + kw.get("num_new_computed_tokens", 0)
+            + kw.get("num_external_computed_tokens", 0)
+            + n,
+            req.num_tokens,
+        )
+        coordinator.advance_scheduled([(req.request_id, done)])
+        command = coordinator.build_offload_command()
+        counts = {spill.transfer_id: 1 for spill in command.page_transfers}
+        coordinator.update_spills(counts, counts)
+    return blocks
+
+
+def _ids(blocks: Any) -> list[list[int]]:
+    return [[b.block_id for b in g] for g in blocks.blocks]
+
+
+def test_hisparse_side_by_side_with_vllm() -> None:
+    # Allocation, host publication, a prefix hit that adopts the surviving GPU
+    # copies, deferred frees mixing host and device blocks, unpinned pages
+    # reused by the pool, a reset and the events: as vLLM's own manager does.
+    from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
+
+    def run(mgr: Any) -> list[Any]:
+        coordinator = get_hisparse_coordinator(mgr)
+        pool = coordinator.gpu_pool
+        host_pool = coordinator.get_host_block_pool()
+        out: list[Any] = [
+            type(mgr.coordinator).__name__,
+            [type(m).__name__ for m in mgr.coordinator.single_type_managers],
+            mgr.retained_hit_group_ids,
+        ]
+        tokens = list(range(64))
+        a = _hisparse_request("a", tokens)
+        out.append(_ids(_hisparse_step(mgr, a, 64)))
+        a.num_computed_tokens = 64
+        out.append((mgr.get_block_ids("a"), pool.get_num_free_blocks()))
+        out.append(host_pool.get_num_free_blocks())
+        mgr.free(a)
+        out.append((pool.get_num_free_blocks(), host_pool.get_num_free_blocks()))
+        # A prefix hit: the host source keeps its longer hit, the indexer is capped.
+        b = _hisparse_request("b", tokens + [7] * 8)
+        blocks, hit, spb = mgr.get_computed_blocks(b)
+        out.append((_ids(blocks), hit, spb))
+        out.append(
+            mgr.coordinator.get_num_blocks_to_allocate(
+                "b", 72, ([], [], [], []), 0, 0, 0, 72
+            )
+        )
+        new = _hisparse_step(
+            mgr, b, b.num_tokens - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks
+        )
+        out.append(_ids(new))
+        b.num_computed_tokens = b.num_tokens
+        resident = coordinator.resident_managers[0]
+        out.append([x.block_id for x in resident.get_residency_row("b")])
+        out.append([x.ref_cnt for x in mgr.get_blocks("b").blocks[2]])
+        out.append(sorted(coordinator.request_states["b"].valid_pages))
+        # Unpinned pages are taken last; the pool reusing one tells the coordinator.
+        coordinator.update_residency("b")
+        taken = pool.get_new_blocks(pool.get_num_free_blocks())
+        out.append(([x.block_id for x in taken], dict(coordinator.copies).__len__()))
+        out.append([x.block_id for x in resident.get_residency_row("b")])
+        pool.free_blocks(taken)
+        # A deferred free mixes host and device blocks; free_blocks routes them.
+        popped = mgr.pop_blocks_for_free(b)
+        out.append(sorted((x.block_id, x.pool is host_pool) for x in popped))
+        mgr.block_pool.free_blocks(reversed(popped))
+        out.append((pool.get_num_free_blocks(), host_pool.get_num_free_blocks()))
+        out.append((mgr.reset_prefix_cache(), len(coordinator.copies)))
+        out.append(
+            sorted(
+                (type(e).__name__, getattr(e, "group_idx", None), getattr(e, "medium", None))
+                for e in mgr.take_events()
+            )
+        )
+        return out
+
+    ref, ours = _hisparse_pair(num_blocks=32, host_blocks=16)
+    assert run(ours) == run(ref)
+
+
+def test_hisparse_admission_counts_every_groups_blocks() -> None:
+    # vLLM adds up every group's need before any allocates: with the host
+    # pool too small for the prompt, the source's sentinel refuses it; with
+    # too few device blocks for the indexer plus the resident pages, too.
+    for num_blocks, host_blocks in ((32, 3), (6, 16), (9, 16)):
+        for caching in (False, True):
+            out = []
+            for mgr in _hisparse_pair(num_blocks, host_blocks, caching=caching):
+                req = _hisparse_request("r", list(range(64)))
+                blocks = mgr.allocate_slots(req, 64, full_sequence_must_fit=True)
+                out.append(
+                    (
+                        None if blocks is None else _ids(blocks),
+                        mgr.block_pool.get_num_free_blocks(),
+                        mgr.get_block_ids("r"),
+                    )
+                )
+            assert out[0] == out[1], (num_blocks, host_blocks, caching)

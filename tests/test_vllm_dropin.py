@@ -276,6 +276,66 @@ def test_allocate_slots_synced_syncs_then_allocates_as_vllm() -> None:
     assert m.allocate_slots_synced("big", list(range(100)), [], 0, 100, *args[2:]) is None
 
 
+def test_engine_managed_groups_count_in_capacity_and_take_no_blocks() -> None:
+    # vLLM's HiSparse layout [host source, indexer, resident]: the manager runs
+    # the indexer; the engine's groups keep their places and their needs.
+    attn = pk.FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype="float32")
+    managed = pk.EngineManagedSpec(block_size=4, page_size=64)
+    cfg = pk.KVCacheConfig(
+        num_blocks=12,
+        kv_cache_groups=[
+            pk.KVCacheGroupSpec(["host"], managed),
+            pk.KVCacheGroupSpec(["indexer"], attn),
+            pk.KVCacheGroupSpec(["resident"], managed),
+        ],
+    )
+    m = pk.KVCacheManager(
+        cfg, max_model_len=256, external_block_hashes=True, record_stats_at_admission=False
+    )
+    tokens = list(range(10))
+    m.add_request("r", tokens)
+    args = [0, 10, 0, 0, None, 0, 0, False, 0, False, 0, True, 0, None]
+    hashes = [b"\x01" * 8, b"\x02" * 8]
+    # 3 indexer blocks + 9 the engine takes > 11 free: refused, nothing taken.
+    assert m.allocate_slots_synced("r", tokens, hashes, *args, engine_managed_blocks=(9, 0)) is None
+    full = [*args[:9], True, *args[10:]]  # full_sequence_must_fit
+    assert m.allocate_slots_synced("r", tokens, hashes, *full, engine_managed_blocks=(0, 9)) is None
+    assert m.num_free_blocks == 11
+    new = m.allocate_slots_synced("r", tokens, hashes, *args, engine_managed_blocks=(8, 8))
+    assert new is not None and [g.tolist() for g in new] == [[], [1, 2, 3], []]
+    assert m.num_free_blocks == 8
+    with pytest.raises(InvalidArgumentError):
+        m.allocate_slots_synced("r", tokens, hashes, *args, engine_managed_blocks=(-1, 0))
+    m.check_invariants()
+
+
+def test_unpinned_blocks_are_taken_last_and_reported_when_reused() -> None:
+    # vLLM's BlockPool.unpin_blocks and its reuse watchers: a released page
+    # joins the free queue's tail, cached or not, and is reported once the
+    # pool hands it out again.
+    m = engine_manager(num_blocks=8)
+    pages = m.get_new_blocks(3).tolist()
+    assert pages == [1, 2, 3]
+    m.touch_blocks([pages[1]])
+    m.unpin_blocks([pages[0], pages[1]])
+    # Page 1 reaches 0 references and goes last; page 2 is still held once.
+    assert m.free_block_ids().tolist() == [4, 5, 6, 7, 1]
+    assert m.block_ref_count(pages[1]) == 1
+    assert m.get_new_blocks(4).tolist() == [4, 5, 6, 7]
+    assert m.take_reused_blocks().tolist() == []
+    assert m.get_new_blocks(1).tolist() == [1]
+    assert m.take_reused_blocks().tolist() == [1]
+    # Held fewer times than listed: refused, nothing changes.
+    with pytest.raises(InvalidArgumentError, match="engine holds only"):
+        m.unpin_blocks([pages[2], pages[2]])
+    assert m.block_ref_count(pages[2]) == 1
+    m.free_blocks([1, 2, 3, 4, 5, 6, 7])
+    assert m.reset_prefix_cache()
+    # The reset reports the page still watched (page 2, unpinned while held).
+    assert m.take_reused_blocks().tolist() == [2]
+    m.check_invariants()
+
+
 def test_a_manager_that_reads_no_token_ids_takes_a_prompt_by_its_length() -> None:
     # vLLM's default: its own hashes, events off. Nothing reads a token id's
     # value, so a prompt may come as its length and is never converted.
@@ -841,9 +901,7 @@ def test_hisparse_side_by_side_with_vllm() -> None:
         blocks, hit, spb = mgr.get_computed_blocks(b)
         out.append((_ids(blocks), hit, spb))
         out.append(
-            mgr.coordinator.get_num_blocks_to_allocate(
-                "b", 72, ([], [], [], []), 0, 0, 0, 72
-            )
+            mgr.coordinator.get_num_blocks_to_allocate("b", 72, ([], [], [], []), 0, 0, 0, 72)
         )
         new = _hisparse_step(
             mgr, b, b.num_tokens - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks

@@ -44,6 +44,7 @@ __all__ = [
     "ChunkedLocalAttentionSpec",
     "CircularBufferSpec",
     "CrossAttentionSpec",
+    "EngineManagedSpec",
     "FullAttentionSpec",
     "KVCacheConfig",
     "KVCacheGroupSpec",
@@ -472,6 +473,30 @@ class CircularBufferSpec(AttentionSpec):
         """One page: the ring holds one block whatever the request's length."""
         _check_sizing(max_model_len, max_in_flight_tokens)
         return self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class EngineManagedSpec(KVCacheSpec):
+    """A group whose blocks the engine manages itself, with the manager's
+    engine calls (``get_new_blocks``, ``touch_blocks``, ``unpin_blocks``,
+    ``free_blocks``): the manager allocates, caches and looks up nothing for
+    it, keeps its place in the group order, and counts the blocks the engine
+    says it takes (``allocate_slots_synced(..., engine_managed_blocks=...)``)
+    in its capacity checks. vLLM's HiSparse host, resident and hot groups run
+    so. ``page_size``: bytes of one block of one layer."""
+
+    page_size: int
+
+    kind: ClassVar[str] = "engine_managed"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive_int("page_size", self.page_size)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """``page_size``."""
+        return self.page_size
 
 
 def _normalize_shapes(shapes: Any) -> tuple[tuple[int, ...], ...]:

@@ -74,9 +74,7 @@ class HiSparseKVCacheManager(KVCacheManager):
         self._engine_before = tuple((g, m) for g, m in engine if g < first_core)
         self._engine_after = tuple((g, m) for g, m in engine if g > first_core)
         # Engine groups looked up for hits (the host source), before the core's.
-        self._engine_lookup = tuple(
-            (g, m) for g, m in engine if m.kv_cache_spec.prefix_cacheable
-        )
+        self._engine_lookup = tuple((g, m) for g, m in engine if m.kv_cache_spec.prefix_cacheable)
         self.retained_hit_group_ids = tuple(g for g, m in engine if m.retains_longer_hit)
         self._drop_eagle = coordinator.eagle_group_ids if self.use_eagle else set()
 
@@ -328,9 +326,7 @@ class HiSparseKVCacheManager(KVCacheManager):
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's blocks per group (vLLM's managers' rows where they run)."""
         engine = dict(self._engine_groups)
-        core_ids = (
-            self._core.get_block_ids(request_id) if request_id in self._live else None
-        )
+        core_ids = self._core.get_block_ids(request_id) if request_id in self._live else None
         pool = self._blocks
         out = tuple(
             list(engine[g].req_to_blocks.get(request_id) or [])

@@ -518,7 +518,7 @@ class KVCacheManager:
         """Always zeros, as vLLM 0.33 (cascade attention was removed)."""
         return [0] * self.num_kv_cache_groups
 
-    def create_kv_cache_blocks(self, blocks: tuple[list[Any], ...]) -> KVCacheBlocks:
+    def create_kv_cache_blocks(self, blocks: tuple[Sequence[Any], ...]) -> KVCacheBlocks:
         """``KVCacheBlocks`` of these lists, or the shared empty one."""
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
 

@@ -871,7 +871,11 @@ class CoordinatorView:
             num_encoder_tokens=num_encoder_tokens,
             apply_admission_cap=apply_admission_cap,
         )
-        local = total_computed_tokens if num_local_computed_tokens is None else num_local_computed_tokens
+        local = (
+            total_computed_tokens
+            if num_local_computed_tokens is None
+            else num_local_computed_tokens
+        )
         for g, manager in engine:
             n += manager.get_num_blocks_to_allocate(
                 request_id,

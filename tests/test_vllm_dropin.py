@@ -877,6 +877,7 @@ def test_hisparse_side_by_side_with_vllm() -> None:
     # Allocation, host publication, a prefix hit that adopts the surviving GPU
     # copies, deferred frees mixing host and device blocks, unpinned pages
     # reused by the pool, a reset and the events: as vLLM's own manager does.
+    ref, ours = _hisparse_pair(num_blocks=32, host_blocks=16)
     from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
 
     def run(mgr: Any) -> list[Any]:
@@ -932,7 +933,6 @@ def test_hisparse_side_by_side_with_vllm() -> None:
         )
         return out
 
-    ref, ours = _hisparse_pair(num_blocks=32, host_blocks=16)
     assert run(ours) == run(ref)
 
 

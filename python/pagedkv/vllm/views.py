@@ -284,8 +284,6 @@ class _FreeQueueView:
         self._owner = owner
         self.fake_free_list_head = _QueueEnd(self, head=True)
         self.fake_free_list_tail = _QueueEnd(self, head=False)
-        for b in owner._blocks:
-            setattr(b, "_queue", self)  # noqa: B010 - a slot of vLLM's subclass
 
     def neighbor(self, block_id: int, side: int) -> Any:
         """The block before (0) or after (1) a free block, a sentinel at the ends."""
@@ -344,8 +342,12 @@ class BlockPoolView:
     def __init__(self, owner: KVCacheManager) -> None:
         self._owner = owner
         self.blocks = owner._blocks
+        self.free_block_queue = _FreeQueueView(owner)
+        queue = self.free_block_queue
         for b in self.blocks:
-            setattr(b, "pool", self)  # noqa: B010 - a slot of vLLM's block
+            # Slots of vLLM's block and of the view's subclass.
+            setattr(b, "pool", self)  # noqa: B010
+            setattr(b, "_queue", queue)  # noqa: B010
         self.metrics_collector = owner.metrics_collector
         # Callbacks for blocks released with ``unpin_blocks``, by block id.
         self._reuse_watchers: dict[int, Any] = {}
@@ -355,7 +357,6 @@ class BlockPoolView:
         self.enable_kv_cache_events = owner.enable_kv_cache_events
         self.hash_block_size = owner.hash_block_size
         self.num_hash_lookahead_tokens = owner.num_hash_lookahead_tokens
-        self.free_block_queue = _FreeQueueView(owner)
         self.cached_block_hash_to_block = _CachedBlocks(owner)
         self.kv_event_queue = _PendingEvents(owner)
 

@@ -1,8 +1,9 @@
 //! Random operation sequences over multi-group (hybrid) pools: after every call the
 //! invariants hold (ref counts equal holders, free queue xor referenced, no block
 //! held by two groups, map and block keys agree), calls never panic, and
-//! removing every request (and freeing the blocks the engine took for itself,
-//! cached under a request's hashes or not) returns every block.
+//! removing every request (and freeing the blocks the engine took or touched
+//! for itself, cached under a request's hashes or not) returns every block;
+//! only blocks the engine unpinned are reported reused, each once.
 
 use pagedkv_core::{
     AllocateArgs, AttentionKind, GroupSpec, HashAlgo, KvCacheManager, MambaCacheMode,
@@ -56,10 +57,20 @@ enum Op {
     FreeTaken {
         k: usize,
     },
+    /// It takes a reference on any block (`touch_blocks`).
+    Touch {
+        block: u32,
+    },
+    /// It releases some of its references while watching the blocks
+    /// (`unpin_blocks`).
+    Unpin {
+        k: usize,
+    },
 }
 
 fn layouts() -> Vec<Vec<GroupSpec>> {
     let g = |kind, bs| GroupSpec::new(kind, bs);
+    let managed = || GroupSpec::new(AttentionKind::EngineManaged, 4);
     let swa = |w| AttentionKind::SlidingWindow { window: w };
     let align = AttentionKind::Mamba {
         mode: MambaCacheMode::Align,
@@ -111,6 +122,8 @@ fn layouts() -> Vec<Vec<GroupSpec>> {
                 4,
             ),
         ],
+        // vLLM's HiSparse layout: host source, indexer, resident.
+        vec![managed(), g(AttentionKind::FullAttention, 4), managed()],
     ]
 }
 
@@ -141,6 +154,8 @@ fn op() -> impl Strategy<Value = Op> {
                 partial,
             }),
         1 => (0..8usize).prop_map(|k| Op::FreeTaken { k }),
+        1 => (0..80u32).prop_map(|block| Op::Touch { block }),
+        1 => (0..8usize).prop_map(|k| Op::Unpin { k }),
     ]
 }
 
@@ -149,8 +164,11 @@ struct Sim {
     mgr: KvCacheManager,
     reqs: Vec<(String, u64)>,
     next: usize,
-    /// Blocks the engine took with `get_new_blocks` and has not freed.
+    /// Blocks the engine took with `get_new_blocks` or `touch_blocks` and
+    /// has not freed.
     taken: Vec<u32>,
+    /// Blocks unpinned and not reported reused yet.
+    watched: std::collections::HashSet<u32>,
 }
 
 impl Sim {
@@ -208,6 +226,8 @@ impl Sim {
                     num_new_computed_tokens: hit.num_computed_tokens,
                     num_encoder_tokens: u64::from(*enc),
                     full_sequence_must_fit: true,
+                    engine_managed_blocks: u64::from(*enc % 4),
+                    engine_managed_full_blocks: u64::from(*enc % 5),
                     ..AllocateArgs::step(new, 0)
                 };
                 if let Ok(Some(_)) = self.mgr.allocate_slots(&id, &args, Some(&hit)) {
@@ -260,7 +280,14 @@ impl Sim {
                 let _ = self.mgr.evict_blocks(&[*block]);
             }
             Op::Reset => {
-                let _ = self.mgr.reset_prefix_cache();
+                if self.mgr.reset_prefix_cache() {
+                    // Every watched block is reported.
+                    let mut reused = self.mgr.take_reused_blocks();
+                    reused.sort_unstable();
+                    let mut watched: Vec<u32> = self.watched.drain().collect();
+                    watched.sort_unstable();
+                    assert_eq!(reused, watched);
+                }
             }
             Op::NewStep => self.mgr.new_step_starts(),
             Op::Take { n } => {
@@ -304,6 +331,20 @@ impl Sim {
                 let freed: Vec<u32> = self.taken.drain(..k).collect();
                 assert!(self.mgr.free_blocks(&freed).is_ok());
             }
+            Op::Touch { block } => {
+                if self.mgr.touch_blocks(&[*block]).is_ok() && *block != 0 {
+                    self.taken.push(*block);
+                }
+            }
+            Op::Unpin { k } => {
+                if self.taken.is_empty() {
+                    return;
+                }
+                let k = k % self.taken.len() + 1;
+                let unpinned: Vec<u32> = self.taken.drain(..k).collect();
+                assert!(self.mgr.unpin_blocks(&unpinned).is_ok());
+                self.watched.extend(unpinned);
+            }
         }
     }
 }
@@ -313,7 +354,7 @@ proptest! {
 
     #[test]
     fn hybrid_pools_keep_every_invariant(
-        layout in 0..10usize,
+        layout in 0..11usize,
         num_blocks in 4..80u32,
         caching in any::<bool>(),
         eagle in any::<bool>(),
@@ -333,13 +374,23 @@ proptest! {
         cfg.max_in_flight_tokens = Some(32);
         cfg.prefix_cache_retention_interval = if sparse { retention } else { None };
         let Ok(mgr) = KvCacheManager::new(cfg) else { return Ok(()) };
-        let mut sim = Sim { mgr, reqs: Vec::new(), next: 0, taken: Vec::new() };
+        let mut sim = Sim {
+            mgr,
+            reqs: Vec::new(),
+            next: 0,
+            taken: Vec::new(),
+            watched: std::collections::HashSet::new(),
+        };
         for (i, op) in ops.iter().enumerate() {
             sim.apply(op, &bases);
             if let Err(e) = sim.mgr.check_invariants() {
                 prop_assert!(false, "after op {i} {op:?}: {e}");
             }
             let _ = sim.mgr.take_events();
+            // Only unpinned blocks are reported reused, each once.
+            for b in sim.mgr.take_reused_blocks() {
+                prop_assert!(sim.watched.remove(&b), "after op {i} {op:?}: {b} reported");
+            }
         }
         let ids: Vec<String> = sim.reqs.iter().map(|r| r.0.clone()).collect();
         for id in ids {

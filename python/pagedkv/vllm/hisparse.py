@@ -30,7 +30,7 @@ from vllm.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_s
 from vllm.v1.request import Request
 
 from pagedkv.vllm.manager import KVCacheManager
-from pagedkv.vllm.views import BlockRun, engine_group_hit, engine_managed
+from pagedkv.vllm.views import BlockRun, engine_group_hit, engine_groups_need, engine_managed
 
 
 class HiSparseKVCacheManager(KVCacheManager):
@@ -121,22 +121,14 @@ class HiSparseKVCacheManager(KVCacheManager):
         """``get_computed_blocks`` and False (no Mamba group to diverge)."""
         return *self.get_computed_blocks(request, max_cache_hit_length), False
 
-    def _hit(self, rid: str, blocks: KVCacheBlocks | None, num_new_computed_tokens: int) -> Any:
-        if blocks is None or blocks is self.empty_kv_cache_blocks:
-            return None
-        kept = getattr(blocks, "_pagedkv_hit", None)
-        if kept is not None and kept[0] == rid and kept[1] is blocks.blocks:
-            return kept[2]
+    def _hit_block_ids(self, blocks: KVCacheBlocks) -> list[list[int]]:
+        """The core's groups' ids of a hit the caller built (the engine-managed
+        groups' blocks are their managers')."""
         engine = self._engine_ids
-        ids = [
+        return [
             [] if g in engine else [b.block_id for b in group]
             for g, group in enumerate(blocks.blocks)
         ]
-        if num_new_computed_tokens == 0 and not any(ids):
-            return None
-        return self._core.computed_blocks_from_ids(
-            rid, ids, num_new_computed_tokens, check_cached=False
-        )
 
     # ---- allocation ------------------------------------------------------------
 
@@ -191,22 +183,11 @@ class HiSparseKVCacheManager(KVCacheManager):
         full_need = 0
         if full_sequence_must_fit:
             full = min(request.num_tokens, self.max_model_len)
-            for g, m in engine:
-                full_need += m.get_num_blocks_to_allocate(
-                    rid,
-                    full,
-                    hit_groups[g],
-                    total,
-                    local,
-                    full,
-                    apply_admission_cap=True,
-                    prefill_end=prefill_end,
-                )
-        step_need = sum(
-            m.get_num_blocks_to_allocate(
-                rid, need_slot, hit_groups[g], local + ext, local, main, prefill_end=prefill_end
+            full_need = engine_groups_need(
+                engine, rid, full, hit_groups, total, local, full, True, prefill_end
             )
-            for g, m in engine
+        step_need = engine_groups_need(
+            engine, rid, need_slot, hit_groups, local + ext, local, main, False, prefill_end
         )
         # vLLM adopts hits into a group only for a request no group tracks yet.
         adopting = (groups is not None or ext > 0) and not (

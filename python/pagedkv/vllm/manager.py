@@ -313,14 +313,18 @@ class KVCacheManager:
         kept = getattr(blocks, "_pagedkv_hit", None)
         if kept is not None and kept[0] == rid and kept[1] is blocks.blocks:
             return kept[2]
-        if num_new_computed_tokens == 0 and not any(blocks.blocks):
-            return None
         # Blocks the caller built itself (a connector's, a test's): vLLM adopts
         # whatever it is handed.
-        ids = [[b.block_id for b in g] for g in blocks.blocks]
+        ids = self._hit_block_ids(blocks)
+        if num_new_computed_tokens == 0 and not any(ids):
+            return None
         return self._core.computed_blocks_from_ids(
             rid, ids, num_new_computed_tokens, check_cached=False
         )
+
+    def _hit_block_ids(self, blocks: KVCacheBlocks) -> list[list[int]]:
+        """The ids, per group, of a hit the caller built."""
+        return [[b.block_id for b in g] for g in blocks.blocks]
 
     def allocate_slots(
         self,

@@ -877,17 +877,17 @@ class CoordinatorView:
             if num_local_computed_tokens is None
             else num_local_computed_tokens
         )
-        for g, manager in engine:
-            n += manager.get_num_blocks_to_allocate(
-                request_id,
-                num_tokens,
-                new_computed_blocks[g],
-                total_computed_tokens,
-                local,
-                main,
-                apply_admission_cap=apply_admission_cap,
-                prefill_end=prefill_end or 0,
-            )
+        n += engine_groups_need(
+            engine,
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            total_computed_tokens,
+            local,
+            main,
+            apply_admission_cap,
+            prefill_end or 0,
+        )
         return n
 
     def get_blocks(self, request_id: str) -> tuple[list[PagedBlock], ...]:
@@ -895,6 +895,34 @@ class CoordinatorView:
 
 
 _COORDINATOR_VIEWS: dict[type, type[CoordinatorView]] = {}
+
+
+def engine_groups_need(
+    engine: Sequence[tuple[int, Any]],
+    request_id: str,
+    num_tokens: int,
+    hit_groups: Sequence[Sequence[Any]],
+    total_computed_tokens: int,
+    num_local_computed_tokens: int,
+    num_tokens_main_model: int,
+    apply_admission_cap: bool,
+    prefill_end: int,
+) -> int:
+    """The blocks the engine-managed groups' own managers say they need (vLLM's
+    coordinator adds every group's ``get_num_blocks_to_allocate``)."""
+    return sum(
+        manager.get_num_blocks_to_allocate(
+            request_id,
+            num_tokens,
+            hit_groups[g],
+            total_computed_tokens,
+            num_local_computed_tokens,
+            num_tokens_main_model,
+            apply_admission_cap=apply_admission_cap,
+            prefill_end=prefill_end,
+        )
+        for g, manager in engine
+    )
 
 
 def engine_group_hit(

@@ -913,6 +913,10 @@ def test_hisparse_side_by_side_with_vllm() -> None:
         out.append([x.block_id for x in resident.get_residency_row("b")])
         out.append([x.ref_cnt for x in mgr.get_blocks("b").blocks[2]])
         out.append(sorted(coordinator.request_states["b"].valid_pages))
+        out.append(mgr.estimate_cached_tokens(b))
+        mgr.new_step_starts()
+        out.append(mgr.take_kv_cache_block_copies()[0])
+        out.append(mgr.get_block_ids_for_computed_tokens("b", 40))
         # Unpinned pages are taken last; the pool reusing one tells the coordinator.
         coordinator.update_residency("b")
         taken = pool.get_new_blocks(pool.get_num_free_blocks())

@@ -26,6 +26,7 @@ from typing import Any
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_coordinator import replay_boundaries
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
 from vllm.v1.request import Request
 
@@ -321,9 +322,47 @@ class HiSparseKVCacheManager(KVCacheManager):
         """The request's block ids per group."""
         return tuple([b.block_id for b in g] for g in self.get_blocks(request_id).blocks)
 
+    def estimate_cached_tokens(self, request: Request) -> int:
+        """Tokens of the request's prefix cached in every cacheable group (the
+        host source's blocks included)."""
+        cached = super().estimate_cached_tokens(request)
+        for _, m in self._engine_lookup:
+            blocks = m.req_to_blocks.get(request.request_id) or []
+            cached = min(cached, max((b.block_hash_num_tokens or 0 for b in blocks), default=0))
+        return cached
+
+    def new_step_starts(self) -> None:
+        """Marks a step boundary for every group."""
+        super().new_step_starts()
+        for _, m in self._engine_groups:
+            m.new_step_starts()
+
+    # ---- block lists for the worker -------------------------------------------
+
     def take_new_block_ids(self) -> list[int]:
         """Fresh blocks to zero: the core's groups', then vLLM's managers'."""
         ids = super().take_new_block_ids()
         for _, m in self._engine_groups:
             ids.extend(m.take_new_block_ids())
         return ids
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """Lists the request's blocks from ``start_token`` on for zeroing again,
+        in every group that zeroes."""
+        super().record_blocks_for_zeroing(request_id, start_token)
+        for _, m in self._engine_groups:
+            if m.records_new_block_ids:
+                assert start_token % m.block_size == 0
+                blocks = m.req_to_blocks[request_id][start_token // m.block_size :]
+                m.new_block_ids.extend(b.block_id for b in blocks)
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
+        """The core's block copies, then those vLLM's managers queued."""
+        copies, blocks = super().take_kv_cache_block_copies()
+        for _, m in self._engine_groups:
+            for src, dst in m.take_pending_cow_copies():
+                copies.append(
+                    KVCacheBlockCopy(src_block_id=src.block_id, dst_block_id=dst.block_id)
+                )
+                blocks += [src, dst]
+        return copies, blocks

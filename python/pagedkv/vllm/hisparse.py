@@ -13,9 +13,10 @@ and regular groups' allocation, prefix cache, lookups and events, as for any
 other layout.
 
 Each call runs the groups in vLLM's order as far as the layout allows: the
-engine-managed groups before the first core group, the core's groups, then the
-rest. In vLLM's layouts the resident and hot groups follow the indexer, so
-device blocks come out in vLLM's order.
+engine-managed groups before the first core group, the core's groups (in one
+core call), then the rest. When every core group comes before the resident and
+hot groups (vLLM's test layouts), device blocks come out in vLLM's order; with
+regular groups after them, the core takes its blocks first.
 """
 
 from __future__ import annotations

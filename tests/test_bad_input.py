@@ -226,6 +226,12 @@ COUNT_PARAMS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "allocate_slots.num_external_computed_tokens": lambda m, v: m.allocate_slots(
         "wait", 5, num_computed_tokens=0, num_external_computed_tokens=v
     ),
+    "allocate_slots.engine_managed_blocks": lambda m, v: m.allocate_slots(
+        "run", 1, num_computed_tokens=54, engine_managed_blocks=(v, 0)
+    ),
+    "allocate_slots.engine_managed_full_blocks": lambda m, v: m.allocate_slots(
+        "run", 1, num_computed_tokens=54, engine_managed_blocks=(0, v)
+    ),
     "allocate_slots.num_encoder_tokens": lambda m, v: m.allocate_slots(
         "run", 1, num_computed_tokens=54, num_encoder_tokens=v
     ),

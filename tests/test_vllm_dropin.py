@@ -309,6 +309,32 @@ def test_engine_managed_groups_count_in_capacity_and_take_no_blocks() -> None:
     m.check_invariants()
 
 
+def test_engine_managed_blocks_through_pagedkvs_own_allocate_slots() -> None:
+    # The same accounting for a manager that hashes its own prompts.
+    attn = pk.FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype="float32")
+    managed = pk.EngineManagedSpec(block_size=4, page_size=64)
+    cfg = pk.KVCacheConfig(
+        num_blocks=12,
+        kv_cache_groups=[
+            pk.KVCacheGroupSpec(["indexer"], attn),
+            pk.KVCacheGroupSpec(["hot"], managed),
+        ],
+    )
+    m = pk.KVCacheManager(cfg, max_model_len=256)
+    m.add_request("r", list(range(10)))
+    hit = m.get_computed_blocks("r")
+
+    def alloc(**kw: Any) -> Any:
+        return m.allocate_slots("r", 10, num_computed_tokens=0, new_computed_blocks=hit, **kw)
+
+    assert alloc(engine_managed_blocks=(9, 0)) is None
+    assert alloc(full_sequence_must_fit=True, engine_managed_blocks=(0, 9)) is None
+    assert m.num_free_blocks == 11
+    new = alloc(full_sequence_must_fit=True, engine_managed_blocks=(8, 8))
+    assert new is not None and [g.tolist() for g in new] == [[1, 2, 3], []]
+    m.check_invariants()
+
+
 def test_unpinned_blocks_are_taken_last_and_reported_when_reused() -> None:
     # vLLM's BlockPool.unpin_blocks and its reuse watchers: a released page
     # joins the free queue's tail, cached or not, and is reported once the

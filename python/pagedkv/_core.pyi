@@ -243,6 +243,7 @@ class KVCacheManager:
         num_in_flight_tokens: int = 0,
         vllm_lenient: bool = False,
         skip_zeroing_group_ids: Sequence[int] | None = None,
+        engine_managed_blocks: tuple[int, int] | None = None,
     ) -> tuple[_IdArray, ...] | None: ...
     def allocate_slots_batch(
         self,

@@ -481,7 +481,7 @@ class EngineManagedSpec(KVCacheSpec):
     engine calls (``get_new_blocks``, ``touch_blocks``, ``unpin_blocks``,
     ``free_blocks``): the manager allocates, caches and looks up nothing for
     it, keeps its place in the group order, and counts the blocks the engine
-    says it takes (``allocate_slots_synced(..., engine_managed_blocks=...)``)
+    says it takes (``allocate_slots(..., engine_managed_blocks=(step, full))``)
     in its capacity checks. vLLM's HiSparse host, resident and hot groups run
     so. ``page_size``: bytes of one block of one layer."""
 

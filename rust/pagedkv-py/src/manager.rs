@@ -433,7 +433,7 @@ impl PyManager {
         new_computed_blocks = None, num_lookahead_tokens = 0, num_external_computed_tokens = 0,
         delay_cache_blocks = false, num_encoder_tokens = 0, full_sequence_must_fit = false,
         reserved_blocks = 0, has_scheduled_reqs = true, num_in_flight_tokens = 0,
-        vllm_lenient = false, skip_zeroing_group_ids = None))]
+        vllm_lenient = false, skip_zeroing_group_ids = None, engine_managed_blocks = None))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
     fn allocate_slots(
         slf: &Bound<'_, Self>,
@@ -452,6 +452,7 @@ impl PyManager {
         num_in_flight_tokens: i64,
         vllm_lenient: bool,
         skip_zeroing_group_ids: Option<Vec<i64>>,
+        engine_managed_blocks: Option<(i64, i64)>,
     ) -> PkResult<Option<Py<PyTuple>>> {
         let hit = new_computed_blocks.as_ref().map(|h| &h.inner);
         let num_new_computed_tokens = num_new_computed_tokens
@@ -475,7 +476,8 @@ impl PyManager {
                 vllm_lenient,
             },
             skip_zeroing_group_ids.as_deref(),
-        )?;
+        )?
+        .with_engine_managed_blocks(engine_managed_blocks)?;
         Self::allocate(slf, request_id, &args, hit, Nothing::EmptyGroups)
     }
 
@@ -512,7 +514,7 @@ impl PyManager {
         skip_zeroing_group_ids: Option<Vec<i64>>,
         engine_managed_blocks: Option<(i64, i64)>,
     ) -> PkResult<Option<Py<PyTuple>>> {
-        let mut args = Counts {
+        let args = Counts {
             num_new_tokens,
             num_computed_tokens,
             num_lookahead_tokens,
@@ -530,11 +532,8 @@ impl PyManager {
                 vllm_lenient: true,
             },
             skip_zeroing_group_ids.as_deref(),
-        )?;
-        if let Some((step, full)) = engine_managed_blocks {
-            args.engine_managed_blocks = count("engine_managed_blocks", step)?;
-            args.engine_managed_full_blocks = count("engine_managed_blocks", full)?;
-        }
+        )?
+        .with_engine_managed_blocks(engine_managed_blocks)?;
         let spb = count("shared_prefix_boundary", shared_prefix_boundary)?;
         Self::sync(slf, request_id, token_ids, block_hashes, spb)?;
         let hit = new_computed_blocks.as_ref().map(|h| &h.inner);
@@ -1296,6 +1295,23 @@ impl Counts {
             engine_managed_blocks: 0,
             engine_managed_full_blocks: 0,
         })
+    }
+}
+
+/// `engine_managed_blocks=(step, full)` as Python passed it.
+trait EngineManagedBlocks: Sized {
+    fn with_engine_managed_blocks(self, blocks: Option<(i64, i64)>) -> PkResult<Self>;
+}
+
+impl EngineManagedBlocks for AllocateArgs {
+    /// The blocks the engine-managed groups take this step and for the whole
+    /// request; a negative count is refused by name.
+    fn with_engine_managed_blocks(mut self, blocks: Option<(i64, i64)>) -> PkResult<Self> {
+        if let Some((step, full)) = blocks {
+            self.engine_managed_blocks = count("engine_managed_blocks", step)?;
+            self.engine_managed_full_blocks = count("engine_managed_blocks", full)?;
+        }
+        Ok(self)
     }
 }
 

@@ -276,21 +276,27 @@ def test_allocate_slots_synced_syncs_then_allocates_as_vllm() -> None:
     assert m.allocate_slots_synced("big", list(range(100)), [], 0, 100, *args[2:]) is None
 
 
+def _engine_managed_config(*groups: str) -> pk.KVCacheConfig:
+    """12 blocks of 4 tokens; the group named ``indexer`` is full attention,
+    the others are engine-managed."""
+    attn = pk.FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype="float32")
+    managed = pk.EngineManagedSpec(block_size=4, page_size=64)
+    return pk.KVCacheConfig(
+        num_blocks=12,
+        kv_cache_groups=[
+            pk.KVCacheGroupSpec([g], attn if g == "indexer" else managed) for g in groups
+        ],
+    )
+
+
 def test_engine_managed_groups_count_in_capacity_and_take_no_blocks() -> None:
     # vLLM's HiSparse layout [host source, indexer, resident]: the manager runs
     # the indexer; the engine's groups keep their places and their needs.
-    attn = pk.FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype="float32")
-    managed = pk.EngineManagedSpec(block_size=4, page_size=64)
-    cfg = pk.KVCacheConfig(
-        num_blocks=12,
-        kv_cache_groups=[
-            pk.KVCacheGroupSpec(["host"], managed),
-            pk.KVCacheGroupSpec(["indexer"], attn),
-            pk.KVCacheGroupSpec(["resident"], managed),
-        ],
-    )
     m = pk.KVCacheManager(
-        cfg, max_model_len=256, external_block_hashes=True, record_stats_at_admission=False
+        _engine_managed_config("host", "indexer", "resident"),
+        max_model_len=256,
+        external_block_hashes=True,
+        record_stats_at_admission=False,
     )
     tokens = list(range(10))
     m.add_request("r", tokens)
@@ -311,16 +317,7 @@ def test_engine_managed_groups_count_in_capacity_and_take_no_blocks() -> None:
 
 def test_engine_managed_blocks_through_pagedkvs_own_allocate_slots() -> None:
     # The same accounting for a manager that hashes its own prompts.
-    attn = pk.FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype="float32")
-    managed = pk.EngineManagedSpec(block_size=4, page_size=64)
-    cfg = pk.KVCacheConfig(
-        num_blocks=12,
-        kv_cache_groups=[
-            pk.KVCacheGroupSpec(["indexer"], attn),
-            pk.KVCacheGroupSpec(["hot"], managed),
-        ],
-    )
-    m = pk.KVCacheManager(cfg, max_model_len=256)
+    m = pk.KVCacheManager(_engine_managed_config("indexer", "hot"), max_model_len=256)
     m.add_request("r", list(range(10)))
     hit = m.get_computed_blocks("r")
 

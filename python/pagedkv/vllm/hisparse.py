@@ -247,6 +247,11 @@ class HiSparseKVCacheManager(KVCacheManager):
         )
         return self.create_kv_cache_blocks(out)
 
+    def _hook_allocations(self) -> None:
+        """Nothing to install: this ``allocate_slots`` feeds the collector and
+        runs the reuse watchers itself, and vLLM's managers take their blocks
+        through the pool view, which does too."""
+
     def _cache_engine_groups(self, request: Request, num_tokens: int) -> None:
         """Each caching engine-managed group's ``cache_blocks`` (the host
         source publishes once its copies are durable)."""

@@ -372,6 +372,10 @@ class BlockPoolView:
         """Returns blocks the caller holds (``pop_blocks_for_free``,
         ``get_new_blocks``, ``touch``), first evicted first; a block of another
         pool (a host tier's) goes back to its own pool, as vLLM routes it."""
+        core = self._owner._core
+        if not self._owner._engine_groups:  # every block is this pool's
+            core.free_blocks([b.block_id for b in ordered_blocks])
+            return
         ids: list[int] = []
         others: dict[Any, list[KVCacheBlock]] = {}
         for b in ordered_blocks:
@@ -380,7 +384,7 @@ class BlockPoolView:
                 ids.append(b.block_id)
             else:
                 others.setdefault(pool, []).append(b)
-        self._owner._core.free_blocks(ids)
+        core.free_blocks(ids)
         for pool, blocks in others.items():
             pool.free_blocks(blocks)
 
@@ -396,7 +400,7 @@ class BlockPoolView:
         them: a released block joins the tail of the free queue (taken last,
         cached or not), and ``on_reuse(block)`` runs once the pool hands it out
         again or the cache is reset."""
-        blocks = [b for b in blocks]
+        blocks = list(blocks)
         if any(b.is_null for b in blocks):
             raise AssertionError("unpin_blocks: the null block holds no reference")
         self._owner._core.unpin_blocks([b.block_id for b in blocks])

@@ -1,7 +1,7 @@
 """Type stubs of the compiled core (``rust/pagedkv-py``)."""
 
 from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar, final
+from typing import Any, ClassVar, SupportsIndex, final
 
 import numpy as np
 import numpy.typing as npt
@@ -248,10 +248,11 @@ class KVCacheManager:
     def allocate_slots_batch(
         self,
         request_ids: _RequestRefs,
-        num_new_tokens: Sequence[int] | npt.NDArray[Any],
+        num_new_tokens: int | SupportsIndex | Sequence[int] | npt.NDArray[Any],
         num_computed_tokens: Sequence[int] | npt.NDArray[Any] | None = None,
         *,
         num_lookahead_tokens: int = 0,
+        append_token_ids: Sequence[int | None] | npt.NDArray[Any] | None = None,
     ) -> tuple[int, tuple[tuple[_IdArray, _IdArray], ...]]: ...
     def get_block_ids(self, request_id: str) -> tuple[_IdArray, ...]: ...
     def block_hashes(self, request_id: str) -> list[bytes]: ...

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import operator
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
-import numpy.typing as npt
 
 from . import _core
 from .specs import KVCacheConfig
@@ -35,7 +33,6 @@ def _embed_bytes(prompt_embeds: Any) -> bytes:
 
         t = prompt_embeds.detach().contiguous().cpu()
         return bytes(t.view(torch.uint8).numpy().tobytes())
-    import numpy as np
 
     return bytes(np.ascontiguousarray(prompt_embeds).tobytes())
 
@@ -180,8 +177,6 @@ class KVCacheManager(_core.KVCacheManager):
     """
 
     _kv_cache_config: KVCacheConfig
-    _broadcast: npt.NDArray[np.int64]
-    _broadcast_key: tuple[int, int] | None
 
     def __new__(
         cls,
@@ -200,7 +195,6 @@ class KVCacheManager(_core.KVCacheManager):
             options["hash_seed"] = os.environ["PYTHONHASHSEED"]  # as vLLM reads it
         self = super().__new__(cls, kv_cache_config.num_blocks, groups, max_model_len, **options)
         self._kv_cache_config = kv_cache_config
-        self._broadcast_key = None
         return self
 
     @property
@@ -247,48 +241,6 @@ class KVCacheManager(_core.KVCacheManager):
             skip_reading_prefix_cache=skip_reading_prefix_cache,
             session_id=session_id,
         )
-
-    def allocate_slots_batch(
-        self,
-        request_ids: Sequence[str] | Sequence[int] | npt.NDArray[Any],
-        num_new_tokens: int | Sequence[int] | npt.NDArray[Any],
-        num_computed_tokens: Sequence[int] | npt.NDArray[Any] | None = None,
-        *,
-        num_lookahead_tokens: int = 0,
-    ) -> tuple[int, tuple[tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]], ...]]:
-        """One decode step of many running requests in one call: the same result as
-        ``allocate_slots`` for each in order until the first that does not fit.
-        ``num_new_tokens`` is one count per request, or one for all.
-        ``num_computed_tokens`` None: each request's count as the manager tracks
-        it, what its last allocated step scheduled through (its computed tokens
-        plus the tokens it scheduled: the engine ran them all), so a decode step
-        ``allocate_slots_batch(handles, 1)`` needs no per-request list. Returns
-        ``(num_allocated, ((block_ids, offsets), ...))`` per group, where request
-        ``i``'s new blocks are ``block_ids[offsets[i]:offsets[i+1]]``."""
-        counts: Sequence[int] | npt.NDArray[Any]
-        if type(num_new_tokens) is int:
-            counts = self._same_count(num_new_tokens, len(request_ids))
-        elif isinstance(num_new_tokens, np.ndarray | list | tuple | Sequence):
-            counts = num_new_tokens
-        else:
-            # One count for every request: a NumPy or torch integer scalar.
-            counts = self._same_count(operator.index(num_new_tokens), len(request_ids))
-        return super().allocate_slots_batch(
-            request_ids,
-            counts,
-            num_computed_tokens,
-            num_lookahead_tokens=num_lookahead_tokens,
-        )
-
-    def _same_count(self, count: int, size: int) -> npt.NDArray[np.int64]:
-        """``count`` for each of ``size`` requests, as a read-only array kept for the
-        next call (a decode step passes the same count step after step)."""
-        key = (count, size)
-        if self._broadcast_key != key:
-            counts = np.full(size, count, dtype=np.int64)
-            counts.flags.writeable = False
-            self._broadcast, self._broadcast_key = counts, key
-        return self._broadcast
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The prefix-cache stats since the last call (and starts new ones); None

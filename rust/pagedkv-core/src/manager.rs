@@ -7,6 +7,7 @@
 //! its group managers and the pool.
 
 mod batch;
+pub use batch::BatchStep;
 mod connector;
 pub use connector::ConnectorHit;
 mod external;

@@ -272,7 +272,13 @@ impl Request {
     /// Where the prefill ends: the prompt, or all but the last token of a
     /// resumed request replaying its output.
     pub fn prefill_end(&self) -> u64 {
-        (self.num_prompt_tokens as u64).max((self.num_tokens() as u64).saturating_sub(1))
+        self.prefill_end_after(0)
+    }
+
+    /// [`Self::prefill_end`] once `appending` more tokens are appended.
+    pub fn prefill_end_after(&self, appending: u64) -> u64 {
+        (self.num_prompt_tokens as u64)
+            .max((self.num_tokens() as u64 + appending).saturating_sub(1))
     }
 
     pub fn num_tokens(&self) -> usize {

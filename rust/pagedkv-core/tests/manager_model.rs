@@ -33,8 +33,9 @@ use std::collections::{HashMap, HashSet};
 use common::RefPool;
 
 use pagedkv_core::{
-    AllocateArgs, AttentionKind, BatchAllocation, BlockHash, CacheKey, ComputedBlocks, Error,
-    GroupSpec, HashAlgo, KvCacheManager, KvEvent, ManagerConfig, PrefixCacheStats, RequestSpec,
+    AllocateArgs, AttentionKind, BatchAllocation, BatchStep, BlockHash, CacheKey, ComputedBlocks,
+    Error, GroupSpec, HashAlgo, KvCacheManager, KvEvent, ManagerConfig, PrefixCacheStats,
+    RequestRefs, RequestSpec,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -225,11 +226,13 @@ enum Op {
         lookahead: u8,
         token: u32,
     },
-    /// `allocate_slots_batch` over distinct running requests (decode or prefill rest).
+    /// `allocate_slots_batch` over distinct running requests (decode or prefill rest);
+    /// `fused`: the sampled tokens go in the same call (`append_token_ids`).
     Batch {
         picks: Vec<Index>,
         lookahead: u8,
         token: u32,
+        fused: bool,
     },
     /// `cache_blocks(id, num_computed)` of a running request (after an async load);
     /// `overshoot` asks for one token more than the request has (refused).
@@ -305,11 +308,13 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         prop::collection::vec(any::<Index>(), 1..5),
         prop::sample::select(vec![0u8, 0, 2]),
         token(),
+        any::<bool>(),
     )
-        .prop_map(|(picks, lookahead, token)| Op::Batch {
+        .prop_map(|(picks, lookahead, token, fused)| Op::Batch {
             picks,
             lookahead,
             token,
+            fused,
         });
     let cache = (any::<Index>(), prop::bool::weighted(0.1))
         .prop_map(|(req, overshoot)| Op::CacheBlocks { req, overshoot });
@@ -1206,6 +1211,7 @@ fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
                 picks,
                 lookahead,
                 token,
+                fused,
             } => {
                 let mut cands: Vec<String> = m
                     .reqs
@@ -1229,12 +1235,17 @@ fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
                 }
                 let mut news = Vec::new();
                 let mut comps = Vec::new();
+                let mut appended = Vec::new();
                 for id in &chosen {
                     let r = m.req(id);
-                    if r.num_computed == r.tokens.len() as u64 {
+                    let sampled = r.num_computed == r.tokens.len() as u64;
+                    if sampled {
                         r.tokens.push(*token);
-                        prop_assert!(mgr.append_token_ids(id, &[*token]).is_ok());
+                        if !*fused {
+                            prop_assert!(mgr.append_token_ids(id, &[*token]).is_ok());
+                        }
                     }
+                    appended.push(sampled.then_some(*token));
                     let r = m.req(id);
                     news.push(r.tokens.len() as u64 - r.num_computed);
                     comps.push(r.num_computed);
@@ -1242,7 +1253,16 @@ fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
                 let la = u64::from(*lookahead);
                 let mut out = BatchAllocation::default();
                 let ids: Vec<&str> = chosen.iter().map(String::as_str).collect();
-                let res = mgr.allocate_slots_batch(&ids, &news, &comps, la, &mut out);
+                let res = if *fused {
+                    let step = BatchStep {
+                        num_lookahead_tokens: la,
+                        append_token_ids: Some(&appended),
+                        ..BatchStep::new(RequestRefs::Ids(&ids), &news, Some(&comps))
+                    };
+                    mgr.allocate_slots_batch_step(&step, &mut out)
+                } else {
+                    mgr.allocate_slots_batch(&ids, &news, &comps, la, &mut out)
+                };
                 // Model: every entry validated first, then one by one until one does not fit.
                 let args: Vec<AllocateArgs> = (0..chosen.len())
                     .map(|i| AllocateArgs {
@@ -1259,6 +1279,14 @@ fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
                     }
                 }
                 if let Some(k) = pre_err {
+                    if *fused {
+                        // A refused call appends nothing either.
+                        for (id, t) in chosen.iter().zip(&appended) {
+                            if t.is_some() {
+                                m.req(id).tokens.pop();
+                            }
+                        }
+                    }
                     match res {
                         Err(e) => prop_assert_eq!(kind(&e), k, "{}: batch error", ctx),
                         Ok(()) => {

@@ -325,6 +325,73 @@ fn block_hash_item(item: &Bound<'_, PyAny>) -> PkResult<BlockHash> {
     block_hash("block hash", b.as_bytes())
 }
 
+/// Counts, one per request of a batch of `n`, or one count for all of them (an
+/// int, or a `NumPy` or torch integer scalar).
+pub fn counts_or_one(name: &str, obj: &Bound<'_, PyAny>, n: usize) -> PkResult<Vec<u64>> {
+    if obj.len().is_err() {
+        // No sequence: one count (an int too large, or no int, refused here).
+        return Ok(vec![count(name, obj.extract::<i64>()?)?; n]);
+    }
+    counts(name, obj)
+}
+
+/// The token each request of a batch of `n` sampled since its last step, or
+/// none (`None`, or a negative value in an int array or list): a list, an int
+/// `NumPy` array or any sequence. The core refuses a length other than `n`;
+/// the bound only keeps a lying length from reserving memory.
+pub fn appended_tokens(obj: &Bound<'_, PyAny>, n: usize) -> PkResult<Vec<Option<u32>>> {
+    let one = |v: i64| -> PkResult<Option<u32>> {
+        if v < 0 {
+            Ok(None)
+        } else {
+            token_from_i64(v).map(Some)
+        }
+    };
+    let item = |item: &Bound<'_, PyAny>| -> PkResult<Option<u32>> {
+        if item.is_none() {
+            Ok(None)
+        } else if item.is_instance_of::<PyBool>() {
+            Err(type_error("token ids must be ints, not bools"))
+        } else {
+            one(item
+                .extract::<i64>()
+                .map_err(|_| type_error("appended token ids must be ints or None"))?)
+        }
+    };
+    let limit = n.saturating_add(1 << 10);
+    if let Ok(list) = obj.cast::<PyList>() {
+        if list.len() > limit {
+            return Err(too_many("appended token ids", list.len(), limit));
+        }
+        return (0..list.len())
+            .map(|i| match exact_int_item(list, i) {
+                Some(v) => one(v),
+                None => item(&list.get_item(i)?),
+            })
+            .collect();
+    }
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+        return a.as_slice()?.iter().map(|&v| one(v)).collect();
+    }
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
+        return a.as_slice()?.iter().map(|&v| one(i64::from(v))).collect();
+    }
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u32>>() {
+        return Ok(a.as_slice()?.iter().map(|&v| Some(v)).collect());
+    }
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(type_error(
+            "appended token ids must be a sequence of ints or None",
+        ));
+    }
+    let mut out = Vec::with_capacity(reserve_for(obj, limit, "appended token ids")?);
+    for x in obj.try_iter()? {
+        check_room(out.len(), limit, "appended token ids")?;
+        out.push(item(&x?)?);
+    }
+    Ok(out)
+}
+
 /// Non-negative counts from an int `NumPy` array or a sequence.
 pub fn counts(name: &str, obj: &Bound<'_, PyAny>) -> PkResult<Vec<u64>> {
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {

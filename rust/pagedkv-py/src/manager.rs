@@ -13,13 +13,14 @@ use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyTuple};
 
 use pagedkv_core::pool::{BlockActivityKind, BlockPoolStats};
 use pagedkv_core::{
-    AllocateArgs, BatchAllocation, CacheKey, ComputedBlocks, KvCacheManager, Lora, MmFeature,
-    RequestRefs, RequestSpec,
+    AllocateArgs, BatchAllocation, BatchStep, CacheKey, ComputedBlocks, KvCacheManager, Lora,
+    MmFeature, RequestRefs, RequestSpec,
 };
 
 use crate::convert::{
-    BatchIds, block_hash, block_hash_list, block_hashes_from, count, counts, engine_tokens,
-    engine_tokens_from, groups_i32, groups_tuple, ids_i32, manager_config, tokens,
+    BatchIds, appended_tokens, block_hash, block_hash_list, block_hashes_from, count, counts,
+    counts_or_one, engine_tokens, engine_tokens_from, groups_i32, groups_tuple, ids_i32,
+    manager_config, tokens,
 };
 use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg, type_error};
 use crate::events;
@@ -542,31 +543,50 @@ impl PyManager {
         Self::allocate(slf, request_id, &args, hit, Nothing::Unit)
     }
 
-    /// One decode step of many running requests in one call (per-request
-    /// counts; `KVCacheManager` broadcasts a scalar). Returns `(num_allocated,
-    /// ((block_ids, offsets), ...))` per group, where request `i`'s new blocks
-    /// are `block_ids[offsets[i]:offsets[i+1]]`.
-    #[pyo3(signature = (request_ids, num_new_tokens, num_computed_tokens = None, *, num_lookahead_tokens = 0))]
+    /// One step of many running requests in one call: the same result as
+    /// `allocate_slots` for each in order until the first that does not fit.
+    /// `num_new_tokens` is one count per request, or one for all.
+    /// `num_computed_tokens` None: each request's count as the manager tracks
+    /// it, what its last allocated step scheduled through (its computed tokens
+    /// plus the tokens it scheduled: the engine ran them all), so a decode step
+    /// `allocate_slots_batch(handles, 1)` needs no per-request list.
+    /// `append_token_ids`: the token each request sampled since its last step
+    /// (None or a negative value for none), appended before anything is
+    /// allocated: the step's `append_token_ids_batch` in the same call.
+    /// Returns `(num_allocated, ((block_ids, offsets), ...))` per group, where
+    /// request `i`'s new blocks are `block_ids[offsets[i]:offsets[i+1]]`.
+    #[pyo3(signature = (request_ids, num_new_tokens, num_computed_tokens = None, *, num_lookahead_tokens = 0, append_token_ids = None))]
     fn allocate_slots_batch<'py>(
         slf: &Bound<'py, Self>,
         request_ids: &Bound<'py, PyAny>,
         num_new_tokens: &Bound<'py, PyAny>,
         num_computed_tokens: Option<&Bound<'py, PyAny>>,
         num_lookahead_tokens: i64,
+        append_token_ids: Option<&Bound<'py, PyAny>>,
     ) -> PkResult<(usize, Bound<'py, PyTuple>)> {
         let ids = BatchIds::extract(request_ids)?;
-        let new = counts("num_new_tokens", num_new_tokens)?;
+        let n = ids.len();
+        let new = counts_or_one("num_new_tokens", num_new_tokens, n)?;
         let computed = num_computed_tokens
+            .filter(|c| !c.is_none())
             .map(|c| counts("num_computed_tokens", c))
             .transpose()?;
         let look = count("num_lookahead_tokens", num_lookahead_tokens)?;
+        let append = append_token_ids
+            .filter(|t| !t.is_none())
+            .map(|t| appended_tokens(t, n))
+            .transpose()?;
         let (num_allocated, per_group) = {
             let mut this = borrow_mut(slf)?;
             let this = &mut *this;
             let (inner, batch) = (&mut this.inner, &mut this.batch);
-            ids.with_refs(|r| match &computed {
-                Some(c) => inner.allocate_slots_batch_refs(r, &new, c, look, batch),
-                None => inner.allocate_slots_batch_tracked(r, &new, look, batch),
+            ids.with_refs(|refs| {
+                let step = BatchStep {
+                    num_lookahead_tokens: look,
+                    append_token_ids: append.as_deref(),
+                    ..BatchStep::new(refs, &new, computed.as_deref())
+                };
+                inner.allocate_slots_batch_step(&step, batch)
             })?;
             let b = &this.batch;
             let per_group: Vec<(Vec<i32>, Vec<i32>)> = b

@@ -85,17 +85,13 @@ impl KvCacheManager {
         num_lookahead_tokens: u64,
         out: &mut BatchAllocation,
     ) -> Result<()> {
-        check_lengths(refs.len(), num_new_tokens.len(), refs.len())?;
-        let mut slots = std::mem::take(&mut self.scratch_slots);
-        let mut counts = std::mem::take(&mut self.scratch_counts);
-        let done = self.table.resolve(refs, &mut slots).and_then(|()| {
-            counts.clear();
-            counts.extend(slots.iter().map(|&s| self.table.get(s).scheduled_through));
-            self.allocate_resolved(&slots, num_new_tokens, &counts, num_lookahead_tokens, out)
-        });
-        self.scratch_slots = slots;
-        self.scratch_counts = counts;
-        done
+        self.allocate_slots_batch_step(
+            &BatchStep {
+                num_lookahead_tokens,
+                ..BatchStep::new(refs, num_new_tokens, None)
+            },
+            out,
+        )
     }
 
     /// [`Self::allocate_slots_batch`] with requests named by ids or handles.
@@ -110,38 +106,87 @@ impl KvCacheManager {
         num_lookahead_tokens: u64,
         out: &mut BatchAllocation,
     ) -> Result<()> {
-        check_lengths(refs.len(), num_new_tokens.len(), num_computed_tokens.len())?;
-        let mut slots = std::mem::take(&mut self.scratch_slots);
-        let done = self.table.resolve(refs, &mut slots).and_then(|()| {
-            self.allocate_resolved(
-                &slots,
-                num_new_tokens,
-                num_computed_tokens,
+        self.allocate_slots_batch_step(
+            &BatchStep {
                 num_lookahead_tokens,
-                out,
-            )
+                ..BatchStep::new(refs, num_new_tokens, Some(num_computed_tokens))
+            },
+            out,
+        )
+    }
+
+    /// The batch call in full ([`BatchStep`]): the tokens sampled since the
+    /// requests' last step appended, then each request allocated in order until
+    /// the first that does not fit. The same result as
+    /// [`Self::append_token_ids_batch_refs`] followed by
+    /// [`Self::allocate_slots_batch_refs`], in one pass over the requests'
+    /// state instead of two.
+    ///
+    /// # Errors
+    /// Lengths that differ, an unknown request, a token past `max_model_len`
+    /// or any invalid count: checked for every entry before anything changes.
+    pub fn allocate_slots_batch_step(
+        &mut self,
+        step: &BatchStep<'_>,
+        out: &mut BatchAllocation,
+    ) -> Result<()> {
+        let n = step.refs.len();
+        check_lengths(
+            n,
+            step.num_new_tokens.len(),
+            step.num_computed_tokens.map_or(n, <[u64]>::len),
+        )?;
+        if step.append_token_ids.is_some_and(|t| t.len() != n) {
+            return Err(invalid(
+                "request ids and appended token ids differ in length",
+            ));
+        }
+        let mut slots = std::mem::take(&mut self.scratch_slots);
+        let mut counts = std::mem::take(&mut self.scratch_counts);
+        let done = self.table.resolve(step.refs, &mut slots).and_then(|()| {
+            let computed = if let Some(c) = step.num_computed_tokens {
+                c
+            } else {
+                counts.clear();
+                counts.extend(slots.iter().map(|&s| self.table.get(s).scheduled_through));
+                &counts
+            };
+            self.allocate_resolved(&slots, computed, step, out)
         });
         self.scratch_slots = slots;
+        self.scratch_counts = counts;
         done
     }
 
-    /// The batch allocation of resolved request slots (counts of the same
-    /// length): every entry validated before anything changes, then allocated
-    /// in order until the first that does not fit.
+    /// The batch call on resolved request slots (counts of the same length):
+    /// every entry validated before anything changes, the tokens appended, then
+    /// each request allocated in order until the first that does not fit.
     fn allocate_resolved(
         &mut self,
         slots: &[u32],
-        num_new_tokens: &[u64],
         num_computed_tokens: &[u64],
-        num_lookahead_tokens: u64,
+        step: &BatchStep<'_>,
         out: &mut BatchAllocation,
     ) -> Result<()> {
+        let (num_new_tokens, num_lookahead_tokens) =
+            (step.num_new_tokens, step.num_lookahead_tokens);
         self.validate_batch(
             slots,
             num_new_tokens,
             num_computed_tokens,
             num_lookahead_tokens,
+            step.append_token_ids,
         )?;
+        if let Some(tokens) = step.append_token_ids {
+            let hbs = self.hash_block_size;
+            let hashing = self.hashing();
+            for (&slot, t) in slots.iter().zip(tokens) {
+                if let &Some(t) = t {
+                    let hasher = hashing.then_some(&mut self.hasher);
+                    self.table.get_mut(slot).push_token(t, hasher, hbs);
+                }
+            }
+        }
         let n = self.coord.groups().len();
         out.num_allocated = 0;
         out.block_ids.resize(n, Vec::new());
@@ -170,6 +215,42 @@ impl KvCacheManager {
             out.num_allocated += 1;
         }
         Ok(())
+    }
+}
+
+/// One batch call of a step ([`KvCacheManager::allocate_slots_batch_step`]).
+#[derive(Clone, Copy, Debug)]
+pub struct BatchStep<'a> {
+    /// The requests, in the order they are allocated.
+    pub refs: RequestRefs<'a>,
+    /// Tokens each request computes this step.
+    pub num_new_tokens: &'a [u64],
+    /// Tokens each has computed; `None`: what its last allocated step
+    /// scheduled through, as the manager tracks it.
+    pub num_computed_tokens: Option<&'a [u64]>,
+    /// Speculative tokens to reserve slots for, for every request.
+    pub num_lookahead_tokens: u64,
+    /// The token each request sampled since its last step (`None` for one
+    /// that sampled none, e.g. a prefill chunk), appended before anything is
+    /// allocated: the step's `append_token_ids_batch` in the same crossing.
+    pub append_token_ids: Option<&'a [Option<u32>]>,
+}
+
+impl<'a> BatchStep<'a> {
+    /// A step of these requests and counts: no lookahead, nothing appended.
+    #[must_use]
+    pub fn new(
+        refs: RequestRefs<'a>,
+        num_new_tokens: &'a [u64],
+        num_computed_tokens: Option<&'a [u64]>,
+    ) -> Self {
+        Self {
+            refs,
+            num_new_tokens,
+            num_computed_tokens,
+            num_lookahead_tokens: 0,
+            append_token_ids: None,
+        }
     }
 }
 

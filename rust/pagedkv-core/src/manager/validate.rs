@@ -65,6 +65,12 @@ impl KvCacheManager {
 
     /// Counts consistent with the request and the blocks it holds.
     pub(super) fn validate_args(&self, slot: u32, a: &AllocateArgs) -> Result<()> {
+        self.validate_args_appending(slot, a, 0)
+    }
+
+    /// [`Self::validate_args`] for a request that gets `appending` more tokens
+    /// before its allocation.
+    fn validate_args_appending(&self, slot: u32, a: &AllocateArgs, appending: u64) -> Result<()> {
         let req = self.table.get(slot);
         if a.num_new_tokens == 0
             && a.num_external_computed_tokens == 0
@@ -81,11 +87,11 @@ impl KvCacheManager {
         let total = local
             .checked_add(a.num_external_computed_tokens)
             .ok_or_else(|| invalid("token counts overflow"))?;
-        if total > req.num_tokens() as u64 && !a.vllm_lenient {
+        let known = req.num_tokens() as u64 + appending;
+        if total > known && !a.vllm_lenient {
             return Err(invalid(format!(
                 "num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens \
-                 = {total} exceeds the request's {} tokens",
-                req.num_tokens()
+                 = {total} exceeds the request's {known} tokens"
             )));
         }
         let num_groups = self.coord.groups().len();
@@ -158,6 +164,7 @@ impl KvCacheManager {
         num_new_tokens: &[u64],
         num_computed_tokens: &[u64],
         num_lookahead_tokens: u64,
+        append_token_ids: Option<&[Option<u32>]>,
     ) -> Result<()> {
         let free_at_start = i64::from(self.coord.pool().num_free_blocks());
         let max_len = self.cfg.max_model_len;
@@ -168,7 +175,11 @@ impl KvCacheManager {
                 num_lookahead_tokens,
                 ..AllocateArgs::step(num_new_tokens[i], num_computed_tokens[i])
             };
-            self.validate_args(slot, &args)?;
+            let appending = append_token_ids.map_or(0, |t| u64::from(t[i].is_some()));
+            if appending != 0 {
+                self.check_room(slot, 1)?;
+            }
+            self.validate_args_appending(slot, &args, appending)?;
             // A step that cannot need more blocks than are free cannot be one
             // that never fits: the exact count is left to the allocation.
             let tokens = num_new_tokens[i].saturating_add(num_lookahead_tokens);
@@ -189,7 +200,7 @@ impl KvCacheManager {
                 total_computed: num_computed_tokens[i],
                 num_local: num_computed_tokens[i],
                 main_model: (num_computed_tokens[i] + num_new_tokens[i]).min(max_len),
-                prefill_end: self.table.get(slot).prefill_end(),
+                prefill_end: self.table.get(slot).prefill_end_after(appending),
                 cap: false,
             };
             let req = self.table.get(slot);

@@ -1,0 +1,219 @@
+//! The batch call with the step's sampled tokens (`BatchStep::append_token_ids`):
+//! the same manager state, results and events as `append_token_ids_batch`
+//! followed by `allocate_slots_batch`, and a refused call appends nothing.
+use pagedkv_core::{
+    AllocateArgs, BatchAllocation, BatchStep, Error, KvCacheManager, ManagerConfig, RequestRefs,
+    RequestSpec,
+};
+
+const MAX_LEN: u64 = 64;
+
+fn mgr() -> KvCacheManager {
+    let cfg = ManagerConfig {
+        enable_kv_cache_events: true,
+        ..ManagerConfig::full_attention(64, 4, MAX_LEN)
+    };
+    KvCacheManager::new(cfg).expect("config")
+}
+
+/// Adds and admits a request of `n` prompt tokens (its whole prompt computed
+/// in one step), returning its handle.
+fn admit(m: &mut KvCacheManager, id: &str, seed: u32, n: u32) -> u64 {
+    let spec = RequestSpec {
+        prompt_token_ids: (0..n).map(|i| seed * 1000 + i).collect(),
+        ..Default::default()
+    };
+    let h = m.add_request(id, spec).expect("add");
+    let hit = m.get_computed_blocks(id).expect("lookup");
+    let args = AllocateArgs {
+        num_new_computed_tokens: hit.num_computed_tokens,
+        ..AllocateArgs::step(u64::from(n) - hit.num_computed_tokens, 0)
+    };
+    assert!(
+        m.allocate_slots(id, &args, Some(&hit))
+            .expect("alloc")
+            .is_some()
+    );
+    h
+}
+
+/// Everything a caller can observe of the requests and the pool.
+fn state(m: &mut KvCacheManager, ids: &[&str]) -> String {
+    use std::fmt::Write;
+    let mut s = format!(
+        "free {} events {:?}\n",
+        m.num_free_blocks(),
+        m.take_events()
+    );
+    for id in ids {
+        writeln!(
+            s,
+            "{id}: tokens {} blocks {:?} hashes {:?}",
+            m.num_tokens(id).expect("known"),
+            m.block_ids(id).expect("known"),
+            m.block_hashes(id).expect("known"),
+        )
+        .expect("a String takes any write");
+    }
+    s
+}
+
+/// Three requests decode in lockstep (every fourth token fills a block, which
+/// the same step caches), one of them a prefill chunk that samples nothing; the
+/// fused call and the two calls agree step by step, with counts given and
+/// tracked.
+#[test]
+fn fused_step_matches_append_then_allocate() {
+    let ids = ["a", "b", "c"];
+    for tracked in [false, true] {
+        let (mut one, mut two) = (mgr(), mgr());
+        let (mut hs, mut hs_two) = (Vec::new(), Vec::new());
+        for (i, id) in ids.iter().enumerate() {
+            let n = if i == 2 { 9 } else { 6 + i as u32 };
+            hs.push(admit(&mut one, id, i as u32, n));
+            hs_two.push(admit(&mut two, id, i as u32, n));
+        }
+        assert_eq!(state(&mut one, &ids), state(&mut two, &ids));
+        let refs = RequestRefs::Handles(&hs);
+        let refs_two = RequestRefs::Handles(&hs_two);
+        for step in 0..20u32 {
+            // "c" samples nothing at the first step (as a prefill chunk would).
+            let sampled: Vec<Option<u32>> = (0..3u32)
+                .map(|i| (step > 0 || i != 2).then_some(5000 + step * 3 + i))
+                .collect();
+            let computed: Vec<u64> = ids
+                .iter()
+                .map(|id| one.num_tokens(id).expect("known") as u64)
+                .collect();
+            let new: Vec<u64> = sampled.iter().map(|t| u64::from(t.is_some())).collect();
+            let new = if step == 0 { vec![1, 1, 1] } else { new };
+            let computed = if step == 0 {
+                // "c" still has one prompt token to compute: its last chunk.
+                vec![computed[0], computed[1], computed[2] - 1]
+            } else {
+                computed
+            };
+            let mut fused = BatchAllocation::default();
+            let step_args = BatchStep {
+                append_token_ids: Some(&sampled),
+                ..BatchStep::new(refs, &new, (!tracked).then_some(&computed[..]))
+            };
+            one.allocate_slots_batch_step(&step_args, &mut fused)
+                .expect("fused step");
+            let (sampled_two, toks): (Vec<u64>, Vec<u32>) = hs_two
+                .iter()
+                .zip(&sampled)
+                .filter_map(|(&h, t)| t.map(|t| (h, t)))
+                .unzip();
+            two.append_token_ids_batch_refs(RequestRefs::Handles(&sampled_two), &toks)
+                .expect("append");
+            let mut split = BatchAllocation::default();
+            if tracked {
+                two.allocate_slots_batch_tracked(refs_two, &new, 0, &mut split)
+            } else {
+                two.allocate_slots_batch_refs(refs_two, &new, &computed, 0, &mut split)
+            }
+            .expect("allocate");
+            assert_eq!(fused.num_allocated, 3, "step {step}");
+            assert_eq!(fused.block_ids, split.block_ids, "step {step}");
+            assert_eq!(fused.offsets, split.offsets, "step {step}");
+            assert_eq!(state(&mut one, &ids), state(&mut two, &ids), "step {step}");
+        }
+    }
+}
+
+/// The appended token counts among the request's tokens when the step's
+/// counts are checked: computed tokens that include it (as an engine that
+/// counts the sampled token as computed passes them) are refused without it
+/// and served with it in the same call.
+#[test]
+fn the_appended_token_counts_in_the_step() {
+    let mut m = mgr();
+    // Six prompt tokens in two blocks of four: room for two more.
+    let h = [admit(&mut m, "a", 1, 6)];
+    let refs = RequestRefs::Handles(&h);
+    let mut out = BatchAllocation::default();
+    let err = m
+        .allocate_slots_batch_refs(refs, &[2], &[7], 0, &mut out)
+        .expect_err("7 computed tokens of 6");
+    assert!(
+        err.to_string().contains("exceeds the request's 6 tokens"),
+        "{err}"
+    );
+    let step = BatchStep {
+        append_token_ids: Some(&[Some(77)]),
+        ..BatchStep::new(refs, &[2], Some(&[7]))
+    };
+    m.allocate_slots_batch_step(&step, &mut out)
+        .expect("served");
+    assert_eq!(out.num_allocated, 1);
+    assert_eq!(m.num_tokens("a").expect("known"), 7);
+    assert_eq!(out.block_ids, vec![vec![3]], "a third block for token 9");
+}
+
+/// A refused call leaves every request as it was: no token appended, nothing
+/// allocated, no event, whichever entry is at fault.
+#[test]
+fn a_refused_step_appends_nothing() {
+    let mut m = mgr();
+    let h = [admit(&mut m, "a", 1, 8), admit(&mut m, "b", 2, 62)];
+    let ids = ["a", "b"];
+    let refs = RequestRefs::Handles(&h);
+    let sampled = [Some(7), Some(8)];
+    m.take_events();
+    let before = state(&mut m, &ids);
+    let mut out = BatchAllocation::default();
+    // "b" at 62 tokens: one more fits max_model_len 64, so refuse through its
+    // counts; then through a length mismatch; then an unknown handle.
+    let bad_counts = BatchStep {
+        append_token_ids: Some(&sampled),
+        ..BatchStep::new(refs, &[1, 1], Some(&[8, 64]))
+    };
+    let short = BatchStep {
+        append_token_ids: Some(&sampled[..1]),
+        ..BatchStep::new(refs, &[1, 1], Some(&[8, 62]))
+    };
+    let gone = [h[0], h[1] ^ (1 << 40)];
+    let unknown = BatchStep {
+        append_token_ids: Some(&sampled),
+        ..BatchStep::new(RequestRefs::Handles(&gone), &[1, 1], Some(&[8, 62]))
+    };
+    for (what, step) in [
+        ("counts", bad_counts),
+        ("length", short),
+        ("handle", unknown),
+    ] {
+        let err = m
+            .allocate_slots_batch_step(&step, &mut out)
+            .expect_err(what);
+        assert!(
+            matches!(err, Error::InvalidArgument(_) | Error::UnknownRequest(_)),
+            "{what}: {err}"
+        );
+        assert_eq!(state(&mut m, &ids), before, "{what}");
+    }
+    // Past max_model_len: "b" reaches 64 tokens, then one more is refused.
+    let ok = BatchStep {
+        append_token_ids: Some(&sampled),
+        ..BatchStep::new(refs, &[1, 1], Some(&[8, 62]))
+    };
+    m.allocate_slots_batch_step(&ok, &mut out)
+        .expect("63 tokens");
+    let ok = BatchStep {
+        append_token_ids: Some(&sampled),
+        ..BatchStep::new(refs, &[1, 1], Some(&[9, 63]))
+    };
+    m.allocate_slots_batch_step(&ok, &mut out)
+        .expect("64 tokens");
+    m.take_events();
+    let before = state(&mut m, &ids);
+    let past = BatchStep {
+        append_token_ids: Some(&sampled),
+        ..BatchStep::new(refs, &[1, 1], Some(&[10, 64]))
+    };
+    let err = m
+        .allocate_slots_batch_step(&past, &mut out)
+        .expect_err("65 tokens");
+    assert!(err.to_string().contains("max_model_len"), "{err}");
+    assert_eq!(state(&mut m, &ids), before, "past max_model_len");
+}

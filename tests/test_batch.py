@@ -274,3 +274,99 @@ def test_batch_allocation_can_take_the_computed_counts_the_manager_tracks() -> N
     assert n_ok == 1 and len(groups[0][0]) == 2
     with pytest.raises(pk.PagedKVError):
         m.allocate_slots_batch(["nope"], 1)
+
+
+def test_sampled_tokens_in_the_batch_call_equal_appending_them_first() -> None:
+    """``append_token_ids``: each request's sampled token (None or a negative value
+    for a request that sampled none) appended in the same call as its step; the
+    block ids, hashes, events and stats are those of ``append_token_ids_batch``
+    followed by ``allocate_slots_batch``, whichever form the tokens take."""
+    lengths = {"a": 30, "b": 47, "c": 33}
+
+    def setup(m: pk.KVCacheManager) -> list[str]:
+        return admitted({rid: [ord(rid)] * n for rid, n in lengths.items()})(m)
+
+    forms: list[Callable[[list[int | None]], Any]] = [
+        list,
+        lambda t: [-1 if x is None else x for x in t],
+        lambda t: np.array([-1 if x is None else x for x in t], dtype=np.int64),
+        lambda t: np.array([-1 if x is None else x for x in t], dtype=np.int32),
+        lambda t: tuple(t),
+    ]
+    for form in forms:
+        split, fused, ids = twin_managers(setup, block_size=4, num_blocks=96)
+        handles = [fused.request_handle(rid) for rid in ids]
+        for step in range(24):
+            # "c" samples nothing every third step (a chunk of a longer prefill).
+            toks: list[int | None] = [
+                None if rid == "c" and step % 3 == 0 else 100 + step for rid in ids
+            ]
+            new = [1 if t is not None else 2 for t in toks]
+            computed = [split.num_tokens(rid) for rid in ids]
+            sampled = [(rid, t) for rid, t in zip(ids, toks, strict=True) if t is not None]
+            split.append_token_ids_batch([r for r, _ in sampled], [t for _, t in sampled])
+            want = batch_allocate(split, ids, new, computed)
+            n_ok, groups = fused.allocate_slots_batch(
+                handles, new, computed, append_token_ids=form(toks)
+            )
+            ((block_ids, offsets),) = groups
+            got = [[int(b) for b in block_ids[offsets[i] : offsets[i + 1]]] for i in range(n_ok)]
+            assert (n_ok, got) == want, f"{form}: step {step}"
+            assert_same_state(split, fused, ids)
+        # A uint32 array: every request sampled a token.
+        toks32 = np.array([7, 8, 9], dtype=np.uint32)
+        split.append_token_ids_batch(ids, toks32)
+        want = batch_allocate(split, ids, 1, [split.num_tokens(r) - 1 for r in ids])
+        n_ok, groups = fused.allocate_slots_batch(
+            ids, 1, [fused.num_tokens(r) for r in ids], append_token_ids=toks32
+        )
+        assert n_ok == want[0]
+        assert_same_state(split, fused, ids)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "exc"),
+    [
+        ([1], InvalidArgumentError),  # one token for two requests
+        ([1, 2, 3], InvalidArgumentError),
+        (5, TypeError),
+        ("ab", TypeError),
+        ([1, 1.0], TypeError),
+        ([1, True], TypeError),
+        ([1, "x"], TypeError),
+        ([1, 2**32], InvalidArgumentError),
+        ([1, 2**100], InvalidArgumentError),
+        (np.array([1.0, 2.0]), TypeError),
+        (np.array([[1, 2]]), TypeError),
+        (np.array([1, 2**40], dtype=np.int64), InvalidArgumentError),
+    ],
+    ids=[
+        "short",
+        "long",
+        "int",
+        "str",
+        "float_item",
+        "bool_item",
+        "str_item",
+        "past_u32",
+        "past_u64",
+        "numpy_float",
+        "numpy_2d",
+        "numpy_past_u32",
+    ],
+)
+def test_bad_sampled_tokens_change_nothing(tokens: Any, exc: type[BaseException]) -> None:
+    mgr = make_manager(log_stats=True, enable_kv_cache_events=True)
+    admitted({"a": [1] * 55, "b": [2] * 53})(mgr)
+    mgr.take_events()
+    mgr.make_prefix_cache_stats()
+    before = snapshot(mgr, ["a", "b"])
+    with pytest.raises(exc):
+        mgr.allocate_slots_batch(["a", "b"], 1, [55, 53], append_token_ids=tokens)
+    assert snapshot(mgr, ["a", "b"]) == before
+    assert mgr.take_events() == []
+    # Refused after the tokens were read: counts past the tokens the call appends.
+    with pytest.raises(InvalidArgumentError):
+        mgr.allocate_slots_batch(["a", "b"], 1, [56, 55], append_token_ids=[9, 9])
+    assert snapshot(mgr, ["a", "b"]) == before
+    mgr.check_invariants()

@@ -1,11 +1,14 @@
 """The scheduler policy's backend over pagedkv's own :class:`~pagedkv.KVCacheManager`.
 
-It makes exactly the manager calls vLLM's scheduler makes, crossing the boundary
-as few times as it can: one ``allocate_slots_batch`` per run of running requests
-that fit, one ``append_token_ids_batch`` per step; requests are named by the
-handle ``add_request`` returned. Every call is timed into the policy's
-:class:`~pagedkv.sim.policy.StepStats`; ``manager_calls`` counts them as vLLM's
-scheduler would call its manager (one per request).
+It makes the manager calls vLLM's scheduler makes, crossing the boundary as few
+times as it can: one ``allocate_slots_batch`` per run of running requests that
+fit, requests named by the handle ``add_request`` returned. The tokens a step
+samples cross with the requests' next allocation (``append_token_ids``), not in a
+call of their own: nothing reads a request's tokens in between but that
+allocation, or its preemption, which hands its token over first. Every call is
+timed into the policy's :class:`~pagedkv.sim.policy.StepStats`;
+``manager_calls`` counts them as vLLM's scheduler would call its manager (one
+per request).
 
 >>> import pagedkv as pk
 >>> from pagedkv.sim import ManagerBackend, Request, Scheduler
@@ -69,8 +72,13 @@ class ManagerBackend(Backend[Request]):
         refs = [r.handle for r in reqs]  # all handles, or all ids
         new = np.asarray(num_new_tokens, dtype=np.int64)
         computed = np.asarray([r.num_computed_tokens for r in reqs], dtype=np.int64)
+        # The tokens sampled since each request's last step go with this call.
+        sampled = []
+        for r in reqs:
+            sampled.append(r.sampled)
+            r.sampled = -1
         t = clock()
-        n_ok, groups = self.kv.allocate_slots_batch(refs, new, computed)
+        n_ok, groups = self.kv.allocate_slots_batch(refs, new, computed, append_token_ids=sampled)
         st.timed("allocate_slots_batch", clock() - t)
         st.calls["allocate_slots"] = st.calls.get("allocate_slots", 0) + n_ok
         for i in range(n_ok):
@@ -117,6 +125,12 @@ class ManagerBackend(Backend[Request]):
 
     def preempt(self, req: Request) -> int:
         st, clock = self.stats, self._clock
+        if req.sampled >= 0:
+            # Its sampled token first: a re-admission looks up every token.
+            t = clock()
+            self.kv.append_token_ids(req.request_id, [req.sampled])
+            st.timed("append_token_ids", clock() - t)
+            req.sampled = -1
         t = clock()
         self.kv.free(req.request_id)
         st.timed("free", clock() - t)
@@ -124,11 +138,10 @@ class ManagerBackend(Backend[Request]):
         return 0
 
     def append_tokens(self, reqs: Sequence[Request], tokens: Sequence[int]) -> None:
-        st, clock = self.stats, self._clock
-        refs = [r.handle for r in reqs]
-        t = clock()
-        self.kv.append_token_ids_batch(refs, tokens)
-        st.timed("append_token_ids_batch", clock() - t)
+        # Kept until the request's next allocation (or its preemption) hands it
+        # to the manager; a finished request's last token is never needed.
+        for r, tok in zip(reqs, tokens, strict=True):
+            r.sampled = tok
 
     def finish(self, req: Request) -> None:
         st, clock = self.stats, self._clock

@@ -114,6 +114,10 @@ class Request:
     #: How the backend names the request: pagedkv's handle from ``add_request`` (or
     #: the id for managers without handles), vLLM's ``Request`` object.
     handle: Any = field(default=None, init=False, repr=False)
+    #: The token sampled at the request's last step that the backend has not
+    #: handed to the manager yet (-1: none); a backend that hands it over with
+    #: the request's next allocation keeps it here.
+    sampled: int = field(default=-1, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.max_tokens:

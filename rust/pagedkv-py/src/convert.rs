@@ -349,13 +349,16 @@ pub fn appended_tokens(obj: &Bound<'_, PyAny>, n: usize) -> PkResult<Vec<Option<
     };
     let item = |item: &Bound<'_, PyAny>| -> PkResult<Option<u32>> {
         if item.is_none() {
-            Ok(None)
-        } else if item.is_instance_of::<PyBool>() {
-            Err(type_error("token ids must be ints, not bools"))
-        } else {
-            one(item
-                .extract::<i64>()
-                .map_err(|_| type_error("appended token ids must be ints or None"))?)
+            return Ok(None);
+        }
+        if item.is_instance_of::<PyBool>() || !item.is_instance_of::<PyInt>() {
+            return Err(type_error(
+                "appended token ids must be ints (negative for none) or None",
+            ));
+        }
+        match item.extract::<i64>() {
+            Ok(v) => one(v),
+            Err(_) => Err(invalid_arg(format!("token id {item} is outside 0..2**32"))),
         }
     };
     let limit = n.saturating_add(1 << 10);

@@ -2,8 +2,10 @@
 
 The oracle's synthetic shared-prefix trace driven through the scheduler policy
 over pagedkv's manager (as ``drive_bench.py``), prompts given as uint32 arrays,
-twice per round: prompts hashed in place (``background_hashing=False``) and on
-the manager's hash worker (``True``), interleaved over ``--rounds`` rounds.
+three ways per round, interleaved over ``--rounds`` rounds: prompts hashed in
+place (``background_hashing=False``), on the manager's hash worker (``True``),
+and on the worker with each step's sampled tokens in a call of their own
+(``append_token_ids_batch``) instead of in the next ``allocate_slots_batch``.
 
     python benches/critical_path_bench.py [--rounds 3] [--num-requests 2000]
 
@@ -11,7 +13,7 @@ Per step: the critical path (time inside manager calls, what the scheduler
 waits for: hashing included when it happens in place, the wait for the worker
 when a lookup needs hashes not yet there) and the process CPU time of the whole
 loop (both threads, the Python loop included). Min / median over the rounds; the
-two modes must allocate identically (same ``alloc_checksum``).
+runs must allocate identically (same ``alloc_checksum``).
 """
 
 from __future__ import annotations
@@ -19,14 +21,53 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import pagedkv as pk
 from pagedkv._oracle.trace import TraceConfig, generate
 from pagedkv.sim import ManagerBackend, Scheduler, SchedulerConfig, drive
+from pagedkv.sim.policy import Request
 
 
-def one_run(reqs: list, background: bool, num_blocks: int) -> dict[str, float | str]:
+class SeparateAppends(ManagerBackend):
+    """The sampled tokens in a call of their own at the end of each step."""
+
+    def allocate(self, reqs: Sequence[Request], num_new_tokens: Sequence[int]) -> int:
+        # Nothing is ever pending: ``append_token_ids`` gets only -1s, so pass none.
+        st, clock = self.stats, self._clock
+        refs = [r.handle for r in reqs]
+        new = np.asarray(num_new_tokens, dtype=np.int64)
+        computed = np.asarray([r.num_computed_tokens for r in reqs], dtype=np.int64)
+        t = clock()
+        n_ok, groups = self.kv.allocate_slots_batch(refs, new, computed)
+        st.timed("allocate_slots_batch", clock() - t)
+        st.calls["allocate_slots"] = st.calls.get("allocate_slots", 0) + n_ok
+        for i in range(n_ok):
+            st.feed_allocation([blocks[offsets[i] : offsets[i + 1]] for blocks, offsets in groups])
+        st.manager_calls += n_ok
+        if n_ok < len(reqs):
+            st.manager_calls += 1
+            st.feed_allocation(None)
+        return n_ok
+
+    def append_tokens(self, reqs: Sequence[Request], tokens: Sequence[int]) -> None:
+        st, clock = self.stats, self._clock
+        refs = [r.handle for r in reqs]
+        t = clock()
+        self.kv.append_token_ids_batch(refs, tokens)
+        st.timed("append_token_ids_batch", clock() - t)
+
+
+MODES = {
+    "in place": (False, ManagerBackend),
+    "background": (True, ManagerBackend),
+    "bg, separate appends": (True, SeparateAppends),
+}
+
+
+def one_run(reqs: list, mode: str, num_blocks: int) -> dict[str, float | str]:
+    background, backend = MODES[mode]
     kw = dict(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")
     groups = [pk.KVCacheGroupSpec(["layers.0.attn"], pk.FullAttentionSpec(**kw))]
     config = pk.KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
@@ -34,7 +75,7 @@ def one_run(reqs: list, background: bool, num_blocks: int) -> dict[str, float | 
         config, max_model_len=16384, max_in_flight_tokens=8192, background_hashing=background
     )
     sched = Scheduler(
-        ManagerBackend(kv),
+        backend(kv),
         SchedulerConfig(
             max_num_seqs=256, max_num_batched_tokens=8192, hits_count_as_computed=False
         ),
@@ -47,6 +88,9 @@ def one_run(reqs: list, background: bool, num_blocks: int) -> dict[str, float | 
     return {
         "critical_us": st.manager_ns / 1e3 / st.steps,
         "lookup_us": st.ns.get("get_computed_blocks", 0) / 1e3 / st.steps,
+        "decode_us": (st.ns.get("allocate_slots_batch", 0) + st.ns.get("append_token_ids_batch", 0))
+        / 1e3
+        / st.steps,
         "add_us": st.ns.get("add_request", 0) / 1e3 / st.steps,
         "cpu_us": cpu * 1e6 / st.steps,
         "wall_us": wall * 1e6 / st.steps,
@@ -64,28 +108,31 @@ def main() -> None:
     reqs = trace.scheduler_requests()
     for r in reqs:
         r.prompt = np.asarray(r.prompt, dtype=np.uint32)
-    results: dict[bool, list[dict[str, float | str]]] = {False: [], True: []}
+    results: dict[str, list[dict[str, float | str]]] = {m: [] for m in MODES}
     for i in range(args.rounds):
-        for background in (False, True) if i % 2 == 0 else (True, False):
-            results[background].append(one_run(reqs, background, args.num_blocks))
+        order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
+        for mode in order:
+            results[mode].append(one_run(reqs, mode, args.num_blocks))
     checksums = {r["checksum"] for rs in results.values() for r in rs}
     same = "identical" if len(checksums) == 1 else "DIFFERENT"
     print(
         f"drive trace, {args.num_requests} requests, µs per step, min / median of "
         f"{args.rounds} interleaved rounds (allocations {same})"
     )
+    print(f"  {'':<32}" + "".join(f"{m:>24}" for m in MODES))
     for key, name in (
         ("critical_us", "critical path (manager calls)"),
         ("add_us", "  add_request"),
         ("lookup_us", "  get_computed_blocks"),
+        ("decode_us", "  running requests' batch calls"),
         ("cpu_us", "process CPU, both threads"),
         ("wall_us", "loop wall time"),
     ):
         cells = []
-        for background in (False, True):
-            vals = [float(r[key]) for r in results[background]]
-            cells.append(f"{min(vals):8.2f} / {statistics.median(vals):8.2f}")
-        print(f"  {name:<32} in place {cells[0]}   background {cells[1]}")
+        for mode in MODES:
+            vals = [float(r[key]) for r in results[mode]]
+            cells.append(f"{min(vals):10.2f} / {statistics.median(vals):8.2f}")
+        print(f"  {name:<32}" + "".join(f"{c:>24}" for c in cells))
 
 
 if __name__ == "__main__":

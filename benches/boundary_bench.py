@@ -9,7 +9,8 @@ round by round (256 requests of 1,000 prompt tokens; per step one
 Each round runs the Python loop (requests named by id, by a list of handles, by
 an int64 array of handles, and by an int64 array with the computed counts left
 to the manager and the sampled tokens as a uint32 array: no per-step Python
-list) and the core loop (``KVCacheManager._core_decode_steps``: the same calls
+list; and the same with the tokens in the allocation call, one crossing a step)
+and the core loop (``KVCacheManager._core_decode_steps``: the same calls
 from Rust, no Python per step) on identical managers, one after the other, so
 both see the same machine load. Prints µs per step, min / median
 over the rounds, and the difference: the cost of crossing the boundary
@@ -53,7 +54,13 @@ def _setup() -> tuple[pk.KVCacheManager, list[str], list[int]]:
     return mgr, ids, handles
 
 
-FORMS = ("ids", "handles (list)", "handles (int64 array)", "int64 handles, tracked counts")
+FORMS = (
+    "ids",
+    "handles (list)",
+    "handles (int64 array)",
+    "int64 handles, tracked counts",
+    "one call, tokens in it",
+)
 
 
 def python_steps(form: str) -> float:
@@ -64,6 +71,7 @@ def python_steps(form: str) -> float:
         "handles (list)": handles,
         "handles (int64 array)": np.array(handles, dtype=np.int64),
         "int64 handles, tracked counts": np.array(handles, dtype=np.int64),
+        "one call, tokens in it": np.array(handles, dtype=np.int64),
     }[form]
     toks = list(range(REQS))
     computed = [np.full(REQS, 999 + s, dtype=np.int64) for s in range(STEPS)]
@@ -76,6 +84,11 @@ def python_steps(form: str) -> float:
         for _ in range(STEPS):
             n_ok, _ = alloc(refs, 1)
             append(refs, tok_arr)
+    elif form == "one call, tokens in it":
+        # The same, the sampled tokens handed over by the next step's call.
+        tok_arr = np.array(toks, dtype=np.uint32)
+        for _ in range(STEPS):
+            n_ok, _ = alloc(refs, 1, append_token_ids=tok_arr)
     else:
         for step in range(STEPS):
             n_ok, _ = alloc(refs, 1, computed[step])

@@ -803,6 +803,34 @@ def test_residency_metrics_collector_side_by_side_with_vllm() -> None:
     assert run(1) == run(0)
 
 
+def test_an_extra_reference_written_through_ref_cnt() -> None:
+    # vLLM's managers pin a copy's destination with ``block.ref_cnt += 1`` and
+    # return it with ``free_blocks``; as on vLLM's own pool.
+    def run(side: int) -> list[Any]:
+        mgr = _vllm_pair(num_blocks=8, block_size=4)[side]
+        pool = mgr.block_pool
+        (b,) = pool.get_new_blocks(1)
+        b.ref_cnt += 1
+        out: list[Any] = [b.ref_cnt, pool.get_num_free_blocks()]
+        pool.free_blocks([b])
+        out += [b.ref_cnt, pool.get_num_free_blocks()]
+        pool.free_blocks([b])
+        out += [b.ref_cnt, pool.get_num_free_blocks()]
+        return out
+
+    assert run(1) == run(0) == [2, 6, 1, 6, 0, 7]
+    ours = _vllm_pair(num_blocks=8, block_size=4)[1]
+    (b,) = ours.block_pool.get_new_blocks(1)
+    for bad in (0, 3, -1):
+        with pytest.raises(AttributeError):
+            b.ref_cnt = bad
+    assert b.ref_cnt == 1
+    free = ours.block_pool.free_block_queue.get_all_free_blocks()[0]
+    with pytest.raises(AttributeError):
+        free.ref_cnt += 1  # a free block leaves the queue through touch, not here
+    assert free.ref_cnt == 0
+
+
 # ---- HiSparse: vLLM's host-backed sparse residency on pagedkv's pool -----------
 
 
@@ -951,16 +979,38 @@ def test_hisparse_side_by_side_with_vllm() -> None:
         out.append(sorted((x.block_id, x.pool is host_pool) for x in popped))
         mgr.block_pool.free_blocks(reversed(popped))
         out.append((pool.get_num_free_blocks(), host_pool.get_num_free_blocks()))
+        # The host pool's own free queue (its order is its eviction order).
+        out.append([x.block_id for x in host_pool.free_block_queue.get_all_free_blocks()])
+        out.append((host_pool.medium, host_pool.num_gpu_blocks, host_pool.null_block.block_id))
+        events_before_reset = _event_rows(mgr.take_events())
+        out.append(events_before_reset)
         out.append((mgr.reset_prefix_cache(), len(coordinator.copies)))
-        out.append(
-            sorted(
-                (type(e).__name__, getattr(e, "group_idx", None), getattr(e, "medium", None))
-                for e in mgr.take_events()
-            )
-        )
+        out.append(_event_rows(mgr.take_events()))
         return out
 
-    assert run(ours) == run(ref)
+    want = run(ref)
+    assert run(ours) == want
+    # The host source's pool is pagedkv's (a core pool), its events in the
+    # device pool's stream with medium CPU, in vLLM's order (compared above).
+    from pagedkv.vllm.hisparse import HostBlockPool
+    from vllm.v1.hisparse.coordinator import get_hisparse_coordinator as hc
+
+    assert isinstance(hc(ours).get_host_block_pool(), HostBlockPool)
+    assert any(row[2] == "CPU" for row in want[-3]), want[-3]
+
+
+def _event_rows(events: list[Any]) -> list[tuple[Any, ...]]:
+    """Events as comparable rows, in order: kind, group, medium, hashes, tokens."""
+    return [
+        (
+            type(e).__name__,
+            getattr(e, "group_idx", None),
+            getattr(e, "medium", None),
+            list(getattr(e, "block_hashes", None) or []),
+            list(getattr(e, "token_ids", None) or []),
+        )
+        for e in events
+    ]
 
 
 def test_hisparse_admission_counts_every_groups_blocks() -> None:

@@ -3,14 +3,16 @@
 A HiSparse model's KV-cache groups are ``[source, indexer, resident*, hot*,
 regular...]``. vLLM's own ``HiSparseCoordinator`` (a Python state machine that
 vLLM's tests, connector and scheduler drive directly) reads and writes the
-source, resident and hot groups' managers and the pools under them. So those
-groups run vLLM's own single-type managers: the source group on its host
-``BlockPool``, the resident and hot groups on pagedkv's device pool, where they
-take, touch, unpin and free blocks through the pool's engine calls. The core
-keeps them as engine-managed groups (their places in the group order, their
-needs in its capacity checks) and runs every other group itself: the indexer
-and regular groups' allocation, prefix cache, lookups and events, as for any
-other layout.
+source, resident and hot groups' managers. So those groups run vLLM's own
+single-type managers: the resident and hot groups on pagedkv's device pool,
+where they take, touch, unpin and free blocks through the pool's engine calls;
+the source group on the host tier, a second pagedkv pool (:class:`HostTier`:
+its own free queue, prefix cache and events, reported with medium ``"CPU"`` in
+the device pool's event stream, as vLLM's host pool reports them) in place of
+vLLM's host ``BlockPool``. The core keeps them as engine-managed groups (their
+places in the group order, their needs in its capacity checks) and runs every
+other group itself: the indexer and regular groups' allocation, prefix cache,
+lookups and events, as for any other layout.
 
 Each call runs the groups in vLLM's order as far as the layout allows: the
 engine-managed groups before the first core group, the core's groups (in one
@@ -21,18 +23,153 @@ regular groups after them, the core takes its blocks first.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from vllm.distributed.kv_events import MEDIUM_CPU
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_coordinator import replay_boundaries
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
 from vllm.v1.request import Request
 
-from pagedkv.vllm.manager import KVCacheManager
-from pagedkv.vllm.views import BlockRun, engine_group_hit, engine_groups_need, engine_managed
+from pagedkv import _core
+from pagedkv.vllm.manager import KVCacheManager, add_to_core, sync_with_core, vllm_events
+from pagedkv.vllm.views import (
+    BlockPoolView,
+    BlockRun,
+    PagedBlock,
+    core_group,
+    engine_group_hit,
+    engine_groups_need,
+    engine_managed,
+)
+
+
+class HostTier:
+    """The host tier of HiSparse's source group: a pagedkv pool of host blocks
+    (block 0 the null block), with the device pool's options, its own free
+    queue and prefix cache. Its core has the device layout's groups, the source
+    group a core group and every other one engine-managed, so block hashes and
+    events carry the source group's id. Its events join the device pool's event
+    stream as they happen, with medium ``"CPU"``. It answers the calls its pool
+    view (:class:`HostBlockPool`) makes of its owner."""
+
+    def __init__(self, device: KVCacheManager, group: int, num_blocks: int) -> None:
+        config = device.kv_cache_config
+        spec = config.kv_cache_groups[group].kv_cache_spec
+        groups = [
+            core_group(spec)
+            if g == group
+            else {
+                "kind": "engine_managed",
+                "block_size": other.kv_cache_spec.block_size,
+                "tag": f"engine-managed group {g}",
+            }
+            for g, other in enumerate(config.kv_cache_groups)
+        ]
+        collector = device.metrics_collector
+        options = {
+            **device._core_options,
+            "enable_caching": device.enable_caching and spec.prefix_cacheable,
+            "log_stats": False,
+            "kv_cache_metrics": collector is not None,
+        }
+        self._core = _core.KVCacheManager(num_blocks, groups, device.max_model_len, **options)
+        self._device = device
+        self._group = group
+        self._blocks = [PagedBlock(i, self._core, i == 0) for i in range(num_blocks)]
+        self._prompt_by_length = not self._core.reads_token_values
+        self.metrics_collector = (
+            KVCacheMetricsCollector(collector.sample_rate) if collector is not None else None
+        )
+        self.enable_caching = bool(options["enable_caching"])
+        self.enable_kv_cache_events = device.enable_kv_cache_events
+        self.hash_block_size = device.hash_block_size
+        self.num_hash_lookahead_tokens = device.num_hash_lookahead_tokens
+        self.coordinator = device.coordinator
+        self._engine_groups: tuple[tuple[int, Any], ...] = ()
+        self._queued_events: list[Any] = []
+
+    def _sync(self, request: Request) -> str:
+        """Registers the request (its prompt, tokens and block hashes) for one
+        caching call; :meth:`_forget` drops it after."""
+        rid = request.request_id
+        if rid not in self._core:
+            add_to_core(self._core, request, self._prompt_by_length)
+        sync_with_core(self._core, request)
+        return rid
+
+    def _forget(self, request_id: str) -> None:
+        """Drops a request registered for a caching call (its cached blocks
+        stay: the engine holds them)."""
+        if request_id in self._core:
+            self._core.remove_request(request_id)
+
+    def _observe_blocks(self) -> None:
+        """The host pool's block activity to its metrics collector, then its
+        events to the device pool's stream."""
+        col = self.metrics_collector
+        if col is not None:
+            kinds, ids = self._core.take_block_activity()
+            blocks = self._blocks
+            for kind, bid in zip(kinds.tolist(), ids.tolist(), strict=True):
+                if kind == _core.BLOCK_ALLOCATED:
+                    col.on_block_allocated(blocks[bid])
+                elif kind == _core.BLOCK_ACCESSED:
+                    col.on_block_accessed(blocks[bid])
+                elif kind == _core.BLOCK_EVICTED:
+                    col.on_block_evicted(blocks[bid])
+                else:
+                    col.reset()
+        for ev in vllm_events(self._core, MEDIUM_CPU):
+            self._device._queue_event(ev)
+
+    def _hook_allocations(self) -> None:
+        """Nothing to install: the host pool's calls observe themselves."""
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        self._core.evict_blocks(list(block_ids))
+        self._observe_blocks()
+
+    def reset_prefix_cache(self) -> bool:
+        ok = bool(self._core.reset_prefix_cache())
+        self._observe_blocks()
+        return ok
+
+    def take_events(self) -> list[Any]:
+        """The device pool's events, the host tier's among them."""
+        return self._device.take_events()
+
+    def _queue_event(self, event: Any) -> None:
+        self._device._queue_event(event)
+
+
+class HostBlockPool(BlockPoolView):
+    """vLLM's host ``BlockPool`` of the source group, over a :class:`HostTier`:
+    its events go to the device pool's queue (vLLM's
+    ``SharedEventQueueBlockPool``) with medium ``"CPU"``."""
+
+    def __init__(self, tier: HostTier, device_pool: BlockPoolView) -> None:
+        super().__init__(tier)  # type: ignore[arg-type]
+        self.kv_event_queue = device_pool.kv_event_queue
+        self.medium = MEDIUM_CPU
+
+    def cache_full_blocks(self, request: Any, *args: Any, **kwargs: Any) -> None:
+        """vLLM's ``cache_full_blocks`` on host blocks the source holds."""
+        try:
+            super().cache_full_blocks(request, *args, **kwargs)
+        finally:
+            self._owner._forget(request.request_id)  # type: ignore[attr-defined]
+
+    def cache_partial_block(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``cache_partial_block`` on a host block the source holds."""
+        try:
+            return super().cache_partial_block(request, *args, **kwargs)
+        finally:
+            self._owner._forget(request.request_id)  # type: ignore[attr-defined]
 
 
 class HiSparseKVCacheManager(KVCacheManager):
@@ -64,6 +201,9 @@ class HiSparseKVCacheManager(KVCacheManager):
                 needs_kv_cache_zeroing=config.needs_kv_cache_zeroing,
             )
             manager.cache_hit_alignment_tokens = alignment
+            if hasattr(manager, "bind_host_pool"):
+                # The coordinator binds the source's host pool: pagedkv's.
+                manager.bind_host_pool = self._host_binder(manager, g)
             managers[g] = manager
             engine.append((g, manager))
         coordinator.single_type_managers = tuple(managers)
@@ -79,6 +219,17 @@ class HiSparseKVCacheManager(KVCacheManager):
         self._engine_lookup = tuple((g, m) for g, m in engine if m.kv_cache_spec.prefix_cacheable)
         self.retained_hit_group_ids = tuple(g for g, m in engine if m.retains_longer_hit)
         self._drop_eagle = coordinator.eagle_group_ids if self.use_eagle else set()
+
+    def _host_binder(self, manager: Any, group: int) -> Any:
+        """The source manager's ``bind_host_pool``: its blocks from a host tier
+        (:class:`HostTier`) of ``num_blocks`` blocks instead of the device pool."""
+
+        def bind_host_pool(num_blocks: int) -> None:
+            pool = HostBlockPool(HostTier(self, group, num_blocks), self.block_pool)
+            manager.block_pool = pool
+            manager._null_block = pool.null_block
+
+        return bind_host_pool
 
     # ---- lookups -------------------------------------------------------------
 

@@ -129,6 +129,8 @@ class KVCacheManager:
         retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
         if retention is not None:
             options["prefix_cache_retention_interval"] = retention
+        # A HiSparse host tier builds its pool with the same options.
+        self._core_options = options
         try:
             self._core = _core.KVCacheManager(
                 kv_cache_config.num_blocks, groups, max_model_len, **options
@@ -193,9 +195,7 @@ class KVCacheManager:
         """Registers the request with the core on first sight, then hands the
         core the tokens and block hashes the request gained since."""
         rid = self._register(request)
-        self._core.sync_request(
-            rid, _token_list(request), request.block_hashes, request.shared_prefix_boundary
-        )
+        sync_with_core(self._core, request)
         return rid
 
     def _register(self, request: Request) -> str:
@@ -208,22 +208,7 @@ class KVCacheManager:
                 # never scheduled, then a new request): start over.
                 self._freeze_lists(rid)
                 core.remove_request(rid)
-            lora = request.lora_request
-            n = request.num_prompt_tokens
-            if self._prompt_by_length:
-                prompt: Any = n
-            else:
-                tokens = _token_list(request)
-                prompt = tokens if len(tokens) == n else tokens[:n]
-            core.add_request(
-                rid,
-                prompt,
-                lora_name=lora.lora_name if lora is not None else None,
-                lora_id=lora.lora_int_id if lora is not None else None,
-                cache_salt=request.cache_salt,
-                mm_features=[_mm_tuple(f) for f in request.mm_features] or None,
-                session_id=request.session_id,
-            )
+            add_to_core(core, request, self._prompt_by_length)
             self._live[rid] = request
         return rid
 
@@ -624,38 +609,42 @@ class KVCacheManager:
 
     def _core_events(self) -> list[KVCacheEvent]:
         """Drains the core's events as vLLM's event objects (not annotated)."""
-        out: list[KVCacheEvent] = []
-        for ev in self._core.take_events(raw_hashes=True):
-            if isinstance(ev, _core.BlockStored):
-                parent = ev.parent_block_hash
-                out.append(
-                    VllmBlockStored(
-                        block_hashes=[maybe_convert_block_hash(h) for h in ev.block_hashes],
-                        parent_block_hash=None
-                        if parent is None
-                        else maybe_convert_block_hash(parent),
-                        token_ids=ev.token_ids,
-                        block_size=ev.block_size,
-                        lora_id=ev.lora_id,
-                        medium=ev.medium,
-                        lora_name=ev.lora_name,
-                        extra_keys=ev.extra_keys,
-                        group_idx=ev.group_idx,
-                        session_id=ev.session_id,
-                        lookahead_token_ids=ev.lookahead_token_ids,
-                    )
+        return vllm_events(self._core)
+
+
+def vllm_events(core: _core.KVCacheManager, medium: str | None = None) -> list[KVCacheEvent]:
+    """Drains a core's events as vLLM's event objects (not annotated), each
+    block event reporting ``medium`` when given (a host tier's ``"CPU"``)."""
+    out: list[KVCacheEvent] = []
+    for ev in core.take_events(raw_hashes=True):
+        if isinstance(ev, _core.BlockStored):
+            parent = ev.parent_block_hash
+            out.append(
+                VllmBlockStored(
+                    block_hashes=[maybe_convert_block_hash(h) for h in ev.block_hashes],
+                    parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+                    token_ids=ev.token_ids,
+                    block_size=ev.block_size,
+                    lora_id=ev.lora_id,
+                    medium=ev.medium if medium is None else medium,
+                    lora_name=ev.lora_name,
+                    extra_keys=ev.extra_keys,
+                    group_idx=ev.group_idx,
+                    session_id=ev.session_id,
+                    lookahead_token_ids=ev.lookahead_token_ids,
                 )
-            elif isinstance(ev, _core.BlockRemoved):
-                out.append(
-                    VllmBlockRemoved(
-                        block_hashes=[maybe_convert_block_hash(h) for h in ev.block_hashes],
-                        medium=ev.medium,
-                        group_idx=ev.group_idx,
-                    )
+            )
+        elif isinstance(ev, _core.BlockRemoved):
+            out.append(
+                VllmBlockRemoved(
+                    block_hashes=[maybe_convert_block_hash(h) for h in ev.block_hashes],
+                    medium=ev.medium if medium is None else medium,
+                    group_idx=ev.group_idx,
                 )
-            else:
-                out.append(VllmAllBlocksCleared())
-        return out
+            )
+        else:
+            out.append(VllmAllBlocksCleared())
+    return out
 
 
 def _layer_specs(spec: KVCacheSpec) -> list[KVCacheSpec]:
@@ -663,6 +652,38 @@ def _layer_specs(spec: KVCacheSpec) -> list[KVCacheSpec]:
     if isinstance(spec, UniformTypeKVCacheSpecs):
         return list(spec.kv_cache_specs.values())
     return [spec]
+
+
+def add_to_core(core: _core.KVCacheManager, request: Request, prompt_by_length: bool) -> None:
+    """Registers a vLLM request with a core: its prompt (by length alone when
+    the core reads no token value), LoRA, cache salt, multimodal items and
+    session."""
+    lora = request.lora_request
+    n = request.num_prompt_tokens
+    if prompt_by_length:
+        prompt: Any = n
+    else:
+        tokens = _token_list(request)
+        prompt = tokens if len(tokens) == n else tokens[:n]
+    core.add_request(
+        request.request_id,
+        prompt,
+        lora_name=lora.lora_name if lora is not None else None,
+        lora_id=lora.lora_int_id if lora is not None else None,
+        cache_salt=request.cache_salt,
+        mm_features=[_mm_tuple(f) for f in request.mm_features] or None,
+        session_id=request.session_id,
+    )
+
+
+def sync_with_core(core: _core.KVCacheManager, request: Request) -> None:
+    """Hands a core the tokens and block hashes a registered request gained."""
+    core.sync_request(
+        request.request_id,
+        _token_list(request),
+        request.block_hashes,
+        request.shared_prefix_boundary,
+    )
 
 
 def _token_list(request: Request) -> Any:

@@ -223,6 +223,21 @@ class PagedBlock(KVCacheBlock):
         """Requests (and deferred frees) holding the block."""
         return 0 if self.is_null else self._core.block_ref_count(self.block_id)
 
+    @ref_cnt.setter
+    def ref_cnt(self, value: int) -> None:
+        """vLLM's managers take one more reference on a block in use by writing
+        ``ref_cnt += 1`` (the destination of a pending copy): the engine's
+        ``touch``, returned with the pool's ``free_blocks``. Nothing else is
+        written through here."""
+        current = self.ref_cnt
+        if self.is_null or current == 0 or value != current + 1:
+            raise AttributeError(
+                f"block {self.block_id}: ref_cnt {current} -> {value}; only one more "
+                "reference on a block in use is taken this way (the pool's touch and "
+                "free_blocks change the rest)"
+            )
+        self._core.touch_blocks([self.block_id])
+
     @property
     def block_hash(self) -> bytes | None:
         """vLLM's ``BlockHashWithGroupId`` of the cached block, or None."""
@@ -359,6 +374,8 @@ class BlockPoolView:
         self.num_hash_lookahead_tokens = owner.num_hash_lookahead_tokens
         self.cached_block_hash_to_block = _CachedBlocks(owner)
         self.kv_event_queue = _PendingEvents(owner)
+        # What this pool's KV events report (a host tier's view says "CPU").
+        self.medium = "GPU"
 
     def get_num_free_blocks(self) -> int:
         """Free blocks (cached ones included)."""

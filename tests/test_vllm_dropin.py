@@ -999,6 +999,35 @@ def test_hisparse_side_by_side_with_vllm() -> None:
     assert any(row[2] == "CPU" for row in want[-3]), want[-3]
 
 
+def test_hisparse_events_in_vllms_order_when_both_pools_evict() -> None:
+    # Five distinct prompts through small pools: from the second on, an
+    # allocation evicts published host pages (the source, ahead of the core's
+    # groups) and cached device blocks in the same call. The stream holds
+    # them in vLLM's order: the source's host evictions, the device's, then
+    # the stores, group by group.
+    def run(mgr: Any) -> list[Any]:
+        out: list[Any] = []
+        for i in range(5):
+            r = _hisparse_request(f"r{i}", [i * 1000 + j for j in range(64)])
+            blocks, hit, _ = mgr.get_computed_blocks(r)
+            new = _hisparse_step(
+                mgr, r, r.num_tokens - hit, num_new_computed_tokens=hit, new_computed_blocks=blocks
+            )
+            out.append(None if new is None else _ids(new))
+            r.num_computed_tokens = r.num_tokens
+            mgr.cache_blocks(r, r.num_tokens)
+            out.append(_event_rows(mgr.take_events()))
+            mgr.free(r)
+            out.append(_event_rows(mgr.take_events()))
+        return out
+
+    ref, ours = _hisparse_pair(num_blocks=14, host_blocks=6)
+    want = run(ref)
+    assert run(ours) == want
+    kinds = [(row[0], row[2]) for step in want for row in step if step and row]
+    assert ("BlockRemoved", "CPU") in kinds and ("BlockRemoved", "GPU") in kinds
+
+
 def _event_rows(events: list[Any]) -> list[tuple[Any, ...]]:
     """Events as comparable rows, in order: kind, group, medium, hashes, tokens."""
     return [

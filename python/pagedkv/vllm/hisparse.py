@@ -356,6 +356,9 @@ class HiSparseKVCacheManager(KVCacheManager):
             tokens = request._all_token_ids
         except AttributeError:
             tokens = request.all_token_ids
+        # Events recorded before this call keep their place ahead of its own.
+        self._queued_events += self._core_events()
+        cache_now = self.enable_caching and not delay_cache_blocks
         new = self._allocate_synced(
             rid,
             tokens,
@@ -367,7 +370,7 @@ class HiSparseKVCacheManager(KVCacheManager):
             hit,
             num_lookahead_tokens,
             ext,
-            delay_cache_blocks,
+            True,  # cached below, after every group allocated (vLLM's order)
             num_encoder_tokens,
             full_sequence_must_fit,
             reserved_blocks,
@@ -378,19 +381,29 @@ class HiSparseKVCacheManager(KVCacheManager):
         )
         if new is None:
             return None
+        # The core adopted and allocated for its groups. vLLM runs the groups
+        # before the core's first one ahead of them: on the host pool (the
+        # source), so only the event stream tells; their events go first.
+        core_events = self._core_events()
         self._observe_blocks()
         self.block_pool._fire_reused()
-        if adopting:
-            for g, m in engine:
-                m.add_local_computed_blocks(rid, hit_groups[g], local, ext)
-            if ext > 0:
-                for g, m in engine:
-                    m.allocate_external_computed_blocks(
-                        rid, local, ext, record_for_zeroing=g not in skip_zeroing_group_ids
-                    )
-        added = {g: m.allocate_new_blocks(rid, need_slot, main) for g, m in engine}
-        if not delay_cache_blocks:
-            self._cache_engine_groups(request, min(total + num_new_tokens, request.num_tokens))
+        added: dict[int, list[Any]] = {}
+        for groups_in_order in (self._engine_before, self._engine_after):
+            if adopting:
+                for g, m in groups_in_order:
+                    m.add_local_computed_blocks(rid, hit_groups[g], local, ext)
+                if ext > 0:
+                    for g, m in groups_in_order:
+                        m.allocate_external_computed_blocks(
+                            rid, local, ext, record_for_zeroing=g not in skip_zeroing_group_ids
+                        )
+            added.update(
+                (g, m.allocate_new_blocks(rid, need_slot, main)) for g, m in groups_in_order
+            )
+            if groups_in_order is self._engine_before:
+                self._queued_events += core_events
+        if cache_now:
+            self._cache_in_group_order(request, min(total + num_new_tokens, request.num_tokens))
         pool = self._blocks
         out = tuple(
             added[g] if g in added else (BlockRun(new[g], pool) if new else [])
@@ -403,9 +416,11 @@ class HiSparseKVCacheManager(KVCacheManager):
         runs the reuse watchers itself, and vLLM's managers take their blocks
         through the pool view, which does too."""
 
-    def _cache_engine_groups(self, request: Request, num_tokens: int) -> None:
-        """Each caching engine-managed group's ``cache_blocks`` (the host
-        source publishes once its copies are durable)."""
+    def _cache_engine_groups(
+        self, request: Request, num_tokens: int, engine: tuple[tuple[int, Any], ...]
+    ) -> None:
+        """These engine-managed groups' ``cache_blocks`` (the host source
+        publishes once its copies are durable)."""
         coordinator = self.coordinator
         boundaries = replay_boundaries(
             request.num_prompt_tokens,
@@ -413,7 +428,7 @@ class HiSparseKVCacheManager(KVCacheManager):
             use_eagle=bool(self._drop_eagle),
         )
         cacheable = max(0, num_tokens - coordinator.num_reprefillable_tokens)
-        for _, m in self._engine_groups:
+        for _, m in engine:
             if m.enable_caching:
                 m.cache_blocks(
                     request,
@@ -422,11 +437,19 @@ class HiSparseKVCacheManager(KVCacheManager):
                     replay_boundaries=boundaries,
                 )
 
+    def _cache_in_group_order(self, request: Request, num_tokens: int) -> None:
+        """Every group's ``cache_blocks`` in vLLM's group order: the engine
+        groups before the core's, the core's (synced by the allocation), the
+        rest."""
+        self._cache_engine_groups(request, num_tokens, self._engine_before)
+        self._core.cache_blocks(request.request_id, num_tokens)
+        self._cache_engine_groups(request, num_tokens, self._engine_after)
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Publishes the request's full blocks in every group."""
-        super().cache_blocks(request, num_computed_tokens)
+        """Publishes the request's full blocks in every group, in group order."""
         if self.enable_caching:
-            self._cache_engine_groups(request, num_computed_tokens)
+            self._sync(request)
+            self._cache_in_group_order(request, num_computed_tokens)
 
     # ---- freeing -----------------------------------------------------------------
 

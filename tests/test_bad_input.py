@@ -112,6 +112,7 @@ ID_METHODS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "append_token_ids": lambda m, r: m.append_token_ids(r, [1]),
     "append_token_ids_batch": lambda m, r: m.append_token_ids_batch([r], [1]),
     "free": lambda m, r: m.free(r),
+    "finish_allocation": lambda m, r: m.finish_allocation(r),
     "remove_request": lambda m, r: m.remove_request(r),
     "cache_blocks": lambda m, r: m.cache_blocks(r, 16),
     "remove_skipped_blocks": lambda m, r: m.remove_skipped_blocks(r, 16),
@@ -232,6 +233,9 @@ COUNT_PARAMS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "allocate_slots.engine_managed_full_blocks": lambda m, v: m.allocate_slots(
         "run", 1, num_computed_tokens=54, engine_managed_blocks=(0, v)
     ),
+    "allocate_slots.split_at_group": lambda m, v: m.allocate_slots(
+        "run", 1, num_computed_tokens=54, split_at_group=v
+    ),
     "allocate_slots.num_encoder_tokens": lambda m, v: m.allocate_slots(
         "run", 1, num_computed_tokens=54, num_encoder_tokens=v
     ),
@@ -315,6 +319,8 @@ BAD_COUNTS: dict[str, tuple[Any, type[BaseException]]] = {
 COUNT_EXCEPTIONS: dict[tuple[str, str], type[BaseException] | None] = {
     # None means "take the hit's count" there.
     ("allocate_slots.num_new_computed_tokens", "none"): None,
+    # None: no split.
+    ("allocate_slots.split_at_group", "none"): None,
     # A list of counts cannot hold None / str / float: the whole list is refused.
     ("allocate_slots_batch.num_new_tokens_list", "nan"): TypeError,
     # No cap: the request's own limit.
@@ -383,6 +389,18 @@ def test_counts_that_are_valid_alone_but_impossible_together() -> None:
         # One unknown id in a batch refuses the whole batch.
         (lambda m: m.append_token_ids_batch(["run", "nope"], [1, 2]), UnknownRequestError),
         (lambda m: m.allocate_slots_batch(["run", "nope"], 1, [54, 0]), UnknownRequestError),
+        # A split must name a group after the first, of this manager's.
+        (
+            lambda m: m.allocate_slots("run", 1, num_computed_tokens=54, split_at_group=0),
+            InvalidArgumentError,
+        ),
+        (
+            lambda m: m.allocate_slots("run", 1, num_computed_tokens=54, split_at_group=2),
+            InvalidArgumentError,
+        ),
+        # No split allocation to finish.
+        (lambda m: m.finish_allocation("run"), InvalidArgumentError),
+        (lambda m: m.finish_allocation("nope"), UnknownRequestError),
         # A request that could never fit the pool.
         (lambda m: m.allocate_slots("wait", 1000, num_computed_tokens=0), CannotFitError),
         # ... in a batch, behind one that fits: the whole batch is refused.

@@ -277,14 +277,15 @@ def test_allocate_slots_synced_syncs_then_allocates_as_vllm() -> None:
 
 
 def _engine_managed_config(*groups: str) -> pk.KVCacheConfig:
-    """12 blocks of 4 tokens; the group named ``indexer`` is full attention,
-    the others are engine-managed."""
+    """12 blocks of 4 tokens; the groups named ``indexer`` and ``regular`` are
+    full attention, the others are engine-managed."""
     attn = pk.FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype="float32")
     managed = pk.EngineManagedSpec(block_size=4, page_size=64)
     return pk.KVCacheConfig(
         num_blocks=12,
         kv_cache_groups=[
-            pk.KVCacheGroupSpec([g], attn if g == "indexer" else managed) for g in groups
+            pk.KVCacheGroupSpec([g], attn if g in ("indexer", "regular") else managed)
+            for g in groups
         ],
     )
 
@@ -329,6 +330,36 @@ def test_engine_managed_blocks_through_pagedkvs_own_allocate_slots() -> None:
     assert m.num_free_blocks == 11
     new = alloc(full_sequence_must_fit=True, engine_managed_blocks=(8, 8))
     assert new is not None and [g.tolist() for g in new] == [[1, 2, 3], []]
+    m.check_invariants()
+
+
+def test_a_split_allocation_through_pagedkvs_own_api() -> None:
+    # vLLM's production order [indexer, hot, regular]: the allocation stops
+    # before the hot group, the engine takes the hot blocks, and the regular
+    # group gets its blocks after them (vLLM allocates group by group).
+    m = pk.KVCacheManager(_engine_managed_config("indexer", "hot", "regular"), max_model_len=256)
+    m.add_request("r", list(range(10)))
+    m.add_request("s", list(range(100, 110)))
+    hit = m.get_computed_blocks("r")
+    new = m.allocate_slots(
+        "r",
+        10,
+        num_computed_tokens=0,
+        new_computed_blocks=hit,
+        engine_managed_blocks=(2, 2),
+        split_at_group=1,
+    )
+    assert new is not None and [g.tolist() for g in new] == [[1, 2, 3], [], []]
+    # Until it is finished, no other allocation runs.
+    with pytest.raises(InvalidArgumentError, match="finish_allocation"):
+        m.allocate_slots("s", 10, num_computed_tokens=0)
+    assert m.get_new_blocks(2).tolist() == [4, 5]
+    rest = m.finish_allocation("r")
+    assert [g.tolist() for g in rest] == [[], [], [6, 7, 8]]
+    assert [g.tolist() for g in m.get_block_ids("r")] == [[1, 2, 3], [], [6, 7, 8]]
+    with pytest.raises(InvalidArgumentError):
+        m.finish_allocation("r")
+    m.free_blocks([4, 5])
     m.check_invariants()
 
 
@@ -835,11 +866,17 @@ def test_an_extra_reference_written_through_ref_cnt() -> None:
 
 
 def _hisparse_pair(
-    num_blocks: int, host_blocks: int, *, caching: bool = True, events: bool = True
+    num_blocks: int,
+    host_blocks: int,
+    *,
+    caching: bool = True,
+    events: bool = True,
+    regular: bool = False,
 ) -> tuple[Any, Any]:
     """vLLM's own manager and the drop-in for vLLM's HiSparse test layout
     ``[host source, indexer, resident, hot]`` (block size 16), each with its
-    ``HiSparseCoordinator`` bound."""
+    ``HiSparseCoordinator`` bound; ``regular``: a regular full-attention group
+    after the hot one, as vLLM's production layout appends them."""
     vllm_core = pytest.importorskip("vllm.v1.core.kv_cache_manager")
     import torch
     from pagedkv.vllm import KVCacheManager
@@ -866,6 +903,18 @@ def _hisparse_pair(
             KVCacheGroupSpec(["resident"], HiSparseResidentSpec(block_size=16, page_size=64)),
             KVCacheGroupSpec(
                 ["hot"], HiSparseHotSpec(block_size=16, page_size=64, blocks_per_request=2)
+            ),
+            *(
+                [
+                    KVCacheGroupSpec(
+                        ["regular"],
+                        FullAttentionSpec(
+                            block_size=16, num_kv_heads=2, head_size=1, dtype=torch.float32
+                        ),
+                    )
+                ]
+                if regular
+                else []
             ),
         ],
     )
@@ -999,12 +1048,15 @@ def test_hisparse_side_by_side_with_vllm() -> None:
     assert any(row[2] == "CPU" for row in want[-3]), want[-3]
 
 
-def test_hisparse_events_in_vllms_order_when_both_pools_evict() -> None:
+@pytest.mark.parametrize("regular", [False, True], ids=["test_layout", "production_layout"])
+def test_hisparse_events_in_vllms_order_when_both_pools_evict(regular: bool) -> None:
     # Five distinct prompts through small pools: from the second on, an
     # allocation evicts published host pages (the source, ahead of the core's
     # groups) and cached device blocks in the same call. The stream holds
     # them in vLLM's order: the source's host evictions, the device's, then
-    # the stores, group by group.
+    # the stores, group by group. With a regular group after the hot one
+    # (vLLM's production order) its blocks come after the resident and hot
+    # groups' (a split allocation), as vLLM allocates group by group.
     def run(mgr: Any) -> list[Any]:
         out: list[Any] = []
         for i in range(5):
@@ -1021,9 +1073,13 @@ def test_hisparse_events_in_vllms_order_when_both_pools_evict() -> None:
             out.append(_event_rows(mgr.take_events()))
         return out
 
-    ref, ours = _hisparse_pair(num_blocks=14, host_blocks=6)
+    ref, ours = _hisparse_pair(num_blocks=22 if regular else 14, host_blocks=6, regular=regular)
     want = run(ref)
     assert run(ours) == want
+    if regular:
+        # The regular group (4) got blocks after the resident and hot ones (2, 3).
+        first = want[0]
+        assert first[4] and min(first[4]) > max(first[2] + first[3]), first
     kinds = [(row[0], row[2]) for step in want for row in step if step and row]
     assert ("BlockRemoved", "CPU") in kinds and ("BlockRemoved", "GPU") in kinds
 

@@ -244,6 +244,7 @@ class KVCacheManager:
         vllm_lenient: bool = False,
         skip_zeroing_group_ids: Sequence[int] | None = None,
         engine_managed_blocks: tuple[int, int] | None = None,
+        split_at_group: int | None = None,
     ) -> tuple[_IdArray, ...] | None: ...
     def allocate_slots_batch(
         self,
@@ -291,8 +292,10 @@ class KVCacheManager:
         /,
         *,
         engine_managed_blocks: tuple[int, int] | None = None,
+        split_at_group: int | None = None,
     ) -> tuple[_IdArray, ...] | None: ...  # None: does not fit; (): nothing allocated
     def pop_blocks_for_free(self, request_id: str) -> _IdArray: ...
+    def finish_allocation(self, request_id: str) -> tuple[_IdArray, ...]: ...
     def free_blocks(self, block_ids: Iterable[int]) -> None: ...
     def cache_detached_blocks(
         self,

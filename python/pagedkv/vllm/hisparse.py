@@ -14,11 +14,15 @@ places in the group order, their needs in its capacity checks) and runs every
 other group itself: the indexer and regular groups' allocation, prefix cache,
 lookups and events, as for any other layout.
 
-Each call runs the groups in vLLM's order as far as the layout allows: the
-engine-managed groups before the first core group, the core's groups (in one
-core call), then the rest. When every core group comes before the resident and
-hot groups (vLLM's test layouts), device blocks come out in vLLM's order; with
-regular groups after them, the core takes its blocks first.
+Each call runs the groups in vLLM's order: an allocation adopts and allocates
+for the core's groups up to the first engine-managed group after them (the
+resident one), vLLM's managers take their blocks, the core finishes its groups
+after them (vLLM's production layout appends regular groups after the hot ones;
+`split_at_group`), then every group caches, in group order. The host source runs
+on its own pool, so only the event stream tells its place: its events go ahead
+of the core's. Device block ids and the event stream are vLLM's; an external
+import's adoption (a connector's load) is the exception, its engine groups'
+adoption pops coming after the core's allocation rather than before it.
 """
 
 from __future__ import annotations
@@ -215,6 +219,15 @@ class HiSparseKVCacheManager(KVCacheManager):
         # vLLM's group order: the engine groups before the core's first, then after.
         self._engine_before = tuple((g, m) for g, m in engine if g < first_core)
         self._engine_after = tuple((g, m) for g, m in engine if g > first_core)
+        # vLLM's production layout puts regular groups after the hot ones: the
+        # core's allocation then stops at the first engine group after its own
+        # first and finishes once vLLM's managers took their blocks.
+        later_core = [
+            g
+            for g in range(len(managers))
+            if g not in self._engine_ids and self._engine_after and g > self._engine_after[0][0]
+        ]
+        self._split = self._engine_after[0][0] if later_core else None
         # Engine groups looked up for hits (the host source), before the core's.
         self._engine_lookup = tuple((g, m) for g, m in engine if m.kv_cache_spec.prefix_cacheable)
         self.retained_hit_group_ids = tuple(g for g, m in engine if m.retains_longer_hit)
@@ -378,6 +391,7 @@ class HiSparseKVCacheManager(KVCacheManager):
             request.num_in_flight_tokens,
             skip_zeroing_group_ids or None,
             engine_managed_blocks=(step_need, full_need),
+            split_at_group=self._split,
         )
         if new is None:
             return None
@@ -402,6 +416,16 @@ class HiSparseKVCacheManager(KVCacheManager):
             )
             if groups_in_order is self._engine_before:
                 self._queued_events += core_events
+        split = self._split
+        if split is not None:
+            # The core's groups after vLLM's managers' take their blocks now.
+            rest = self._core.finish_allocation(rid)
+            self._observe_blocks()
+            self.block_pool._fire_reused()
+            new = tuple(
+                (new[g] if new else rest[g]) if g < split else rest[g]
+                for g in range(self.num_kv_cache_groups)
+            )
         if cache_now:
             self._cache_in_group_order(request, min(total + num_new_tokens, request.num_tokens))
         pool = self._blocks

@@ -598,17 +598,22 @@ impl Coordinator {
 
     /// Fresh blocks up to `num_tokens` (`main_model` without lookahead); cross
     /// attention gets one allocation for the `num_encoder_tokens` of the encoder
-    /// output. The new ids are in [`Self::new_blocks`].
-    pub(crate) fn allocate_new_blocks(
+    /// output. The new ids are in [`Self::new_blocks`]. Only the groups in
+    /// `groups` allocate; every group's list of new blocks is cleared first.
+    pub(crate) fn allocate_new_blocks_in(
         &mut self,
         req: &mut Request,
         num_tokens: u64,
         main_model: u64,
         num_encoder_tokens: u64,
+        groups: std::ops::Range<usize>,
     ) {
         for (g, gm) in self.groups.iter_mut().enumerate() {
             let out = &mut self.new_blocks[g];
             out.clear();
+            if !groups.contains(&g) {
+                continue;
+            }
             let (n, main) = if gm.is_cross_attention() {
                 (num_encoder_tokens, num_encoder_tokens)
             } else {

@@ -97,6 +97,12 @@ pub struct AllocateArgs {
     /// The same for the whole request, counted in the `full_sequence_must_fit`
     /// check.
     pub engine_managed_full_blocks: u64,
+    /// Allocate fresh blocks only for the groups before this one; the engine's
+    /// managed groups between take theirs from the pool, then
+    /// [`KvCacheManager::finish_allocation`] allocates for the rest and caches
+    /// (vLLM allocates group by group, so a core group after an engine-managed
+    /// one gets its blocks after that group's). `None`: every group at once.
+    pub split_at_group: Option<usize>,
 }
 
 impl AllocateArgs {
@@ -113,6 +119,7 @@ impl AllocateArgs {
             && self.reserved_blocks == 0
             && self.num_in_flight_tokens == 0
             && self.engine_managed_blocks == 0
+            && self.split_at_group.is_none()
     }
 
     /// A running request's step: `num_new_tokens` after `num_computed_tokens`.
@@ -134,6 +141,7 @@ impl AllocateArgs {
             skip_zeroing_groups: 0,
             engine_managed_blocks: 0,
             engine_managed_full_blocks: 0,
+            split_at_group: None,
         }
     }
 
@@ -156,6 +164,20 @@ pub struct BatchAllocation {
     pub block_ids: Vec<Vec<BlockId>>,
     /// Per group, `num_allocated + 1` offsets into `block_ids`.
     pub offsets: Vec<Vec<u32>>,
+}
+
+/// The rest of an allocation split at a group: what `finish_allocation` needs.
+#[derive(Debug)]
+struct PendingSplit {
+    /// The request's unique id (a removed request's successor in its slot is
+    /// another request).
+    uid: u64,
+    from: usize,
+    need_slot: u64,
+    main_model: u64,
+    enc: u64,
+    /// Tokens to cache once every group allocated (caching on, not delayed).
+    cache_to: Option<u64>,
 }
 
 static MANAGER_UIDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -188,6 +210,9 @@ pub struct KvCacheManager {
     scratch_counts: Vec<u64>,
     /// Block references detached by `pop_blocks_for_free`, not yet freed.
     detached: rustc_hash::FxHashMap<BlockId, u32>,
+    /// An allocation split at a group (`AllocateArgs::split_at_group`) that
+    /// awaits [`Self::finish_allocation`].
+    pending_split: Option<PendingSplit>,
     /// The prompt-hashing thread (`background_hashing`), started by the first
     /// prompt it hashes.
     hash_worker: Option<HashWorker>,
@@ -223,6 +248,7 @@ impl KvCacheManager {
             scratch_slots: Vec::new(),
             scratch_counts: Vec::new(),
             detached: rustc_hash::FxHashMap::default(),
+            pending_split: None,
             hash_worker: None,
             cfg,
         })
@@ -455,6 +481,8 @@ impl KvCacheManager {
     /// counts as a preemption).
     fn release(&mut self, slot: u32, preempted: bool) {
         let req = self.table.get_mut(slot);
+        let uid = req.uid;
+        self.pending_split.take_if(|p| p.uid == uid);
         if req.release(preempted) {
             self.num_admitted -= 1;
         }
@@ -534,9 +562,52 @@ impl KvCacheManager {
         hit: Option<&ComputedBlocks>,
     ) -> Result<Option<&[Vec<BlockId>]>> {
         let slot = self.table.slot(id)?;
+        self.check_no_pending_split()?;
         self.validate_args(slot, args)?;
         let ok = self.allocate_validated(slot, args, hit)?;
         Ok(ok.then_some(self.coord.new_blocks()))
+    }
+
+    /// Completes an allocation split at a group (`AllocateArgs::split_at_group`):
+    /// fresh blocks for the groups from the split on, then the caching the
+    /// first call left (unless it delayed caching). Returns the new blocks per
+    /// group (none for the groups before the split).
+    ///
+    /// # Errors
+    /// No split allocation of this request pending.
+    pub fn finish_allocation(&mut self, id: &str) -> Result<&[Vec<BlockId>]> {
+        let slot = self.table.slot(id)?;
+        let uid = self.table.get(slot).uid;
+        let Some(p) = self.pending_split.take_if(|p| p.uid == uid) else {
+            return Err(invalid(format!(
+                "request {id:?} has no allocation split at a group to finish"
+            )));
+        };
+        let req = self.table.get_mut(slot);
+        self.coord.allocate_new_blocks_in(
+            req,
+            p.need_slot,
+            p.main_model,
+            p.enc,
+            p.from..usize::MAX,
+        );
+        if let Some(to_cache) = p.cache_to {
+            self.coord
+                .cache_blocks(req, to_cache as usize, req.num_computed_at_step);
+        }
+        Ok(self.coord.new_blocks())
+    }
+
+    /// Refuses an allocation while another awaits `finish_allocation`: the
+    /// requests' block counts are not final until it does.
+    fn check_no_pending_split(&self) -> Result<()> {
+        match &self.pending_split {
+            None => Ok(()),
+            Some(p) => Err(invalid(format!(
+                "an allocation split at group {} awaits finish_allocation",
+                p.from
+            ))),
+        }
     }
 
     /// A validated decode step of a running request that takes no block and
@@ -703,17 +774,30 @@ impl KvCacheManager {
             );
         }
 
-        // Stage 3: fresh blocks for the tokens to compute (+ lookahead).
+        // Stage 3: fresh blocks for the tokens to compute (+ lookahead), up to
+        // the split when there is one.
+        let split = a.split_at_group.unwrap_or(usize::MAX);
         self.coord
-            .allocate_new_blocks(req, need_slot, main_model, enc);
+            .allocate_new_blocks_in(req, need_slot, main_model, enc, 0..split);
         req.scheduled_through = main_model;
         if req.admit() {
             self.num_admitted += 1;
         }
 
-        // Stage 4: publish full blocks of committed tokens into the prefix cache.
-        if self.cfg.enable_caching && !a.delay_cache_blocks {
-            let to_cache = (total_computed + a.num_new_tokens).min(num_tokens);
+        // Stage 4: publish full blocks of committed tokens into the prefix cache
+        // (after the rest of a split allocation).
+        let to_cache = (self.cfg.enable_caching && !a.delay_cache_blocks)
+            .then(|| (total_computed + a.num_new_tokens).min(num_tokens));
+        if split < self.coord.groups().len() {
+            self.pending_split = Some(PendingSplit {
+                uid: req.uid,
+                from: split,
+                need_slot,
+                main_model,
+                enc,
+                cache_to: to_cache,
+            });
+        } else if let Some(to_cache) = to_cache {
             self.coord
                 .cache_blocks(req, to_cache as usize, a.num_computed_tokens);
         }

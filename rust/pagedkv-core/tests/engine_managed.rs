@@ -218,3 +218,92 @@ fn engine_calls_refuse_blocks_and_change_nothing() {
     assert!(m.take_reused_blocks().is_empty());
     ok(m.check_invariants());
 }
+
+/// vLLM's production `HiSparse` layout appends regular groups after the hot
+/// ones: `[host source, indexer, resident, hot, regular]`.
+fn production_mgr(num_blocks: u32, block_size: u32) -> KvCacheManager {
+    let managed = GroupSpec::new(AttentionKind::EngineManaged, block_size);
+    let full = GroupSpec::new(AttentionKind::FullAttention, block_size);
+    let mut cfg = ManagerConfig::new(
+        num_blocks,
+        vec![
+            managed.clone(),
+            full.clone(),
+            managed.clone(),
+            managed,
+            full,
+        ],
+        8192,
+    );
+    cfg.external_block_hashes = true;
+    cfg.record_stats_at_admission = false;
+    ok(KvCacheManager::new(cfg))
+}
+
+/// An allocation split at the first engine-managed group after the indexer:
+/// the indexer's blocks, then the engine's (resident and hot, taken from the
+/// pool), then the regular group's with `finish_allocation`, which also caches
+/// every group: the block ids vLLM's group-by-group allocation gives.
+#[test]
+fn a_split_allocation_gives_core_groups_after_engine_groups_their_blocks_last() {
+    let mut m = production_mgr(32, 4);
+    add(&mut m, "a", 8, 1, 4);
+    let args = AllocateArgs {
+        split_at_group: Some(2),
+        engine_managed_blocks: 3,
+        ..AllocateArgs::step(8, 0)
+    };
+    let first = admit(&mut m, "a", args).expect("fits");
+    assert_eq!(first, vec![vec![], vec![1, 2], vec![], vec![], vec![]]);
+    // Nothing cached yet: the regular group has no blocks to cache.
+    assert_eq!(m.pool().num_cached_keys(), 0);
+    let engine = m.get_new_blocks(3).expect("free blocks");
+    assert_eq!(engine, vec![3, 4, 5]);
+    let rest: Vec<Vec<u32>> = ok(m.finish_allocation("a")).to_vec();
+    assert_eq!(rest, vec![vec![], vec![], vec![], vec![], vec![6, 7]]);
+    let held: Vec<Vec<u32>> = ok(m.block_ids("a")).iter().map(|g| g.to_vec()).collect();
+    assert_eq!(held, vec![vec![], vec![1, 2], vec![], vec![], vec![6, 7]]);
+    // Both core groups' full blocks are cached now (two each).
+    assert_eq!(m.pool().num_cached_keys(), 4);
+    // Nothing is left to finish.
+    assert!(m.finish_allocation("a").is_err());
+}
+
+/// While a split allocation awaits `finish_allocation`, no other allocation
+/// runs (block counts are not final); freeing the request drops it; a split
+/// must name a group after the first.
+#[test]
+fn a_pending_split_blocks_other_allocations_until_finished_or_freed() {
+    let mut m = production_mgr(32, 4);
+    add(&mut m, "a", 8, 1, 4);
+    add(&mut m, "b", 8, 2, 4);
+    let split = AllocateArgs {
+        split_at_group: Some(2),
+        ..AllocateArgs::step(8, 0)
+    };
+    assert!(admit(&mut m, "a", split).is_some());
+    let err = m
+        .allocate_slots("b", &AllocateArgs::step(8, 0), None)
+        .expect_err("pending");
+    assert!(err.to_string().contains("finish_allocation"), "{err}");
+    assert!(m.finish_allocation("b").is_err(), "b has nothing pending");
+    ok(m.free("a"));
+    assert!(
+        m.finish_allocation("a").is_err(),
+        "freed: nothing to finish"
+    );
+    let free_before = m.num_free_blocks();
+    assert!(
+        ok(m.allocate_slots("b", &AllocateArgs::step(8, 0), None)).is_some(),
+        "allocations run again"
+    );
+    assert_eq!(m.num_free_blocks(), free_before - 4);
+    for bad in [0, 6] {
+        let args = AllocateArgs {
+            split_at_group: Some(bad),
+            ..AllocateArgs::step(1, 8)
+        };
+        let err = m.allocate_slots("b", &args, None).expect_err("bad split");
+        assert!(err.to_string().contains("split_at_group"), "{err}");
+    }
+}

@@ -429,6 +429,7 @@ impl Driver {
             skip_zeroing_groups: 0,
             engine_managed_blocks: 0,
             engine_managed_full_blocks: 0,
+            split_at_group: None,
         }
     }
 

@@ -434,7 +434,8 @@ impl PyManager {
         new_computed_blocks = None, num_lookahead_tokens = 0, num_external_computed_tokens = 0,
         delay_cache_blocks = false, num_encoder_tokens = 0, full_sequence_must_fit = false,
         reserved_blocks = 0, has_scheduled_reqs = true, num_in_flight_tokens = 0,
-        vllm_lenient = false, skip_zeroing_group_ids = None, engine_managed_blocks = None))]
+        vllm_lenient = false, skip_zeroing_group_ids = None, engine_managed_blocks = None,
+        split_at_group = None))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
     fn allocate_slots(
         slf: &Bound<'_, Self>,
@@ -454,6 +455,7 @@ impl PyManager {
         vllm_lenient: bool,
         skip_zeroing_group_ids: Option<Vec<i64>>,
         engine_managed_blocks: Option<(i64, i64)>,
+        split_at_group: Option<i64>,
     ) -> PkResult<Option<Py<PyTuple>>> {
         let hit = new_computed_blocks.as_ref().map(|h| &h.inner);
         let num_new_computed_tokens = num_new_computed_tokens
@@ -478,8 +480,20 @@ impl PyManager {
             },
             skip_zeroing_group_ids.as_deref(),
         )?
-        .with_engine_managed_blocks(engine_managed_blocks)?;
+        .with_engine_managed_blocks(engine_managed_blocks)?
+        .with_split_at_group(split_at_group)?;
         Self::allocate(slf, request_id, &args, hit, Nothing::EmptyGroups)
+    }
+
+    /// Completes an allocation split at a group (`split_at_group`): fresh
+    /// blocks for the groups from the split on, then the caching the first
+    /// call left. Returns the new block ids per group.
+    fn finish_allocation<'py>(
+        slf: &Bound<'py, Self>,
+        request_id: &str,
+    ) -> PkResult<Bound<'py, PyTuple>> {
+        let groups = groups_i32(borrow_mut(slf)?.inner.finish_allocation(request_id)?);
+        Ok(groups_tuple(slf.py(), groups)?)
     }
 
     /// vLLM's `allocate_slots` for an engine that owns its requests, in one
@@ -492,7 +506,8 @@ impl PyManager {
         num_new_tokens, num_computed_tokens, num_new_computed_tokens, new_computed_blocks,
         num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
         num_encoder_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
-        num_in_flight_tokens, skip_zeroing_group_ids, /, *, engine_managed_blocks = None))]
+        num_in_flight_tokens, skip_zeroing_group_ids, /, *, engine_managed_blocks = None,
+        split_at_group = None))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
     fn allocate_slots_synced(
         slf: &Bound<'_, Self>,
@@ -514,6 +529,7 @@ impl PyManager {
         num_in_flight_tokens: i64,
         skip_zeroing_group_ids: Option<Vec<i64>>,
         engine_managed_blocks: Option<(i64, i64)>,
+        split_at_group: Option<i64>,
     ) -> PkResult<Option<Py<PyTuple>>> {
         let args = Counts {
             num_new_tokens,
@@ -534,7 +550,8 @@ impl PyManager {
             },
             skip_zeroing_group_ids.as_deref(),
         )?
-        .with_engine_managed_blocks(engine_managed_blocks)?;
+        .with_engine_managed_blocks(engine_managed_blocks)?
+        .with_split_at_group(split_at_group)?;
         let spb = count("shared_prefix_boundary", shared_prefix_boundary)?;
         Self::sync(slf, request_id, token_ids, block_hashes, spb)?;
         let hit = new_computed_blocks.as_ref().map(|h| &h.inner);
@@ -1314,6 +1331,7 @@ impl Counts {
             skip_zeroing_groups,
             engine_managed_blocks: 0,
             engine_managed_full_blocks: 0,
+            split_at_group: None,
         })
     }
 }
@@ -1321,6 +1339,7 @@ impl Counts {
 /// `engine_managed_blocks=(step, full)` as Python passed it.
 trait EngineManagedBlocks: Sized {
     fn with_engine_managed_blocks(self, blocks: Option<(i64, i64)>) -> PkResult<Self>;
+    fn with_split_at_group(self, group: Option<i64>) -> PkResult<Self>;
 }
 
 impl EngineManagedBlocks for AllocateArgs {
@@ -1330,6 +1349,16 @@ impl EngineManagedBlocks for AllocateArgs {
         if let Some((step, full)) = blocks {
             self.engine_managed_blocks = count("engine_managed_blocks", step)?;
             self.engine_managed_full_blocks = count("engine_managed_blocks", full)?;
+        }
+        Ok(self)
+    }
+
+    /// `split_at_group` as a group index (the core checks its range).
+    fn with_split_at_group(mut self, group: Option<i64>) -> PkResult<Self> {
+        if let Some(g) = group {
+            self.split_at_group = Some(
+                usize::try_from(count("split_at_group", g)?).unwrap_or(usize::MAX),
+            );
         }
         Ok(self)
     }

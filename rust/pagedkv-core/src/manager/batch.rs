@@ -141,6 +141,7 @@ impl KvCacheManager {
                 "request ids and appended token ids differ in length",
             ));
         }
+        self.check_no_pending_split()?;
         let mut slots = std::mem::take(&mut self.scratch_slots);
         let mut counts = std::mem::take(&mut self.scratch_counts);
         let done = self.table.resolve(step.refs, &mut slots).and_then(|()| {

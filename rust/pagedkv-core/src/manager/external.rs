@@ -181,6 +181,8 @@ impl KvCacheManager {
     pub fn pop_blocks_for_free(&mut self, id: &str) -> Result<Vec<BlockId>> {
         let slot = self.table.slot(id)?;
         let req = self.table.get_mut(slot);
+        let uid = req.uid;
+        self.pending_split.take_if(|p| p.uid == uid);
         if req.release(false) {
             self.num_admitted -= 1;
         }

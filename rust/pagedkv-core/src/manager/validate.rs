@@ -95,6 +95,11 @@ impl KvCacheManager {
             )));
         }
         let num_groups = self.coord.groups().len();
+        if a.split_at_group.is_some_and(|g| g == 0 || g > num_groups) {
+            return Err(invalid(format!(
+                "split_at_group must name one of groups 1..={num_groups}"
+            )));
+        }
         if num_groups < 64 && a.skip_zeroing_groups >> num_groups != 0 {
             return Err(invalid(format!(
                 "skip_zeroing_group_ids names a group past the manager's {num_groups}"

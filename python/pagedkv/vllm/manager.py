@@ -45,6 +45,7 @@ from pagedkv.vllm.views import (
     BlockRun,
     PagedBlock,
     PagedKVCacheBlocks,
+    SingleTypeManagerView,
     coordinator_view,
     core_group,
     engine_managed,
@@ -559,7 +560,17 @@ class KVCacheManager:
         pairs = self._core.take_block_copies()
         blocks = self._blocks
         copies = [KVCacheBlockCopy(src_block_id=s, dst_block_id=d) for s, d in pairs]
-        return copies, [blocks[b] for pair in pairs for b in pair]
+        retained = [blocks[b] for pair in pairs for b in pair]
+        # Then those another component queued on a group's list, as vLLM
+        # drains each manager's.
+        for m in self.coordinator.single_type_managers:
+            if isinstance(m, SingleTypeManagerView):
+                for src, dst in m.take_pending_cow_copies():
+                    copies.append(
+                        KVCacheBlockCopy(src_block_id=src.block_id, dst_block_id=dst.block_id)
+                    )
+                    retained += [src, dst]
+        return copies, retained
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         """This step's Mamba boundary-state hand-offs for a KV connector:

@@ -716,6 +716,9 @@ class SingleTypeManagerView:
             owner.hash_block_size if core.partial_hash_hits else owner.scheduler_block_size
         )
         self._partial_hit_reqs = _PartialHits(owner, group)
+        # Copies another component queues on the group, ``(source, copy)``
+        # blocks it holds (vLLM's list, drained with the core's own copies).
+        self._pending_cow_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
         if isinstance(spec, MambaSpec):
             self.mamba_cache_mode = spec.mamba_cache_mode
             self.num_speculative_blocks = spec.num_speculative_blocks
@@ -732,7 +735,10 @@ class SingleTypeManagerView:
         return self._core.take_new_block_ids(self.kv_cache_group_id)
 
     def take_pending_cow_copies(self) -> list[Any]:
-        return []
+        """The copies queued on ``_pending_cow_copies`` since the last call (the
+        core's own come from ``take_kv_cache_block_copies``)."""
+        pending, self._pending_cow_copies = self._pending_cow_copies, []
+        return pending
 
     def take_pending_boundary_state_offloads(self) -> list[Any]:
         return []

@@ -40,7 +40,13 @@ from vllm.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_s
 from vllm.v1.request import Request
 
 from pagedkv import _core
-from pagedkv.vllm.manager import KVCacheManager, add_to_core, sync_with_core, vllm_events
+from pagedkv.vllm.manager import (
+    KVCacheManager,
+    add_to_core,
+    feed_collector,
+    sync_with_core,
+    vllm_events,
+)
 from pagedkv.vllm.views import (
     BlockPoolView,
     BlockRun,
@@ -115,19 +121,7 @@ class HostTier:
     def _observe_blocks(self) -> None:
         """The host pool's block activity to its metrics collector, then its
         events to the device pool's stream."""
-        col = self.metrics_collector
-        if col is not None:
-            kinds, ids = self._core.take_block_activity()
-            blocks = self._blocks
-            for kind, bid in zip(kinds.tolist(), ids.tolist(), strict=True):
-                if kind == _core.BLOCK_ALLOCATED:
-                    col.on_block_allocated(blocks[bid])
-                elif kind == _core.BLOCK_ACCESSED:
-                    col.on_block_accessed(blocks[bid])
-                elif kind == _core.BLOCK_EVICTED:
-                    col.on_block_evicted(blocks[bid])
-                else:
-                    col.reset()
+        feed_collector(self.metrics_collector, self._core, self._blocks)
         for ev in vllm_events(self._core, MEDIUM_CPU):
             self._device._queue_event(ev)
 

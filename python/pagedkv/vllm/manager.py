@@ -393,20 +393,7 @@ class KVCacheManager:
         """Feeds vLLM's ``metrics_collector`` the pool's block activity since the
         last call, in order, as vLLM's pool calls it: blocks allocated, cached
         blocks adopted by a hit, blocks evicted, the cache reset."""
-        col = self.metrics_collector
-        if col is None:
-            return
-        kinds, ids = self._core.take_block_activity()
-        blocks = self._blocks
-        for kind, bid in zip(kinds.tolist(), ids.tolist(), strict=True):
-            if kind == _core.BLOCK_ALLOCATED:
-                col.on_block_allocated(blocks[bid])
-            elif kind == _core.BLOCK_ACCESSED:
-                col.on_block_accessed(blocks[bid])
-            elif kind == _core.BLOCK_EVICTED:
-                col.on_block_evicted(blocks[bid])
-            else:
-                col.reset()
+        feed_collector(self.metrics_collector, self._core, self._blocks)
 
     # ---- freeing ---------------------------------------------------------------
 
@@ -621,6 +608,24 @@ class KVCacheManager:
     def _core_events(self) -> list[KVCacheEvent]:
         """Drains the core's events as vLLM's event objects (not annotated)."""
         return vllm_events(self._core)
+
+
+def feed_collector(col: Any, core: _core.KVCacheManager, blocks: Sequence[PagedBlock]) -> None:
+    """Feeds vLLM's ``metrics_collector`` a core pool's block activity since the
+    last call, in order, as vLLM's pool calls it: blocks allocated, cached
+    blocks adopted by a hit, blocks evicted, the cache reset."""
+    if col is None:
+        return
+    kinds, ids = core.take_block_activity()
+    for kind, bid in zip(kinds.tolist(), ids.tolist(), strict=True):
+        if kind == _core.BLOCK_ALLOCATED:
+            col.on_block_allocated(blocks[bid])
+        elif kind == _core.BLOCK_ACCESSED:
+            col.on_block_accessed(blocks[bid])
+        elif kind == _core.BLOCK_EVICTED:
+            col.on_block_evicted(blocks[bid])
+        else:
+            col.reset()
 
 
 def vllm_events(core: _core.KVCacheManager, medium: str | None = None) -> list[KVCacheEvent]:

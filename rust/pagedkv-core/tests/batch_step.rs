@@ -1,10 +1,10 @@
 //! The batch call with the step's sampled tokens (`BatchStep::append_token_ids`):
 //! the same manager state, results and events as `append_token_ids_batch`
 //! followed by `allocate_slots_batch`, and a refused call appends nothing.
-use pagedkv_core::{
-    AllocateArgs, BatchAllocation, BatchStep, Error, KvCacheManager, ManagerConfig, RequestRefs,
-    RequestSpec,
-};
+mod support;
+
+use pagedkv_core::{BatchAllocation, BatchStep, Error, KvCacheManager, ManagerConfig, RequestRefs};
+use support::admit_prompt as admit;
 
 const MAX_LEN: u64 = 64;
 
@@ -14,27 +14,6 @@ fn mgr() -> KvCacheManager {
         ..ManagerConfig::full_attention(64, 4, MAX_LEN)
     };
     KvCacheManager::new(cfg).expect("config")
-}
-
-/// Adds and admits a request of `n` prompt tokens (its whole prompt computed
-/// in one step), returning its handle.
-fn admit(m: &mut KvCacheManager, id: &str, seed: u32, n: u32) -> u64 {
-    let spec = RequestSpec {
-        prompt_token_ids: (0..n).map(|i| seed * 1000 + i).collect(),
-        ..Default::default()
-    };
-    let h = m.add_request(id, spec).expect("add");
-    let hit = m.get_computed_blocks(id).expect("lookup");
-    let args = AllocateArgs {
-        num_new_computed_tokens: hit.num_computed_tokens,
-        ..AllocateArgs::step(u64::from(n) - hit.num_computed_tokens, 0)
-    };
-    assert!(
-        m.allocate_slots(id, &args, Some(&hit))
-            .expect("alloc")
-            .is_some()
-    );
-    h
 }
 
 /// Everything a caller can observe of the requests and the pool.

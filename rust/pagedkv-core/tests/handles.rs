@@ -8,6 +8,10 @@
 //! for each request in order, including the steps where a lookahead needs a
 //! block or a token fills one. (The reference single calls take the general
 //! path through an in-flight token count, which full attention ignores.)
+mod support;
+
+use support::admit_prompt as admit;
+
 use pagedkv_core::{
     AllocateArgs, BatchAllocation, Error, KvCacheManager, ManagerConfig, RequestRefs, RequestSpec,
 };
@@ -29,21 +33,6 @@ fn prompt(seed: u32, n: u32) -> RequestSpec {
         prompt_token_ids: (0..n).map(|i| seed * 1000 + i).collect(),
         ..Default::default()
     }
-}
-
-fn admit(m: &mut KvCacheManager, id: &str, seed: u32, n: u32) -> u64 {
-    let h = m.add_request(id, prompt(seed, n)).expect("add");
-    let hit = m.get_computed_blocks(id).expect("lookup");
-    let args = AllocateArgs {
-        num_new_computed_tokens: hit.num_computed_tokens,
-        ..AllocateArgs::step(u64::from(n) - hit.num_computed_tokens, 0)
-    };
-    assert!(
-        m.allocate_slots(id, &args, Some(&hit))
-            .expect("alloc")
-            .is_some()
-    );
-    h
 }
 
 #[test]

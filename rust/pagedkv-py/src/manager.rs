@@ -1356,9 +1356,8 @@ impl EngineManagedBlocks for AllocateArgs {
     /// `split_at_group` as a group index (the core checks its range).
     fn with_split_at_group(mut self, group: Option<i64>) -> PkResult<Self> {
         if let Some(g) = group {
-            self.split_at_group = Some(
-                usize::try_from(count("split_at_group", g)?).unwrap_or(usize::MAX),
-            );
+            self.split_at_group =
+                Some(usize::try_from(count("split_at_group", g)?).unwrap_or(usize::MAX));
         }
         Ok(self)
     }

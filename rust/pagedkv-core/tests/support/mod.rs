@@ -1,8 +1,12 @@
 //! Small helpers shared by the behaviour tables (`partial_hits`,
-//! `scratch_groups`): unwrap with the error's text, register a prompt, read a
-//! request's block ids.
+//! `scratch_groups`) and the batch tests (`handles`, `batch_step`): unwrap
+//! with the error's text, register a prompt, admit one, read a request's block
+//! ids.
 
-use pagedkv_core::{Error, KvCacheManager, RequestSpec};
+// Each test binary that includes this module uses a part of it.
+#![allow(dead_code)]
+
+use pagedkv_core::{AllocateArgs, Error, KvCacheManager, RequestSpec};
 
 /// The value, or a panic showing the error.
 pub fn ok<T>(r: Result<T, Error>) -> T {
@@ -26,4 +30,21 @@ pub fn ids(m: &KvCacheManager, id: &str) -> Vec<Vec<u32>> {
         .into_iter()
         .map(<[u32]>::to_vec)
         .collect()
+}
+
+/// Adds request `id` with `n` prompt tokens (`seed * 1000 + i`) and admits it
+/// with its prefix hit, the rest of its prompt in one step; its handle.
+pub fn admit_prompt(m: &mut KvCacheManager, id: &str, seed: u32, n: u32) -> u64 {
+    let spec = RequestSpec {
+        prompt_token_ids: (0..n).map(|i| seed * 1000 + i).collect(),
+        ..Default::default()
+    };
+    let h = ok(m.add_request(id, spec));
+    let hit = ok(m.get_computed_blocks(id));
+    let args = AllocateArgs {
+        num_new_computed_tokens: hit.num_computed_tokens,
+        ..AllocateArgs::step(u64::from(n) - hit.num_computed_tokens, 0)
+    };
+    assert!(ok(m.allocate_slots(id, &args, Some(&hit))).is_some());
+    h
 }

@@ -124,7 +124,25 @@ fn layouts() -> Vec<Vec<GroupSpec>> {
         ],
         // vLLM's HiSparse layout: host source, indexer, resident.
         vec![managed(), g(AttentionKind::FullAttention, 4), managed()],
+        // Its production order: regular groups after the resident and hot
+        // ones (admissions split at the resident group).
+        vec![
+            managed(),
+            g(AttentionKind::FullAttention, 4),
+            managed(),
+            managed(),
+            g(swa(8), 4),
+        ],
     ]
+}
+
+/// Where an admission splits: the first engine-managed group after the first
+/// group the manager runs, when a group it runs comes after that one.
+fn split_group(groups: &[GroupSpec]) -> Option<usize> {
+    let managed = |g: &GroupSpec| matches!(g.kind, AttentionKind::EngineManaged);
+    let first_core = groups.iter().position(|g| !managed(g))?;
+    let split = (first_core..groups.len()).find(|&i| managed(&groups[i]))?;
+    groups[split..].iter().any(|g| !managed(g)).then_some(split)
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -222,16 +240,27 @@ impl Sim {
                 if new == 0 {
                     return;
                 }
+                let engine = u64::from(*enc % 4);
+                let split = split_group(&self.mgr.config().groups).filter(|_| enc % 3 != 0);
                 let args = AllocateArgs {
                     num_new_computed_tokens: hit.num_computed_tokens,
                     num_encoder_tokens: u64::from(*enc),
                     full_sequence_must_fit: true,
-                    engine_managed_blocks: u64::from(*enc % 4),
+                    engine_managed_blocks: engine,
                     engine_managed_full_blocks: u64::from(*enc % 5),
+                    split_at_group: split,
                     ..AllocateArgs::step(new, 0)
                 };
                 if let Ok(Some(_)) = self.mgr.allocate_slots(&id, &args, Some(&hit)) {
                     self.set(&id, hit.num_computed_tokens + new);
+                    if split.is_some() {
+                        // The engine's groups take what the step counted for
+                        // them, then the rest of the allocation runs.
+                        let blocks = self.mgr.get_new_blocks(engine as u32);
+                        assert!(blocks.is_some(), "the step counted {engine} engine blocks");
+                        self.taken.extend(blocks.unwrap_or_default());
+                        assert!(self.mgr.finish_allocation(&id).is_ok());
+                    }
                 }
             }
             Op::Step { req, chunk } => {
@@ -354,7 +383,7 @@ proptest! {
 
     #[test]
     fn hybrid_pools_keep_every_invariant(
-        layout in 0..11usize,
+        layout in 0..12usize,
         num_blocks in 4..80u32,
         caching in any::<bool>(),
         eagle in any::<bool>(),

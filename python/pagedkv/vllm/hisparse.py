@@ -363,8 +363,10 @@ class HiSparseKVCacheManager(KVCacheManager):
             tokens = request._all_token_ids
         except AttributeError:
             tokens = request.all_token_ids
-        # Events recorded before this call keep their place ahead of its own.
-        self._queued_events += self._core_events()
+        events = self.enable_kv_cache_events
+        if events:
+            # Events recorded before this call keep their place ahead of its own.
+            self._queued_events += self._core_events()
         cache_now = self.enable_caching and not delay_cache_blocks
         new = self._allocate_synced(
             rid,
@@ -392,7 +394,7 @@ class HiSparseKVCacheManager(KVCacheManager):
         # The core adopted and allocated for its groups. vLLM runs the groups
         # before the core's first one ahead of them: on the host pool (the
         # source), so only the event stream tells; their events go first.
-        core_events = self._core_events()
+        core_events = self._core_events() if events else []
         self._observe_blocks()
         self.block_pool._fire_reused()
         added: dict[int, list[Any]] = {}
@@ -434,11 +436,10 @@ class HiSparseKVCacheManager(KVCacheManager):
         runs the reuse watchers itself, and vLLM's managers take their blocks
         through the pool view, which does too."""
 
-    def _cache_engine_groups(
-        self, request: Request, num_tokens: int, engine: tuple[tuple[int, Any], ...]
-    ) -> None:
-        """These engine-managed groups' ``cache_blocks`` (the host source
-        publishes once its copies are durable)."""
+    def _cache_in_group_order(self, request: Request, num_tokens: int) -> None:
+        """Every group's ``cache_blocks`` in vLLM's group order: the engine
+        groups before the core's (the host source publishes once its copies
+        are durable), the core's (synced by the allocation), the rest."""
         coordinator = self.coordinator
         boundaries = replay_boundaries(
             request.num_prompt_tokens,
@@ -446,22 +447,19 @@ class HiSparseKVCacheManager(KVCacheManager):
             use_eagle=bool(self._drop_eagle),
         )
         cacheable = max(0, num_tokens - coordinator.num_reprefillable_tokens)
-        for _, m in engine:
-            if m.enable_caching:
-                m.cache_blocks(
-                    request,
-                    cacheable,
-                    retention_interval=coordinator.retention_interval,
-                    replay_boundaries=boundaries,
-                )
-
-    def _cache_in_group_order(self, request: Request, num_tokens: int) -> None:
-        """Every group's ``cache_blocks`` in vLLM's group order: the engine
-        groups before the core's, the core's (synced by the allocation), the
-        rest."""
-        self._cache_engine_groups(request, num_tokens, self._engine_before)
-        self._core.cache_blocks(request.request_id, num_tokens)
-        self._cache_engine_groups(request, num_tokens, self._engine_after)
+        retention = coordinator.retention_interval
+        for engine in (self._engine_before, None, self._engine_after):
+            if engine is None:
+                self._core.cache_blocks(request.request_id, num_tokens)
+                continue
+            for _, m in engine:
+                if m.enable_caching:
+                    m.cache_blocks(
+                        request,
+                        cacheable,
+                        retention_interval=retention,
+                        replay_boundaries=boundaries,
+                    )
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publishes the request's full blocks in every group, in group order."""

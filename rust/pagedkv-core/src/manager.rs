@@ -111,9 +111,14 @@ impl AllocateArgs {
     /// delayed or in flight.
     #[must_use]
     pub fn is_plain_step(&self) -> bool {
+        !self.delay_cache_blocks && self.is_plain_step_if_caching()
+    }
+
+    /// [`Self::is_plain_step`], caching delayed or not: a step the decode fast
+    /// path serves publishes no block, so delaying its caching changes nothing.
+    fn is_plain_step_if_caching(&self) -> bool {
         self.num_new_computed_tokens == 0
             && self.num_external_computed_tokens == 0
-            && !self.delay_cache_blocks
             && self.num_encoder_tokens == 0
             && !self.full_sequence_must_fit
             && self.reserved_blocks == 0
@@ -650,7 +655,7 @@ impl KvCacheManager {
         hit: Option<&ComputedBlocks>,
     ) -> Result<bool> {
         if hit.is_none()
-            && a.is_plain_step()
+            && a.is_plain_step_if_caching()
             && self.decode_step_needs_nothing(
                 slot,
                 a.num_new_tokens,

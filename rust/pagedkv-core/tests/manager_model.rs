@@ -1196,6 +1196,9 @@ fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
                 let num_new = chunk.map_or(remaining, |c| u64::from(c).min(remaining));
                 let args = AllocateArgs {
                     num_lookahead_tokens: u64::from(*lookahead),
+                    // Now and then a step whose caching an async load delays
+                    // (the decode fast path serves it when nothing fills).
+                    delay_cache_blocks: token % 5 == 0,
                     ..AllocateArgs::step(num_new, nc)
                 };
                 // Full attention never skips blocks: both are no-ops.

@@ -8,8 +8,9 @@
 //!   `allocate_slots` that returns "does not fit" does too unless a group frees
 //!   out-of-window blocks first (documented);
 //! - no call other than `check_invariants` reports an invariant violation;
-//! - block conservation: free blocks plus distinct blocks held by requests is the
-//!   number of usable blocks, and nobody holds the null block's slot twice;
+//! - block conservation: free blocks plus distinct blocks held by requests (or
+//!   by a queued copy) is the number of usable blocks, and nobody holds the
+//!   null block's slot twice;
 //! - a block held by two request slots sits at the same position in the same
 //!   group and both requests have the same tokens up to the end of that block
 //!   (two requests writing different contents into one block is corruption);
@@ -285,6 +286,15 @@ fn check_state(mgr: &KvCacheManager, ids: &[String], tokens: &HashMap<String, Ve
             }
         }
     }
+    // Blocks a queued copy holds that no request holds any more (a Mamba
+    // request's own boundary kept in a copy of its state block).
+    for b in mgr.pending_copy_blocks() {
+        let b = b as usize;
+        if b != 0 && holder[b].is_none() {
+            holder[b] = Some((usize::MAX, 0, 0));
+            distinct += 1;
+        }
+    }
     assert_eq!(
         pool.num_free_blocks() as usize + distinct,
         n - 1,
@@ -429,7 +439,10 @@ impl Driver {
             skip_zeroing_groups: 0,
             engine_managed_blocks: 0,
             engine_managed_full_blocks: 0,
-            split_at_group: None,
+            // Now and then an allocation split at a group (group 0 and one
+            // past the last are refused), finished or not by a later call.
+            split_at_group: (fancy == 3 && b.u8().is_multiple_of(4))
+                .then(|| b.below(self.mgr.config().groups.len() + 2)),
         }
     }
 
@@ -622,6 +635,15 @@ impl Driver {
                 let _ = self.mgr.make_prefix_cache_stats();
                 let id = request_id(b);
                 let _ = self.mgr.get_num_common_prefix_blocks(&id);
+                // Completes a split allocation of this request, if one waits.
+                let waiting = snapshot(&self.mgr, &ids);
+                if self.mgr.finish_allocation(&id).is_err() {
+                    assert_eq!(
+                        snapshot(&self.mgr, &ids),
+                        waiting,
+                        "a refused finish_allocation changed the state"
+                    );
+                }
                 (Ok(()), false)
             }
         };
@@ -716,6 +738,17 @@ pub fn run(data: &[u8]) {
     }
     d.tokens.clear();
     check_state(&d.mgr, &[], &d.tokens);
+    // Queued copies keep their endpoints until the engine ran them.
+    let ends: Vec<u32> = d
+        .mgr
+        .take_block_copies()
+        .into_iter()
+        .flat_map(|(a, b)| [a, b])
+        .filter(|&b| b != 0)
+        .collect();
+    d.mgr
+        .free_blocks(&ends)
+        .expect("the copies' references go back");
     assert_eq!(d.mgr.num_free_blocks(), num_blocks - 1, "blocks leaked");
     assert_eq!(d.mgr.num_requests(), 0);
     assert!(

@@ -27,6 +27,14 @@ impl KvCacheManager {
         pairs
     }
 
+    /// The blocks the queued copies hold a reference on until
+    /// [`Self::take_block_copies`] hands them out (both endpoints of each),
+    /// in queue order.
+    #[must_use]
+    pub fn pending_copy_blocks(&self) -> Vec<BlockId> {
+        self.coord.pending_cow_refs().collect()
+    }
+
     /// Drains the committed Mamba boundary states offered since the last call,
     /// `(request id, group, block, boundary tokens)`: every retained state a
     /// step cached, and the private copy of a request's own boundary inside its

@@ -614,6 +614,10 @@ impl GroupManager {
             return;
         }
         let bs = u64::from(self.block_size);
+        // Only the blocks the adopted tokens reach: a caller may adopt fewer
+        // tokens than the lookup found (the rest it computes, or a connector
+        // loads into fresh blocks).
+        let hit = &hit[..(num_local.div_ceil(bs) as usize).min(hit.len())];
         let skipped_blocks = (self.num_skipped_tokens(num_local + num_external) / bs) as usize;
         let hit = &hit[skipped_blocks.min(hit.len())..];
         if pool.enable_caching() {

@@ -213,6 +213,10 @@ pub struct KvCacheManager {
     stats: Option<PrefixCacheStats>,
     scratch_slots: Vec<u32>,
     scratch_counts: Vec<u64>,
+    /// Per request slot, the batch call that last named it (`batch_stamp`):
+    /// a batch naming a request twice is refused without a per-call set.
+    batch_marks: Vec<u32>,
+    batch_stamp: u32,
     /// Block references detached by `pop_blocks_for_free`, not yet freed.
     detached: rustc_hash::FxHashMap<BlockId, u32>,
     /// An allocation split at a group (`AllocateArgs::split_at_group`) that
@@ -252,6 +256,8 @@ impl KvCacheManager {
             stats: cfg.log_stats.then(PrefixCacheStats::default),
             scratch_slots: Vec::new(),
             scratch_counts: Vec::new(),
+            batch_marks: Vec::new(),
+            batch_stamp: 0,
             detached: rustc_hash::FxHashMap::default(),
             pending_split: None,
             hash_worker: None,

@@ -196,3 +196,30 @@ fn a_refused_step_appends_nothing() {
     assert!(err.to_string().contains("max_model_len"), "{err}");
     assert_eq!(state(&mut m, &ids), before, "past max_model_len");
 }
+
+/// A batch names each request once: a second step of the same request would
+/// be checked against the state its first leaves (vLLM's scheduler schedules
+/// a request once a step). Refused before anything changes.
+#[test]
+fn a_batch_naming_a_request_twice_is_refused() {
+    let mut m = mgr();
+    let h = admit(&mut m, "a", 1, 8);
+    admit(&mut m, "b", 2, 8);
+    m.take_events();
+    let before = state(&mut m, &["a", "b"]);
+    let hs = [h, h];
+    let mut out = BatchAllocation::default();
+    let err = m
+        .allocate_slots_batch_refs(RequestRefs::Handles(&hs), &[1, 20], &[8, 8], 0, &mut out)
+        .expect_err("named twice");
+    assert!(err.to_string().contains("named twice"), "{err}");
+    let err = m
+        .allocate_slots_batch(&["b", "a", "b"], &[1, 1, 1], &[8, 8, 8], 0, &mut out)
+        .expect_err("named twice");
+    assert!(err.to_string().contains("\"b\""), "{err}");
+    assert_eq!(state(&mut m, &["a", "b"]), before);
+    // Each once: served.
+    m.allocate_slots_batch(&["b", "a"], &[1, 1], &[8, 8], 0, &mut out)
+        .expect("served");
+    assert_eq!(out.num_allocated, 2);
+}

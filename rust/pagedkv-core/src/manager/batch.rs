@@ -152,11 +152,37 @@ impl KvCacheManager {
                 counts.extend(slots.iter().map(|&s| self.table.get(s).scheduled_through));
                 &counts
             };
+            self.refuse_repeated_requests(&slots)?;
             self.allocate_resolved(&slots, computed, step, out)
         });
         self.scratch_slots = slots;
         self.scratch_counts = counts;
         done
+    }
+
+    /// Refuses a batch that names a request twice: its second step would be
+    /// checked against the state the first leaves, after something changed.
+    fn refuse_repeated_requests(&mut self, slots: &[u32]) -> Result<()> {
+        self.batch_stamp = self.batch_stamp.wrapping_add(1);
+        if self.batch_stamp == 0 {
+            self.batch_marks.fill(0);
+            self.batch_stamp = 1;
+        }
+        let stamp = self.batch_stamp;
+        for &slot in slots {
+            let i = slot as usize;
+            if i >= self.batch_marks.len() {
+                self.batch_marks.resize(i + 1, 0);
+            }
+            if self.batch_marks[i] == stamp {
+                return Err(invalid(format!(
+                    "request {:?} is named twice in the batch",
+                    self.table.get(slot).id
+                )));
+            }
+            self.batch_marks[i] = stamp;
+        }
+        Ok(())
     }
 
     /// The batch call on resolved request slots (counts of the same length):

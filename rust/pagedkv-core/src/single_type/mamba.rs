@@ -91,7 +91,9 @@ impl GroupManager {
         let prev_len = gb.blocks.len();
         let allocated = gb.mamba_allocated;
         if allocated {
-            gb.mamba_last_state = Some(prev_len - 1 - spec);
+            // No state column yet when the row holds only speculative slots
+            // (or nothing: a step that needed no block marked it allocated).
+            gb.mamba_last_state = prev_len.checked_sub(1 + spec);
         } else if prev_len > 0 {
             gb.mamba_last_state = Some(prev_len - 1);
         }

@@ -21,53 +21,22 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Sequence
 
 import numpy as np
 import pagedkv as pk
 from pagedkv._oracle.trace import TraceConfig, generate
 from pagedkv.sim import ManagerBackend, Scheduler, SchedulerConfig, drive
-from pagedkv.sim.policy import Request
 
-
-class SeparateAppends(ManagerBackend):
-    """The sampled tokens in a call of their own at the end of each step."""
-
-    def allocate(self, reqs: Sequence[Request], num_new_tokens: Sequence[int]) -> int:
-        # Nothing is ever pending: ``append_token_ids`` gets only -1s, so pass none.
-        st, clock = self.stats, self._clock
-        refs = [r.handle for r in reqs]
-        new = np.asarray(num_new_tokens, dtype=np.int64)
-        computed = np.asarray([r.num_computed_tokens for r in reqs], dtype=np.int64)
-        t = clock()
-        n_ok, groups = self.kv.allocate_slots_batch(refs, new, computed)
-        st.timed("allocate_slots_batch", clock() - t)
-        st.calls["allocate_slots"] = st.calls.get("allocate_slots", 0) + n_ok
-        for i in range(n_ok):
-            st.feed_allocation([blocks[offsets[i] : offsets[i + 1]] for blocks, offsets in groups])
-        st.manager_calls += n_ok
-        if n_ok < len(reqs):
-            st.manager_calls += 1
-            st.feed_allocation(None)
-        return n_ok
-
-    def append_tokens(self, reqs: Sequence[Request], tokens: Sequence[int]) -> None:
-        st, clock = self.stats, self._clock
-        refs = [r.handle for r in reqs]
-        t = clock()
-        self.kv.append_token_ids_batch(refs, tokens)
-        st.timed("append_token_ids_batch", clock() - t)
-
-
+# (background hashing, sampled tokens with the next allocation)
 MODES = {
-    "in place": (False, ManagerBackend),
-    "background": (True, ManagerBackend),
-    "bg, separate appends": (True, SeparateAppends),
+    "in place": (False, True),
+    "background": (True, True),
+    "bg, separate appends": (True, False),
 }
 
 
 def one_run(reqs: list, mode: str, num_blocks: int) -> dict[str, float | str]:
-    background, backend = MODES[mode]
+    background, tokens_with_allocation = MODES[mode]
     kw = dict(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")
     groups = [pk.KVCacheGroupSpec(["layers.0.attn"], pk.FullAttentionSpec(**kw))]
     config = pk.KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
@@ -75,7 +44,7 @@ def one_run(reqs: list, mode: str, num_blocks: int) -> dict[str, float | str]:
         config, max_model_len=16384, max_in_flight_tokens=8192, background_hashing=background
     )
     sched = Scheduler(
-        backend(kv),
+        ManagerBackend(kv, tokens_with_allocation=tokens_with_allocation),
         SchedulerConfig(
             max_num_seqs=256, max_num_batched_tokens=8192, hits_count_as_computed=False
         ),

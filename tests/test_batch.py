@@ -370,3 +370,28 @@ def test_bad_sampled_tokens_change_nothing(tokens: Any, exc: type[BaseException]
         mgr.allocate_slots_batch(["a", "b"], 1, [56, 55], append_token_ids=[9, 9])
     assert snapshot(mgr, ["a", "b"]) == before
     mgr.check_invariants()
+
+
+def test_the_scheduler_loop_allocates_the_same_with_tokens_in_their_own_call() -> None:
+    """``ManagerBackend(tokens_with_allocation=False)`` hands each step's sampled
+    tokens over in ``append_token_ids_batch``; the allocations are those of the
+    default, which sends them with the next ``allocate_slots_batch``."""
+    from pagedkv._oracle.trace import TraceConfig, generate
+    from pagedkv.sim import ManagerBackend, Scheduler, SchedulerConfig, drive
+
+    reqs = generate(TraceConfig(seed=3, num_requests=60)).scheduler_requests()
+    checksums, calls = [], []
+    for with_allocation in (True, False):
+        spec = pk.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float16")
+        config = pk.KVCacheConfig(
+            num_blocks=512, kv_cache_groups=[pk.KVCacheGroupSpec(["l"], spec)]
+        )
+        backend = ManagerBackend(
+            pk.KVCacheManager(config, 16384), tokens_with_allocation=with_allocation
+        )
+        sched = Scheduler(backend, SchedulerConfig(max_num_batched_tokens=2048))
+        drive(sched, [r.fresh() for r in reqs])
+        checksums.append(sched.stats.alloc_checksum)
+        calls.append("append_token_ids_batch" in sched.stats.ns)
+    assert checksums[0] == checksums[1]
+    assert calls == [False, True]

@@ -38,9 +38,12 @@ __all__ = ["ManagerBackend"]
 class ManagerBackend(Backend[Request]):
     """The policy's calls on one pagedkv manager (see the module docstring)."""
 
-    def __init__(self, manager: KVCacheManager) -> None:
+    def __init__(self, manager: KVCacheManager, *, tokens_with_allocation: bool = True) -> None:
         super().__init__()
         self.kv = manager
+        # False: each step's sampled tokens go in a call of their own
+        # (``append_token_ids_batch``) instead of with the next allocation.
+        self._defer_tokens = tokens_with_allocation
         self._clock = time.perf_counter_ns
         self._hit: ComputedBlocks | None = None
 
@@ -73,10 +76,12 @@ class ManagerBackend(Backend[Request]):
         new = np.asarray(num_new_tokens, dtype=np.int64)
         computed = np.asarray([r.num_computed_tokens for r in reqs], dtype=np.int64)
         # The tokens sampled since each request's last step go with this call.
-        sampled = []
-        for r in reqs:
-            sampled.append(r.sampled)
-            r.sampled = -1
+        sampled: list[int] | None = None
+        if self._defer_tokens:
+            sampled = []
+            for r in reqs:
+                sampled.append(r.sampled)
+                r.sampled = -1
         t = clock()
         n_ok, groups = self.kv.allocate_slots_batch(refs, new, computed, append_token_ids=sampled)
         st.timed("allocate_slots_batch", clock() - t)
@@ -138,6 +143,13 @@ class ManagerBackend(Backend[Request]):
         return 0
 
     def append_tokens(self, reqs: Sequence[Request], tokens: Sequence[int]) -> None:
+        if not self._defer_tokens:
+            st, clock = self.stats, self._clock
+            refs = [r.handle for r in reqs]
+            t = clock()
+            self.kv.append_token_ids_batch(refs, tokens)
+            st.timed("append_token_ids_batch", clock() - t)
+            return
         # Kept until the request's next allocation (or its preemption) hands it
         # to the manager; a finished request's last token is never needed.
         for r, tok in zip(reqs, tokens, strict=True):

@@ -101,7 +101,6 @@ class HostTier:
         self.num_hash_lookahead_tokens = device.num_hash_lookahead_tokens
         self.coordinator = device.coordinator
         self._engine_groups: tuple[tuple[int, Any], ...] = ()
-        self._queued_events: list[Any] = []
 
     def _sync(self, request: Request) -> str:
         """Registers the request (its prompt, tokens and block hashes) for one
@@ -140,9 +139,6 @@ class HostTier:
     def take_events(self) -> list[Any]:
         """The device pool's events, the host tier's among them."""
         return self._device.take_events()
-
-    def _queue_event(self, event: Any) -> None:
-        self._device._queue_event(event)
 
 
 class HostBlockPool(BlockPoolView):

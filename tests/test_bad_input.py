@@ -140,6 +140,15 @@ ID_METHODS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "get_computed_blocks_for_connector": lambda m, r: m.get_computed_blocks_for_connector(r),
     "cache_detached_blocks": lambda m, r: m.cache_detached_blocks(r, 0, [], 0, 0),
     "cache_detached_partial_block": lambda m, r: m.cache_detached_partial_block(r, 0, 0, 16),
+    "pop_blocks_before": lambda m, r: m.pop_blocks_before(r, 0),
+    "free_groups_before": lambda m, r: m.free_groups_before(r, 0),
+    "hisparse_adopt_page": lambda m, r: m.hisparse_adopt_page(r, 0, 0, 1),
+    "hisparse_drop_page": lambda m, r: m.hisparse_drop_page(r, 0, 0),
+    "hisparse_resident_page": lambda m, r: m.hisparse_resident_page(r, 0, 0),
+    "hisparse_residency_row": lambda m, r: m.hisparse_residency_row(r, 0),
+    "hisparse_allocate_new_blocks": lambda m, r: m.hisparse_allocate_new_blocks(r, 0, 16),
+    "hisparse_require_hot": lambda m, r: m.hisparse_require_hot(r, 0),
+    "hisparse_hot_required": lambda m, r: m.hisparse_hot_required(r, 0),
 }
 # Batch calls also take the int handles add_request returns.
 HANDLE_METHODS = ("allocate_slots_batch", "append_token_ids_batch")

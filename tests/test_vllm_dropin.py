@@ -15,7 +15,7 @@ from typing import Any
 import pagedkv as pk
 import pytest
 from _util import load_vectors, make_manager
-from pagedkv.errors import InvalidArgumentError, StaleComputedBlocksError
+from pagedkv.errors import InvalidArgumentError, StaleComputedBlocksError, UnknownRequestError
 
 REQUESTS = load_vectors("vllm_request_hashes.json")
 
@@ -360,6 +360,94 @@ def test_a_split_allocation_through_pagedkvs_own_api() -> None:
     with pytest.raises(InvalidArgumentError):
         m.finish_allocation("r")
     m.free_blocks([4, 5])
+    m.check_invariants()
+
+
+def _hisparse_config(num_blocks: int = 32) -> pk.KVCacheConfig:
+    """vLLM's HiSparse test layout in pagedkv's own specs: ``[indexer, resident,
+    hot]`` (the host source is the engine's business), blocks of 4 tokens."""
+    attn = pk.FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype="float32")
+    return pk.KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_groups=[
+            pk.KVCacheGroupSpec(["indexer"], attn),
+            pk.KVCacheGroupSpec(["resident"], pk.HiSparseResidentSpec(block_size=4, page_size=64)),
+            pk.KVCacheGroupSpec(
+                ["hot"], pk.HiSparseHotSpec(block_size=4, page_size=64, blocks_per_request=2)
+            ),
+        ],
+    )
+
+
+def test_hisparse_resident_and_hot_groups_through_pagedkvs_own_api() -> None:
+    # vLLM's HiSparseResidentManager / HiSparseHotManager rules, in the core:
+    # a cold admission takes resident pages (engine-held) and no hot region; a
+    # prefix hit starts the row with host-only pages and takes the region; the
+    # engine's residency overlay; a release stopped at the resident group.
+    m = pk.KVCacheManager(_hisparse_config(), max_model_len=256)
+    m.add_request("a", list(range(12)))
+    new = m.allocate_slots("a", 12, num_computed_tokens=0)
+    assert new is not None and [g.tolist() for g in new] == [[1, 2, 3], [4, 5, 6], []]
+    assert m.num_detached_block_refs == 3
+    assert not m.hisparse_hot_required("a", 2)
+    m.add_request("b", list(range(12)))
+    hit = m.get_computed_blocks("b")
+    assert hit.num_computed_tokens == 8
+    new = m.allocate_slots("b", 4, num_computed_tokens=0, new_computed_blocks=hit)
+    assert new is not None and [g.tolist() for g in new] == [[7], [8], [9, 10]]
+    assert [g.tolist() for g in m.get_block_ids("b")] == [[1, 2, 7], [0, 0, 8], [9, 10]]
+    assert m.hisparse_hot_required("b", 2)
+    # The engine pins a device copy of page 0 and reads the page from it.
+    copy = int(m.get_new_blocks(1)[0])
+    assert m.hisparse_adopt_page("b", 1, 0, copy)
+    assert not m.hisparse_adopt_page("b", 1, 0, copy)
+    assert m.hisparse_resident_page("b", 1, 0) == copy
+    assert m.hisparse_residency_row("b", 1).tolist() == [copy, 0, 8]
+    assert m.hisparse_drop_page("b", 1, 2) == 8
+    assert m.hisparse_resident_page("b", 1, 2) is None
+    m.unpin_blocks([8])
+    m.check_invariants()
+    # The indexer's blocks go first; the engine then lets go of its pages.
+    m.free_groups_before("b", 1)
+    assert [g.tolist() for g in m.get_block_ids("b")] == [[], [0, 0, 8], [9, 10]]
+    popped = m.pop_blocks_for_free("b")
+    assert popped.tolist() == [copy, 0, 0, 9, 10]
+    m.free_blocks(popped)
+    m.remove_request("a")
+    assert m.num_detached_block_refs == 0
+    assert m.num_free_blocks == 31
+    m.check_invariants()
+
+
+def test_hisparse_calls_refuse_bad_input_and_change_nothing() -> None:
+    m = pk.KVCacheManager(_hisparse_config(), max_model_len=256)
+    m.add_request("a", list(range(8)))
+    m.allocate_slots("a", 8, num_computed_tokens=0)
+    before = [g.tolist() for g in m.get_block_ids("a")]
+    cases: list[tuple[Any, type[Exception]]] = [
+        (lambda: m.hisparse_adopt_page("a", 0, 0, 3), InvalidArgumentError),  # not resident
+        (lambda: m.hisparse_adopt_page("a", 1, 0, 99), InvalidArgumentError),  # not in the pool
+        (lambda: m.hisparse_adopt_page("a", 1, -1, 3), InvalidArgumentError),
+        (lambda: m.hisparse_drop_page("nope", 1, 0), UnknownRequestError),
+        (lambda: m.hisparse_require_hot("a", 1), InvalidArgumentError),  # not hot
+        (lambda: m.hisparse_hot_required("a", 7), InvalidArgumentError),
+        (lambda: m.hisparse_allocate_new_blocks("a", 0, 8), InvalidArgumentError),
+        (lambda: m.hisparse_residency_row("a", 1, -2), InvalidArgumentError),
+        (lambda: m.free_groups_before("a", 4), InvalidArgumentError),
+        (lambda: m.pop_blocks_before("a", -1), InvalidArgumentError),
+    ]
+    for call, exc in cases:
+        with pytest.raises(exc):
+            call()
+        assert [g.tolist() for g in m.get_block_ids("a")] == before
+    m.check_invariants()
+    # Too few free blocks for a hot region: refused, nothing taken.
+    m.hisparse_require_hot("a", 2)
+    m.get_new_blocks(m.num_free_blocks - 1)
+    free = m.num_free_blocks
+    with pytest.raises(InvalidArgumentError, match="not enough free blocks"):
+        m.hisparse_allocate_new_blocks("a", 2, 8)
+    assert m.num_free_blocks == free
     m.check_invariants()
 
 
@@ -1082,6 +1170,60 @@ def test_hisparse_events_in_vllms_order_when_both_pools_evict(regular: bool) -> 
         assert first[4] and min(first[4]) > max(first[2] + first[3]), first
     kinds = [(row[0], row[2]) for step in want for row in step if step and row]
     assert ("BlockRemoved", "CPU") in kinds and ("BlockRemoved", "GPU") in kinds
+
+
+@pytest.mark.parametrize("regular", [False, True], ids=["test_layout", "production_layout"])
+def test_hisparse_external_import_side_by_side(regular: bool) -> None:
+    # A connector's load: every group takes its imported blocks before any
+    # takes new ones, the resident row keeps only the import's last page on
+    # the device (a fresh block, in group order after the indexer's imports),
+    # the hot region follows; then a second request adopts a host prefix hit
+    # and imports more on top of it.
+    ref, ours = _hisparse_pair(num_blocks=40, host_blocks=24, regular=regular)
+    from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
+
+    def run(mgr: Any) -> list[Any]:
+        coordinator = get_hisparse_coordinator(mgr)
+        resident = coordinator.resident_managers[0]
+        out: list[Any] = []
+        a = _hisparse_request("a", list(range(64)))
+        new = _hisparse_step(mgr, a, 16, num_external_computed_tokens=40)
+        out.append(_ids(new))
+        out.append(mgr.get_block_ids("a"))
+        out.append([x.block_id for x in resident.get_residency_row("a")])
+        a.num_computed_tokens = 56
+        new = _hisparse_step(mgr, a, 8)
+        out.append(_ids(new))
+        a.num_computed_tokens = 64
+        mgr.cache_blocks(a, 64)
+        out.append(_event_rows(mgr.take_events()))
+        b = _hisparse_request("b", list(range(48)) + [9] * 40)
+        blocks, hit, _ = mgr.get_computed_blocks(b)
+        out.append((_ids(blocks), hit))
+        new = _hisparse_step(
+            mgr,
+            b,
+            8,
+            num_new_computed_tokens=hit,
+            new_computed_blocks=blocks,
+            num_external_computed_tokens=24,
+        )
+        out.append(None if new is None else _ids(new))
+        out.append(mgr.get_block_ids("b"))
+        out.append([x.block_id for x in resident.get_residency_row("b")])
+        out.append(
+            sorted(coordinator.request_states.get("b", None).valid_pages)
+            if "b" in coordinator.request_states
+            else None
+        )
+        mgr.free(a)
+        mgr.free(b)
+        out.append(_event_rows(mgr.take_events()))
+        out.append(mgr.block_pool.get_num_free_blocks())
+        out.append([x.block_id for x in mgr.block_pool.free_block_queue.get_all_free_blocks()])
+        return out
+
+    assert run(ours) == run(ref)
 
 
 def _event_rows(events: list[Any]) -> list[tuple[Any, ...]]:

@@ -46,6 +46,8 @@ __all__ = [
     "CrossAttentionSpec",
     "EngineManagedSpec",
     "FullAttentionSpec",
+    "HiSparseHotSpec",
+    "HiSparseResidentSpec",
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "KVCacheSpec",
@@ -482,8 +484,8 @@ class EngineManagedSpec(KVCacheSpec):
     ``free_blocks``): the manager allocates, caches and looks up nothing for
     it, keeps its place in the group order, and counts the blocks the engine
     says it takes (``allocate_slots(..., engine_managed_blocks=(step, full))``)
-    in its capacity checks. vLLM's HiSparse host, resident and hot groups run
-    so. ``page_size``: bytes of one block of one layer."""
+    in its capacity checks. vLLM's HiSparse host source runs so.
+    ``page_size``: bytes of one block of one layer."""
 
     page_size: int
 
@@ -497,6 +499,80 @@ class EngineManagedSpec(KVCacheSpec):
     def page_size_bytes(self) -> int:
         """``page_size``."""
         return self.page_size
+
+
+@dataclass(frozen=True)
+class HiSparseResidentSpec(KVCacheSpec):
+    """HiSparse's resident group (vLLM's ``HiSparseResidentSpec``): per
+    request, a row of device pages for KV whose home is a host tier. Pages of
+    a host-backed prefix start as the null block; the engine points them at
+    pinned device copies and back (``hisparse_adopt_page``,
+    ``hisparse_drop_page``) and pins and unpins the blocks itself, so a row's
+    references are engine-held (``free_blocks`` / ``unpin_blocks`` return
+    them). A connector's import keeps only its last page on the device. Never
+    cached, never looked up. ``page_size``: bytes of one block of one layer."""
+
+    page_size: int
+
+    kind: ClassVar[str] = "hisparse_resident"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive_int("page_size", self.page_size)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """``page_size``."""
+        return self.page_size
+
+    def max_memory_usage_bytes(
+        self,
+        max_model_len: int,
+        max_in_flight_tokens: int | None = None,
+        *,
+        max_num_encoder_input_tokens: int | None = None,
+    ) -> int:
+        """The pages of the tokens one request can have in flight (the rest of
+        its context lives on the host)."""
+        tokens = min(_check_sizing(max_model_len, max_in_flight_tokens), max_model_len)
+        return cdiv(tokens, self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class HiSparseHotSpec(KVCacheSpec):
+    """HiSparse's hot group (vLLM's ``HiSparseHotSpec``): ``blocks_per_request``
+    blocks a request takes once it reads host-backed history (a connector's
+    import, a resumed host prefix, or ``hisparse_require_hot``). Never cached,
+    never looked up. ``page_size``: bytes of one block of one layer."""
+
+    page_size: int
+    blocks_per_request: int
+
+    kind: ClassVar[str] = "hisparse_hot"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive_int("page_size", self.page_size)
+        _check_positive_int("blocks_per_request", self.blocks_per_request)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """``page_size``."""
+        return self.page_size
+
+    def max_memory_usage_bytes(
+        self,
+        max_model_len: int,
+        max_in_flight_tokens: int | None = None,
+        *,
+        max_num_encoder_input_tokens: int | None = None,
+    ) -> int:
+        """The hot region: ``blocks_per_request`` pages."""
+        _check_sizing(max_model_len, max_in_flight_tokens)
+        return self.blocks_per_request * self.page_size_bytes
+
+    def core_spec(self) -> dict[str, Any]:
+        return {**super().core_spec(), "blocks_per_request": self.blocks_per_request}
 
 
 def _normalize_shapes(shapes: Any) -> tuple[tuple[int, ...], ...]:

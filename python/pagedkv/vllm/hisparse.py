@@ -3,26 +3,27 @@
 A HiSparse model's KV-cache groups are ``[source, indexer, resident*, hot*,
 regular...]``. vLLM's own ``HiSparseCoordinator`` (a Python state machine that
 vLLM's tests, connector and scheduler drive directly) reads and writes the
-source, resident and hot groups' managers. So those groups run vLLM's own
-single-type managers: the resident and hot groups on pagedkv's device pool,
-where they take, touch, unpin and free blocks through the pool's engine calls;
-the source group on the host tier, a second pagedkv pool (:class:`HostTier`:
-its own free queue, prefix cache and events, reported with medium ``"CPU"`` in
-the device pool's event stream, as vLLM's host pool reports them) in place of
-vLLM's host ``BlockPool``. The core keeps them as engine-managed groups (their
-places in the group order, their needs in its capacity checks) and runs every
-other group itself: the indexer and regular groups' allocation, prefix cache,
-lookups and events, as for any other layout.
+source, resident and hot groups' managers. The resident and hot groups are the
+core's (``hisparse_resident``, ``hisparse_hot``): their rows, the residency
+overlay, the engine-held resident pages and the hot regions live in the core,
+and the coordinator reaches them through views that are also vLLM's
+``HiSparseResidentManager`` and ``HiSparseHotManager``
+(:mod:`pagedkv.vllm.views`). The source group runs vLLM's own
+``HiSparseSourceManager`` on the host tier, a second pagedkv pool
+(:class:`HostTier`: its own free queue, prefix cache and events, reported with
+medium ``"CPU"`` in the device pool's event stream, as vLLM's host pool reports
+them) in place of vLLM's host ``BlockPool``. The core keeps the source as an
+engine-managed group (its place in the group order, its need in the capacity
+checks) and runs every device group itself.
 
-Each call runs the groups in vLLM's order: an allocation adopts and allocates
-for the core's groups up to the first engine-managed group after them (the
-resident one), vLLM's managers take their blocks, the core finishes its groups
-after them (vLLM's production layout appends regular groups after the hot ones;
-`split_at_group`), then every group caches, in group order. The host source runs
-on its own pool, so only the event stream tells its place: its events go ahead
-of the core's. Device block ids and the event stream are vLLM's; an external
-import's adoption (a connector's load) is the exception, its engine groups'
-adoption pops coming after the core's allocation rather than before it.
+Each call runs the groups in vLLM's order: the core adopts and allocates for
+every device group in group order; the source (group 0, ahead of them) runs on
+its own pool, so only the event stream tells its place: its events go ahead of
+the core's. The coordinator's own work happens where vLLM's resident manager
+calls it: a hit's host pages are committed once the source holds them, and a
+free lets go of the pinned pages at the first resident group's place
+(``free_groups_before`` / ``pop_blocks_before``). Device block ids and the event
+stream are vLLM's.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.core.single_type_kv_cache_manager import get_manager_for_kv_cache_spec
+from vllm.v1.kv_cache_interface import HiSparseResidentSpec
 from vllm.v1.request import Request
 
 from pagedkv import _core
@@ -168,8 +170,8 @@ class HostBlockPool(BlockPoolView):
 
 class HiSparseKVCacheManager(KVCacheManager):
     """``KVCacheManager`` for a layout with HiSparse groups (vLLM's
-    ``hisparse_host_num_blocks``): vLLM's HiSparse managers on pagedkv's pool,
-    every other group in the core."""
+    ``hisparse_host_num_blocks``): vLLM's source manager on the host tier,
+    every device group (indexer, resident, hot, regular) in the core."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -206,22 +208,21 @@ class HiSparseKVCacheManager(KVCacheManager):
         first_core = next(
             (g for g in range(len(managers)) if g not in self._engine_ids), len(managers)
         )
-        # vLLM's group order: the engine groups before the core's first, then after.
-        self._engine_before = tuple((g, m) for g, m in engine if g < first_core)
-        self._engine_after = tuple((g, m) for g, m in engine if g > first_core)
-        # vLLM's production layout puts regular groups after the hot ones: the
-        # core's allocation then stops at the first engine group after its own
-        # first and finishes once vLLM's managers took their blocks.
-        later_core = [
-            g
-            for g in range(len(managers))
-            if g not in self._engine_ids and self._engine_after and g > self._engine_after[0][0]
-        ]
-        self._split = self._engine_after[0][0] if later_core else None
+        if any(g > first_core for g, _ in engine):
+            # vLLM's coordinator refuses such a layout too (the host group must
+            # precede the resident ones).
+            raise ValueError("HiSparse's host source group must precede every device group")
         # Engine groups looked up for hits (the host source), before the core's.
         self._engine_lookup = tuple((g, m) for g, m in engine if m.kv_cache_spec.prefix_cacheable)
         self.retained_hit_group_ids = tuple(g for g, m in engine if m.retains_longer_hit)
         self._drop_eagle = coordinator.eagle_group_ids if self.use_eagle else set()
+        # The resident groups, in the core: vLLM's coordinator lets go of the
+        # pages it pins where the first one is freed.
+        self._resident: tuple[tuple[int, Any], ...] = tuple(
+            (g, managers[g])
+            for g, group in enumerate(config.kv_cache_groups)
+            if isinstance(group.kv_cache_spec, HiSparseResidentSpec)
+        )
 
     def _host_binder(self, manager: Any, group: int) -> Any:
         """The source manager's ``bind_host_pool``: its blocks from a host tier
@@ -303,9 +304,10 @@ class HiSparseKVCacheManager(KVCacheManager):
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
-        """vLLM's ``allocate_slots`` over both kinds of group: every group's
-        need is counted before any allocates; then the core adopts, allocates
-        and caches for its groups, and vLLM's managers for theirs."""
+        """vLLM's ``allocate_slots`` over both pools: every group's need is
+        counted before any allocates; then the core adopts and allocates for
+        the device groups, vLLM's source manager for the host one, and every
+        group caches in group order."""
         if (
             num_new_tokens == 0
             and num_external_computed_tokens == 0
@@ -383,7 +385,6 @@ class HiSparseKVCacheManager(KVCacheManager):
             request.num_in_flight_tokens,
             skip_zeroing_group_ids or None,
             engine_managed_blocks=(step_need, full_need),
-            split_at_group=self._split,
         )
         if new is None:
             return None
@@ -393,31 +394,22 @@ class HiSparseKVCacheManager(KVCacheManager):
         core_events = self._core_events() if events else []
         self._observe_blocks()
         self.block_pool._fire_reused()
-        added: dict[int, list[Any]] = {}
-        for groups_in_order in (self._engine_before, self._engine_after):
-            if adopting:
-                for g, m in groups_in_order:
-                    m.add_local_computed_blocks(rid, hit_groups[g], local, ext)
-                if ext > 0:
-                    for g, m in groups_in_order:
-                        m.allocate_external_computed_blocks(
-                            rid, local, ext, record_for_zeroing=g not in skip_zeroing_group_ids
-                        )
-            added.update(
-                (g, m.allocate_new_blocks(rid, need_slot, main)) for g, m in groups_in_order
-            )
-            if groups_in_order is self._engine_before:
-                self._queued_events += core_events
-        split = self._split
-        if split is not None:
-            # The core's groups after vLLM's managers' take their blocks now.
-            rest = self._core.finish_allocation(rid)
-            self._observe_blocks()
-            self.block_pool._fire_reused()
-            new = tuple(
-                (new[g] if new else rest[g]) if g < split else rest[g]
-                for g in range(self.num_kv_cache_groups)
-            )
+        if adopting:
+            for g, m in engine:
+                m.add_local_computed_blocks(rid, hit_groups[g], local, ext)
+            if ext > 0:
+                for g, m in engine:
+                    m.allocate_external_computed_blocks(
+                        rid, local, ext, record_for_zeroing=g not in skip_zeroing_group_ids
+                    )
+        added = {g: m.allocate_new_blocks(rid, need_slot, main) for g, m in engine}
+        self._queued_events += core_events
+        if adopting:
+            # vLLM's resident groups report the host pages a hit adopted (once
+            # the source holds them).
+            for _, m in self._resident:
+                if m.coordinator is not None:
+                    m.coordinator.commit_computed_blocks(rid, cdiv(local, m.block_size))
         if cache_now:
             self._cache_in_group_order(request, min(total + num_new_tokens, request.num_tokens))
         pool = self._blocks
@@ -429,13 +421,12 @@ class HiSparseKVCacheManager(KVCacheManager):
 
     def _hook_allocations(self) -> None:
         """Nothing to install: this ``allocate_slots`` feeds the collector and
-        runs the reuse watchers itself, and vLLM's managers take their blocks
-        through the pool view, which does too."""
+        runs the reuse watchers itself."""
 
     def _cache_in_group_order(self, request: Request, num_tokens: int) -> None:
-        """Every group's ``cache_blocks`` in vLLM's group order: the engine
-        groups before the core's (the host source publishes once its copies
-        are durable), the core's (synced by the allocation), the rest."""
+        """Every group's ``cache_blocks`` in vLLM's group order: the host
+        source first (it publishes once its copies are durable), then the
+        core's (synced by the allocation)."""
         coordinator = self.coordinator
         boundaries = replay_boundaries(
             request.num_prompt_tokens,
@@ -444,18 +435,15 @@ class HiSparseKVCacheManager(KVCacheManager):
         )
         cacheable = max(0, num_tokens - coordinator.num_reprefillable_tokens)
         retention = coordinator.retention_interval
-        for engine in (self._engine_before, None, self._engine_after):
-            if engine is None:
-                self._core.cache_blocks(request.request_id, num_tokens)
-                continue
-            for _, m in engine:
-                if m.enable_caching:
-                    m.cache_blocks(
-                        request,
-                        cacheable,
-                        retention_interval=retention,
-                        replay_boundaries=boundaries,
-                    )
+        for _, m in self._engine_groups:
+            if m.enable_caching:
+                m.cache_blocks(
+                    request,
+                    cacheable,
+                    retention_interval=retention,
+                    replay_boundaries=boundaries,
+                )
+        self._core.cache_blocks(request.request_id, num_tokens)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publishes the request's full blocks in every group, in group order."""
@@ -468,11 +456,10 @@ class HiSparseKVCacheManager(KVCacheManager):
     def free(self, request: Request) -> None:
         """Frees the request's blocks in every group, in vLLM's group order."""
         rid = request.request_id
-        for _, m in self._engine_before:
+        for _, m in self._engine_groups:
             m.free(rid)
+        self._release_resident(rid, self._core.free_groups_before)
         super().free(request)
-        for _, m in self._engine_after:
-            m.free(rid)
 
     def pop_blocks_for_free(self, request: Request) -> list[Any]:
         """Every group's blocks, in group order, still referenced: the caller
@@ -480,11 +467,31 @@ class HiSparseKVCacheManager(KVCacheManager):
         the host pool)."""
         rid = request.request_id
         out: list[Any] = []
-        for _, m in self._engine_before:
+        for _, m in self._engine_groups:
             out += m.pop_blocks_for_free(rid)
+        ids = self._release_resident(rid, self._core.pop_blocks_before)
+        if ids is not None:
+            blocks = self._blocks
+            out += [blocks[i] for i in ids.tolist()]
         out += super().pop_blocks_for_free(request)
-        for _, m in self._engine_after:
-            out += m.pop_blocks_for_free(rid)
+        return out
+
+    def _release_resident(self, request_id: str, release: Any) -> Any:
+        """At the first resident group's place in the group order: the groups
+        before it released (``release``: the core's ``free_groups_before`` or
+        ``pop_blocks_before``; its answer is returned), then vLLM's HiSparse
+        coordinator lets go of the request's pages (vLLM's resident manager
+        calls it as it frees). None without resident groups or an unknown
+        request."""
+        if not self._resident:
+            return None
+        if self._live_lists:
+            # Lists handed out keep the blocks they showed before any release.
+            self._freeze_lists(request_id)
+        g, m = self._resident[0]
+        out = release(request_id, g) if request_id in self._live else None
+        if m.coordinator is not None:
+            m.coordinator.free(request_id)
         return out
 
     def reset_prefix_cache(self) -> bool:
@@ -498,7 +505,7 @@ class HiSparseKVCacheManager(KVCacheManager):
     # ---- reading a request's blocks -----------------------------------------------
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        """The request's blocks per group (vLLM's managers' rows where they run)."""
+        """The request's blocks per group (the source manager's row for the host group)."""
         engine = dict(self._engine_groups)
         core_ids = self._core.get_block_ids(request_id) if request_id in self._live else None
         pool = self._blocks
@@ -532,7 +539,7 @@ class HiSparseKVCacheManager(KVCacheManager):
     # ---- block lists for the worker -------------------------------------------
 
     def take_new_block_ids(self) -> list[int]:
-        """Fresh blocks to zero: the core's groups', then vLLM's managers'."""
+        """Fresh blocks to zero: the core's groups', then the source manager's."""
         ids = super().take_new_block_ids()
         for _, m in self._engine_groups:
             ids.extend(m.take_new_block_ids())
@@ -549,7 +556,7 @@ class HiSparseKVCacheManager(KVCacheManager):
                 m.new_block_ids.extend(b.block_id for b in blocks)
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        """The core's block copies, then those vLLM's managers queued."""
+        """The core's block copies, then those the source manager queued."""
         copies, blocks = super().take_kv_cache_block_copies()
         for _, m in self._engine_groups:
             for src, dst in m.take_pending_cow_copies():

@@ -4,7 +4,7 @@ block objects, the block pool, the coordinator and its per-group managers."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any, overload
 
 from vllm.v1.core.kv_cache_coordinator import (
@@ -60,12 +60,9 @@ def core_group(
 
 
 def engine_managed(group: Any) -> bool:
-    """Whether vLLM's own manager runs the group on pagedkv's pool (an
-    engine-managed core group): HiSparse's host source, resident and hot
-    groups, whose state vLLM's ``HiSparseCoordinator`` reads and writes."""
-    return getattr(group, "role", None) == KVCacheGroupRole.HISPARSE_SOURCE or isinstance(
-        group.kv_cache_spec, (HiSparseResidentSpec, HiSparseHotSpec)
-    )
+    """Whether vLLM's own manager runs the group (an engine-managed core
+    group): HiSparse's host source, over the host tier's own pool."""
+    return getattr(group, "role", None) == KVCacheGroupRole.HISPARSE_SOURCE
 
 
 def _core_kind(spec: KVCacheSpec) -> dict[str, Any]:
@@ -97,6 +94,14 @@ def _core_kind(spec: KVCacheSpec) -> dict[str, Any]:
             # Never cached: after a hit the scheduler replays the window.
             group["bounded_replay"] = True
         return group
+    if isinstance(spec, HiSparseResidentSpec):
+        return {"kind": "hisparse_resident", "block_size": bs}
+    if isinstance(spec, HiSparseHotSpec):
+        return {
+            "kind": "hisparse_hot",
+            "block_size": bs,
+            "blocks_per_request": spec.blocks_per_request,
+        }
     if name == "CircularBufferSpec":
         return {"kind": "circular_buffer", "block_size": bs}
     if isinstance(spec, ChunkedLocalAttentionSpec):
@@ -749,6 +754,129 @@ class SingleTypeManagerView:
         return None
 
 
+class ResidentManagerView(SingleTypeManagerView):
+    """HiSparse's resident group in the core (vLLM's
+    ``HiSparseResidentManager``): the rows, their residency overlay and their
+    engine-held pages live in the core; vLLM's ``HiSparseCoordinator`` reads
+    and writes them through these calls."""
+
+    coordinator: Any = None
+
+    def __init__(
+        self, owner: KVCacheManager, group: int, spec: KVCacheSpec, block_size: int
+    ) -> None:
+        super().__init__(owner, group, spec, block_size)
+        self._owner = owner
+        self._rows = owner._blocks
+        self.max_admission_blocks_per_request = spec.max_admission_blocks_per_request(  # type: ignore[attr-defined]
+            max_in_flight_tokens=owner.max_in_flight_tokens or owner.max_model_len,
+            max_model_len=owner.max_model_len,
+        )
+
+    def adopt_resident_page(self, request_id: str, block_idx: int, block: KVCacheBlock) -> bool:
+        """Points a host-only page at a pinned device copy of its contents."""
+        if request_id not in self._owner._live:
+            return False
+        return bool(
+            self._core.hisparse_adopt_page(
+                request_id, self.kv_cache_group_id, block_idx, block.block_id
+            )
+        )
+
+    def drop_resident_page(self, request_id: str, block_idx: int) -> KVCacheBlock | None:
+        """The page is read from the host from now on; the block it was read from."""
+        if request_id not in self._owner._live:
+            return None
+        b = self._core.hisparse_drop_page(request_id, self.kv_cache_group_id, block_idx)
+        return None if b is None else self._rows[b]
+
+    def get_resident_page(self, request_id: str, block_idx: int) -> KVCacheBlock | None:
+        """The device block the page is read from; None when read from the host."""
+        if request_id not in self._owner._live:
+            return None
+        b = self._core.hisparse_resident_page(request_id, self.kv_cache_group_id, block_idx)
+        return None if b is None else self._rows[b]
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[KVCacheBlock]:
+        """Pages up to ``num_tokens`` tokens (this group alone)."""
+        return _group_allocate(self, request_id, num_tokens)
+
+    def get_residency_row(self, request_id: str, start: int = 0) -> list[KVCacheBlock]:
+        """The row from ``start`` with the overlay applied (host-only pages null)."""
+        if request_id not in self._owner._live:
+            return []
+        rows = self._rows
+        ids = self._core.hisparse_residency_row(request_id, self.kv_cache_group_id, start)
+        return [rows[i] for i in ids.tolist()]
+
+
+def _group_allocate(view: Any, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+    """One HiSparse group's ``allocate_new_blocks``, outside a whole allocation
+    (vLLM's tests call it on the group's manager)."""
+    owner = view._owner
+    ids = owner._core.hisparse_allocate_new_blocks(request_id, view.kv_cache_group_id, num_tokens)
+    owner._observe_blocks()
+    owner.block_pool._fire_reused()
+    rows = owner._blocks
+    return [rows[i] for i in ids.tolist()]
+
+
+class _HotRequired(Set[str]):
+    """``hot_required`` of a hot group: the requests that need their hot region
+    (read-only, live; ``require_hot`` adds one)."""
+
+    def __init__(self, owner: KVCacheManager, group: int) -> None:
+        self._owner = owner
+        self._group = group
+
+    def __contains__(self, request_id: object) -> bool:
+        owner = self._owner
+        return request_id in owner._live and bool(
+            owner._core.hisparse_hot_required(request_id, self._group)
+        )
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([r for r in sorted(self._owner._live) if r in self])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class HotManagerView(SingleTypeManagerView):
+    """HiSparse's hot group in the core (vLLM's ``HiSparseHotManager``)."""
+
+    coordinator: Any = None
+
+    def __init__(
+        self, owner: KVCacheManager, group: int, spec: KVCacheSpec, block_size: int
+    ) -> None:
+        super().__init__(owner, group, spec, block_size)
+        self._owner = owner
+        self.blocks_per_request: int = spec.blocks_per_request  # type: ignore[attr-defined]
+        self.hot_required = _HotRequired(owner, group)
+
+    def require_hot(self, request_id: str) -> None:
+        """The request takes its hot region at its next allocation."""
+        owner = self._owner
+        if request_id not in owner._live:
+            raise KeyError(f"request {request_id!r} is not known to the KV-cache manager")
+        owner._core.hisparse_require_hot(request_id, self.kv_cache_group_id)
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[KVCacheBlock]:
+        """The hot region, once required (this group alone)."""
+        return _group_allocate(self, request_id, num_tokens)
+
+    def has_hot(self, request_id: str) -> bool:
+        return len(self.req_to_blocks.get(request_id, ())) == self.blocks_per_request
+
+    def get_num_required_blocks(self, request_id: str) -> int:
+        return max(self.blocks_per_request - len(self.req_to_blocks.get(request_id, ())), 0)
+
+
 _VIEW_CLASSES: dict[type, type[SingleTypeManagerView]] = {}
 
 
@@ -770,7 +898,15 @@ def _view_class(group: Any) -> type[SingleTypeManagerView]:
         return SingleTypeManagerView
     cls = _VIEW_CLASSES.get(vllm_cls)
     if cls is None:
-        cls = _named_after(vllm_cls, SingleTypeManagerView)
+        spec = group.kv_cache_spec
+        view: type[SingleTypeManagerView] = (
+            ResidentManagerView
+            if isinstance(spec, HiSparseResidentSpec)
+            else HotManagerView
+            if isinstance(spec, HiSparseHotSpec)
+            else SingleTypeManagerView
+        )
+        cls = _named_after(vllm_cls, view)
         _VIEW_CLASSES[vllm_cls] = cls
     return cls
 

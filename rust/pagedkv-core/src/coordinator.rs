@@ -111,6 +111,10 @@ impl Coordinator {
                     .any(|(j, other)| other == g && cfg.is_eagle_group(j))
             })
             .collect();
+        let hisparse_has_resident = cfg
+            .groups
+            .iter()
+            .any(|g| g.kind == AttentionKind::HiSparseResident);
         let groups: Vec<GroupManager> = cfg
             .groups
             .iter()
@@ -129,6 +133,7 @@ impl Coordinator {
                     model_eagle: cfg.use_eagle,
                     shared_prefix_checkpoint,
                     zero_new_blocks: cfg.zero_new_blocks,
+                    hisparse_has_resident,
                 };
                 GroupManager::new(g.clone(), i as u32, &p)
             })
@@ -190,6 +195,8 @@ impl Coordinator {
                         AttentionKind::CrossAttention
                             | AttentionKind::CircularBuffer
                             | AttentionKind::EngineManaged
+                            | AttentionKind::HiSparseResident
+                            | AttentionKind::HiSparseHot { .. }
                     )
             }),
             verifier: Verifier::new(cfg.verify_cached_tokens, cfg.num_blocks)?,
@@ -623,6 +630,25 @@ impl Coordinator {
         }
     }
 
+    /// One HiSparse group's `allocate_new_blocks`, outside a whole
+    /// allocation: `None` (nothing taken) when fewer blocks are free than it
+    /// needs.
+    pub(crate) fn hisparse_allocate(
+        &mut self,
+        req: &mut Request,
+        g: usize,
+        num_tokens: u64,
+    ) -> Option<Vec<BlockId>> {
+        let gm = &self.groups[g];
+        let gb = &mut req.groups[g];
+        if gm.hisparse_new_blocks(gb, num_tokens) > u64::from(self.pool.num_free_blocks()) {
+            return None;
+        }
+        let mut out = Vec::new();
+        gm.hisparse_allocate(&mut self.pool, gb, num_tokens, &mut out);
+        Some(out)
+    }
+
     /// Drains the blocks the worker must zero: group `g`'s, or every group's
     /// in group order.
     pub(crate) fn take_new_block_ids(&mut self, group: Option<usize>) -> Vec<BlockId> {
@@ -647,20 +673,53 @@ impl Coordinator {
 
     /// Releases every block of the request, tail first.
     pub(crate) fn free(&mut self, req: &mut Request) {
-        // Group order, each group's blocks tail first.
-        for (gm, gb) in self.groups.iter_mut().zip(&mut req.groups) {
+        self.free_groups(req, self.groups.len());
+    }
+
+    /// Frees the request's blocks in the groups before `until` (all of them
+    /// with `until` = the group count), in group order, each group's blocks
+    /// tail first. A HiSparse resident row returns its engine-held references
+    /// (those the engine still holds: a page it unpinned is skipped).
+    pub(crate) fn free_groups(&mut self, req: &mut Request, until: usize) {
+        for (gm, gb) in self.groups.iter_mut().zip(&mut req.groups).take(until) {
             gm.drop_boundary_offloads(&req.id);
-            GroupManager::free(&mut self.pool, gb);
+            if gm.is_hisparse_resident() {
+                let row = GroupManager::resident_release(gb);
+                let mut held = Vec::with_capacity(row.len());
+                for &b in row.iter().rev() {
+                    if self.pool.engine_release(&[b], "freed").is_ok() {
+                        held.push(b);
+                    }
+                }
+                self.pool.free_blocks(held);
+            } else {
+                GroupManager::free(&mut self.pool, gb);
+            }
         }
     }
 
     /// Detaches every block of the request without freeing any: group by
-    /// group, allocation order, leading null blocks dropped.
+    /// group, allocation order, leading null blocks dropped. The engine holds
+    /// one reference per block listed.
     pub(crate) fn pop_blocks(&mut self, req: &mut Request) -> Vec<BlockId> {
+        self.pop_groups(req, self.groups.len())
+    }
+
+    /// [`Self::pop_blocks`] of the groups before `until`.
+    pub(crate) fn pop_groups(&mut self, req: &mut Request, until: usize) -> Vec<BlockId> {
         let mut out = Vec::new();
-        for (gm, gb) in self.groups.iter_mut().zip(&mut req.groups) {
+        for (gm, gb) in self.groups.iter_mut().zip(&mut req.groups).take(until) {
             gm.drop_boundary_offloads(&req.id);
-            GroupManager::pop_blocks(gb, &mut out);
+            if gm.is_hisparse_resident() {
+                // Already engine-held.
+                out.extend(GroupManager::resident_release(gb));
+            } else {
+                let start = out.len();
+                GroupManager::pop_blocks(gb, &mut out);
+                for &b in &out[start..] {
+                    self.pool.engine_hold(b);
+                }
+            }
         }
         out
     }
@@ -952,6 +1011,10 @@ impl Coordinator {
         let n = refs.len();
         let violation = |m: String| Err(Error::InvariantViolation(m));
         for (g, gb) in req.groups.iter().enumerate() {
+            if self.groups[g].is_hisparse_resident() {
+                // Its references are engine-held (counted with the engine's).
+                continue;
+            }
             for &b in gb.blocks() {
                 let i = b as usize;
                 if i >= n {

@@ -11,6 +11,7 @@ pub use batch::BatchStep;
 mod connector;
 pub use connector::ConnectorHit;
 mod external;
+mod hisparse;
 mod partial;
 mod validate;
 mod zeroing;
@@ -217,8 +218,6 @@ pub struct KvCacheManager {
     /// a batch naming a request twice is refused without a per-call set.
     batch_marks: Vec<u32>,
     batch_stamp: u32,
-    /// Block references detached by `pop_blocks_for_free`, not yet freed.
-    detached: rustc_hash::FxHashMap<BlockId, u32>,
     /// An allocation split at a group (`AllocateArgs::split_at_group`) that
     /// awaits [`Self::finish_allocation`].
     pending_split: Option<PendingSplit>,
@@ -258,7 +257,6 @@ impl KvCacheManager {
             scratch_counts: Vec::new(),
             batch_marks: Vec::new(),
             batch_stamp: 0,
-            detached: rustc_hash::FxHashMap::default(),
             pending_split: None,
             hash_worker: None,
             cfg,
@@ -957,7 +955,7 @@ impl KvCacheManager {
             admitted += usize::from(req.admitted);
             self.coord.check_request(req, &mut refs, &mut owner_group)?;
         }
-        for (&b, &n) in &self.detached {
+        for (b, n) in self.coord.pool().engine_refs() {
             refs[b as usize] += n;
         }
         for b in self.coord.pending_cow_refs() {

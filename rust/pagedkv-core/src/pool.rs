@@ -93,6 +93,11 @@ pub struct BlockPool {
     /// Watched blocks handed out (or wiped by a reset) since the last
     /// [`Self::take_reused`], in that order.
     reused: Vec<BlockId>,
+    /// References the engine holds outside any request's table, per block:
+    /// detached by `pop_blocks_for_free`, taken with `get_new_blocks` or
+    /// `touch_blocks`, and those of HiSparse resident rows (which the engine
+    /// pins and unpins page by page).
+    engine_refs: rustc_hash::FxHashMap<BlockId, u32>,
 }
 
 /// The refusal of a pool too large to allocate.
@@ -171,6 +176,7 @@ impl BlockPool {
             metrics: None,
             watched: rustc_hash::FxHashSet::default(),
             reused: Vec::new(),
+            engine_refs: rustc_hash::FxHashMap::default(),
         })
     }
 
@@ -532,6 +538,56 @@ impl BlockPool {
     /// order they were handed out; a reset lists every watched block.
     pub fn take_reused(&mut self) -> Vec<BlockId> {
         std::mem::take(&mut self.reused)
+    }
+
+    /// One more engine-held reference on `b` (the null block is skipped).
+    pub(crate) fn engine_hold(&mut self, b: BlockId) {
+        if b != NULL_BLOCK {
+            *self.engine_refs.entry(b).or_insert(0) += 1;
+        }
+    }
+
+    /// The references the engine holds on `b`.
+    #[must_use]
+    pub(crate) fn engine_refs_of(&self, b: BlockId) -> u32 {
+        self.engine_refs.get(&b).copied().unwrap_or(0)
+    }
+
+    /// Every engine-held reference, per block.
+    pub(crate) fn engine_refs(&self) -> impl Iterator<Item = (BlockId, u32)> + '_ {
+        self.engine_refs.iter().map(|(&b, &n)| (b, n))
+    }
+
+    /// Drops the engine's references on `ids` (as often as each is listed;
+    /// null blocks skipped), or refuses with nothing changed when it holds
+    /// fewer. Ref counts are the caller's to drop.
+    pub(crate) fn engine_release(&mut self, ids: &[BlockId], verb: &str) -> Result<()> {
+        let mut want: rustc_hash::FxHashMap<BlockId, u32> = rustc_hash::FxHashMap::default();
+        for &b in ids {
+            if b != NULL_BLOCK {
+                *want.entry(b).or_insert(0) += 1;
+            }
+        }
+        if let Some((&b, &n)) = want
+            .iter()
+            .find(|&(b, &n)| self.engine_refs.get(b).is_none_or(|&held| held < n))
+        {
+            return Err(invalid(format!(
+                "block {b} is {verb} {n} time(s) but the engine holds only {} reference(s) \
+                 (from pop_blocks_for_free, get_new_blocks or touch_blocks)",
+                self.engine_refs_of(b)
+            )));
+        }
+        for (b, n) in want {
+            let held = self.engine_refs.get_mut(&b).map_or(0, |h| {
+                *h -= n;
+                *h
+            });
+            if held == 0 {
+                self.engine_refs.remove(&b);
+            }
+        }
+        Ok(())
     }
 
     /// Whether any block is watched or reported reused and not yet taken.

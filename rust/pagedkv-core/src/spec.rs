@@ -83,6 +83,22 @@ pub enum AttentionKind {
     /// up nothing for it, and keeps its place in the group order (vLLM's
     /// `HiSparse` host, resident and hot groups, run by vLLM's own managers).
     EngineManaged,
+    /// vLLM's HiSparse resident group (`HiSparseResidentSpec`): per request, a
+    /// row of device pages for KV whose home is the host tier. Pages of a
+    /// host-backed prefix start as the null block; the engine points them at
+    /// pinned device copies and back (`hisparse_adopt_page`,
+    /// `hisparse_drop_page`: the residency overlay) and pins and unpins the
+    /// blocks itself, so every reference a row holds is engine-held. Never
+    /// cached, never looked up.
+    HiSparseResident,
+    /// vLLM's HiSparse hot group (`HiSparseHotSpec`): `blocks_per_request`
+    /// blocks a request takes once it reads host-backed history (an import, a
+    /// resumed host prefix, or the engine's `hisparse_require_hot`). Never
+    /// cached, never looked up.
+    HiSparseHot {
+        /// Blocks of a request's hot region.
+        blocks_per_request: u32,
+    },
 }
 
 impl AttentionKind {
@@ -98,7 +114,10 @@ impl AttentionKind {
             Self::CrossAttention => "cross_attention",
             Self::SinkFullAttention { .. } => "sink_full_attention",
             Self::ReplayedSlidingWindow { .. } => "sliding_window_mla",
-            Self::CircularBuffer | Self::EngineManaged => "unknown",
+            Self::CircularBuffer
+            | Self::EngineManaged
+            | Self::HiSparseResident
+            | Self::HiSparseHot { .. } => "unknown",
         }
     }
 
@@ -141,6 +160,8 @@ impl AttentionKind {
                 | Self::ReplayedSlidingWindow { .. }
                 | Self::CircularBuffer
                 | Self::EngineManaged
+                | Self::HiSparseResident
+                | Self::HiSparseHot { .. }
         )
     }
 

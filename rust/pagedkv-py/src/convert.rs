@@ -634,6 +634,10 @@ fn group_spec(d: &Bound<'_, PyDict>) -> PkResult<GroupSpec> {
         }
         "circular_buffer" => AttentionKind::CircularBuffer,
         "engine_managed" => AttentionKind::EngineManaged,
+        "hisparse_resident" => AttentionKind::HiSparseResident,
+        "hisparse_hot" => AttentionKind::HiSparseHot {
+            blocks_per_request: get_u32("blocks_per_request")?,
+        },
         "chunked_local_attention" => AttentionKind::ChunkedLocal {
             chunk: get_u32("attention_chunk_size")?,
         },

@@ -3,8 +3,6 @@
 //! handed back as plain block ids, and prefix-cache stats recorded by the
 //! scheduler.
 
-use rustc_hash::FxHashMap;
-
 use super::{ComputedBlocks, KvCacheManager};
 use crate::error::{Error, Result, invalid};
 use crate::hash::BlockHash;
@@ -188,11 +186,6 @@ impl KvCacheManager {
         }
         let blocks = self.coord.pop_blocks(req);
         self.table.remove(id, slot);
-        for &b in &blocks {
-            if b != NULL_BLOCK {
-                *self.detached.entry(b).or_insert(0) += 1;
-            }
-        }
         Ok(blocks)
     }
 
@@ -203,39 +196,8 @@ impl KvCacheManager {
     /// A block that is not detached (as often as it is listed); nothing is
     /// freed then.
     pub fn free_blocks(&mut self, ordered: &[BlockId]) -> Result<()> {
-        self.release_detached(ordered, "freed")?;
+        self.coord.pool_mut().engine_release(ordered, "freed")?;
         self.coord.pool_mut().free_blocks(ordered.iter().copied());
-        Ok(())
-    }
-
-    /// Drops the engine's references on `ids` (as often as each is listed),
-    /// or refuses with nothing changed when it holds fewer.
-    fn release_detached(&mut self, ids: &[BlockId], verb: &str) -> Result<()> {
-        let mut want: FxHashMap<BlockId, u32> = FxHashMap::default();
-        for &b in ids {
-            if b != NULL_BLOCK {
-                *want.entry(b).or_insert(0) += 1;
-            }
-        }
-        if let Some((&b, &n)) = want
-            .iter()
-            .find(|&(b, &n)| self.detached.get(b).is_none_or(|&held| held < n))
-        {
-            return Err(invalid(format!(
-                "block {b} is {verb} {n} time(s) but the engine holds only {} reference(s) \
-                 (from pop_blocks_for_free, get_new_blocks or touch_blocks)",
-                self.detached.get(&b).copied().unwrap_or(0)
-            )));
-        }
-        for (b, n) in want {
-            let held = self.detached.get_mut(&b).map_or(0, |h| {
-                *h -= n;
-                *h
-            });
-            if held == 0 {
-                self.detached.remove(&b);
-            }
-        }
         Ok(())
     }
 
@@ -257,7 +219,7 @@ impl KvCacheManager {
         self.coord.pool_mut().touch(ids);
         for &b in ids {
             if b != NULL_BLOCK {
-                *self.detached.entry(b).or_insert(0) += 1;
+                self.coord.pool_mut().engine_hold(b);
             }
         }
         Ok(())
@@ -273,7 +235,7 @@ impl KvCacheManager {
     /// A block the engine holds fewer references on than listed; nothing
     /// changes then.
     pub fn unpin_blocks(&mut self, ids: &[BlockId]) -> Result<()> {
-        self.release_detached(ids, "unpinned")?;
+        self.coord.pool_mut().engine_release(ids, "unpinned")?;
         self.coord.pool_mut().unpin(ids);
         Ok(())
     }
@@ -296,7 +258,7 @@ impl KvCacheManager {
             return None;
         }
         for &b in &out {
-            *self.detached.entry(b).or_insert(0) += 1;
+            self.coord.pool_mut().engine_hold(b);
         }
         Some(out)
     }
@@ -433,7 +395,7 @@ impl KvCacheManager {
     }
 
     /// The manager of group `group`.
-    fn group_manager(&self, group: usize) -> Result<&GroupManager> {
+    pub(super) fn group_manager(&self, group: usize) -> Result<&GroupManager> {
         let groups = self.coord.groups();
         groups.get(group).ok_or_else(|| {
             invalid(format!(
@@ -446,7 +408,7 @@ impl KvCacheManager {
     /// Refuses a block the engine does not hold, or one a request holds too
     /// (its cache entries are that request's to keep).
     fn check_engine_only(&self, b: BlockId) -> Result<()> {
-        let held = self.detached.get(&b).copied().unwrap_or(0);
+        let held = self.coord.pool().engine_refs_of(b);
         if held == 0 {
             return Err(invalid(format!(
                 "block {b} is not held by the engine (get_new_blocks or pop_blocks_for_free)"
@@ -500,7 +462,11 @@ impl KvCacheManager {
     /// returned.
     #[must_use]
     pub fn num_detached_block_refs(&self) -> u64 {
-        self.detached.values().map(|&n| u64::from(n)).sum()
+        self.coord
+            .pool()
+            .engine_refs()
+            .map(|(_, n)| u64::from(n))
+            .sum()
     }
 
     /// A prefix hit named by block ids per group (what an engine hands back

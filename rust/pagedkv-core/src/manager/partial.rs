@@ -20,7 +20,7 @@ impl KvCacheManager {
         for &(src, dst) in &pairs {
             for b in [src, dst] {
                 if b != NULL_BLOCK {
-                    *self.detached.entry(b).or_insert(0) += 1;
+                    self.coord.pool_mut().engine_hold(b);
                 }
             }
         }

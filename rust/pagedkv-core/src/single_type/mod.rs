@@ -16,6 +16,7 @@
 
 mod chunked_local;
 mod full;
+mod hisparse;
 mod mamba;
 mod sliding_window;
 
@@ -51,6 +52,10 @@ pub(crate) struct GroupBlocks {
     /// Mamba "align": the request registered its own prompt boundary inside a
     /// block it keeps writing, `(block, boundary tokens)`.
     producer_tail: Option<(BlockId, u64)>,
+    /// HiSparse resident: the residency overlay (page -> block read now).
+    overlay: Option<hisparse::Overlay>,
+    /// HiSparse hot: the request needs its hot region.
+    hot_required: bool,
 }
 
 // What a decode step reads of a group's blocks stays in its first cache line.
@@ -174,6 +179,9 @@ pub struct GroupManager {
     /// `log2(block_size)` for power-of-two block sizes (divisions on the hot path
     /// become shifts), `None` otherwise.
     shift: Option<u32>,
+    /// HiSparse hot: the layout has resident groups (a cold admission then
+    /// needs no hot region).
+    hisparse_has_resident: bool,
 }
 
 /// What every group manager of one coordinator shares.
@@ -197,6 +205,8 @@ pub(crate) struct GroupParams {
     pub shared_prefix_checkpoint: bool,
     /// The layout needs fresh blocks zeroed (vLLM's `needs_kv_cache_zeroing`).
     pub zero_new_blocks: bool,
+    /// The layout has HiSparse resident groups.
+    pub hisparse_has_resident: bool,
 }
 
 impl GroupManager {
@@ -212,11 +222,19 @@ impl GroupManager {
             model_eagle,
             shared_prefix_checkpoint,
             zero_new_blocks,
+            hisparse_has_resident,
         } = *p;
         let is_mamba = matches!(spec.kind, AttentionKind::Mamba { .. });
         // Attention groups only: Mamba states and the ring are not zeroed.
-        let records_new_block_ids =
-            zero_new_blocks && !is_mamba && spec.kind != AttentionKind::CircularBuffer;
+        // (vLLM's HiSparse resident and hot specs are not attention specs.)
+        let records_new_block_ids = zero_new_blocks
+            && !is_mamba
+            && !matches!(
+                spec.kind,
+                AttentionKind::CircularBuffer
+                    | AttentionKind::HiSparseResident
+                    | AttentionKind::HiSparseHot { .. }
+            );
         let block_size = spec.block_size;
         let bs = u64::from(block_size);
         let admission_cap = match spec.kind {
@@ -228,6 +246,9 @@ impl GroupManager {
             AttentionKind::ChunkedLocal { chunk } => {
                 let n = (u64::from(chunk) + max_in_flight_tokens).min(max_model_len);
                 Some(n.div_ceil(bs))
+            }
+            AttentionKind::HiSparseResident => {
+                Some(max_in_flight_tokens.min(max_model_len).div_ceil(bs))
             }
             _ => None,
         };
@@ -252,6 +273,7 @@ impl GroupManager {
             shift: block_size
                 .is_power_of_two()
                 .then(|| block_size.trailing_zeros()),
+            hisparse_has_resident,
         }
     }
 
@@ -355,7 +377,9 @@ impl GroupManager {
             | AttentionKind::SinkFullAttention { .. }
             | AttentionKind::CrossAttention
             | AttentionKind::CircularBuffer
-            | AttentionKind::EngineManaged => 0,
+            | AttentionKind::EngineManaged
+            | AttentionKind::HiSparseResident
+            | AttentionKind::HiSparseHot { .. } => 0,
             AttentionKind::SlidingWindow { window }
             | AttentionKind::ReplayedSlidingWindow { window } => {
                 (n + 1).saturating_sub(u64::from(window))
@@ -457,7 +481,9 @@ impl GroupManager {
             AttentionKind::CrossAttention
             | AttentionKind::ReplayedSlidingWindow { .. }
             | AttentionKind::CircularBuffer
-            | AttentionKind::EngineManaged => 0,
+            | AttentionKind::EngineManaged
+            | AttentionKind::HiSparseResident
+            | AttentionKind::HiSparseHot { .. } => 0,
         }
     }
 
@@ -488,6 +514,9 @@ impl GroupManager {
         }
         if self.is_engine_managed() {
             return 0;
+        }
+        if let Some(need) = self.hisparse_need(gb, n) {
+            return need;
         }
         if let AttentionKind::Mamba {
             num_speculative_blocks,
@@ -613,6 +642,13 @@ impl GroupManager {
         ) {
             return;
         }
+        if matches!(
+            self.kind(),
+            AttentionKind::HiSparseResident | AttentionKind::HiSparseHot { .. }
+        ) {
+            self.hisparse_add_local(gb, num_local);
+            return;
+        }
         let bs = u64::from(self.block_size);
         // Only the blocks the adopted tokens reach: a caller may adopt fewer
         // tokens than the lookup found (the rest it computes, or a connector
@@ -647,6 +683,10 @@ impl GroupManager {
     ) {
         match self.kind() {
             AttentionKind::CrossAttention | AttentionKind::EngineManaged => return,
+            AttentionKind::HiSparseResident | AttentionKind::HiSparseHot { .. } => {
+                self.hisparse_add_external(pool, gb, num_local, num_external);
+                return;
+            }
             AttentionKind::CircularBuffer => {
                 if gb.blocks.is_empty() {
                     let _ = pool.get_new_blocks(1, &mut gb.blocks);
@@ -696,6 +736,13 @@ impl GroupManager {
             return;
         }
         if self.is_engine_managed() {
+            return;
+        }
+        if matches!(
+            self.kind(),
+            AttentionKind::HiSparseResident | AttentionKind::HiSparseHot { .. }
+        ) {
+            self.hisparse_allocate(pool, gb, num_tokens, out);
             return;
         }
         if let AttentionKind::Mamba {
@@ -877,6 +924,8 @@ impl GroupManager {
         gb.partial_hit = None;
         gb.checkpoint = None;
         gb.producer_tail = None;
+        gb.overlay = None;
+        gb.hot_required = false;
     }
 
     /// Blocks `remove_skipped_blocks(total_computed)` would release (dry run).

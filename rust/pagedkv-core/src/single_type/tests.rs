@@ -14,6 +14,7 @@ fn manager(kind: AttentionKind, block_size: u32) -> GroupManager {
         model_eagle: false,
         shared_prefix_checkpoint: false,
         zero_new_blocks: false,
+        hisparse_has_resident: false,
     };
     GroupManager::new(spec, 0, &p)
 }
@@ -247,6 +248,7 @@ fn sliding_window_admission_cap_bounds_full_sequence_need() {
         model_eagle: false,
         shared_prefix_checkpoint: false,
         zero_new_blocks: false,
+        hisparse_has_resident: false,
     };
     let m = GroupManager::new(spec, 0, &p);
     let pool = BlockPool::new(100, true, false);

@@ -1,0 +1,189 @@
+//! The engine's calls on HiSparse resident and hot groups
+//! ([`crate::AttentionKind::HiSparseResident`],
+//! [`crate::AttentionKind::HiSparseHot`]): what vLLM's `HiSparseCoordinator`
+//! asks of those groups' managers (the residency overlay, the hot region's
+//! requirement), and a request's release stopped before a group, so the
+//! coordinator can let go of the pages it pins at that group's place in the
+//! group order.
+
+use super::KvCacheManager;
+use crate::error::{Result, invalid};
+use crate::pool::BlockId;
+use crate::single_type::GroupBlocks;
+use crate::spec::AttentionKind;
+
+impl KvCacheManager {
+    /// The request's blocks of HiSparse group `group` (of kind `kind`), or why
+    /// not.
+    fn hisparse_row(&mut self, id: &str, group: usize, resident: bool) -> Result<&mut GroupBlocks> {
+        let slot = self.table.slot(id)?;
+        let gm = self.group_manager(group)?;
+        let ok = if resident {
+            gm.spec().kind == AttentionKind::HiSparseResident
+        } else {
+            matches!(gm.spec().kind, AttentionKind::HiSparseHot { .. })
+        };
+        if !ok {
+            return Err(invalid(format!(
+                "group {group} is not a HiSparse {} group",
+                if resident { "resident" } else { "hot" }
+            )));
+        }
+        Ok(&mut self.table.get_mut(slot).groups[group])
+    }
+
+    /// Points host-only page `page` of the request's resident row in `group`
+    /// at `block`, a device copy of its contents the engine pins (vLLM's
+    /// `adopt_resident_page`). `false`, with nothing changed, past the row or
+    /// where the page is resident already.
+    ///
+    /// # Errors
+    /// Unknown request; `group` not a resident group; a block outside the pool.
+    pub fn hisparse_adopt_page(
+        &mut self,
+        id: &str,
+        group: usize,
+        page: usize,
+        block: BlockId,
+    ) -> Result<bool> {
+        let n = self.coord.pool().num_blocks();
+        if block >= n {
+            return Err(invalid(format!(
+                "block {block} is not in the pool of {n} blocks"
+            )));
+        }
+        Ok(self.hisparse_row(id, group, true)?.adopt_page(page, block))
+    }
+
+    /// Page `page` of the request's resident row in `group` is read from the
+    /// host from now on (vLLM's `drop_resident_page`); the block it was read
+    /// from, if any. The engine keeps whatever reference it holds on it.
+    ///
+    /// # Errors
+    /// Unknown request; `group` not a resident group.
+    pub fn hisparse_drop_page(
+        &mut self,
+        id: &str,
+        group: usize,
+        page: usize,
+    ) -> Result<Option<BlockId>> {
+        Ok(self.hisparse_row(id, group, true)?.drop_page(page))
+    }
+
+    /// The device block page `page` of the request's resident row is read
+    /// from; `None` when it is read from the host or past the row (vLLM's
+    /// `get_resident_page`).
+    ///
+    /// # Errors
+    /// Unknown request; `group` not a resident group.
+    pub fn hisparse_resident_page(
+        &mut self,
+        id: &str,
+        group: usize,
+        page: usize,
+    ) -> Result<Option<BlockId>> {
+        Ok(self.hisparse_row(id, group, true)?.resident_page(page))
+    }
+
+    /// The request's resident row from page `start` on, the overlay applied;
+    /// host-only pages are the null block (vLLM's `get_residency_row`).
+    ///
+    /// # Errors
+    /// Unknown request; `group` not a resident group.
+    pub fn hisparse_residency_row(
+        &mut self,
+        id: &str,
+        group: usize,
+        start: usize,
+    ) -> Result<Vec<BlockId>> {
+        Ok(self.hisparse_row(id, group, true)?.residency_row(start))
+    }
+
+    /// The request takes its hot region in `group` at its next allocation
+    /// (vLLM's `require_hot`); until it is freed.
+    ///
+    /// # Errors
+    /// Unknown request; `group` not a hot group.
+    pub fn hisparse_require_hot(&mut self, id: &str, group: usize) -> Result<()> {
+        self.hisparse_row(id, group, false)?.require_hot();
+        Ok(())
+    }
+
+    /// Whether the request needs its hot region in `group` (vLLM's
+    /// `hot_required`).
+    ///
+    /// # Errors
+    /// Unknown request; `group` not a hot group.
+    pub fn hisparse_hot_required(&mut self, id: &str, group: usize) -> Result<bool> {
+        Ok(self.hisparse_row(id, group, false)?.hot_required())
+    }
+
+    /// One HiSparse group's fresh blocks for the request, outside a whole
+    /// allocation (vLLM's `allocate_new_blocks` called on that group's
+    /// manager): a resident row grows to cover `num_tokens` tokens, a hot group
+    /// takes its region if required. Returns the new blocks.
+    ///
+    /// # Errors
+    /// Unknown request; `group` not a HiSparse group; fewer free blocks than
+    /// needed (nothing taken then).
+    pub fn hisparse_allocate_new_blocks(
+        &mut self,
+        id: &str,
+        group: usize,
+        num_tokens: u64,
+    ) -> Result<Vec<BlockId>> {
+        let slot = self.table.slot(id)?;
+        let gm = self.group_manager(group)?;
+        if !matches!(
+            gm.spec().kind,
+            AttentionKind::HiSparseResident | AttentionKind::HiSparseHot { .. }
+        ) {
+            return Err(invalid(format!("group {group} is not a HiSparse group")));
+        }
+        let req = self.table.get_mut(slot);
+        self.coord
+            .hisparse_allocate(req, group, num_tokens)
+            .ok_or_else(|| {
+                invalid(format!(
+                    "not enough free blocks for request {id:?} in group {group}"
+                ))
+            })
+    }
+
+    /// Frees the request's blocks in the groups before `until` only (as
+    /// [`Self::free`] frees them); a later `free`, `remove_request` or
+    /// `pop_blocks_for_free` releases the rest. For an engine that acts at a
+    /// group's place in the group order (vLLM's HiSparse coordinator lets go of
+    /// the resident pages it pins when the resident group is freed).
+    ///
+    /// # Errors
+    /// Unknown request; `until` past the group count.
+    pub fn free_groups_before(&mut self, id: &str, until: usize) -> Result<()> {
+        self.check_until(until)?;
+        let slot = self.table.slot(id)?;
+        let req = self.table.get_mut(slot);
+        self.coord.free_groups(req, until);
+        Ok(())
+    }
+
+    /// [`Self::pop_blocks_for_free`] of the groups before `until` only: their
+    /// blocks are detached (the engine returns them with
+    /// [`Self::free_blocks`]), the request keeps the rest.
+    ///
+    /// # Errors
+    /// Unknown request; `until` past the group count.
+    pub fn pop_blocks_before(&mut self, id: &str, until: usize) -> Result<Vec<BlockId>> {
+        self.check_until(until)?;
+        let slot = self.table.slot(id)?;
+        let req = self.table.get_mut(slot);
+        Ok(self.coord.pop_groups(req, until))
+    }
+
+    fn check_until(&self, until: usize) -> Result<()> {
+        let n = self.coord.groups().len();
+        if until > n {
+            return Err(invalid(format!("group {until} is past the manager's {n}")));
+        }
+        Ok(())
+    }
+}

@@ -844,7 +844,8 @@ impl KvCacheManager {
     /// prefix cache (used after a delayed allocation). No-op without caching.
     ///
     /// # Errors
-    /// Unknown request, or more tokens than the request has.
+    /// Unknown request; more tokens than the request has, or than its
+    /// allocations cover (computed plus scheduled tokens of its last step).
     pub fn cache_blocks(&mut self, id: &str, num_computed_tokens: u64) -> Result<()> {
         let slot = self.table.slot(id)?;
         let req = self.table.get_mut(slot);
@@ -852,6 +853,16 @@ impl KvCacheManager {
             return Err(invalid(format!(
                 "num_computed_tokens {num_computed_tokens} exceeds the request's {} tokens",
                 req.num_tokens()
+            )));
+        }
+        if num_computed_tokens > req.scheduled_through {
+            // Blocks past the allocated steps hold no KV yet (lookahead
+            // slots, Mamba's speculative state blocks): caching them would
+            // publish blocks a later step still writes or moves.
+            return Err(invalid(format!(
+                "num_computed_tokens {num_computed_tokens} is past the {} tokens request \
+                 {id:?}'s allocations cover",
+                req.scheduled_through
             )));
         }
         if self.cfg.enable_caching {

@@ -174,3 +174,61 @@ fn mamba_align_allocation_with_a_huge_count_is_capped_or_refused() {
     assert!(held <= 32, "the request holds {held} block slots");
     mgr.check_invariants().expect("invariants");
 }
+
+#[test]
+fn caching_past_the_allocated_tokens_is_refused() {
+    // A Mamba "align" group with two speculative blocks: after a 5-token
+    // step the request's state row is [null, state, spec, spec]. Caching 12
+    // tokens would publish the first speculative block as the 12-token state;
+    // the next step then moves that block to the end of the row (vLLM's
+    // relocation of exclusively owned scratch blocks), and a second request
+    // hitting the 12-token prefix would share a block the first one writes.
+    let mut cfg = ManagerConfig::full_attention(64, 4, 256);
+    cfg.groups = vec![
+        GroupSpec::new(AttentionKind::SinkFullAttention { sink_len: 8 }, 4),
+        GroupSpec::new(
+            AttentionKind::Mamba {
+                mode: pagedkv_core::MambaCacheMode::Align,
+                num_speculative_blocks: 2,
+                prefill_checkpoint_alignment: None,
+            },
+            4,
+        ),
+    ];
+    let mut mgr = KvCacheManager::new(cfg).expect("config");
+    let prompt: Vec<u32> = (0..40).collect();
+    let spec = |p: &[u32]| RequestSpec {
+        prompt_token_ids: p.to_vec(),
+        ..RequestSpec::default()
+    };
+    mgr.add_request("a", spec(&prompt)).expect("add");
+    mgr.allocate_slots("a", &AllocateArgs::step(5, 0), None)
+        .expect("fits")
+        .expect("fits");
+    let row = mgr.block_ids("a").expect("ids")[1].to_vec();
+    assert_eq!(row.len(), 4);
+    let keys = mgr.pool().num_cached_keys();
+    match mgr.cache_blocks("a", 12) {
+        Err(Error::InvalidArgument(m)) => assert!(m.contains("allocations cover"), "{m}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_eq!(mgr.pool().num_cached_keys(), keys);
+    // Up to what the step allocated is fine.
+    mgr.cache_blocks("a", 5).expect("cache");
+    mgr.allocate_slots("a", &AllocateArgs::step(11, 5), None)
+        .expect("fits")
+        .expect("fits");
+    mgr.add_request("b", spec(&prompt[..13])).expect("add");
+    let hit = mgr.get_computed_blocks("b").expect("lookup");
+    let a_row = mgr.block_ids("a").expect("ids")[1].to_vec();
+    for (pos, &blk) in hit.block_ids[1].iter().enumerate() {
+        if blk != 0 {
+            assert_eq!(
+                a_row.get(pos),
+                Some(&blk),
+                "hit block {blk} at {pos}, a holds {a_row:?}"
+            );
+        }
+    }
+    mgr.check_invariants().expect("invariants");
+}

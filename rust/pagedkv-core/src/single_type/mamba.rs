@@ -105,10 +105,11 @@ impl GroupManager {
                 gb.blocks.resize(null_end, NULL_BLOCK);
             }
         }
-        if allocated {
-            // Speculative blocks move forward; their old slots become null. In a
-            // checkpoint step the one at the checkpoint column stays.
-            for idx in prev_len - spec..prev_len {
+        // Speculative blocks move forward; their old slots become null. In a
+        // checkpoint step the one at the checkpoint column stays. (A row
+        // shorter than the speculative blocks has none to move.)
+        if allocated && let Some(first) = prev_len.checked_sub(spec) {
+            for idx in first..prev_len {
                 if idx >= skipped.saturating_sub(checkpoint) {
                     break;
                 }

@@ -140,6 +140,7 @@ ID_METHODS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "get_computed_blocks_for_connector": lambda m, r: m.get_computed_blocks_for_connector(r),
     "cache_detached_blocks": lambda m, r: m.cache_detached_blocks(r, 0, [], 0, 0),
     "cache_detached_partial_block": lambda m, r: m.cache_detached_partial_block(r, 0, 0, 16),
+    "group_block_ids": lambda m, r: m.group_block_ids(r, 0),
     "pop_blocks_before": lambda m, r: m.pop_blocks_before(r, 0),
     "free_groups_before": lambda m, r: m.free_groups_before(r, 0),
     "hisparse_adopt_page": lambda m, r: m.hisparse_adopt_page(r, 0, 0, 1),

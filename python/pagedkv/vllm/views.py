@@ -607,7 +607,7 @@ class _ReqToBlocks(Mapping[str, Sequence[PagedBlock]]):
         (vLLM's entry appears with the first allocation)."""
         if request_id not in self._owner._live:
             return None
-        ids: list[int] = self._owner._core.get_block_ids(request_id)[self._group].tolist()
+        ids: list[int] = self._owner._core.group_block_ids(request_id, self._group)
         return ids or None
 
     def __iter__(self) -> Iterator[str]:
@@ -615,6 +615,22 @@ class _ReqToBlocks(Mapping[str, Sequence[PagedBlock]]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+
+class _RowSnapshots(_ReqToBlocks):
+    """``req_to_blocks`` of a HiSparse group: ``[]`` hands out a live list as
+    for any group; ``get``, which vLLM's ``HiSparseCoordinator`` calls on every
+    step for every request, a plain list of the row as it is now."""
+
+    def get(self, request_id: str, default: Any = None) -> Any:
+        ids = self._ids(request_id)
+        if ids is None:
+            return default
+        rows = self._owner._blocks
+        return [rows[i] for i in ids]
+
+    def __contains__(self, request_id: object) -> bool:
+        return isinstance(request_id, str) and self._ids(request_id) is not None
 
 
 class _NumCachedBlock(Mapping[str, int]):
@@ -768,6 +784,7 @@ class ResidentManagerView(SingleTypeManagerView):
         super().__init__(owner, group, spec, block_size)
         self._owner = owner
         self._rows = owner._blocks
+        self.req_to_blocks = _RowSnapshots(owner, group)
         self.max_admission_blocks_per_request = spec.max_admission_blocks_per_request(  # type: ignore[attr-defined]
             max_in_flight_tokens=owner.max_in_flight_tokens or owner.max_model_len,
             max_model_len=owner.max_model_len,
@@ -854,6 +871,7 @@ class HotManagerView(SingleTypeManagerView):
     ) -> None:
         super().__init__(owner, group, spec, block_size)
         self._owner = owner
+        self.req_to_blocks = _RowSnapshots(owner, group)
         self.blocks_per_request: int = spec.blocks_per_request  # type: ignore[attr-defined]
         self.hot_required = _HotRequired(owner, group)
 

@@ -632,6 +632,24 @@ impl PyManager {
         Ok(groups_tuple(slf.py(), groups)?)
     }
 
+    /// One group's block ids of the request, as a list (no array per group).
+    fn group_block_ids<'py>(
+        slf: &Bound<'py, Self>,
+        request_id: &str,
+        group: i64,
+    ) -> PkResult<Bound<'py, PyList>> {
+        let group = Self::index("group", group)?;
+        let this = borrow(slf)?;
+        let groups = this.inner.block_ids(request_id)?;
+        let ids = groups.get(group).ok_or_else(|| {
+            crate::errors::invalid_arg(format!(
+                "group {group} is past the manager's {}",
+                groups.len()
+            ))
+        })?;
+        Ok(PyList::new(slf.py(), ids.iter().copied())?)
+    }
+
     fn block_hashes<'py>(slf: &Bound<'py, Self>, request_id: &str) -> PkResult<Bound<'py, PyList>> {
         let hashes = borrow(slf)?.inner.block_hashes(request_id)?.to_vec();
         let py = slf.py();

@@ -3,7 +3,10 @@
 //! held by two groups, map and block keys agree), calls never panic, and
 //! removing every request (and freeing the blocks the engine took or touched
 //! for itself, cached under a request's hashes or not) returns every block;
-//! only blocks the engine unpinned are reported reused, each once.
+//! only blocks the engine unpinned are reported reused, each once. HiSparse
+//! layouts run with their resident and hot groups in the core, and the engine
+//! adopts and drops resident pages, asks for hot regions and releases requests
+//! stopped at the resident group.
 
 use pagedkv_core::{
     AllocateArgs, AttentionKind, GroupSpec, HashAlgo, KvCacheManager, MambaCacheMode,
@@ -66,6 +69,28 @@ enum Op {
     Unpin {
         k: usize,
     },
+    /// HiSparse: the engine points a resident page at a fresh device copy
+    /// (`get_new_blocks` then `hisparse_adopt_page`).
+    Adopt {
+        req: usize,
+        page: usize,
+    },
+    /// HiSparse: the engine stops reading a resident page from the device;
+    /// the block's reference is the engine's to return.
+    DropPage {
+        req: usize,
+        page: usize,
+    },
+    /// HiSparse: the request needs its hot region.
+    RequireHot {
+        req: usize,
+    },
+    /// A release stopped at the first resident group, then the rest; `pop`:
+    /// deferred (the engine returns the blocks later).
+    Release {
+        req: usize,
+        pop: bool,
+    },
 }
 
 fn layouts() -> Vec<Vec<GroupSpec>> {
@@ -124,6 +149,31 @@ fn layouts() -> Vec<Vec<GroupSpec>> {
         ],
         // vLLM's HiSparse layout: host source, indexer, resident.
         vec![managed(), g(AttentionKind::FullAttention, 4), managed()],
+        // The resident and hot groups in the core, the source the engine's;
+        // and the production order with a regular group after them.
+        vec![
+            managed(),
+            g(AttentionKind::FullAttention, 4),
+            g(AttentionKind::HiSparseResident, 4),
+            g(
+                AttentionKind::HiSparseHot {
+                    blocks_per_request: 2,
+                },
+                4,
+            ),
+        ],
+        vec![
+            managed(),
+            g(AttentionKind::FullAttention, 4),
+            g(AttentionKind::HiSparseResident, 4),
+            g(
+                AttentionKind::HiSparseHot {
+                    blocks_per_request: 2,
+                },
+                4,
+            ),
+            g(swa(8), 4),
+        ],
         // Its production order: regular groups after the resident and hot
         // ones (admissions split at the resident group).
         vec![
@@ -174,6 +224,10 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..8usize).prop_map(|k| Op::FreeTaken { k }),
         1 => (0..80u32).prop_map(|block| Op::Touch { block }),
         1 => (0..8usize).prop_map(|k| Op::Unpin { k }),
+        2 => (0..8usize, 0..12usize).prop_map(|(req, page)| Op::Adopt { req, page }),
+        2 => (0..8usize, 0..12usize).prop_map(|(req, page)| Op::DropPage { req, page }),
+        1 => (0..8usize).prop_map(|req| Op::RequireHot { req }),
+        1 => (0..8usize, any::<bool>()).prop_map(|(req, pop)| Op::Release { req, pop }),
     ]
 }
 
@@ -190,6 +244,15 @@ struct Sim {
 }
 
 impl Sim {
+    /// The first HiSparse resident group, if the layout has one.
+    fn resident(&self) -> Option<usize> {
+        self.mgr
+            .config()
+            .groups
+            .iter()
+            .position(|g| g.kind == AttentionKind::HiSparseResident)
+    }
+
     fn id(&self, i: usize) -> Option<(String, u64)> {
         (!self.reqs.is_empty()).then(|| self.reqs[i % self.reqs.len()].clone())
     }
@@ -365,6 +428,54 @@ impl Sim {
                     self.taken.push(*block);
                 }
             }
+            Op::Adopt { req, page } => {
+                let (Some((id, _)), Some(g)) = (self.id(*req), self.resident()) else {
+                    return;
+                };
+                let Some(b) = self.mgr.get_new_blocks(1) else {
+                    return;
+                };
+                if !self
+                    .mgr
+                    .hisparse_adopt_page(&id, g, *page, b[0])
+                    .unwrap_or(false)
+                {
+                    self.taken.push(b[0]);
+                }
+            }
+            Op::DropPage { req, page } => {
+                let (Some((id, _)), Some(g)) = (self.id(*req), self.resident()) else {
+                    return;
+                };
+                if let Ok(Some(b)) = self.mgr.hisparse_drop_page(&id, g, *page) {
+                    self.taken.push(b);
+                }
+            }
+            Op::RequireHot { req } => {
+                let groups = &self.mgr.config().groups;
+                let hot = groups
+                    .iter()
+                    .position(|g| matches!(g.kind, AttentionKind::HiSparseHot { .. }));
+                let (Some((id, _)), Some(g)) = (self.id(*req), hot) else {
+                    return;
+                };
+                assert!(self.mgr.hisparse_require_hot(&id, g).is_ok());
+            }
+            Op::Release { req, pop } => {
+                let (Some((id, _)), Some(g)) = (self.id(*req), self.resident()) else {
+                    return;
+                };
+                if *pop {
+                    let mut blocks = self.mgr.pop_blocks_before(&id, g).unwrap_or_default();
+                    blocks.extend(self.mgr.pop_blocks_for_free(&id).unwrap_or_default());
+                    self.taken.extend(blocks.into_iter().filter(|&b| b != 0));
+                    self.reqs.retain(|r| r.0 != id);
+                } else {
+                    assert!(self.mgr.free_groups_before(&id, g).is_ok());
+                    assert!(self.mgr.free(&id).is_ok());
+                    self.set(&id, 0);
+                }
+            }
             Op::Unpin { k } => {
                 if self.taken.is_empty() {
                     return;
@@ -383,7 +494,7 @@ proptest! {
 
     #[test]
     fn hybrid_pools_keep_every_invariant(
-        layout in 0..12usize,
+        layout in 0..14usize,
         num_blocks in 4..80u32,
         caching in any::<bool>(),
         eagle in any::<bool>(),

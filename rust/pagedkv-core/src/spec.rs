@@ -81,7 +81,7 @@ pub enum AttentionKind {
     /// engine-held block calls (`get_new_blocks`, `touch_blocks`,
     /// `unpin_blocks`, `free_blocks`): the manager allocates, caches and looks
     /// up nothing for it, and keeps its place in the group order (vLLM's
-    /// `HiSparse` host, resident and hot groups, run by vLLM's own managers).
+    /// HiSparse host source, run by vLLM's own manager on a host pool).
     EngineManaged,
     /// vLLM's HiSparse resident group (`HiSparseResidentSpec`): per request, a
     /// row of device pages for KV whose home is the host tier. Pages of a

@@ -1,5 +1,6 @@
 //! Groups and blocks an engine manages itself next to the manager's own
-//! (vLLM 0.33's `HiSparse` host, resident and hot groups): engine-managed groups
+//! (vLLM 0.33's HiSparse host source; these tests also let the engine run
+//! HiSparse's other groups itself): engine-managed groups
 //! keep their place in the group order and take nothing from the manager, their
 //! needs count in the manager's capacity checks, and the pool's engine calls
 //! `touch_blocks`, `unpin_blocks` and `take_reused_blocks` behave as vLLM's

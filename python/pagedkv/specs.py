@@ -478,18 +478,10 @@ class CircularBufferSpec(AttentionSpec):
 
 
 @dataclass(frozen=True)
-class EngineManagedSpec(KVCacheSpec):
-    """A group whose blocks the engine manages itself, with the manager's
-    engine calls (``get_new_blocks``, ``touch_blocks``, ``unpin_blocks``,
-    ``free_blocks``): the manager allocates, caches and looks up nothing for
-    it, keeps its place in the group order, and counts the blocks the engine
-    says it takes (``allocate_slots(..., engine_managed_blocks=(step, full))``)
-    in its capacity checks. vLLM's HiSparse host source runs so.
-    ``page_size``: bytes of one block of one layer."""
+class _PagedSpec(KVCacheSpec):
+    """A spec sized by ``page_size`` (bytes of one block of one layer) alone."""
 
     page_size: int
-
-    kind: ClassVar[str] = "engine_managed"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -502,7 +494,20 @@ class EngineManagedSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
-class HiSparseResidentSpec(KVCacheSpec):
+class EngineManagedSpec(_PagedSpec):
+    """A group whose blocks the engine manages itself, with the manager's
+    engine calls (``get_new_blocks``, ``touch_blocks``, ``unpin_blocks``,
+    ``free_blocks``): the manager allocates, caches and looks up nothing for
+    it, keeps its place in the group order, and counts the blocks the engine
+    says it takes (``allocate_slots(..., engine_managed_blocks=(step, full))``)
+    in its capacity checks. vLLM's HiSparse host source runs so.
+    ``page_size``: bytes of one block of one layer."""
+
+    kind: ClassVar[str] = "engine_managed"
+
+
+@dataclass(frozen=True)
+class HiSparseResidentSpec(_PagedSpec):
     """HiSparse's resident group (vLLM's ``HiSparseResidentSpec``): per
     request, a row of device pages for KV whose home is a host tier. Pages of
     a host-backed prefix start as the null block; the engine points them at
@@ -512,18 +517,7 @@ class HiSparseResidentSpec(KVCacheSpec):
     them). A connector's import keeps only its last page on the device. Never
     cached, never looked up. ``page_size``: bytes of one block of one layer."""
 
-    page_size: int
-
     kind: ClassVar[str] = "hisparse_resident"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_positive_int("page_size", self.page_size)
-
-    @property
-    def page_size_bytes(self) -> int:
-        """``page_size``."""
-        return self.page_size
 
     def max_memory_usage_bytes(
         self,
@@ -539,26 +533,19 @@ class HiSparseResidentSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
-class HiSparseHotSpec(KVCacheSpec):
+class HiSparseHotSpec(_PagedSpec):
     """HiSparse's hot group (vLLM's ``HiSparseHotSpec``): ``blocks_per_request``
     blocks a request takes once it reads host-backed history (a connector's
     import, a resumed host prefix, or ``hisparse_require_hot``). Never cached,
     never looked up. ``page_size``: bytes of one block of one layer."""
 
-    page_size: int
     blocks_per_request: int
 
     kind: ClassVar[str] = "hisparse_hot"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_positive_int("page_size", self.page_size)
         _check_positive_int("blocks_per_request", self.blocks_per_request)
-
-    @property
-    def page_size_bytes(self) -> int:
-        """``page_size``."""
-        return self.page_size
 
     def max_memory_usage_bytes(
         self,

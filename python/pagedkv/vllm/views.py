@@ -770,11 +770,9 @@ class SingleTypeManagerView:
         return None
 
 
-class ResidentManagerView(SingleTypeManagerView):
-    """HiSparse's resident group in the core (vLLM's
-    ``HiSparseResidentManager``): the rows, their residency overlay and their
-    engine-held pages live in the core; vLLM's ``HiSparseCoordinator`` reads
-    and writes them through these calls."""
+class _HiSparseView(SingleTypeManagerView):
+    """A HiSparse group in the core, as vLLM's ``HiSparseCoordinator`` (bound
+    on ``coordinator``) reads it: ``req_to_blocks.get`` hands out plain lists."""
 
     coordinator: Any = None
 
@@ -783,8 +781,20 @@ class ResidentManagerView(SingleTypeManagerView):
     ) -> None:
         super().__init__(owner, group, spec, block_size)
         self._owner = owner
-        self._rows = owner._blocks
         self.req_to_blocks = _RowSnapshots(owner, group)
+
+
+class ResidentManagerView(_HiSparseView):
+    """HiSparse's resident group in the core (vLLM's
+    ``HiSparseResidentManager``): the rows, their residency overlay and their
+    engine-held pages live in the core; vLLM's ``HiSparseCoordinator`` reads
+    and writes them through these calls."""
+
+    def __init__(
+        self, owner: KVCacheManager, group: int, spec: KVCacheSpec, block_size: int
+    ) -> None:
+        super().__init__(owner, group, spec, block_size)
+        self._rows = owner._blocks
         self.max_admission_blocks_per_request = spec.max_admission_blocks_per_request(  # type: ignore[attr-defined]
             max_in_flight_tokens=owner.max_in_flight_tokens or owner.max_model_len,
             max_model_len=owner.max_model_len,
@@ -861,17 +871,13 @@ class _HotRequired(Set[str]):
         return sum(1 for _ in self)
 
 
-class HotManagerView(SingleTypeManagerView):
+class HotManagerView(_HiSparseView):
     """HiSparse's hot group in the core (vLLM's ``HiSparseHotManager``)."""
-
-    coordinator: Any = None
 
     def __init__(
         self, owner: KVCacheManager, group: int, spec: KVCacheSpec, block_size: int
     ) -> None:
         super().__init__(owner, group, spec, block_size)
-        self._owner = owner
-        self.req_to_blocks = _RowSnapshots(owner, group)
         self.blocks_per_request: int = spec.blocks_per_request  # type: ignore[attr-defined]
         self.hot_required = _HotRequired(owner, group)
 

@@ -88,8 +88,11 @@ pub enum AttentionKind {
     /// host-backed prefix start as the null block; the engine points them at
     /// pinned device copies and back (`hisparse_adopt_page`,
     /// `hisparse_drop_page`: the residency overlay) and pins and unpins the
-    /// blocks itself, so every reference a row holds is engine-held. Never
-    /// cached, never looked up.
+    /// blocks itself, so every reference a row holds is engine-held (a free
+    /// returns those the engine still holds). A page the engine unpinned must
+    /// be dropped once `take_reused_blocks` reports its block reused (vLLM's
+    /// coordinator does so in its reuse callback). Never cached, never looked
+    /// up.
     HiSparseResident,
     /// vLLM's HiSparse hot group (`HiSparseHotSpec`): `blocks_per_request`
     /// blocks a request takes once it reads host-backed history (an import, a

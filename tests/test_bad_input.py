@@ -281,6 +281,9 @@ COUNT_PARAMS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "num_blocks_to_allocate.num_tokens": lambda m, v: m.num_blocks_to_allocate(
         "run", v, total_computed_tokens=0, num_tokens_main_model=1
     ),
+    "num_blocks_to_allocate.num_local_computed_tokens": lambda m, v: m.num_blocks_to_allocate(
+        None, 16, total_computed_tokens=16, num_tokens_main_model=16, num_local_computed_tokens=v
+    ),
     "num_blocks_to_allocate.total_computed_tokens": lambda m, v: m.num_blocks_to_allocate(
         None, 16, total_computed_tokens=v, num_tokens_main_model=16
     ),
@@ -331,6 +334,8 @@ COUNT_EXCEPTIONS: dict[tuple[str, str], type[BaseException] | None] = {
     ("allocate_slots.num_new_computed_tokens", "none"): None,
     # None: no split.
     ("allocate_slots.split_at_group", "none"): None,
+    # None: every computed token was computed locally.
+    ("num_blocks_to_allocate.num_local_computed_tokens", "none"): None,
     # A list of counts cannot hold None / str / float: the whole list is refused.
     ("allocate_slots_batch.num_new_tokens_list", "nan"): TypeError,
     # No cap: the request's own limit.

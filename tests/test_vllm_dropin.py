@@ -419,6 +419,31 @@ def test_hisparse_resident_and_hot_groups_through_pagedkvs_own_api() -> None:
     m.check_invariants()
 
 
+def test_hisparse_needs_count_imported_tokens_apart() -> None:
+    # vLLM's get_num_blocks_to_allocate with a connector's import (computed
+    # tokens beyond the locally computed ones): the resident group keeps the
+    # import's last page writable and the hot group needs its region; with the
+    # same tokens computed locally (a host prefix), host pages stay null.
+    m = pk.KVCacheManager(_hisparse_config(), max_model_len=256)
+    m.add_request("r", list(range(16)))
+
+    def need(local: int | None) -> int:
+        return m.num_blocks_to_allocate(
+            "r",
+            16,
+            total_computed_tokens=8,
+            num_tokens_main_model=16,
+            num_local_computed_tokens=local,
+        )
+
+    # indexer 4; resident: tail page 1 + pages 2-3 = 3; hot 2.
+    assert need(0) == 4 + 3 + 2
+    # indexer 4; resident: pages 2-3 = 2 (pages 0-1 on host); hot 2.
+    assert need(8) == need(None) == 4 + 2 + 2
+    with pytest.raises(InvalidArgumentError, match="locally computed"):
+        need(9)
+
+
 def test_hisparse_calls_refuse_bad_input_and_change_nothing() -> None:
     m = pk.KVCacheManager(_hisparse_config(), max_model_len=256)
     m.add_request("a", list(range(8)))

@@ -1051,6 +1051,11 @@ class CoordinatorView:
                 "get_num_blocks_to_allocate with new computed blocks: use allocate_slots"
             )
         main = num_tokens if num_tokens_main_model is None else num_tokens_main_model
+        local = (
+            total_computed_tokens
+            if num_local_computed_tokens is None
+            else num_local_computed_tokens
+        )
         n: int = owner._core.num_blocks_to_allocate(
             request_id if request_id in owner._live else None,
             num_tokens,
@@ -1058,11 +1063,7 @@ class CoordinatorView:
             num_tokens_main_model=main,
             num_encoder_tokens=num_encoder_tokens,
             apply_admission_cap=apply_admission_cap,
-        )
-        local = (
-            total_computed_tokens
-            if num_local_computed_tokens is None
-            else num_local_computed_tokens
+            num_local_computed_tokens=local,
         )
         n += engine_groups_need(
             engine,

@@ -995,7 +995,8 @@ impl PyManager {
     /// vLLM's `coordinator.get_num_blocks_to_allocate` without a new hit, for a
     /// known request or (None) one holding no blocks.
     #[pyo3(signature = (request_id, num_tokens, *, total_computed_tokens, num_tokens_main_model,
-        num_encoder_tokens = 0, apply_admission_cap = false))]
+        num_encoder_tokens = 0, apply_admission_cap = false, num_local_computed_tokens = None))]
+    #[allow(clippy::too_many_arguments)]
     fn num_blocks_to_allocate(
         slf: &Bound<'_, Self>,
         request_id: Option<&str>,
@@ -1004,15 +1005,20 @@ impl PyManager {
         num_tokens_main_model: i64,
         num_encoder_tokens: i64,
         apply_admission_cap: bool,
+        num_local_computed_tokens: Option<i64>,
     ) -> PkResult<u64> {
         let n = count("num_tokens", num_tokens)?;
         let c = count("total_computed_tokens", total_computed_tokens)?;
+        let local = match num_local_computed_tokens {
+            Some(v) => count("num_local_computed_tokens", v)?,
+            None => c,
+        };
         let m = count("num_tokens_main_model", num_tokens_main_model)?;
         let e = count("num_encoder_tokens", num_encoder_tokens)?;
         Ok(borrow(slf)?.inner.num_blocks_to_allocate(
             request_id,
             n,
-            c,
+            (c, local),
             m,
             e,
             apply_admission_cap,

@@ -555,17 +555,19 @@ impl KvCacheManager {
 impl KvCacheManager {
     /// vLLM's `coordinator.get_num_blocks_to_allocate` without a new hit: the
     /// blocks the request (or, for `None`, a request holding none) needs to
-    /// hold `num_tokens` tokens after `total_computed` computed ones.
-    /// `apply_admission_cap` caps sliding-window and chunked-local groups at
-    /// the in-flight admission bound, as vLLM's admission gate does.
+    /// hold `num_tokens` tokens after `total_computed` computed ones, of which
+    /// `num_local` were computed locally (the rest a connector imports; HiSparse
+    /// groups count those apart). `apply_admission_cap` caps sliding-window,
+    /// chunked-local and HiSparse resident groups at the in-flight admission
+    /// bound, as vLLM's admission gate does.
     ///
     /// # Errors
-    /// Unknown request.
+    /// Unknown request; `num_local` past `total_computed`.
     pub fn num_blocks_to_allocate(
         &self,
         id: Option<&str>,
         num_tokens: u64,
-        total_computed: u64,
+        (total_computed, num_local): (u64, u64),
         num_tokens_main_model: u64,
         num_encoder_tokens: u64,
         apply_admission_cap: bool,
@@ -582,11 +584,16 @@ impl KvCacheManager {
                 )));
             }
         }
+        if num_local > total_computed {
+            return Err(invalid(format!(
+                "{num_local} locally computed tokens of only {total_computed} computed"
+            )));
+        }
         let max_len = self.cfg.max_model_len;
         let need = Need {
             num_tokens: num_tokens.min(max_len),
             total_computed: total_computed.min(max_len),
-            num_local: total_computed.min(max_len),
+            num_local: num_local.min(max_len),
             main_model: num_tokens_main_model.min(max_len),
             prefill_end: 0,
             cap: apply_admission_cap,

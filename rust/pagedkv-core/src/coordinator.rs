@@ -684,14 +684,10 @@ impl Coordinator {
         for (gm, gb) in self.groups.iter_mut().zip(&mut req.groups).take(until) {
             gm.drop_boundary_offloads(&req.id);
             if gm.is_hisparse_resident() {
-                let row = GroupManager::resident_release(gb);
-                let mut held = Vec::with_capacity(row.len());
-                for &b in row.iter().rev() {
-                    if self.pool.engine_release(&[b], "freed").is_ok() {
-                        held.push(b);
-                    }
-                }
-                self.pool.free_blocks(held);
+                let mut row = GroupManager::resident_release(gb);
+                row.reverse();
+                row.retain(|&b| self.pool.engine_release_one(b));
+                self.pool.free_blocks(row);
             } else {
                 GroupManager::free(&mut self.pool, gb);
             }

@@ -553,6 +553,22 @@ impl BlockPool {
         self.engine_refs.get(&b).copied().unwrap_or(0)
     }
 
+    /// Drops one engine-held reference on `b`; `false` (nothing changed) when
+    /// the engine holds none.
+    pub(crate) fn engine_release_one(&mut self, b: BlockId) -> bool {
+        match self.engine_refs.get_mut(&b) {
+            Some(1) => {
+                self.engine_refs.remove(&b);
+                true
+            }
+            Some(n) => {
+                *n -= 1;
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Every engine-held reference, per block.
     pub(crate) fn engine_refs(&self) -> impl Iterator<Item = (BlockId, u32)> + '_ {
         self.engine_refs.iter().map(|(&b, &n)| (b, n))

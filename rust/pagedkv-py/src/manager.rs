@@ -847,7 +847,7 @@ impl PyManager {
     ) -> PkResult<Option<u32>> {
         let group = Self::index("group", group)?;
         let page = Self::index("page", page)?;
-        Ok(borrow_mut(slf)?
+        Ok(borrow(slf)?
             .inner
             .hisparse_resident_page(request_id, group, page)?)
     }
@@ -863,7 +863,7 @@ impl PyManager {
     ) -> PkResult<Bound<'py, PyArray1<i32>>> {
         let group = Self::index("group", group)?;
         let start = Self::index("start", start)?;
-        let ids = borrow_mut(slf)?
+        let ids = borrow(slf)?
             .inner
             .hisparse_residency_row(request_id, group, start)?;
         Ok(PyArray1::from_vec(slf.py(), ids_i32(&ids)))
@@ -902,7 +902,7 @@ impl PyManager {
         group: i64,
     ) -> PkResult<bool> {
         let group = Self::index("group", group)?;
-        Ok(borrow_mut(slf)?
+        Ok(borrow(slf)?
             .inner
             .hisparse_hot_required(request_id, group)?)
     }

@@ -13,15 +13,14 @@ use crate::single_type::GroupBlocks;
 use crate::spec::AttentionKind;
 
 impl KvCacheManager {
-    /// The request's blocks of HiSparse group `group` (of kind `kind`), or why
-    /// not.
-    fn hisparse_row(&mut self, id: &str, group: usize, resident: bool) -> Result<&mut GroupBlocks> {
+    /// The request's slot, once `group` is a HiSparse resident (or hot) group.
+    fn hisparse_slot(&self, id: &str, group: usize, resident: bool) -> Result<u32> {
         let slot = self.table.slot(id)?;
-        let gm = self.group_manager(group)?;
+        let kind = &self.group_manager(group)?.spec().kind;
         let ok = if resident {
-            gm.spec().kind == AttentionKind::HiSparseResident
+            *kind == AttentionKind::HiSparseResident
         } else {
-            matches!(gm.spec().kind, AttentionKind::HiSparseHot { .. })
+            matches!(kind, AttentionKind::HiSparseHot { .. })
         };
         if !ok {
             return Err(invalid(format!(
@@ -29,6 +28,23 @@ impl KvCacheManager {
                 if resident { "resident" } else { "hot" }
             )));
         }
+        Ok(slot)
+    }
+
+    /// The request's blocks of HiSparse group `group`, to read.
+    fn hisparse_row(&self, id: &str, group: usize, resident: bool) -> Result<&GroupBlocks> {
+        let slot = self.hisparse_slot(id, group, resident)?;
+        Ok(&self.table.get(slot).groups[group])
+    }
+
+    /// The request's blocks of HiSparse group `group`, to change.
+    fn hisparse_row_mut(
+        &mut self,
+        id: &str,
+        group: usize,
+        resident: bool,
+    ) -> Result<&mut GroupBlocks> {
+        let slot = self.hisparse_slot(id, group, resident)?;
         Ok(&mut self.table.get_mut(slot).groups[group])
     }
 
@@ -52,7 +68,9 @@ impl KvCacheManager {
                 "block {block} is not in the pool of {n} blocks"
             )));
         }
-        Ok(self.hisparse_row(id, group, true)?.adopt_page(page, block))
+        Ok(self
+            .hisparse_row_mut(id, group, true)?
+            .adopt_page(page, block))
     }
 
     /// Page `page` of the request's resident row in `group` is read from the
@@ -67,7 +85,7 @@ impl KvCacheManager {
         group: usize,
         page: usize,
     ) -> Result<Option<BlockId>> {
-        Ok(self.hisparse_row(id, group, true)?.drop_page(page))
+        Ok(self.hisparse_row_mut(id, group, true)?.drop_page(page))
     }
 
     /// The device block page `page` of the request's resident row is read
@@ -77,7 +95,7 @@ impl KvCacheManager {
     /// # Errors
     /// Unknown request; `group` not a resident group.
     pub fn hisparse_resident_page(
-        &mut self,
+        &self,
         id: &str,
         group: usize,
         page: usize,
@@ -91,7 +109,7 @@ impl KvCacheManager {
     /// # Errors
     /// Unknown request; `group` not a resident group.
     pub fn hisparse_residency_row(
-        &mut self,
+        &self,
         id: &str,
         group: usize,
         start: usize,
@@ -105,7 +123,7 @@ impl KvCacheManager {
     /// # Errors
     /// Unknown request; `group` not a hot group.
     pub fn hisparse_require_hot(&mut self, id: &str, group: usize) -> Result<()> {
-        self.hisparse_row(id, group, false)?.require_hot();
+        self.hisparse_row_mut(id, group, false)?.require_hot();
         Ok(())
     }
 
@@ -114,7 +132,7 @@ impl KvCacheManager {
     ///
     /// # Errors
     /// Unknown request; `group` not a hot group.
-    pub fn hisparse_hot_required(&mut self, id: &str, group: usize) -> Result<bool> {
+    pub fn hisparse_hot_required(&self, id: &str, group: usize) -> Result<bool> {
         Ok(self.hisparse_row(id, group, false)?.hot_required())
     }
 

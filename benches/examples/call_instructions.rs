@@ -2,12 +2,17 @@
 //! `decode N` makes N decode `allocate_slots` calls that need no new block,
 //! `admit N` admits and removes N distinct 2,560-token prompts, on one
 //! full-attention manager, `lookup N` makes N lookups of a cached 160-block
-//! prefix (`lookup_hybrid N`: with three sliding-window groups beside). Run under callgrind with N and with 0; the difference
-//! divided by N is the instructions per call:
+//! prefix (`lookup_hybrid N`: with three sliding-window groups beside),
+//! `batch N` makes N decode steps of 256 running requests, each one
+//! `allocate_slots_batch_step` by handle with the tracked counts and a sampled
+//! token per request (a block fills every 16 steps). Run under callgrind with N
+//! and with 0; the difference divided by N is the instructions per call (per
+//! step for `batch`: divide by 256 for a request's share):
 //!
 //! `valgrind --tool=callgrind target/release/examples/call_instructions decode 200000`
 use pagedkv_core::{
-    AllocateArgs, AttentionKind, GroupSpec, KvCacheManager, ManagerConfig, RequestSpec,
+    AllocateArgs, AttentionKind, BatchAllocation, BatchStep, GroupSpec, KvCacheManager,
+    ManagerConfig, RequestRefs, RequestSpec,
 };
 use std::hint::black_box;
 
@@ -44,7 +49,9 @@ fn main() {
     let hit = mgr.get_computed_blocks("r").unwrap();
     mgr.allocate_slots("r", &AllocateArgs::step(1000, 0), Some(&hit))
         .unwrap();
-    if what == "decode" {
+    if what == "batch" {
+        batch(&mut mgr, n);
+    } else if what == "decode" {
         let args = AllocateArgs::step(1, 999);
         for _ in 0..n {
             black_box(mgr.allocate_slots("r", &args, None).unwrap().is_some());
@@ -87,5 +94,34 @@ fn main() {
             );
             mgr.remove_request(&id).unwrap();
         }
+    }
+}
+
+/// `batch N`: 256 requests of 1,000 prompt tokens admitted, then N decode steps.
+fn batch(mgr: &mut KvCacheManager, n: u64) {
+    const REQS: u32 = 256;
+    let mut handles = Vec::new();
+    for i in 0..REQS {
+        let id = format!("b{i}");
+        let prompt: Vec<u32> = (0..1000u32).map(|t| (t * 7919 + i * 31) % 32000).collect();
+        assert!(pagedkv_benches::admit(mgr, &id, &prompt));
+        handles.push(mgr.request_handle(&id).unwrap());
+    }
+    let new = vec![1u64; REQS as usize];
+    let mut out = BatchAllocation::default();
+    let mut tokens = vec![None; REQS as usize];
+    for step in 0..n {
+        for (i, t) in tokens.iter_mut().enumerate() {
+            *t = Some((i as u32 + step as u32) % 32000);
+        }
+        mgr.allocate_slots_batch_step(
+            &BatchStep {
+                append_token_ids: Some(&tokens),
+                ..BatchStep::new(RequestRefs::Handles(&handles), &new, None)
+            },
+            &mut out,
+        )
+        .unwrap();
+        black_box(out.num_allocated);
     }
 }

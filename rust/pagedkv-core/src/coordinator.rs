@@ -279,6 +279,31 @@ impl Coordinator {
         true
     }
 
+    /// Whether a running request's decode step is certain to be valid and to
+    /// need nothing (the batch's fast path, decided before anything changes):
+    /// every group holds blocks for `computed` and for `num_tokens` tokens
+    /// without a pending copy-on-write, and (with caching) has cached every
+    /// block full at `to_cache` tokens. Conservative: `false` leaves the step
+    /// to the full checks and [`Self::decode_step_needs_nothing`].
+    pub(crate) fn step_surely_needs_nothing(
+        &self,
+        req: &Request,
+        computed: u64,
+        num_tokens: u64,
+        to_cache: u64,
+        caching: bool,
+    ) -> bool {
+        self.plain_decode
+            && self.groups.iter().zip(&req.groups).all(|(gm, gb)| {
+                let held = gb.blocks().len() as u64;
+                gb.partial_hit().is_none()
+                    && gm.blocks_ceil(num_tokens) <= held
+                    && computed <= held * u64::from(gm.block_size())
+                    && (!caching
+                        || gm.blocks_floor(to_cache) <= gb.num_cached().unwrap_or(0) as u64)
+            })
+    }
+
     /// No group has a full block to publish up to `num_tokens` tokens (as far
     /// as the request is hashed) beyond what it has cached.
     fn fills_no_block(&self, req: &Request, num_tokens: usize) -> bool {

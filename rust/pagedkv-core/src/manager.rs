@@ -214,6 +214,8 @@ pub struct KvCacheManager {
     stats: Option<PrefixCacheStats>,
     scratch_slots: Vec<u32>,
     scratch_counts: Vec<u64>,
+    /// Per entry of a batch: where its fast-path step schedules through.
+    scratch_fast: Vec<u64>,
     /// Per request slot, the batch call that last named it (`batch_stamp`):
     /// a batch naming a request twice is refused without a per-call set.
     batch_marks: Vec<u32>,
@@ -255,6 +257,7 @@ impl KvCacheManager {
             stats: cfg.log_stats.then(PrefixCacheStats::default),
             scratch_slots: Vec::new(),
             scratch_counts: Vec::new(),
+            scratch_fast: Vec::new(),
             batch_marks: Vec::new(),
             batch_stamp: 0,
             pending_split: None,
@@ -649,6 +652,48 @@ impl KvCacheManager {
         req.num_computed_at_step = num_computed_tokens;
         req.scheduled_through = main_model;
         true
+    }
+
+    /// The batch's fast path, decided for every entry before anything changes:
+    /// `Some(scheduled_through)` for a running request's step that the full
+    /// checks would accept and that needs no block and publishes none, given
+    /// `appending` (0 or 1) tokens appended first; `None` leaves the entry to
+    /// the full checks and the general path. A step it accepts is recorded by
+    /// setting the two counts, as [`Self::decode_step_needs_nothing`] does.
+    pub(super) fn plain_step(
+        &self,
+        slot: u32,
+        num_new_tokens: u64,
+        num_computed_tokens: u64,
+        num_lookahead_tokens: u64,
+        appending: u64,
+    ) -> Option<u64> {
+        const LIMIT: u64 = 1 << 40;
+        let max_len = self.cfg.max_model_len;
+        let req = self.table.get(slot);
+        let known = req.num_tokens() as u64 + appending;
+        if !req.admitted
+            || num_new_tokens == 0
+            || num_new_tokens > LIMIT
+            || num_lookahead_tokens > LIMIT
+            || num_computed_tokens > known
+            || known > max_len
+        {
+            return None;
+        }
+        let total_computed = num_computed_tokens.min(max_len);
+        let main_model = (total_computed + num_new_tokens).min(max_len);
+        let need_slot = (main_model + num_lookahead_tokens).min(max_len);
+        let to_cache = (total_computed + num_new_tokens).min(known);
+        self.coord
+            .step_surely_needs_nothing(
+                req,
+                num_computed_tokens,
+                need_slot,
+                to_cache,
+                self.cfg.enable_caching,
+            )
+            .then_some(main_model)
     }
 
     /// `allocate_slots` once the arguments were validated.

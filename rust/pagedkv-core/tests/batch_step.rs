@@ -223,3 +223,106 @@ fn a_batch_naming_a_request_twice_is_refused() {
         .expect("served");
     assert_eq!(out.num_allocated, 2);
 }
+
+/// The batch decides most decode steps up front (a running request's step
+/// that takes no block and caches none); the steps it decides that way and
+/// those it leaves to the general path (a block boundary, a block that
+/// fills, a prefill chunk, speculative slots) give what `append_token_ids`
+/// and `allocate_slots` called request by request give: the same new blocks
+/// step by step, the same events and the same final state.
+#[test]
+fn batch_steps_match_single_calls() {
+    use pagedkv_core::AllocateArgs;
+    let ids = ["a", "b", "c", "d"];
+    let cfg = || ManagerConfig {
+        enable_kv_cache_events: true,
+        ..ManagerConfig::full_attention(256, 4, 512)
+    };
+    let mut batch = KvCacheManager::new(cfg()).expect("config");
+    let mut single = KvCacheManager::new(cfg()).expect("config");
+    let mut handles = Vec::new();
+    // "d": a 20-token prompt of which only 8 are scheduled at admission; it
+    // prefills 3 more per step until its prompt is computed, sampling nothing.
+    let mut computed = [5u64, 6, 7, 8];
+    for (i, id) in ids.iter().enumerate() {
+        let n = if i == 3 { 20 } else { 5 + i as u32 };
+        for (k, m) in [&mut batch, &mut single].into_iter().enumerate() {
+            let spec = pagedkv_core::RequestSpec {
+                prompt_token_ids: (0..n).map(|t| i as u32 * 1000 + t).collect(),
+                ..Default::default()
+            };
+            let h = m.add_request(id, spec).expect("added");
+            let hit = m.get_computed_blocks(id).expect("known");
+            assert_eq!(hit.num_computed_tokens, 0);
+            let args = AllocateArgs::step(computed[i], 0);
+            assert!(
+                m.allocate_slots(id, &args, Some(&hit))
+                    .expect("ok")
+                    .is_some()
+            );
+            if k == 0 {
+                handles.push(h);
+            }
+        }
+    }
+    let mut out = BatchAllocation::default();
+    let mut fast_and_general = [0usize; 2];
+    for step in 0..40u64 {
+        let lookahead = [0, 0, 0, 1, 0, 2][step as usize % 6];
+        let mut sampled = Vec::new();
+        let mut new = Vec::new();
+        for (i, id) in ids.iter().enumerate() {
+            let tokens = single.num_tokens(id).expect("known") as u64;
+            let prefilling = computed[i] < tokens;
+            sampled.push((!prefilling && step > 0).then_some(step as u32 * 10 + i as u32));
+            new.push(if prefilling {
+                (tokens - computed[i]).min(3)
+            } else {
+                1
+            });
+        }
+        // Request by request.
+        let mut expect = Vec::new();
+        for (i, id) in ids.iter().enumerate() {
+            if let Some(t) = sampled[i] {
+                single.append_token_ids(id, &[t]).expect("room");
+            }
+            let args = AllocateArgs {
+                num_lookahead_tokens: lookahead,
+                ..AllocateArgs::step(new[i], computed[i])
+            };
+            let blocks = single.allocate_slots(id, &args, None).expect("valid");
+            let blocks = blocks.expect("fits").to_vec();
+            fast_and_general[usize::from(!blocks.iter().all(Vec::is_empty))] += 1;
+            expect.push(blocks);
+        }
+        // In one call, counts tracked from the second step on.
+        let counts = (step > 0).then_some(&computed[..]);
+        let step_call = BatchStep {
+            num_lookahead_tokens: lookahead,
+            append_token_ids: Some(&sampled),
+            ..BatchStep::new(RequestRefs::Handles(&handles), &new, counts)
+        };
+        batch
+            .allocate_slots_batch_step(&step_call, &mut out)
+            .expect("valid");
+        assert_eq!(out.num_allocated, ids.len());
+        for (i, blocks) in expect.iter().enumerate() {
+            let got = &out.block_ids[0][out.offsets[0][i] as usize..out.offsets[0][i + 1] as usize];
+            assert_eq!(got, &blocks[0][..], "step {step}, request {}", ids[i]);
+        }
+        for i in 0..ids.len() {
+            computed[i] += new[i];
+        }
+        assert_eq!(
+            state(&mut batch, &ids),
+            state(&mut single, &ids),
+            "step {step}"
+        );
+    }
+    // Both kinds of step were taken.
+    assert!(
+        fast_and_general[0] > 60 && fast_and_general[1] > 20,
+        "{fast_and_general:?}"
+    );
+}

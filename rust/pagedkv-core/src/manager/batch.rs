@@ -145,6 +145,7 @@ impl KvCacheManager {
         let mut slots = std::mem::take(&mut self.scratch_slots);
         let mut counts = std::mem::take(&mut self.scratch_counts);
         let done = self.table.resolve(step.refs, &mut slots).and_then(|()| {
+            self.prefetch_batch(&slots);
             let computed = if let Some(c) = step.num_computed_tokens {
                 c
             } else {
@@ -158,6 +159,18 @@ impl KvCacheManager {
         self.scratch_slots = slots;
         self.scratch_counts = counts;
         done
+    }
+
+    /// Starts loading the state of every request of a batch before the first
+    /// pass reads it, a level of indirection at a time, so that the misses of
+    /// many requests overlap instead of each pass stalling request by request.
+    fn prefetch_batch(&self, slots: &[u32]) {
+        for &slot in slots {
+            self.table.get(slot).prefetch_step_state();
+        }
+        for &slot in slots {
+            self.table.get(slot).prefetch_block_tails();
+        }
     }
 
     /// Refuses a batch that names a request twice: its second step would be
@@ -197,13 +210,33 @@ impl KvCacheManager {
     ) -> Result<()> {
         let (num_new_tokens, num_lookahead_tokens) =
             (step.num_new_tokens, step.num_lookahead_tokens);
-        self.validate_batch(
+        let mut fast = std::mem::take(&mut self.scratch_fast);
+        let checked = self.validate_batch(
             slots,
             num_new_tokens,
             num_computed_tokens,
             num_lookahead_tokens,
             step.append_token_ids,
-        )?;
+            &mut fast,
+        );
+        let done = checked
+            .and_then(|()| self.allocate_checked(slots, num_computed_tokens, &fast, step, out));
+        self.scratch_fast = fast;
+        done
+    }
+
+    /// [`Self::allocate_resolved`] once every entry was checked (`fast` from
+    /// [`Self::validate_batch`]).
+    fn allocate_checked(
+        &mut self,
+        slots: &[u32],
+        num_computed_tokens: &[u64],
+        fast: &[u64],
+        step: &BatchStep<'_>,
+        out: &mut BatchAllocation,
+    ) -> Result<()> {
+        let (num_new_tokens, num_lookahead_tokens) =
+            (step.num_new_tokens, step.num_lookahead_tokens);
         if let Some(tokens) = step.append_token_ids {
             let hbs = self.hash_block_size;
             let hashing = self.hashing();
@@ -225,6 +258,17 @@ impl KvCacheManager {
         }
         for (i, &slot) in slots.iter().enumerate() {
             let (new, computed) = (num_new_tokens[i], num_computed_tokens[i]);
+            if fast[i] != u64::MAX {
+                // A running request's step that needs nothing (decided above).
+                let req = self.table.get_mut(slot);
+                req.num_computed_at_step = computed;
+                req.scheduled_through = fast[i];
+                for (ids, offsets) in out.block_ids.iter().zip(&mut out.offsets) {
+                    offsets.push(ids.len() as u32);
+                }
+                out.num_allocated += 1;
+                continue;
+            }
             // Validated above, before anything changed.
             if !self.decode_step_needs_nothing(slot, new, computed, num_lookahead_tokens) {
                 let args = AllocateArgs {

@@ -162,7 +162,9 @@ impl KvCacheManager {
     }
 
     /// Checks every entry of a batch (after slot resolution) before anything
-    /// changes.
+    /// changes. Into `fast`, per entry: the count its step schedules through
+    /// when it takes the fast path ([`Self::plain_step`]), `u64::MAX` when
+    /// it takes the general one.
     pub(super) fn validate_batch(
         &self,
         slots: &[u32],
@@ -170,17 +172,30 @@ impl KvCacheManager {
         num_computed_tokens: &[u64],
         num_lookahead_tokens: u64,
         append_token_ids: Option<&[Option<u32>]>,
+        fast: &mut Vec<u64>,
     ) -> Result<()> {
         let free_at_start = i64::from(self.coord.pool().num_free_blocks());
         let max_len = self.cfg.max_model_len;
         // The bound for the last token count seen (a decode step repeats one).
         let mut bound: Option<(u64, i64)> = None;
+        fast.clear();
         for (i, &slot) in slots.iter().enumerate() {
+            let appending = append_token_ids.map_or(0, |t| u64::from(t[i].is_some()));
+            if let Some(through) = self.plain_step(
+                slot,
+                num_new_tokens[i],
+                num_computed_tokens[i],
+                num_lookahead_tokens,
+                appending,
+            ) {
+                fast.push(through);
+                continue;
+            }
+            fast.push(u64::MAX);
             let args = AllocateArgs {
                 num_lookahead_tokens,
                 ..AllocateArgs::step(num_new_tokens[i], num_computed_tokens[i])
             };
-            let appending = append_token_ids.map_or(0, |t| u64::from(t[i].is_some()));
             if appending != 0 {
                 self.check_room(slot, 1)?;
             }

@@ -102,6 +102,17 @@ fn exact_int_item(list: &Bound<'_, PyList>, i: usize) -> Option<i64> {
 /// Token ids from a list of Python ints: exact ints in range take
 /// [`exact_int_item`]'s direct path, anything else goes through
 /// [`token_item`], which converts or explains.
+/// The items of `items` (`n` of them) collected into a vector reserved once:
+/// collecting fallible items straight into a `PkResult<Vec<_>>` loses the
+/// count and grows the vector by reallocation.
+fn try_collect<T>(n: usize, items: impl Iterator<Item = PkResult<T>>) -> PkResult<Vec<T>> {
+    let mut out = Vec::with_capacity(n);
+    for item in items {
+        out.push(item?);
+    }
+    Ok(out)
+}
+
 fn list_tokens(list: &Bound<'_, PyList>, limit: usize) -> PkResult<Vec<u32>> {
     list_tokens_from(list, 0, limit)
 }
@@ -159,15 +170,13 @@ pub fn tokens(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<u32>> {
     };
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
         check(a.len()?)?;
-        return a.as_slice()?.iter().map(|&v| token_from_i64(v)).collect();
+        let a = a.as_slice()?;
+        return try_collect(a.len(), a.iter().map(|&v| token_from_i64(v)));
     }
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
         check(a.len()?)?;
-        return a
-            .as_slice()?
-            .iter()
-            .map(|&v| token_from_i64(i64::from(v)))
-            .collect();
+        let a = a.as_slice()?;
+        return try_collect(a.len(), a.iter().map(|&v| token_from_i64(i64::from(v))));
     }
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u32>>() {
         check(a.len()?)?;
@@ -307,9 +316,10 @@ pub fn block_hashes_from(
     if n - from > limit {
         return Err(too_many("block hashes", n - from, limit));
     }
-    (from..n)
-        .map(|i| block_hash_item(&list.get_item(i)?))
-        .collect()
+    try_collect(
+        n - from,
+        (from..n).map(|i| block_hash_item(&list.get_item(i)?)),
+    )
 }
 
 /// One block hash: bytes, 1..=32 long.
@@ -366,18 +376,21 @@ pub fn appended_tokens(obj: &Bound<'_, PyAny>, n: usize) -> PkResult<Vec<Option<
         if list.len() > limit {
             return Err(too_many("appended token ids", list.len(), limit));
         }
-        return (0..list.len())
-            .map(|i| match exact_int_item(list, i) {
+        return try_collect(
+            list.len(),
+            (0..list.len()).map(|i| match exact_int_item(list, i) {
                 Some(v) => one(v),
                 None => item(&list.get_item(i)?),
-            })
-            .collect();
+            }),
+        );
     }
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
-        return a.as_slice()?.iter().map(|&v| one(v)).collect();
+        let a = a.as_slice()?;
+        return try_collect(a.len(), a.iter().map(|&v| one(v)));
     }
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
-        return a.as_slice()?.iter().map(|&v| one(i64::from(v))).collect();
+        let a = a.as_slice()?;
+        return try_collect(a.len(), a.iter().map(|&v| one(i64::from(v))));
     }
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u32>>() {
         return Ok(a.as_slice()?.iter().map(|&v| Some(v)).collect());
@@ -426,10 +439,11 @@ fn non_negative(name: &str, values: impl Iterator<Item = i64> + Clone) -> PkResu
 
 /// Block ids: non-negative ints below 2**32 (the pool checks its own range).
 pub fn block_ids(obj: &Bound<'_, PyAny>) -> PkResult<Vec<BlockId>> {
-    counts("block id", obj)?
-        .into_iter()
-        .map(|v| block_id(i128::from(v)))
-        .collect()
+    let counts = counts("block id", obj)?;
+    try_collect(
+        counts.len(),
+        counts.into_iter().map(|v| block_id(i128::from(v))),
+    )
 }
 
 /// One block id (`0..2**32`).
@@ -453,15 +467,16 @@ impl BatchIds {
                 _ => list.get_item(0)?.is_instance_of::<PyInt>(),
             };
             if first_is_int {
-                return (0..list.len())
-                    .map(|i| match exact_int_item(list, i) {
+                return try_collect(
+                    list.len(),
+                    (0..list.len()).map(|i| match exact_int_item(list, i) {
                         Some(h) if h >= 0 => Ok(h as u64),
                         _ => list.get_item(i)?.extract::<u64>().map_err(|_| {
                             type_error("request handles must be ints returned by add_request")
                         }),
-                    })
-                    .collect::<PkResult<Vec<u64>>>()
-                    .map(Self::Handles);
+                    }),
+                )
+                .map(Self::Handles);
             }
         }
         if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {

@@ -113,19 +113,24 @@ fn try_collect<T>(n: usize, items: impl Iterator<Item = PkResult<T>>) -> PkResul
     Ok(out)
 }
 
-fn list_tokens(list: &Bound<'_, PyList>, limit: usize) -> PkResult<Vec<u32>> {
-    list_tokens_from(list, 0, limit)
+fn list_tokens(list: &Bound<'_, PyList>, limit: usize, room: usize) -> PkResult<Vec<u32>> {
+    list_tokens_from(list, 0, limit, room)
 }
 
 /// [`list_tokens`] of the items from index `from` on (none when the list is
-/// no longer), read in place.
-fn list_tokens_from(list: &Bound<'_, PyList>, from: usize, limit: usize) -> PkResult<Vec<u32>> {
+/// no longer), read in place; `room` more tokens reserved.
+fn list_tokens_from(
+    list: &Bound<'_, PyList>,
+    from: usize,
+    limit: usize,
+    room: usize,
+) -> PkResult<Vec<u32>> {
     let n = list.len();
     let from = from.min(n);
     if n - from > limit {
         return Err(too_many("token ids", n - from, limit));
     }
-    let mut out = Vec::with_capacity(n - from);
+    let mut out = Vec::with_capacity(n - from + room);
     for i in from..n {
         match exact_int_item(list, i).and_then(|v| u32::try_from(v).ok()) {
             Some(t) => out.push(t),
@@ -158,8 +163,24 @@ fn is_int_buffer(obj: &Bound<'_, PyAny>) -> PkResult<bool> {
 /// Token ids from a list, an int `NumPy` array or any sequence of ints; at most
 /// `limit` of them (checked before anything is reserved).
 pub fn tokens(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<u32>> {
+    tokens_with_room(obj, limit, 0)
+}
+
+/// Tokens a request's output grows its prompt by before its token vector
+/// reallocates: reserved with the prompt, so the first decode steps append
+/// without copying the prompt.
+const OUTPUT_ROOM: usize = 256;
+
+/// [`tokens`] of a prompt, with room for the first [`OUTPUT_ROOM`] output
+/// tokens reserved in the same allocation.
+pub fn prompt_tokens(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<u32>> {
+    tokens_with_room(obj, limit, OUTPUT_ROOM)
+}
+
+/// [`tokens`], `room` more reserved.
+fn tokens_with_room(obj: &Bound<'_, PyAny>, limit: usize, room: usize) -> PkResult<Vec<u32>> {
     if let Ok(list) = obj.cast::<PyList>() {
-        return list_tokens(list, limit);
+        return list_tokens(list, limit, room);
     }
     let check = |n: usize| {
         if n > limit {
@@ -171,16 +192,22 @@ pub fn tokens(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<u32>> {
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
         check(a.len()?)?;
         let a = a.as_slice()?;
-        return try_collect(a.len(), a.iter().map(|&v| token_from_i64(v)));
+        return try_collect(a.len() + room, a.iter().map(|&v| token_from_i64(v)));
     }
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
         check(a.len()?)?;
         let a = a.as_slice()?;
-        return try_collect(a.len(), a.iter().map(|&v| token_from_i64(i64::from(v))));
+        return try_collect(
+            a.len() + room,
+            a.iter().map(|&v| token_from_i64(i64::from(v))),
+        );
     }
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u32>>() {
         check(a.len()?)?;
-        return Ok(a.as_slice()?.to_vec());
+        let a = a.as_slice()?;
+        let mut out = Vec::with_capacity(a.len() + room);
+        out.extend_from_slice(a);
+        return Ok(out);
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error("token ids must be a sequence of ints"));
@@ -189,9 +216,9 @@ pub fn tokens(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<u32>> {
         // A memoryview or array.array: viewed (not copied) as a NumPy array of
         // its own item type, then read by the typed paths above.
         let view = obj.py().import("numpy")?.call_method1("asarray", (obj,))?;
-        return tokens(&view, limit);
+        return tokens_with_room(&view, limit, room);
     }
-    let mut out = Vec::with_capacity(reserve_for(obj, limit, "token ids")?);
+    let mut out = Vec::with_capacity(reserve_for(obj, limit, "token ids")? + room);
     for item in obj.try_iter()? {
         check_room(out.len(), limit, "token ids")?;
         out.push(token_item(&item?)?);
@@ -245,7 +272,7 @@ fn engine_list_tokens(obj: &Bound<'_, PyAny>, from: usize, limit: usize) -> Opti
     if list.len() < from {
         return None;
     }
-    let t = list_tokens_from(list, from, limit).ok()?;
+    let t = list_tokens_from(list, from, limit, 0).ok()?;
     t.iter().all(|v| *v <= 0x7fff_ffff).then_some(t)
 }
 

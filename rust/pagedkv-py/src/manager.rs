@@ -20,7 +20,7 @@ use pagedkv_core::{
 use crate::convert::{
     BatchIds, appended_tokens, block_hash, block_hash_list, block_hashes_from, count, counts,
     counts_or_one, engine_tokens, engine_tokens_from, groups_i32, groups_tuple, ids_i32,
-    manager_config, tokens,
+    manager_config, prompt_tokens, tokens,
 };
 use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg, type_error};
 use crate::events;
@@ -258,7 +258,7 @@ impl PyManager {
         let prompt_token_ids = match counted {
             Some(_) => Vec::new(),
             None if external => engine_tokens(prompt_token_ids, limit)?,
-            None => tokens(prompt_token_ids, limit)?,
+            None => prompt_tokens(prompt_token_ids, limit)?,
         };
         let mm_features = mm_features
             .unwrap_or_default()

@@ -1143,8 +1143,8 @@ fn replay_boundaries(num_prompt_tokens: u64, sbs: u64, use_eagle: bool) -> ([u64
 
 /// The `lookahead` tokens after position `end` that a block's hash covers.
 fn lookahead_tokens(req: &Request, end: usize, lookahead: usize) -> Vec<u32> {
-    let n = req.tokens.len();
-    req.tokens[end.min(n)..(end + lookahead).min(n)].to_vec()
+    let n = req.tokens().len();
+    req.tokens()[end.min(n)..(end + lookahead).min(n)].to_vec()
 }
 
 /// The `BlockStored` of a partial prompt-tail entry: the one hash block ending at
@@ -1161,7 +1161,7 @@ fn partial_stored_event(
     BlockStored {
         block_hashes: vec![req.hashes()[n - 1]],
         parent_block_hash: (n > 1).then(|| req.hashes()[n - 2]),
-        token_ids: req.tokens[start..boundary].to_vec(),
+        token_ids: req.tokens()[start..boundary].to_vec(),
         block_size: hbs as u32,
         lora_id: req.lora.as_ref().and_then(|l| l.id),
         lora_name: req.lora.as_ref().map(|l| l.name.clone()),
@@ -1211,7 +1211,7 @@ fn stored_event(
     BlockStored {
         block_hashes: hashes,
         parent_block_hash: parent,
-        token_ids: req.tokens[from * bs..to * bs].to_vec(),
+        token_ids: req.tokens()[from * bs..to * bs].to_vec(),
         block_size: bs as u32,
         lora_id: req.lora.as_ref().and_then(|l| l.id),
         lora_name: req.lora.as_ref().map(|l| l.name.clone()),

@@ -79,12 +79,17 @@ pub struct RequestSpec {
 #[derive(Clone, Debug)]
 #[repr(C, align(64))]
 pub(crate) struct Request {
-    pub tokens: Vec<u32>,
+    /// The token ids (read through [`Self::tokens`]: while the prompt is hashed
+    /// in the background, the hash job holds them and this is empty).
+    tokens: Vec<u32>,
     /// The block hashes (read through [`Self::hashes`]: while the prompt is
     /// hashed in the background they are in `pending`).
     hash_vec: Vec<BlockHash>,
     /// The prompt's hashes being computed on the manager's hash worker.
     pending: Option<Arc<HashJob>>,
+    /// Tokens lent to the pending hash job (the prompt, not copied), returned
+    /// when the request settles; 0 once they are back.
+    lent: usize,
     /// Tokens computed once the last allocated step has run: its computed tokens
     /// (hit and external included) plus the tokens it scheduled. What a decode
     /// step's `num_computed_tokens` is when the caller does not pass it.
@@ -189,6 +194,7 @@ impl Request {
             hash_vec: Vec::new(),
             ctx_vec: Vec::new(),
             pending: None,
+            lent: 0,
             verify,
             lora,
             cache_salt: cache_salt.filter(|s| !s.is_empty()),
@@ -204,6 +210,15 @@ impl Request {
             scheduled_through: 0,
             groups: vec![GroupBlocks::default(); num_groups],
         })
+    }
+
+    /// The request's token ids (waiting, while its prompt is being hashed in
+    /// the background, until the hash job hands them back).
+    pub fn tokens(&self) -> &[u32] {
+        match &self.pending {
+            Some(job) if self.lent > 0 => &job.wait_output().tokens,
+            _ => &self.tokens,
+        }
     }
 
     /// The request's block hashes (waiting, when its prompt is being hashed in
@@ -241,31 +256,50 @@ impl Request {
         hash_block_size: usize,
     ) {
         debug_assert!(self.pending.is_none() && self.hash_vec.is_empty());
+        // The job gets a copy of the request without its blocks and with the
+        // prompt itself, lent (not copied) until the request settles.
+        let tokens = std::mem::take(&mut self.tokens);
+        let groups = std::mem::take(&mut self.groups);
         let mut input = Box::new(self.clone());
-        input.groups = Vec::new();
+        self.groups = groups;
+        self.lent = tokens.len();
+        input.tokens = tokens;
         let job = Arc::new(HashJob::new(input, hasher.same_kind(), hash_block_size));
         worker.submit(&job);
         self.pending = Some(job);
     }
 
-    /// Takes the background hashes into the request (computing them here if the
-    /// worker could not).
-    fn settle(&mut self, hasher: &mut BlockHasher, hash_block_size: usize) {
+    /// Takes the background hashes and the lent prompt back into the request
+    /// (the hashes computed here, with `hasher`, if the worker could not).
+    fn settle(&mut self, hasher: Option<&mut BlockHasher>, hash_block_size: usize) {
         let Some(job) = self.pending.take() else {
             return;
         };
-        job.run();
+        job.wait_output();
         let done = match Arc::try_unwrap(job) {
-            Ok(job) => job.result.into_inner().flatten(),
-            Err(job) => job.wait_result().cloned(),
+            Ok(job) => job.result.into_inner(),
+            Err(job) => job.result.get().cloned(),
         };
-        if let Some(chain) = done {
+        // Set: it was waited for above, and a set result stays set.
+        let Some(out) = done else {
+            return;
+        };
+        if self.lent > 0 {
+            // Nothing was appended while the prompt was lent (every mutation
+            // settles first), so the prompt comes back whole.
+            debug_assert!(self.tokens.is_empty());
+            self.tokens = out.tokens;
+            self.lent = 0;
+        }
+        if let Some(chain) = out.chain {
             self.hash_vec = chain.hashes;
             self.ctx_vec = chain.ctx;
         } else {
             self.hash_vec.clear();
             self.ctx_vec.clear();
-            self.update_hashes(hasher, hash_block_size);
+            if let Some(hasher) = hasher {
+                self.update_hashes(hasher, hash_block_size);
+            }
         }
     }
 
@@ -282,7 +316,7 @@ impl Request {
     }
 
     pub fn num_tokens(&self) -> usize {
-        self.tokens.len()
+        self.tokens.len() + self.lent
     }
 
     pub fn holds_blocks(&self) -> bool {
@@ -298,9 +332,12 @@ impl Request {
     pub fn append_tokens(
         &mut self,
         tokens: &[u32],
-        hasher: Option<&mut BlockHasher>,
+        mut hasher: Option<&mut BlockHasher>,
         hash_block_size: usize,
     ) {
+        if self.lent > 0 {
+            self.settle(hasher.as_deref_mut(), hash_block_size);
+        }
         self.tokens.extend_from_slice(tokens);
         if let Some(h) = hasher {
             self.update_hashes(h, hash_block_size);
@@ -312,9 +349,12 @@ impl Request {
     pub fn push_token(
         &mut self,
         token: u32,
-        hasher: Option<&mut BlockHasher>,
+        mut hasher: Option<&mut BlockHasher>,
         hash_block_size: usize,
     ) {
+        if self.lent > 0 {
+            self.settle(hasher.as_deref_mut(), hash_block_size);
+        }
         self.tokens.push(token);
         if let Some(h) = hasher
             && self.tokens.len().is_multiple_of(hash_block_size)
@@ -447,7 +487,7 @@ impl Request {
     /// empty for requests without a `LoRA` adapter, salt or multimodal items.
     pub fn update_hashes(&mut self, hasher: &mut BlockHasher, hash_block_size: usize) {
         if self.pending.is_some() {
-            self.settle(hasher, hash_block_size);
+            self.settle(Some(&mut *hasher), hash_block_size);
         }
         if self.hash_vec.len() + 1 > self.hash_vec.capacity() {
             // Room for what is full now and the next HASH_HEADROOM blocks.
@@ -494,10 +534,18 @@ pub(crate) struct HashChain {
 /// (the request then hashes in place when it settles).
 #[derive(Debug)]
 pub(crate) struct HashJob {
-    /// The request to hash (a copy without blocks), its hasher and the hash
-    /// block size, until someone takes them.
+    /// The request to hash (a copy without blocks, holding the lent prompt),
+    /// its hasher and the hash block size, until someone takes them.
     input: Mutex<Option<(Box<Request>, BlockHasher, usize)>>,
-    result: OnceLock<Option<HashChain>>,
+    result: OnceLock<JobOutput>,
+}
+
+/// What a hash job hands back: the lent tokens, and the hashes (`None` if the
+/// hashing failed; the request then hashes in place when it settles).
+#[derive(Clone, Debug)]
+struct JobOutput {
+    tokens: Vec<u32>,
+    chain: Option<HashChain>,
 }
 
 /// An empty chain, what a request reads while a failed job awaits settling.
@@ -516,31 +564,41 @@ impl HashJob {
 
     /// Hashes the prompt if nobody has taken it yet.
     fn run(&self) {
-        let taken = self.input.lock().ok().and_then(|mut input| input.take());
+        let taken = match self.input.lock() {
+            Ok(mut input) => input.take(),
+            Err(poisoned) => poisoned.into_inner().take(),
+        };
         let Some((mut req, mut hasher, hbs)) = taken else {
             return;
         };
-        // A panic here must not leave a reader waiting forever.
-        let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // A panic here must not leave a reader waiting forever, nor lose the
+        // lent tokens.
+        let chain = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             req.update_hashes(&mut hasher, hbs);
             HashChain {
                 hashes: std::mem::take(&mut req.hash_vec),
                 ctx: std::mem::take(&mut req.ctx_vec),
             }
         }));
-        let _ = self.result.set(out.ok());
+        let tokens = std::mem::take(&mut req.tokens);
+        let _ = self.result.set(JobOutput {
+            tokens,
+            chain: chain.ok(),
+        });
     }
 
-    fn wait_result(&self) -> Option<&HashChain> {
+    /// The job's output, once someone has run it (here, if nobody has taken it
+    /// yet).
+    fn wait_output(&self) -> &JobOutput {
         if let Some(done) = self.result.get() {
-            return done.as_ref();
+            return done;
         }
         self.run();
-        self.result.wait().as_ref()
+        self.result.wait()
     }
 
     fn wait(&self) -> &HashChain {
-        self.wait_result().unwrap_or(&NO_HASHES)
+        self.wait_output().chain.as_ref().unwrap_or(&NO_HASHES)
     }
 }
 
@@ -675,6 +733,50 @@ mod tests {
         assert!(pending.pending.is_none());
         assert_eq!(pending.hashes(), sync.hashes());
         assert_eq!(pending.hashes().len(), 7);
+    }
+
+    /// A prompt hashed in the background is lent to the job, not copied: the
+    /// request reads its tokens through the job meanwhile, and the first
+    /// mutation takes them back whole, with the hashes, before appending.
+    #[test]
+    fn a_prompt_lent_to_the_hash_worker_comes_back_whole() {
+        use crate::hash::HashAlgo;
+        let worker = HashWorker::spawn().unwrap_or_else(|e| panic!("{e}"));
+        let new = || {
+            let spec = RequestSpec {
+                prompt_token_ids: (0..100).collect(),
+                ..RequestSpec::default()
+            };
+            Request::new("r".into(), 0, spec, 1, 16, false).unwrap_or_else(|e| panic!("{e}"))
+        };
+        let mut hasher =
+            BlockHasher::new(HashAlgo::Sha256Cbor, HashAlgo::Sha256Cbor.none_hash("x"));
+        let mut sync = new();
+        sync.update_hashes(&mut hasher, 16);
+        for mutation in ["push", "append", "hash"] {
+            let mut bg = new();
+            bg.hash_in_background(&worker, &hasher, 16);
+            assert!(bg.tokens.is_empty() && bg.lent == 100, "{mutation}: lent");
+            assert_eq!(bg.num_tokens(), 100);
+            assert_eq!(bg.tokens(), sync.tokens());
+            assert_eq!(bg.hashes(), sync.hashes());
+            let mut want = sync.clone();
+            match mutation {
+                "push" => {
+                    bg.push_token(7, Some(&mut hasher), 16);
+                    want.push_token(7, Some(&mut hasher), 16);
+                }
+                "append" => {
+                    bg.append_tokens(&[7, 8, 9, 10], Some(&mut hasher), 16);
+                    want.append_tokens(&[7, 8, 9, 10], Some(&mut hasher), 16);
+                }
+                _ => bg.update_hashes(&mut hasher, 16),
+            }
+            assert!(bg.pending.is_none() && bg.lent == 0, "{mutation}: settled");
+            assert_eq!(bg.tokens, want.tokens, "{mutation}: tokens");
+            assert_eq!(bg.num_tokens(), want.num_tokens());
+            assert_eq!(bg.hashes(), want.hashes(), "{mutation}: hashes");
+        }
     }
 
     #[test]

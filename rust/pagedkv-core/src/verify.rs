@@ -75,7 +75,7 @@ impl Verifier {
             return;
         };
         let start = i * bs;
-        let end = (start + bs).min(req.tokens.len());
+        let end = (start + bs).min(req.tokens().len());
         let hashed_end = end.min(req.ctx().len() * hbs);
         if hashed_end <= start {
             return;
@@ -89,7 +89,7 @@ impl Verifier {
         }
         *slot = Some(Box::new(Provenance {
             stamp,
-            tokens: req.tokens[start..end].to_vec(),
+            tokens: req.tokens()[start..end].to_vec(),
             ctx_ends: req.ctx()[start / hbs..hashed_end / hbs].to_vec(),
         }));
     }
@@ -121,7 +121,7 @@ impl Verifier {
                     Some(p.stamp) == pool.cache_stamp(b)
                         && hashed > 0
                         && p.tokens.len() >= covered
-                        && p.tokens[..covered] == req.tokens[start..end]
+                        && p.tokens[..covered] == req.tokens()[start..end]
                         && p.ctx_ends.get(hashed - 1) == req.ctx().get(start / hbs + hashed - 1)
                 });
                 if !ok {

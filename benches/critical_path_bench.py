@@ -8,17 +8,24 @@ and on the worker with each step's sampled tokens in a call of their own
 (``append_token_ids_batch``) instead of in the next ``allocate_slots_batch``.
 
     python benches/critical_path_bench.py [--rounds 3] [--num-requests 2000]
+        [--vllm-python ORACLE_VENV/bin/python --oracle-dir ../shared/tools/vllm_oracle]
 
 Per step: the critical path (time inside manager calls, what the scheduler
 waits for: hashing included when it happens in place, the wait for the worker
 when a lookup needs hashes not yet there) and the process CPU time of the whole
 loop (both threads, the Python loop included). Min / median over the rounds; the
-runs must allocate identically (same ``alloc_checksum``).
+runs must allocate identically (same ``alloc_checksum``). With ``--vllm-python``,
+each round also runs vLLM 0.33's own manager on the same trace (the oracle's
+``drive.py``, as ``drive_bench.py`` does), first or last in turn, and the bench
+prints vLLM's manager time per step (its prompt hashing, done when requests are
+built, apart) and its ratio to each critical path; vLLM must allocate the same
+block ids.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -72,16 +79,28 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=2000)
     ap.add_argument("--num-blocks", type=int, default=4096)
+    ap.add_argument("--vllm-python", help="the oracle venv's python: run vLLM alongside")
+    ap.add_argument(
+        "--oracle-dir",
+        default=os.path.join(
+            os.path.dirname(__file__), "..", "..", "shared", "tools", "vllm_oracle"
+        ),
+    )
     args = ap.parse_args()
     trace = generate(TraceConfig(seed=0, num_requests=args.num_requests, interarrival_milli=1000))
     reqs = trace.scheduler_requests()
     for r in reqs:
         r.prompt = np.asarray(r.prompt, dtype=np.uint32)
     results: dict[str, list[dict[str, float | str]]] = {m: [] for m in MODES}
+    vllm_us: list[float] = []
     for i in range(args.rounds):
         order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
+        if args.vllm_python and i % 2 == 0:
+            vllm_us.append(vllm_manager_us(args, results))
         for mode in order:
             results[mode].append(one_run(reqs, mode, args.num_blocks))
+        if args.vllm_python and i % 2 == 1:
+            vllm_us.append(vllm_manager_us(args, results))
     checksums = {r["checksum"] for rs in results.values() for r in rs}
     same = "identical" if len(checksums) == 1 else "DIFFERENT"
     print(
@@ -102,6 +121,38 @@ def main() -> None:
             vals = [float(r[key]) for r in results[mode]]
             cells.append(f"{min(vals):10.2f} / {statistics.median(vals):8.2f}")
         print(f"  {name:<32}" + "".join(f"{c:>24}" for c in cells))
+    if vllm_us:
+        lo, mid = min(vllm_us), statistics.median(vllm_us)
+        print(f"  {'vLLM 0.33 manager time':<32}{lo:10.2f} / {mid:8.2f}")
+        cells = []
+        for mode in MODES:
+            crit = [float(r["critical_us"]) for r in results[mode]]
+            cells.append(f"{lo / min(crit):9.1f}x / {mid / statistics.median(crit):6.1f}x")
+        print(f"  {'vLLM / critical path':<32}" + "".join(f"{c:>24}" for c in cells))
+
+
+def vllm_manager_us(args: argparse.Namespace, results: dict) -> float:
+    """One run of vLLM's manager on the trace: its manager time per step (its
+    block hashing, done as requests are built, apart). Refuses a run whose
+    allocations differ from pagedkv's."""
+    from drive_bench import run_vllm
+
+    v = run_vllm(
+        argparse.Namespace(
+            vllm_python=args.vllm_python,
+            oracle_dir=args.oracle_dir,
+            num_blocks=args.num_blocks,
+            num_requests=args.num_requests,
+            seed=0,
+            interarrival_milli=1000,
+            hash="sha256_cbor",
+            hybrid=False,
+        )
+    )
+    ours = {r["checksum"] for rs in results.values() for r in rs}
+    if ours and f"{int(v['alloc_checksum'], 16):016x}" not in ours:
+        raise SystemExit(f"vLLM allocated differently: {v['alloc_checksum']} vs {ours}")
+    return float(v["timing"]["manager_total_ms"]) * 1e3 / v["steps"]
 
 
 if __name__ == "__main__":

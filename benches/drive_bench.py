@@ -77,7 +77,7 @@ def run_pagedkv(args: argparse.Namespace) -> dict:
 def run_vllm(args: argparse.Namespace) -> dict:
     cmd = [
         args.vllm_python,
-        os.path.join(args.oracle_dir, "drive.py"),
+        os.path.join(os.path.abspath(args.oracle_dir), "drive.py"),
         "--quiet",
         "--json",
         "-",

@@ -312,6 +312,28 @@ def test_a_hit_can_be_adopted_with_zero_new_tokens() -> None:
     mgr.check_invariants()
 
 
+def test_a_hit_read_after_it_was_adopted_still_names_its_blocks() -> None:
+    # The arrays of a hit are made when first read: reading them after the hit
+    # was adopted (and twice) gives the blocks the lookup found, as one tuple.
+    mgr = make_manager(BS, 11)
+    mgr.add_request("0", COMMON + [3] * 7)
+    admit(mgr, "0")
+    mgr.add_request("1", COMMON + [4] * 5)
+    hit = mgr.get_computed_blocks("1")
+    assert mgr.allocate_slots("1", 5, num_computed_tokens=0, new_computed_blocks=hit) is not None
+    mgr.free("1")
+    mgr.remove_request("0")
+    first = hit.block_ids
+    assert first is hit.block_ids
+    assert [a.tolist() for a in first] == [[1, 2, 3]]
+    assert str(first[0].dtype) == "int32"
+    # A miss shares the manager's one empty tuple of empty arrays.
+    mgr.add_request("2", [9] * 20)
+    miss = mgr.get_computed_blocks("2")
+    assert miss.block_ids is mgr.get_computed_blocks("2").block_ids
+    assert [a.tolist() for a in miss.block_ids] == [[]]
+
+
 # --------------------------------------------------------------------------- delayed caching
 
 

@@ -24,21 +24,40 @@ use crate::convert::{
 };
 use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg, type_error};
 use crate::events;
+use std::sync::OnceLock;
 
 /// Result of `get_computed_blocks`.
 #[pyclass(module = "pagedkv._core", name = "ComputedBlocks", frozen)]
 #[derive(Debug)]
 pub struct PyComputedBlocks {
     inner: ComputedBlocks,
-    block_ids: Py<PyTuple>,
+    /// The arrays of `block_ids`, made when first read (a scheduler that only
+    /// hands the hit back to `allocate_slots` never reads them).
+    block_ids: OnceLock<Py<PyTuple>>,
+}
+
+impl PyComputedBlocks {
+    /// A hit whose arrays are made when first read; an empty one shares `empty`.
+    fn new(py: Python<'_>, inner: ComputedBlocks, empty: &Py<PyTuple>) -> Self {
+        let block_ids = OnceLock::new();
+        if inner.is_empty() {
+            let _ = block_ids.set(empty.clone_ref(py));
+        }
+        Self { inner, block_ids }
+    }
 }
 
 #[pymethods]
 impl PyComputedBlocks {
-    /// Hit block ids per KV-cache group (int32 arrays).
+    /// Hit block ids per KV-cache group (int32 arrays; the same tuple on every
+    /// read).
     #[getter]
-    fn block_ids(&self, py: Python<'_>) -> Py<PyTuple> {
-        self.block_ids.clone_ref(py)
+    fn block_ids(&self, py: Python<'_>) -> PkResult<Py<PyTuple>> {
+        if let Some(t) = self.block_ids.get() {
+            return Ok(t.clone_ref(py));
+        }
+        let made = groups_tuple(py, groups_i32(&self.inner.block_ids))?.unbind();
+        Ok(self.block_ids.get_or_init(|| made).clone_ref(py))
     }
 
     /// Tokens covered by the hit.
@@ -984,12 +1003,7 @@ impl PyManager {
                 this.empty.clone_ref(py),
             )
         };
-        let block_ids = if inner.is_empty() {
-            empty
-        } else {
-            groups_tuple(py, groups_i32(&inner.block_ids))?.unbind()
-        };
-        Ok(PyComputedBlocks { inner, block_ids })
+        Ok(PyComputedBlocks::new(py, inner, &empty))
     }
 
     /// vLLM's `coordinator.get_num_blocks_to_allocate` without a new hit, for a
@@ -1358,12 +1372,7 @@ impl PyManager {
     /// A lookup result as Python sees it (the shared empty tuple for no hit).
     fn computed(slf: &Bound<'_, Self>, inner: ComputedBlocks) -> PkResult<PyComputedBlocks> {
         let py = slf.py();
-        let block_ids = if inner.is_empty() {
-            borrow(slf)?.empty.clone_ref(py)
-        } else {
-            groups_tuple(py, groups_i32(&inner.block_ids))?.unbind()
-        };
-        Ok(PyComputedBlocks { inner, block_ids })
+        Ok(PyComputedBlocks::new(py, inner, &borrow(slf)?.empty))
     }
 
     /// `sync_request`'s work: the suffixes past what the core holds, then the

@@ -246,7 +246,7 @@ impl Coordinator {
     /// The common decode step of a running request (one that holds blocks),
     /// decided without the general path: no group needs a block for
     /// `num_tokens` slots and none has a block to publish up to `to_cache`
-    /// tokens (with caching). Then
+    /// tokens (with caching; as far as the request is hashed). Then
     /// the step's new blocks are none and `true` is returned; `false` leaves
     /// the step to the general path, with nothing changed.
     pub(crate) fn decode_step_needs_nothing(
@@ -256,21 +256,9 @@ impl Coordinator {
         to_cache: usize,
         caching: bool,
     ) -> bool {
-        if !self.plain_decode {
-            return false;
-        }
-        let mut holds_blocks = false;
-        for (gm, gb) in self.groups.iter().zip(&req.groups) {
-            holds_blocks |= !gb.blocks().is_empty();
-            if gb.partial_hit().is_some() || gm.blocks_ceil(num_tokens) > gb.blocks().len() as u64 {
-                return false;
-            }
-        }
-        if caching && !self.fills_no_block(req, to_cache) {
-            return false;
-        }
-        if !holds_blocks {
-            // Not running: an admission, for the general path.
+        if !self.holds_step(req, num_tokens, None)
+            || (caching && !self.fills_no_block(req, to_cache))
+        {
             return false;
         }
         for out in &mut self.new_blocks {
@@ -279,28 +267,26 @@ impl Coordinator {
         true
     }
 
-    /// Whether a running request's decode step is certain to be valid and to
-    /// need nothing (the batch's fast path, decided before anything changes):
-    /// every group holds blocks for `computed` and for `num_tokens` tokens
-    /// without a pending copy-on-write, and (with caching) has cached every
-    /// block full at `to_cache` tokens. Conservative: `false` leaves the step
-    /// to the full checks and [`Self::decode_step_needs_nothing`].
-    pub(crate) fn step_surely_needs_nothing(
+    /// Whether a running request's step of `num_tokens` slots (at least one)
+    /// takes no block: every group of a plain decode holds the blocks for them,
+    /// without a pending copy-on-write (so the request holds blocks: it runs).
+    /// With `cached_to`, every group has also cached each block full at that
+    /// many tokens. Reads no hashes: the batch decides its steps with it
+    /// before anything is appended (conservatively: a block full but not yet
+    /// hashed counts as one to publish).
+    pub(crate) fn holds_step(
         &self,
         req: &Request,
-        computed: u64,
         num_tokens: u64,
-        to_cache: u64,
-        caching: bool,
+        cached_to: Option<u64>,
     ) -> bool {
         self.plain_decode
+            && num_tokens > 0
             && self.groups.iter().zip(&req.groups).all(|(gm, gb)| {
-                let held = gb.blocks().len() as u64;
                 gb.partial_hit().is_none()
-                    && gm.blocks_ceil(num_tokens) <= held
-                    && computed <= held * u64::from(gm.block_size())
-                    && (!caching
-                        || gm.blocks_floor(to_cache) <= gb.num_cached().unwrap_or(0) as u64)
+                    && gm.blocks_ceil(num_tokens) <= gb.blocks().len() as u64
+                    && cached_to
+                        .is_none_or(|t| gm.blocks_floor(t) <= gb.num_cached().unwrap_or(0) as u64)
             })
     }
 

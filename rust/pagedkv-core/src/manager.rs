@@ -633,25 +633,46 @@ impl KvCacheManager {
         num_computed_tokens: u64,
         num_lookahead_tokens: u64,
     ) -> bool {
-        let max_len = self.cfg.max_model_len;
         let caching = self.cfg.enable_caching;
-        let req = self.table.get_mut(slot);
+        let req = self.table.get(slot);
         if !req.admitted {
             return false;
         }
-        let total_computed = num_computed_tokens.min(max_len);
-        let main_model = (total_computed + num_new_tokens).min(max_len);
-        let need_slot = (main_model + num_lookahead_tokens).min(max_len);
-        let to_cache = (total_computed + num_new_tokens).min(req.num_tokens() as u64) as usize;
+        let s = self.step_counts(
+            req.num_tokens() as u64,
+            num_new_tokens,
+            num_computed_tokens,
+            num_lookahead_tokens,
+        );
         if !self
             .coord
-            .decode_step_needs_nothing(req, need_slot, to_cache, caching)
+            .decode_step_needs_nothing(req, s.need_slot, s.to_cache as usize, caching)
         {
             return false;
         }
+        let req = self.table.get_mut(slot);
         req.num_computed_at_step = num_computed_tokens;
-        req.scheduled_through = main_model;
+        req.scheduled_through = s.main_model;
         true
+    }
+
+    /// A running request's step counts (`allocate_general`'s, without a hit
+    /// or external tokens), for a request of `num_tokens` tokens.
+    fn step_counts(
+        &self,
+        num_tokens: u64,
+        num_new_tokens: u64,
+        num_computed_tokens: u64,
+        num_lookahead_tokens: u64,
+    ) -> StepCounts {
+        let max_len = self.cfg.max_model_len;
+        let total_computed = num_computed_tokens.min(max_len);
+        let main_model = (total_computed + num_new_tokens).min(max_len);
+        StepCounts {
+            main_model,
+            need_slot: (main_model + num_lookahead_tokens).min(max_len),
+            to_cache: (total_computed + num_new_tokens).min(num_tokens),
+        }
     }
 
     /// The batch's fast path, decided for every entry before anything changes:
@@ -660,6 +681,8 @@ impl KvCacheManager {
     /// `appending` (0 or 1) tokens appended first; `None` leaves the entry to
     /// the full checks and the general path. A step it accepts is recorded by
     /// setting the two counts, as [`Self::decode_step_needs_nothing`] does.
+    /// (Holding the blocks for the step's slots, at least one past the
+    /// computed tokens or all `max_model_len`, covers the computed tokens too.)
     pub(super) fn plain_step(
         &self,
         slot: u32,
@@ -669,7 +692,6 @@ impl KvCacheManager {
         appending: u64,
     ) -> Option<u64> {
         const LIMIT: u64 = 1 << 40;
-        let max_len = self.cfg.max_model_len;
         let req = self.table.get(slot);
         let known = req.num_tokens() as u64 + appending;
         if !req.admitted
@@ -677,23 +699,20 @@ impl KvCacheManager {
             || num_new_tokens > LIMIT
             || num_lookahead_tokens > LIMIT
             || num_computed_tokens > known
-            || known > max_len
+            || known > self.cfg.max_model_len
         {
             return None;
         }
-        let total_computed = num_computed_tokens.min(max_len);
-        let main_model = (total_computed + num_new_tokens).min(max_len);
-        let need_slot = (main_model + num_lookahead_tokens).min(max_len);
-        let to_cache = (total_computed + num_new_tokens).min(known);
+        let s = self.step_counts(
+            known,
+            num_new_tokens,
+            num_computed_tokens,
+            num_lookahead_tokens,
+        );
+        let cached_to = self.cfg.enable_caching.then_some(s.to_cache);
         self.coord
-            .step_surely_needs_nothing(
-                req,
-                num_computed_tokens,
-                need_slot,
-                to_cache,
-                self.cfg.enable_caching,
-            )
-            .then_some(main_model)
+            .holds_step(req, s.need_slot, cached_to)
+            .then_some(s.main_model)
     }
 
     /// `allocate_slots` once the arguments were validated.
@@ -1029,4 +1048,14 @@ impl KvCacheManager {
         }
         self.coord.pool().check_invariants(Some(&refs))
     }
+}
+
+/// A running request's step, as [`KvCacheManager::step_counts`] gives it.
+struct StepCounts {
+    /// Tokens the step schedules through (the request's `scheduled_through`).
+    main_model: u64,
+    /// Slots the step needs (lookahead included).
+    need_slot: u64,
+    /// Tokens whose full blocks the step publishes.
+    to_cache: u64,
 }

@@ -159,28 +159,103 @@ pub mod trace {
 /// to vLLM's checksum, so the two copies cannot drift apart unnoticed.
 pub mod floor {
     use std::collections::VecDeque;
+    use std::time::Instant;
 
-    use pagedkv_core::{AllocateArgs, BatchAllocation, KvCacheManager, RequestSpec};
+    use pagedkv_core::{
+        AllocateArgs, BatchAllocation, BatchStep, KvCacheManager, RequestRefs, RequestSpec,
+    };
 
     use crate::trace::Req;
 
     struct Run {
         idx: usize,
+        handle: u64,
         computed: u64,
         outputs: usize,
+        /// The token sampled since its last allocation, not handed over yet
+        /// ([`Options::fused`]).
+        sampled: Option<u32>,
+    }
+
+    /// How [`run_with`] drives the manager.
+    #[derive(Debug, Default)]
+    pub struct Options {
+        /// Prints every checksum word.
+        pub debug: bool,
+        /// As the Python scheduler's backend does (`ManagerBackend`): requests
+        /// named by handle, each step's sampled tokens handed over with the
+        /// requests' next allocation (one batch crossing per step), a
+        /// preempted request's token appended before it is freed. Otherwise
+        /// by id, with one `append_token_ids_batch` per step.
+        pub fused: bool,
+        /// Written one byte per cache line before every step (the caches cold,
+        /// as after a scheduler's own work between steps); empty: warm.
+        pub sweep: Vec<u8>,
+    }
+
+    /// Nanoseconds inside the manager's calls, per API, over a run.
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct CallTimes {
+        pub add_request: u64,
+        pub new_step_starts: u64,
+        pub batch: u64,
+        pub lookup: u64,
+        pub admit: u64,
+        pub preempt: u64,
+        pub append: u64,
+        pub remove_request: u64,
+    }
+
+    impl CallTimes {
+        /// Every call's time together: what the scheduler waits for.
+        #[must_use]
+        pub fn total(&self) -> u64 {
+            self.add_request
+                + self.new_step_starts
+                + self.batch
+                + self.lookup
+                + self.admit
+                + self.preempt
+                + self.append
+                + self.remove_request
+        }
     }
 
     /// What a run did: steps, preemptions and the FNV-1a-64 checksum over every
-    /// allocation (equal to vLLM's `alloc_checksum` on the same trace).
+    /// allocation (equal to vLLM's `alloc_checksum` on the same trace), and the
+    /// time spent inside the manager's calls.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
     pub struct Summary {
         pub steps: u64,
         pub preemptions: u64,
         pub alloc_checksum: u64,
+        pub ns: CallTimes,
+    }
+
+    /// Adds the time `f` takes to `ns`.
+    fn timed<T>(ns: &mut u64, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let out = f();
+        *ns += t.elapsed().as_nanos() as u64;
+        out
     }
 
     /// Drives `reqs` through `kv` to the end. `debug` prints every checksum word.
     pub fn run(kv: &mut KvCacheManager, reqs: &[Req], debug: bool) -> Summary {
+        run_with(
+            kv,
+            reqs,
+            &mut Options {
+                debug,
+                ..Options::default()
+            },
+        )
+    }
+
+    /// [`run`] as `opts` say.
+    #[allow(clippy::too_many_lines)] // the policy's one step, kept in one piece
+    pub fn run_with(kv: &mut KvCacheManager, reqs: &[Req], opts: &mut Options) -> Summary {
+        let debug = opts.debug;
         let mut ck: u64 = 0xCBF2_9CE4_8422_2325;
         let mut feed = |w: u64| {
             if debug {
@@ -188,6 +263,7 @@ pub mod floor {
             }
             ck = (ck ^ w).wrapping_mul(0x0000_0100_0000_01B3);
         };
+        let mut ns = CallTimes::default();
         let (mut waiting, mut running): (VecDeque<Run>, Vec<Run>) = (VecDeque::new(), Vec::new());
         let (mut next, mut clock, mut steps, mut preemptions) = (0usize, 0u64, 0u64, 0u64);
         let mut out = BatchAllocation::default();
@@ -195,39 +271,64 @@ pub mod floor {
             if waiting.is_empty() && running.is_empty() {
                 clock = clock.max(reqs[next].arrival_step);
             }
+            let sweep = &mut opts.sweep;
+            for i in (0..sweep.len()).step_by(64) {
+                sweep[i] = sweep[i].wrapping_add(1);
+            }
+            std::hint::black_box(&sweep[..]);
             while next < reqs.len() && reqs[next].arrival_step <= clock {
                 let spec = RequestSpec {
                     prompt_token_ids: reqs[next].prompt.clone(),
                     ..Default::default()
                 };
-                let _ = kv.add_request(&reqs[next].id, spec);
+                let id = reqs[next].id.as_str();
+                let handle =
+                    timed(&mut ns.add_request, || kv.add_request(id, spec)).unwrap_or(u64::MAX);
                 waiting.push_back(Run {
                     idx: next,
+                    handle,
                     computed: 0,
                     outputs: 0,
+                    sampled: None,
                 });
                 next += 1;
             }
-            kv.new_step_starts();
+            timed(&mut ns.new_step_starts, || kv.new_step_starts());
             let mut budget = 8192u64;
             let mut scheduled: Vec<(usize, u64)> = Vec::new(); // (index into running, tokens)
             let num_tokens = |r: &Run| (reqs[r.idx].prompt.len() + r.outputs) as u64;
             let mut preempted = false;
             let mut ri = 0;
             while ri < running.len() && budget > 0 {
-                let (mut ids, mut new, mut comp) = (Vec::new(), Vec::new(), Vec::new());
+                let (mut ids, mut handles, mut new, mut comp, mut toks) =
+                    (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
                 let mut b = budget;
-                for r in &running[ri..] {
+                for r in &mut running[ri..] {
                     if b == 0 {
                         break;
                     }
                     let n = (num_tokens(r) - r.computed).min(b);
-                    ids.push(reqs[r.idx].id.as_str());
+                    if opts.fused {
+                        handles.push(r.handle);
+                        toks.push(r.sampled.take());
+                    } else {
+                        ids.push(reqs[r.idx].id.as_str());
+                    }
                     new.push(n);
                     comp.push(r.computed);
                     b -= n;
                 }
-                let _ = kv.allocate_slots_batch(&ids, &new, &comp, 0, &mut out);
+                let _ = timed(&mut ns.batch, || {
+                    if opts.fused {
+                        let step = BatchStep {
+                            append_token_ids: Some(&toks),
+                            ..BatchStep::new(RequestRefs::Handles(&handles), &new, Some(&comp))
+                        };
+                        kv.allocate_slots_batch_step(&step, &mut out)
+                    } else {
+                        kv.allocate_slots_batch(&ids, &new, &comp, 0, &mut out)
+                    }
+                });
                 for (i, &n) in new.iter().enumerate().take(out.num_allocated) {
                     feed(1);
                     let (s, e) = (out.offsets[0][i] as usize, out.offsets[0][i + 1] as usize);
@@ -239,12 +340,20 @@ pub mod floor {
                     budget -= n;
                 }
                 ri += out.num_allocated;
-                if out.num_allocated == ids.len() {
+                if out.num_allocated == new.len() {
                     continue;
                 }
                 feed(u64::MAX);
-                let Some(victim) = running.pop() else { break };
-                let _ = kv.free(&reqs[victim.idx].id);
+                let Some(mut victim) = running.pop() else {
+                    break;
+                };
+                let id = reqs[victim.idx].id.as_str();
+                let sampled = victim.sampled.take();
+                let _ = timed(&mut ns.preempt, || {
+                    // Its token first: a re-admission looks up every token.
+                    let appended = sampled.map_or(Ok(()), |t| kv.append_token_ids(id, &[t]));
+                    appended.and_then(|()| kv.free(id))
+                });
                 preemptions += 1;
                 preempted = true;
                 let was_self = ri == running.len();
@@ -260,7 +369,7 @@ pub mod floor {
                 while budget > 0 && running.len() < 256 {
                     let Some(r) = waiting.front() else { break };
                     let id = reqs[r.idx].id.as_str();
-                    let Ok(hit) = kv.get_computed_blocks(id) else {
+                    let Ok(hit) = timed(&mut ns.lookup, || kv.get_computed_blocks(id)) else {
                         break;
                     };
                     let n = (num_tokens(r) - hit.num_computed_tokens).min(budget);
@@ -270,7 +379,9 @@ pub mod floor {
                         has_scheduled_reqs: !running.is_empty(),
                         ..AllocateArgs::step(n, 0)
                     };
-                    if let Ok(Some(g)) = kv.allocate_slots(id, &args, Some(&hit)) {
+                    let admitted =
+                        timed(&mut ns.admit, || kv.allocate_slots(id, &args, Some(&hit)));
+                    if let Ok(Some(g)) = admitted {
                         feed(1);
                         feed(g[0].len() as u64);
                         g[0].iter().for_each(|&b| feed(u64::from(b)));
@@ -290,18 +401,26 @@ pub mod floor {
                 let r = &mut running[i];
                 r.computed += n;
                 if r.computed == (reqs[r.idx].prompt.len() + r.outputs) as u64 {
-                    ids.push(reqs[r.idx].id.as_str());
-                    toks.push(reqs[r.idx].output[r.outputs]);
+                    let t = reqs[r.idx].output[r.outputs];
+                    if opts.fused {
+                        r.sampled = Some(t);
+                    } else {
+                        ids.push(reqs[r.idx].id.as_str());
+                        toks.push(t);
+                    }
                     r.outputs += 1;
                     if r.outputs >= reqs[r.idx].output.len() {
                         done.push(i);
                     }
                 }
             }
-            let _ = kv.append_token_ids_batch(&ids, &toks);
+            if !opts.fused {
+                let _ = timed(&mut ns.append, || kv.append_token_ids_batch(&ids, &toks));
+            }
             // Finished requests leave in scheduling order (it decides the free order).
             for &i in &done {
-                let _ = kv.remove_request(&reqs[running[i].idx].id);
+                let id = reqs[running[i].idx].id.as_str();
+                let _ = timed(&mut ns.remove_request, || kv.remove_request(id));
             }
             done.sort_unstable();
             let mut k = 0;
@@ -317,6 +436,7 @@ pub mod floor {
             steps,
             preemptions,
             alloc_checksum: ck,
+            ns,
         }
     }
 }
@@ -336,6 +456,26 @@ mod tests {
         let s = crate::floor::run(&mut kv, &reqs, false);
         assert_eq!((s.steps, s.preemptions), (2602, 330));
         assert_eq!(s.alloc_checksum, 0xaea7_f22d_7e64_32be);
+        kv.check_invariants().expect("invariants");
+    }
+
+    /// The same with the scheduler backend's calls (handles, sampled tokens
+    /// handed over with the next allocation) and prompts hashed on the worker.
+    #[test]
+    fn the_fused_floor_loop_allocates_as_vllm_does() {
+        let reqs = crate::trace::generate(0, 2000);
+        let mut cfg = ManagerConfig::full_attention(4096, 16, 16384);
+        cfg.max_in_flight_tokens = Some(8192);
+        cfg.background_hashing = true;
+        let mut kv = KvCacheManager::new(cfg).expect("config");
+        let mut opts = crate::floor::Options {
+            fused: true,
+            ..Default::default()
+        };
+        let s = crate::floor::run_with(&mut kv, &reqs, &mut opts);
+        assert_eq!((s.steps, s.preemptions), (2602, 330));
+        assert_eq!(s.alloc_checksum, 0xaea7_f22d_7e64_32be);
+        assert!(s.ns.batch > 0 && s.ns.lookup > 0 && s.ns.admit > 0 && s.ns.preempt > 0);
         kv.check_invariants().expect("invariants");
     }
 }

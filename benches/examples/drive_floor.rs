@@ -6,11 +6,11 @@
 //!
 //! `cargo run --release -p pagedkv-benches --example drive_floor [requests] [blocks]`
 //!
-//! `drive_floor critical [MiB] [rounds]`: the critical path of
+//! `drive_floor critical [MiB] [rounds] [background|in-place]`: the critical path of
 //! `benches/critical_path_bench.py` with no Python at all: the calls the
 //! scheduler's backend makes (handles, sampled tokens with the next
 //! allocation), prompts hashed in place and on the hash worker, alternated
-//! over the rounds (default 5); time inside the manager's calls per step, per
+//! over the rounds (default 5; or only the one named); time inside the manager's calls per step, per
 //! call, min / median. With `MiB` > 0 a buffer that large is swept before
 //! every step, the caches cold as after a Python scheduler's own work.
 use std::time::Instant;
@@ -54,7 +54,15 @@ type Row = (&'static str, fn(&floor::CallTimes) -> u64);
 
 fn critical(mib: usize, rounds: usize) {
     let reqs = trace::generate(0, 2000);
-    let modes = [("in place", false), ("background", true)];
+    let only = std::env::args().nth(4);
+    let modes: Vec<(&str, bool)> = [("in place", false), ("background", true)]
+        .into_iter()
+        .filter(|(name, _)| only.as_deref().is_none_or(|o| o.replace('-', " ") == *name))
+        .collect();
+    if modes.is_empty() {
+        eprintln!("modes: background, in-place");
+        return;
+    }
     let mut runs: Vec<Vec<floor::Summary>> = vec![Vec::new(); modes.len()];
     for round in 0..rounds.max(1) {
         for k in 0..modes.len() {

@@ -422,6 +422,68 @@ def test_mm_prefix_caching_hashes_items_with_block_relative_offsets() -> None:
     assert hit.num_computed_tokens == 48
 
 
+def test_mm_items_as_feature_objects_hash_as_their_tuples() -> None:
+    # vLLM hands MultiModalFeatureSpec objects (identifier, mm_position.offset /
+    # .length); NumPy integers count as ints.
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    mgr = make_manager(BS, 20)
+    tokens = list(range(10)) + [P] * 20 + list(range(10))
+    mgr.add_request("tuples", tokens, mm_features=[("aaa", 10, 12), ("bbb", 22, 8)])
+    specs = [
+        SimpleNamespace(identifier="aaa", mm_position=SimpleNamespace(offset=10, length=12)),
+        SimpleNamespace(
+            identifier="bbb", mm_position=SimpleNamespace(offset=np.int64(22), length=8)
+        ),
+    ]
+    mgr.add_request("specs", tokens, mm_features=specs)
+    mgr.add_request("lists", tokens, mm_features=[["aaa", 10, 12], ["bbb", 22, 8]])
+    assert mgr.block_hashes("specs") == mgr.block_hashes("tuples") == mgr.block_hashes("lists")
+    mgr.add_request("other", tokens, mm_features=[("aaa", 10, 12), ("ccc", 22, 8)])
+    assert mgr.block_hashes("other")[1] != mgr.block_hashes("tuples")[1]
+
+
+@pytest.mark.parametrize(
+    "item",
+    [("img", True, 2), ("img", 0, False), ("img", 0.0, 2), (b"img", 0, 2)],
+    ids=["bool_offset", "bool_length", "float_offset", "bytes_identifier"],
+)
+def test_mm_items_that_are_not_exact_ints_and_str_are_refused(item: tuple) -> None:
+    mgr = make_manager(BS, 20)
+    with pytest.raises(TypeError):
+        mgr.add_request("a", list(range(30)), mm_features=[item])
+    assert "a" not in mgr
+
+
+def test_prompt_embeds_of_any_buffer_hash_as_their_raw_bytes() -> None:
+    import numpy as np
+    import torch
+
+    mgr = make_manager(4, 20)
+    tokens = list(range(10))
+    emb = torch.arange(10 * 3, dtype=torch.float32).reshape(10, 3).to(torch.bfloat16)
+    raw = emb.view(torch.uint8).numpy().tobytes()
+    mgr.add_request("bytes", tokens, prompt_embeds=raw)
+    mgr.add_request("tensor", tokens, prompt_embeds=emb)
+    mgr.add_request("strided", tokens, prompt_embeds=emb.t().contiguous().t())
+    mgr.add_request("bytearray", tokens, prompt_embeds=bytearray(raw))
+    mgr.add_request("memoryview", tokens, prompt_embeds=memoryview(raw))
+    as_array = np.frombuffer(raw, dtype=np.uint16).reshape(10, 3)
+    mgr.add_request("numpy", tokens, prompt_embeds=as_array)
+    expected = mgr.block_hashes("bytes")
+    for rid in ("tensor", "strided", "bytearray", "memoryview", "numpy"):
+        assert mgr.block_hashes(rid) == expected, rid
+    mgr.add_request("none", tokens)
+    assert mgr.block_hashes("none") != expected
+
+
+def test_add_request_is_the_core_call_itself() -> None:
+    # No Python frame between the scheduler and the core on a request's arrival.
+    assert pk.KVCacheManager.add_request is pk._core.KVCacheManager.add_request
+
+
 def test_cache_salt_keys_only_the_first_block_and_separates_caches() -> None:
     mgr = make_manager(BS, 11)
     tokens = COMMON + [3] * 11

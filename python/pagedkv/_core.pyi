@@ -197,8 +197,8 @@ class KVCacheManager:
         lora_path: str | None = None,
         lora_id: int | None = None,
         cache_salt: str | None = None,
-        mm_features: Sequence[tuple[str, int, int]] | None = None,
-        prompt_embeds: bytes | None = None,
+        mm_features: Sequence[tuple[str, int, int] | Any] | None = None,
+        prompt_embeds: Any = None,
         skip_reading_prefix_cache: bool = False,
         session_id: str | None = None,
     ) -> int: ...

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypedDict
-
-import numpy as np
+from typing import TYPE_CHECKING, TypedDict
 
 from . import _core
 from .specs import KVCacheConfig
@@ -21,46 +18,6 @@ ComputedBlocks = _core.ComputedBlocks
 
 #: The block hash algorithms, by name (the core's).
 HASH_ALGOS: tuple[str, ...] = _core.HASH_ALGOS
-
-
-def _embed_bytes(prompt_embeds: Any) -> bytes:
-    """Raw row-major bytes of a prompt-embedding tensor/array/buffer (what vLLM's
-    ``tensor_data`` hashes)."""
-    if isinstance(prompt_embeds, (bytes, bytearray, memoryview)):
-        return bytes(prompt_embeds)
-    if hasattr(prompt_embeds, "detach"):  # torch.Tensor, any dtype (bfloat16 included)
-        import torch
-
-        t = prompt_embeds.detach().contiguous().cpu()
-        return bytes(t.view(torch.uint8).numpy().tobytes())
-
-    return bytes(np.ascontiguousarray(prompt_embeds).tobytes())
-
-
-def _mm_tuple(item: Any) -> tuple[str, int, int]:
-    """``(identifier, offset, length)`` of a multimodal item: a 3-tuple, or vLLM's
-    ``MultiModalFeatureSpec`` (``identifier`` + ``mm_position.offset/length``)."""
-    if isinstance(item, tuple | list):
-        if len(item) != 3:
-            raise TypeError(f"a multimodal item is (identifier, offset, length), got {item!r}")
-        identifier, offset, length = item
-    elif hasattr(item, "identifier"):
-        pos = getattr(item, "mm_position", item)
-        identifier = item.identifier
-        offset = getattr(pos, "offset", None)
-        length = getattr(pos, "length", None)
-    else:
-        raise TypeError(
-            "mm_features items must be (identifier, offset, length) tuples or "
-            f"MultiModalFeatureSpec objects, got {item!r}"
-        )
-    if not isinstance(identifier, str):
-        raise TypeError(f"a multimodal identifier must be a str, got {identifier!r}")
-    for name, v in (("offset", offset), ("length", length)):
-        # Exact ints (NumPy integers too), not bools or floats.
-        if isinstance(v, bool) or not hasattr(v, "__index__"):
-            raise TypeError(f"a multimodal {name} must be an int, got {v!r}")
-    return identifier, offset.__index__(), length.__index__()
 
 
 class ManagerOptions(TypedDict, total=False):
@@ -201,46 +158,6 @@ class KVCacheManager(_core.KVCacheManager):
     def kv_cache_config(self) -> KVCacheConfig:
         """The configuration the manager was built from."""
         return self._kv_cache_config
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int] | int | Any,
-        *,
-        lora_name: str | None = None,
-        lora_path: str | None = None,
-        lora_id: int | None = None,
-        cache_salt: str | None = None,
-        mm_features: Sequence[Any] | None = None,
-        prompt_embeds: Any = None,
-        skip_reading_prefix_cache: bool = False,
-        session_id: str | None = None,
-    ) -> int:
-        """Registers a request and hashes its full prompt blocks. Returns the
-        request's handle: batch calls accept handles in place of ids (no id lookup);
-        a removed request's handle is refused, never taken for another request.
-
-        ``mm_features``: ``(identifier, offset, length)`` per multimodal item (or
-        vLLM ``MultiModalFeatureSpec`` objects). ``prompt_embeds``: a tensor/array
-        with one row per prompt token (hashed per block, as vLLM does).
-        ``skip_reading_prefix_cache``: prompt-logprobs requests never read the cache.
-        ``session_id``: the client session, published on the request's events.
-        ``prompt_token_ids`` may be the prompt's length alone (an int) when the
-        manager does not read token ids (``reads_token_values`` false: the
-        engine's block hashes, events off).
-        """
-        return super().add_request(
-            request_id,
-            prompt_token_ids,
-            lora_name=lora_name,
-            lora_path=lora_path,
-            lora_id=lora_id,
-            cache_salt=cache_salt,
-            mm_features=None if mm_features is None else [_mm_tuple(m) for m in mm_features],
-            prompt_embeds=None if prompt_embeds is None else _embed_bytes(prompt_embeds),
-            skip_reading_prefix_cache=skip_reading_prefix_cache,
-            session_id=session_id,
-        )
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The prefix-cache stats since the last call (and starts new ones); None

@@ -39,7 +39,6 @@ from vllm.v1.request import Request
 
 from pagedkv import _core
 from pagedkv.errors import InvalidArgumentError, InvalidConfigError
-from pagedkv.manager import _mm_tuple
 from pagedkv.vllm.views import (
     BlockPoolView,
     BlockRun,
@@ -687,7 +686,7 @@ def add_to_core(core: _core.KVCacheManager, request: Request, prompt_by_length: 
         lora_name=lora.lora_name if lora is not None else None,
         lora_id=lora.lora_int_id if lora is not None else None,
         cache_salt=request.cache_salt,
-        mm_features=[_mm_tuple(f) for f in request.mm_features] or None,
+        mm_features=request.mm_features or None,
         session_id=request.session_id,
     )
 

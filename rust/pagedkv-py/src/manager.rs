@@ -14,7 +14,7 @@ use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyTuple};
 use pagedkv_core::pool::{BlockActivityKind, BlockPoolStats};
 use pagedkv_core::{
     AllocateArgs, BatchAllocation, BatchStep, CacheKey, ComputedBlocks, KvCacheManager, Lora,
-    MmFeature, RequestRefs, RequestSpec,
+    RequestRefs, RequestSpec,
 };
 
 use crate::convert::{
@@ -241,6 +241,19 @@ impl PyManager {
 
     // ---- requests --------------------------------------------------------------
 
+    /// Registers a request and hashes its full prompt blocks. Returns the
+    /// request's handle: batch calls accept handles in place of ids (no id
+    /// lookup); a removed request's handle is refused, never taken for another
+    /// request.
+    ///
+    /// ``mm_features``: ``(identifier, offset, length)`` per multimodal item (or
+    /// vLLM ``MultiModalFeatureSpec`` objects). ``prompt_embeds``: a
+    /// tensor/array/bytes with one row per prompt token (hashed per block, as
+    /// vLLM does). ``skip_reading_prefix_cache``: prompt-logprobs requests never
+    /// read the cache. ``session_id``: the client session, published on the
+    /// request's events. ``prompt_token_ids`` may be the prompt's length alone
+    /// (an int) when the manager does not read token ids
+    /// (``reads_token_values`` false: the engine's block hashes, events off).
     #[pyo3(signature = (request_id, prompt_token_ids, *, lora_name = None, lora_path = None,
         lora_id = None, cache_salt = None, mm_features = None, prompt_embeds = None,
         skip_reading_prefix_cache = false, session_id = None))]
@@ -253,8 +266,8 @@ impl PyManager {
         lora_path: Option<String>,
         lora_id: Option<i64>,
         cache_salt: Option<String>,
-        mm_features: Option<Vec<(String, i64, i64)>>,
-        prompt_embeds: Option<Vec<u8>>,
+        mm_features: Option<&Bound<'_, PyAny>>,
+        prompt_embeds: Option<&Bound<'_, PyAny>>,
         skip_reading_prefix_cache: bool,
         session_id: Option<String>,
     ) -> PkResult<u64> {
@@ -279,17 +292,14 @@ impl PyManager {
             None if external => engine_tokens(prompt_token_ids, limit)?,
             None => prompt_tokens(prompt_token_ids, limit)?,
         };
-        let mm_features = mm_features
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(identifier, offset, length)| {
-                Ok(MmFeature {
-                    identifier,
-                    offset: count("multimodal offset", offset)?,
-                    length: count("multimodal length", length)?,
-                })
-            })
-            .collect::<PkResult<Vec<_>>>()?;
+        let mm_features = match mm_features.filter(|m| !m.is_none()) {
+            Some(m) => crate::convert::mm_features(m)?,
+            None => Vec::new(),
+        };
+        let prompt_embeds = prompt_embeds
+            .filter(|e| !e.is_none())
+            .map(crate::convert::embed_bytes)
+            .transpose()?;
         let spec = RequestSpec {
             prompt_token_ids,
             lora: Lora::from_parts(lora_name, lora_path, lora_id)?,

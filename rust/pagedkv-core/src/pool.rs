@@ -389,9 +389,11 @@ impl BlockPool {
                 }
             }
         }
-        if self.enable_caching && n > 1 && self.map.is_large() {
+        if self.enable_caching && n > 1 {
             // The evictions' entries, then their buckets, prefetched (the
-            // blocks themselves were read by the pop).
+            // blocks themselves were read by the pop), whatever the map's
+            // size: between two calls the scheduler's own work leaves even a
+            // small map out of the caches.
             let keyed = || {
                 out[start..]
                     .iter()
@@ -411,7 +413,7 @@ impl BlockPool {
                 m.log(BlockActivityKind::Allocated, id);
             }
         }
-        if self.enable_caching && self.map.is_large() {
+        if self.enable_caching {
             let single = (n == 1).then(|| out[start]);
             self.prefetch_next_pops(single);
         }

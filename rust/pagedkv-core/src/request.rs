@@ -363,27 +363,6 @@ impl Request {
         }
     }
 
-    /// Starts loading what a decode step reads beyond the request's own two
-    /// cache lines: the line its next token goes to and its group list.
-    pub fn prefetch_step_state(&self) {
-        if let Some(t) = self.tokens.last() {
-            pagedkv_arch::prefetch(t);
-        }
-        if let Some(g) = self.groups.first() {
-            pagedkv_arch::prefetch(g);
-        }
-    }
-
-    /// Starts loading the tail of each group's block list (read by a decode
-    /// step that checks or extends it); after [`Self::prefetch_step_state`].
-    pub fn prefetch_block_tails(&self) {
-        for g in &self.groups {
-            if let Some(b) = g.blocks().last() {
-                pagedkv_arch::prefetch(b);
-            }
-        }
-    }
-
     /// Marks the request as holding an allocation; whether it was not before.
     pub fn admit(&mut self) -> bool {
         !std::mem::replace(&mut self.admitted, true)

@@ -145,7 +145,6 @@ impl KvCacheManager {
         let mut slots = std::mem::take(&mut self.scratch_slots);
         let mut counts = std::mem::take(&mut self.scratch_counts);
         let done = self.table.resolve(step.refs, &mut slots).and_then(|()| {
-            self.prefetch_batch(&slots);
             let computed = if let Some(c) = step.num_computed_tokens {
                 c
             } else {
@@ -159,18 +158,6 @@ impl KvCacheManager {
         self.scratch_slots = slots;
         self.scratch_counts = counts;
         done
-    }
-
-    /// Starts loading the state of every request of a batch before the first
-    /// pass reads it, a level of indirection at a time, so that the misses of
-    /// many requests overlap instead of each pass stalling request by request.
-    fn prefetch_batch(&self, slots: &[u32]) {
-        for &slot in slots {
-            self.table.get(slot).prefetch_step_state();
-        }
-        for &slot in slots {
-            self.table.get(slot).prefetch_block_tails();
-        }
     }
 
     /// Refuses a batch that names a request twice: its second step would be

@@ -88,9 +88,9 @@ class ManagerOptions(TypedDict, total=False):
       registered, and the first call that needs the request's hashes
       (``get_computed_blocks``, an append that fills a block, ``block_hashes``)
       waits for them. Same hashes, events and results; off, ``add_request``
-      hashes before it returns. The worker polls for its next prompt while the
-      scheduler is busy (so handing one over costs no thread wake-up) and sleeps
-      after 20 ms without one: it spends some CPU to keep the step short.
+      hashes before it returns. The worker checks for its next prompt every
+      50 µs while the scheduler is busy (so handing one over costs no thread
+      wake-up) and sleeps after 20 ms without one.
     """
 
     enable_caching: bool

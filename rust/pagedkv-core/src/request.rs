@@ -614,17 +614,18 @@ impl HashWorker {
     }
 }
 
-/// How the hash worker waits for the next prompt: it polls for [`WORKER_SPIN`],
-/// then naps [`WORKER_NAP`] at a time until it has been idle for
-/// [`WORKER_IDLE`], and only then sleeps on the queue. While it polls or naps a
-/// prompt submitted costs its sender no wake-up (a futex call, several
-/// microseconds on a virtual machine, on the scheduler's critical path); an idle
-/// manager's worker stops waking up after [`WORKER_IDLE`].
-const WORKER_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
+/// How the hash worker waits for the next prompt: it naps [`WORKER_NAP`] at a
+/// time until it has been idle for [`WORKER_IDLE`], and only then sleeps on the
+/// queue. While it naps a prompt submitted costs its sender no wake-up (a futex
+/// call, several microseconds on a virtual machine, on the scheduler's critical
+/// path); an idle manager's worker stops waking up after [`WORKER_IDLE`]. It
+/// does not spin between naps: polling burnt a core and slowed the scheduler's
+/// thread beside it without shortening any step (a prompt the worker has not
+/// started when a lookup needs it is hashed by the lookup).
 const WORKER_NAP: std::time::Duration = std::time::Duration::from_micros(50);
 const WORKER_IDLE: std::time::Duration = std::time::Duration::from_millis(20);
 
-/// The next job (see [`WORKER_SPIN`]); None once every sender is gone.
+/// The next job (see [`WORKER_NAP`]); None once every sender is gone.
 fn next_job<T>(rx: &mpsc::Receiver<T>) -> Option<T> {
     let start = std::time::Instant::now();
     loop {
@@ -633,12 +634,7 @@ fn next_job<T>(rx: &mpsc::Receiver<T>) -> Option<T> {
             Err(mpsc::TryRecvError::Disconnected) => return None,
             Err(mpsc::TryRecvError::Empty) => {}
         }
-        let idle = start.elapsed();
-        if idle < WORKER_SPIN {
-            for _ in 0..64 {
-                std::hint::spin_loop();
-            }
-        } else if idle < WORKER_IDLE {
+        if start.elapsed() < WORKER_IDLE {
             std::thread::sleep(WORKER_NAP);
         } else {
             return rx.recv().ok();

@@ -628,7 +628,7 @@ fn mm_int(name: &str, v: &Bound<'_, PyAny>) -> PkResult<i64> {
             v.repr()?
         )));
     }
-    Ok(v.call_method0("__index__")?.extract::<i64>()?)
+    Ok(v.extract::<i64>()?)
 }
 
 /// Raw row-major bytes of prompt embeddings (what vLLM's `tensor_data`

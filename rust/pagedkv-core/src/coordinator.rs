@@ -76,6 +76,11 @@ pub(crate) struct Coordinator {
     /// searched as a hybrid: a running request's decode step that needs no
     /// block and fills none changes nothing but its counts.
     plain_decode: bool,
+    /// A plain decode whose groups are all full attention or MLA (no sinks,
+    /// none engine-managed): a running request's step takes exactly the
+    /// blocks its slots span beyond those it holds
+    /// ([`Self::lean_step_need`]).
+    lean_steps: bool,
     verifier: Verifier,
     /// The blocks the last allocation took, per group.
     new_blocks: Vec<Vec<BlockId>>,
@@ -173,9 +178,17 @@ impl Coordinator {
         };
         let plain_decode = !matches!(mode, Mode::Hybrid { .. })
             && cfg.groups.iter().all(|g| g.kind.is_full_attention());
+        let lean_steps = plain_decode
+            && cfg.groups.iter().all(|g| {
+                matches!(
+                    g.kind,
+                    AttentionKind::FullAttention | AttentionKind::MlaAttention
+                )
+            });
         Ok(Self {
             pool,
             plain_decode,
+            lean_steps,
             new_blocks: vec![Vec::new(); groups.len()],
             groups,
             mode,
@@ -280,9 +293,14 @@ impl Coordinator {
         num_tokens: u64,
         cached_to: Option<u64>,
     ) -> bool {
+        let (slots, cached) = req.step_limits();
+        if slots != 0 {
+            debug_assert_eq!((slots, cached), self.step_limits(req), "stale step limits");
+            return num_tokens > 0 && num_tokens <= slots && cached_to.is_none_or(|t| t < cached);
+        }
         self.plain_decode
             && num_tokens > 0
-            && self.groups.iter().zip(&req.groups).all(|(gm, gb)| {
+            && self.groups.iter().zip(req.groups()).all(|(gm, gb)| {
                 gb.partial_hit().is_none()
                     && gm.blocks_ceil(num_tokens) <= gb.blocks().len() as u64
                     && cached_to
@@ -290,11 +308,57 @@ impl Coordinator {
             })
     }
 
+    /// What [`Self::holds_step`] decides from, for the request's groups as they
+    /// are now: `(slots, cached)`, a step of at most `slots` slots and fewer
+    /// than `cached` tokens to cache takes no block and publishes none in any
+    /// group; `(0, 0)` when no step is that plain (not a plain decode, a
+    /// pending copy-on-write, no blocks). Kept on the request
+    /// ([`Request::set_step_limits`]) so a decode step reads none of its
+    /// groups' state.
+    pub(crate) fn step_limits(&self, req: &Request) -> (u64, u64) {
+        if !self.plain_decode || self.groups.is_empty() {
+            return (0, 0);
+        }
+        let mut lim = (u64::MAX, u64::MAX);
+        for (gm, gb) in self.groups.iter().zip(req.groups()) {
+            if gb.partial_hit().is_some() {
+                return (0, 0);
+            }
+            let bs = u64::from(gm.block_size());
+            lim.0 = lim.0.min(gb.blocks().len() as u64 * bs);
+            lim.1 = lim.1.min((gb.num_cached().unwrap_or(0) as u64 + 1) * bs);
+        }
+        if lim.0 == 0 { (0, 0) } else { lim }
+    }
+
+    /// The blocks a running request's step of `num_tokens` slots takes across
+    /// the groups (what [`Self::num_blocks_to_allocate`] counts for it), for a
+    /// request whose step is lean: the layout allows it ([`Self::lean_steps`]),
+    /// the request runs in every group and has no pending copy-on-write (its
+    /// step limits are known). `None`: the general path decides.
+    pub(crate) fn lean_step_need(&self, req: &Request, num_tokens: u64) -> Option<i64> {
+        if !self.lean_steps || req.step_limits().0 == 0 {
+            return None;
+        }
+        let mut need = 0;
+        for (gm, gb) in self.groups.iter().zip(req.groups()) {
+            gb.num_cached()?;
+            need += gm
+                .blocks_ceil(num_tokens)
+                .saturating_sub(gb.blocks().len() as u64) as i64;
+        }
+        Some(need)
+    }
+
     /// No group has a full block to publish up to `num_tokens` tokens (as far
     /// as the request is hashed) beyond what it has cached.
     fn fills_no_block(&self, req: &Request, num_tokens: usize) -> bool {
+        let (slots, cached) = req.step_limits();
+        if slots != 0 && (num_tokens as u64) < cached {
+            return true;
+        }
         let hashed = req.hashes().len() * self.hash_block_size;
-        self.groups.iter().zip(&req.groups).all(|(gm, gb)| {
+        self.groups.iter().zip(req.groups()).all(|(gm, gb)| {
             gm.blocks_floor(num_tokens.min(hashed) as u64) as usize <= gb.num_cached().unwrap_or(0)
         })
     }
@@ -536,9 +600,9 @@ impl Coordinator {
                     prefill_end: 0,
                     cap: n.cap,
                 };
-                gm.num_blocks_to_allocate(&self.pool, &req.groups[g], &[], &enc)
+                gm.num_blocks_to_allocate(&self.pool, &req.groups()[g], &[], &enc)
             } else {
-                gm.num_blocks_to_allocate(&self.pool, &req.groups[g], blocks, n)
+                gm.num_blocks_to_allocate(&self.pool, &req.groups()[g], blocks, n)
             };
             blocked |= gm.hit_cached_this_step(&self.pool, blocks);
             total += need;
@@ -558,7 +622,7 @@ impl Coordinator {
         let mut held = 0i64;
         let mut shared_hits = 0i64;
         for (g, gm) in self.groups.iter().enumerate() {
-            let gb = &req.groups[g];
+            let gb = &req.groups()[g];
             let real = gb.blocks().iter().filter(|&&b| b != NULL_BLOCK).count();
             held += (real - gm.num_skippable_blocks(gb, total_computed).min(real)) as i64;
             if let Some(h) = hit.get(g) {
@@ -577,7 +641,7 @@ impl Coordinator {
     /// Releases the request's blocks that fell out of every attention window.
     pub(crate) fn remove_skipped_blocks(&mut self, req: &mut Request, total_computed: u64) {
         for (g, gm) in self.groups.iter().enumerate() {
-            gm.remove_skipped_blocks(&mut self.pool, &mut req.groups[g], total_computed);
+            gm.remove_skipped_blocks(&mut self.pool, &mut req.groups_mut()[g], total_computed);
         }
     }
 
@@ -595,7 +659,7 @@ impl Coordinator {
             let blocks = hit.get(g).map_or(&[][..], Vec::as_slice);
             gm.add_local_computed_blocks(
                 &mut self.pool,
-                &mut req.groups[g],
+                &mut req.groups_mut()[g],
                 blocks,
                 num_local,
                 num_external,
@@ -605,7 +669,7 @@ impl Coordinator {
             for (g, gm) in self.groups.iter_mut().enumerate() {
                 gm.allocate_external_computed_blocks(
                     &mut self.pool,
-                    &mut req.groups[g],
+                    &mut req.groups_mut()[g],
                     num_local,
                     num_external,
                     skip_zeroing_groups & (1u64 << g.min(63)) == 0,
@@ -637,7 +701,8 @@ impl Coordinator {
             } else {
                 (num_tokens, main_model)
             };
-            gm.allocate_new_blocks(&mut self.pool, &req.id, &mut req.groups[g], n, main, out);
+            let (id, groups) = req.id_and_groups_mut();
+            gm.allocate_new_blocks(&mut self.pool, id, &mut groups[g], n, main, out);
         }
     }
 
@@ -651,7 +716,7 @@ impl Coordinator {
         num_tokens: u64,
     ) -> Option<Vec<BlockId>> {
         let gm = &self.groups[g];
-        let gb = &mut req.groups[g];
+        let gb = &mut req.groups_mut()[g];
         if gm.hisparse_new_blocks(gb, num_tokens) > u64::from(self.pool.num_free_blocks()) {
             return None;
         }
@@ -678,7 +743,7 @@ impl Coordinator {
     pub(crate) fn record_blocks_for_zeroing(&mut self, req: &Request, start_token: u64) {
         for (g, gm) in self.groups.iter_mut().enumerate() {
             let start = (start_token / u64::from(gm.block_size())) as usize;
-            gm.record_blocks_for_zeroing(&req.groups[g], start);
+            gm.record_blocks_for_zeroing(&req.groups()[g], start);
         }
     }
 
@@ -692,8 +757,9 @@ impl Coordinator {
     /// tail first. A HiSparse resident row returns its engine-held references
     /// (those the engine still holds: a page it unpinned is skipped).
     pub(crate) fn free_groups(&mut self, req: &mut Request, until: usize) {
-        for (gm, gb) in self.groups.iter_mut().zip(&mut req.groups).take(until) {
-            gm.drop_boundary_offloads(&req.id);
+        let (id, groups) = req.id_and_groups_mut();
+        for (gm, gb) in self.groups.iter_mut().zip(groups).take(until) {
+            gm.drop_boundary_offloads(id);
             if gm.is_hisparse_resident() {
                 let mut row = GroupManager::resident_release(gb);
                 row.reverse();
@@ -715,8 +781,9 @@ impl Coordinator {
     /// [`Self::pop_blocks`] of the groups before `until`.
     pub(crate) fn pop_groups(&mut self, req: &mut Request, until: usize) -> Vec<BlockId> {
         let mut out = Vec::new();
-        for (gm, gb) in self.groups.iter_mut().zip(&mut req.groups).take(until) {
-            gm.drop_boundary_offloads(&req.id);
+        let (id, groups) = req.id_and_groups_mut();
+        for (gm, gb) in self.groups.iter_mut().zip(groups).take(until) {
+            gm.drop_boundary_offloads(id);
             if gm.is_hisparse_resident() {
                 // Already engine-held.
                 out.extend(GroupManager::resident_release(gb));
@@ -752,7 +819,7 @@ impl Coordinator {
         let mut out = Vec::new();
         for (g, gm) in self.groups.iter().enumerate() {
             if let Some((b, t)) =
-                gm.finalize_partial_tail(&mut req.groups[g], num_computed, num_in_flight)
+                gm.finalize_partial_tail(&mut req.groups_mut()[g], num_computed, num_in_flight)
             {
                 out.push((g as u32, b, t));
             }
@@ -787,13 +854,13 @@ impl Coordinator {
             boundaries: &boundaries[..nb],
         };
         for (g, gm) in self.groups.iter_mut().enumerate() {
-            let cached_before = req.groups[g].num_cached().unwrap_or(0);
+            let cached_before = req.groups()[g].num_cached().unwrap_or(0);
             let n = cacheable.tokens(gm, num_tokens);
             let published = gm.cache_blocks(&mut self.pool, req, g, n, hbs, &retention);
             if let Some((from, to, mask)) = &published
                 && self.pool.events_enabled()
             {
-                let blocks = req.groups[g].blocks();
+                let blocks = req.groups()[g].blocks();
                 let ev = stored_event(
                     gm,
                     req,
@@ -834,11 +901,11 @@ impl Coordinator {
             }
             if req.verify {
                 let bs = gm.block_size() as usize;
-                let cached_after = req.groups[g].num_cached().unwrap_or(0);
+                let cached_after = req.groups()[g].num_cached().unwrap_or(0);
                 // The block before may have been cached partially (a prompt
                 // tail); the one after may carry a partial entry now.
                 let from = cached_before.saturating_sub(1);
-                let to = (cached_after + 1).min(req.groups[g].blocks().len());
+                let to = (cached_after + 1).min(req.groups()[g].blocks().len());
                 for i in from..to {
                     self.verifier.record(&self.pool, req, g, i, bs, hbs);
                 }
@@ -909,7 +976,7 @@ impl Coordinator {
     pub(crate) fn record_checkpoints(&self, req: &mut Request, n: &Need) {
         let n = &self.checkpoint_need(n);
         for (g, gm) in self.groups.iter().enumerate() {
-            gm.record_checkpoint(&mut req.groups[g], n);
+            gm.record_checkpoint(&mut req.groups_mut()[g], n);
         }
     }
 
@@ -997,7 +1064,7 @@ impl Coordinator {
                 if !gm.spec().kind.is_full_attention() {
                     return 0;
                 }
-                req.groups[g]
+                req.groups()[g]
                     .blocks()
                     .iter()
                     .take_while(|&&b| self.pool.ref_cnt(b) as usize == num_running)
@@ -1017,7 +1084,7 @@ impl Coordinator {
     ) -> Result<()> {
         let n = refs.len();
         let violation = |m: String| Err(Error::InvariantViolation(m));
-        for (g, gb) in req.groups.iter().enumerate() {
+        for (g, gb) in req.groups().iter().enumerate() {
             if self.groups[g].is_hisparse_resident() {
                 // Its references are engine-held (counted with the engine's).
                 continue;

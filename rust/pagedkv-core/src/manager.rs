@@ -364,7 +364,7 @@ impl KvCacheManager {
     /// Unknown request.
     pub fn block_ids(&self, id: &str) -> Result<Vec<&[BlockId]>> {
         let r = self.req(id)?;
-        Ok(r.groups.iter().map(GroupBlocks::blocks).collect())
+        Ok(r.groups().iter().map(GroupBlocks::blocks).collect())
     }
 
     /// How many times the request was freed (preempted) while known.
@@ -607,6 +607,7 @@ impl KvCacheManager {
             self.coord
                 .cache_blocks(req, to_cache as usize, req.num_computed_at_step);
         }
+        req.set_step_limits(self.coord.step_limits(req));
         Ok(self.coord.new_blocks())
     }
 
@@ -713,6 +714,82 @@ impl KvCacheManager {
         self.coord
             .holds_step(req, s.need_slot, cached_to)
             .then_some(s.main_model)
+    }
+
+    /// The batch's lean path, decided for an entry [`Self::plain_step`] left:
+    /// `Some(need)` for a running request's step that the full checks would
+    /// accept, whose layout and state make it lean
+    /// ([`Coordinator::lean_step_need`]) and that takes `need` blocks (none
+    /// when it only publishes a block), given `appending` (0 or 1) tokens
+    /// appended first; [`Self::allocate_lean`] makes it. `None`: the full
+    /// checks and the general path.
+    pub(super) fn lean_step(
+        &self,
+        slot: u32,
+        num_new_tokens: u64,
+        num_computed_tokens: u64,
+        num_lookahead_tokens: u64,
+        appending: u64,
+    ) -> Option<i64> {
+        const LIMIT: u64 = 1 << 40;
+        let req = self.table.get(slot);
+        let known = req.num_tokens() as u64 + appending;
+        // What `validate_args` checks of a step with only these counts; a
+        // request holding blocks for fewer tokens than it computed is refused
+        // there.
+        if !req.admitted
+            || num_new_tokens == 0
+            || num_new_tokens > LIMIT
+            || num_lookahead_tokens > LIMIT
+            || num_computed_tokens > known
+            || known > self.cfg.max_model_len
+            || num_computed_tokens > req.step_limits().0
+        {
+            return None;
+        }
+        let s = self.step_counts(
+            known,
+            num_new_tokens,
+            num_computed_tokens,
+            num_lookahead_tokens,
+        );
+        self.coord.lean_step_need(req, s.need_slot)
+    }
+
+    /// A step [`Self::lean_step`] accepted (before the tokens were appended):
+    /// what `allocate_general` does for it, without its checks and counting.
+    /// `false`: fewer blocks are free than it takes, nothing changed (the
+    /// general path then decides).
+    pub(super) fn allocate_lean(
+        &mut self,
+        slot: u32,
+        num_new_tokens: u64,
+        num_computed_tokens: u64,
+        num_lookahead_tokens: u64,
+    ) -> bool {
+        let req = self.table.get(slot);
+        let s = self.step_counts(
+            req.num_tokens() as u64,
+            num_new_tokens,
+            num_computed_tokens,
+            num_lookahead_tokens,
+        );
+        let need = self.coord.lean_step_need(req, s.need_slot);
+        debug_assert!(need.is_some(), "a lean step stays lean until it is made");
+        if need.is_none_or(|n| n > i64::from(self.num_free_blocks())) {
+            return false;
+        }
+        let req = self.table.get_mut(slot);
+        req.num_computed_at_step = num_computed_tokens;
+        self.coord
+            .allocate_new_blocks_in(req, s.need_slot, s.main_model, 0, 0..usize::MAX);
+        req.scheduled_through = s.main_model;
+        if self.cfg.enable_caching {
+            self.coord
+                .cache_blocks(req, s.to_cache as usize, num_computed_tokens);
+        }
+        req.set_step_limits(self.coord.step_limits(req));
+        true
     }
 
     /// `allocate_slots` once the arguments were validated.
@@ -870,9 +947,12 @@ impl KvCacheManager {
                 enc,
                 cache_to: to_cache,
             });
-        } else if let Some(to_cache) = to_cache {
-            self.coord
-                .cache_blocks(req, to_cache as usize, a.num_computed_tokens);
+        } else {
+            if let Some(to_cache) = to_cache {
+                self.coord
+                    .cache_blocks(req, to_cache as usize, a.num_computed_tokens);
+            }
+            req.set_step_limits(self.coord.step_limits(req));
         }
 
         // Stats are recorded at admission, when a lookup preceded it.

@@ -97,8 +97,16 @@ pub(crate) struct Request {
     /// Tokens computed when the last allocation started (vLLM reads
     /// `request.num_computed_tokens` while caching).
     pub num_computed_at_step: u64,
-    pub groups: Vec<GroupBlocks>,
-    pub num_prompt_tokens: usize,
+    /// A running step that needs no block and publishes none, at a glance:
+    /// `(slots, cached)`, the step's slots (computed plus new plus lookahead
+    /// tokens) and its tokens to cache below these take no block and publish
+    /// none in any group ([`crate::coordinator::Coordinator::step_limits`]).
+    /// `(0, 0)`: not known, the groups decide. Reset by every mutable access to
+    /// the groups ([`Self::groups_mut`]), set after an allocation.
+    step_limits: (u64, u64),
+    /// The blocks per KV-cache group (read through [`Self::groups`], changed
+    /// through [`Self::groups_mut`]).
+    group_vec: Vec<GroupBlocks>,
     /// Holds an allocation (between a successful `allocate_slots` and `free`).
     pub admitted: bool,
     pub verify: bool,
@@ -107,6 +115,7 @@ pub(crate) struct Request {
     /// admission, as vLLM's scheduler does).
     pub pending_lookup: bool,
     pub num_preemptions: u32,
+    pub num_prompt_tokens: usize,
     pub id: String,
     pub uid: u64,
     /// With hit verification on: the strong context digest through each hash
@@ -208,7 +217,8 @@ impl Request {
             num_computed_at_step: 0,
             admitted: false,
             scheduled_through: 0,
-            groups: vec![GroupBlocks::default(); num_groups],
+            step_limits: (0, 0),
+            group_vec: vec![GroupBlocks::default(); num_groups],
         })
     }
 
@@ -236,7 +246,8 @@ impl Request {
             Some(job) => &job.wait().hashes[..],
             None => &self.hash_vec[..],
         };
-        (hashes, &mut self.groups[g])
+        self.step_limits = (0, 0);
+        (hashes, &mut self.group_vec[g])
     }
 
     /// The context digests of hit verification (waiting like [`Self::hashes`]).
@@ -259,9 +270,9 @@ impl Request {
         // The job gets a copy of the request without its blocks and with the
         // prompt itself, lent (not copied) until the request settles.
         let tokens = std::mem::take(&mut self.tokens);
-        let groups = std::mem::take(&mut self.groups);
+        let groups = std::mem::take(&mut self.group_vec);
         let mut input = Box::new(self.clone());
-        self.groups = groups;
+        self.group_vec = groups;
         self.lent = tokens.len();
         input.tokens = tokens;
         let job = Arc::new(HashJob::new(input, hasher.same_kind(), hash_block_size));
@@ -319,13 +330,41 @@ impl Request {
         self.tokens.len() + self.lent
     }
 
+    /// The blocks per KV-cache group.
+    pub fn groups(&self) -> &[GroupBlocks] {
+        &self.group_vec
+    }
+
+    /// The blocks per KV-cache group, to change: forgets the step limits.
+    pub fn groups_mut(&mut self) -> &mut [GroupBlocks] {
+        self.step_limits = (0, 0);
+        &mut self.group_vec
+    }
+
+    /// The request's id and its groups' blocks to change (disjoint borrows;
+    /// forgets the step limits).
+    pub fn id_and_groups_mut(&mut self) -> (&str, &mut [GroupBlocks]) {
+        self.step_limits = (0, 0);
+        (&self.id, &mut self.group_vec)
+    }
+
+    /// The step limits (`(0, 0)` when not known): see the field.
+    pub fn step_limits(&self) -> (u64, u64) {
+        self.step_limits
+    }
+
+    /// Records the step limits computed from the groups as they are now.
+    pub fn set_step_limits(&mut self, limits: (u64, u64)) {
+        self.step_limits = limits;
+    }
+
     pub fn holds_blocks(&self) -> bool {
-        self.groups.iter().any(|g| !g.blocks().is_empty())
+        self.group_vec.iter().any(|g| !g.blocks().is_empty())
     }
 
     /// Whether some group runs the request (its prefix hit was adopted).
     pub fn is_running(&self) -> bool {
-        self.groups.iter().any(|g| g.num_cached().is_some())
+        self.group_vec.iter().any(|g| g.num_cached().is_some())
     }
 
     /// Appends tokens; with a hasher, every newly full hash block is hashed.
@@ -670,7 +709,8 @@ const _: () = {
     assert!(offset_of!(Request, pending) + size_of::<Option<Arc<HashJob>>>() <= 128);
     assert!(offset_of!(Request, scheduled_through) + 8 <= 128);
     assert!(offset_of!(Request, num_computed_at_step) + 8 <= 128);
-    assert!(offset_of!(Request, groups) + size_of::<Vec<GroupBlocks>>() <= 128);
+    assert!(offset_of!(Request, group_vec) + size_of::<Vec<GroupBlocks>>() <= 128);
+    assert!(offset_of!(Request, step_limits) + 16 <= 128);
     assert!(offset_of!(Request, admitted) < 128);
 };
 
@@ -696,7 +736,7 @@ mod tests {
         sync.update_hashes(&mut hasher, 16);
         let mut pending = new();
         let mut input = Box::new(pending.clone());
-        input.groups = Vec::new();
+        input.group_vec = Vec::new();
         pending.pending = Some(Arc::new(HashJob::new(input, hasher.same_kind(), 16)));
         assert_eq!(pending.hashes(), sync.hashes());
         assert_eq!(pending.ctx(), sync.ctx());

@@ -67,7 +67,7 @@ impl Verifier {
         bs: usize,
         hbs: usize,
     ) {
-        let b = req.groups[g].blocks()[i];
+        let b = req.groups()[g].blocks()[i];
         if b == NULL_BLOCK {
             return;
         }

@@ -3,7 +3,9 @@
 //! followed by `allocate_slots_batch`, and a refused call appends nothing.
 mod support;
 
-use pagedkv_core::{BatchAllocation, BatchStep, Error, KvCacheManager, ManagerConfig, RequestRefs};
+use pagedkv_core::{
+    AllocateArgs, BatchAllocation, BatchStep, Error, KvCacheManager, ManagerConfig, RequestRefs,
+};
 use support::admit_prompt as admit;
 
 const MAX_LEN: u64 = 64;
@@ -325,4 +327,94 @@ fn batch_steps_match_single_calls() {
         fast_and_general[0] > 60 && fast_and_general[1] > 20,
         "{fast_and_general:?}"
     );
+}
+
+/// Steps that take a block or publish one, decided up front as lean steps:
+/// the same blocks, events and state as one `allocate_slots` per request,
+/// the batch ending at the first request the free blocks cannot serve (a
+/// cached block evicted for an earlier one), and a step the pool can never
+/// serve refused before anything changes.
+#[test]
+fn block_taking_steps_match_single_calls() {
+    // 12 usable blocks of 4 tokens; events on, so evictions show.
+    let cfg = || ManagerConfig {
+        enable_kv_cache_events: true,
+        ..ManagerConfig::full_attention(13, 4, 256)
+    };
+    let (mut one, mut two) = (
+        KvCacheManager::new(cfg()).expect("config"),
+        KvCacheManager::new(cfg()).expect("config"),
+    );
+    let ids = ["a", "b", "c"];
+    let mut hs = Vec::new();
+    for (i, id) in ids.iter().enumerate() {
+        // 8, 9 and 10 tokens: 2, 3 and 3 blocks.
+        hs.push(admit(&mut one, id, i as u32, 8 + i as u32));
+        admit(&mut two, id, i as u32, 8 + i as u32);
+    }
+    // A cached block nobody holds, evicted once the free blocks run out.
+    admit(&mut one, "d", 9, 4);
+    admit(&mut two, "d", 9, 4);
+    one.remove_request("d").expect("known");
+    two.remove_request("d").expect("known");
+    let mut served_total = 0;
+    for step in 0..12u32 {
+        let computed: Vec<u64> = ids
+            .iter()
+            .map(|id| one.num_tokens(id).expect("known") as u64)
+            .collect();
+        let sampled: Vec<Option<u32>> = (0..3).map(|i| Some(700 + step * 3 + i)).collect();
+        let mut out = BatchAllocation::default();
+        let call = BatchStep {
+            append_token_ids: Some(&sampled),
+            ..BatchStep::new(RequestRefs::Handles(&hs), &[1, 1, 1], Some(&computed))
+        };
+        one.allocate_slots_batch_step(&call, &mut out)
+            .expect("valid step");
+        let mut want = vec![Vec::new()];
+        let mut served = 0;
+        for (i, id) in ids.iter().enumerate() {
+            two.append_token_ids(id, &[sampled[i].expect("sampled")])
+                .expect("known");
+        }
+        for (i, id) in ids.iter().enumerate() {
+            let args = AllocateArgs::step(1, computed[i]);
+            match two.allocate_slots(id, &args, None).expect("valid") {
+                Some(new) => want[0].extend_from_slice(&new[0]),
+                None => break,
+            }
+            served += 1;
+        }
+        assert_eq!(out.num_allocated, served, "step {step}");
+        assert_eq!(out.block_ids, want, "step {step}");
+        assert_eq!(state(&mut one, &ids), state(&mut two, &ids), "step {step}");
+        served_total += served;
+        if served < 3 {
+            break;
+        }
+    }
+    assert!(served_total < 36, "the pool ran out before 12 full steps");
+
+    // One request holding 12 blocks of 4 tokens (all usable ones, 48 tokens):
+    // a 49th token can never get a block.
+    let mut m = KvCacheManager::new(ManagerConfig::full_attention(13, 4, 256)).expect("config");
+    let h = [admit(&mut m, "big", 1, 47)];
+    let mut out = BatchAllocation::default();
+    let fits = BatchStep {
+        append_token_ids: Some(&[Some(5)]),
+        ..BatchStep::new(RequestRefs::Handles(&h), &[1], Some(&[47]))
+    };
+    m.allocate_slots_batch_step(&fits, &mut out)
+        .expect("the 48th token fits");
+    assert_eq!(out.num_allocated, 1);
+    let before = state(&mut m, &["big"]);
+    let never = BatchStep {
+        append_token_ids: Some(&[Some(6)]),
+        ..BatchStep::new(RequestRefs::Handles(&h), &[1], Some(&[48]))
+    };
+    let err = m
+        .allocate_slots_batch_step(&never, &mut out)
+        .expect_err("the pool can never give it a 13th block");
+    assert!(matches!(err, Error::CannotFit(_)), "{err}");
+    assert_eq!(state(&mut m, &["big"]), before, "refused: nothing changed");
 }

@@ -1,6 +1,7 @@
 //! Batch calls: one crossing serves every running request of a decode step,
 //! with the same result as the single calls made in order.
 
+use super::validate::LEAN_STEP;
 use super::{AllocateArgs, BatchAllocation, KvCacheManager};
 use crate::error::{Result, invalid};
 use crate::request_table::RequestRefs;
@@ -245,7 +246,7 @@ impl KvCacheManager {
         }
         for (i, &slot) in slots.iter().enumerate() {
             let (new, computed) = (num_new_tokens[i], num_computed_tokens[i]);
-            if fast[i] != u64::MAX {
+            if fast[i] < LEAN_STEP {
                 // A running request's step that needs nothing (decided above).
                 let req = self.table.get_mut(slot);
                 req.num_computed_at_step = computed;
@@ -257,7 +258,12 @@ impl KvCacheManager {
                 continue;
             }
             // Validated above, before anything changed.
-            if !self.decode_step_needs_nothing(slot, new, computed, num_lookahead_tokens) {
+            let done = if fast[i] == LEAN_STEP {
+                self.allocate_lean(slot, new, computed, num_lookahead_tokens)
+            } else {
+                self.decode_step_needs_nothing(slot, new, computed, num_lookahead_tokens)
+            };
+            if !done {
                 let args = AllocateArgs {
                     num_lookahead_tokens,
                     ..AllocateArgs::step(new, computed)
@@ -318,4 +324,77 @@ fn check_lengths(requests: usize, new: usize, computed: usize) -> Result<()> {
         return Err(invalid("request ids and token counts differ in length"));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ManagerConfig, RequestSpec};
+
+    fn manager(cfg: ManagerConfig) -> KvCacheManager {
+        KvCacheManager::new(cfg).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn limits(m: &KvCacheManager, id: &str) -> (u64, u64) {
+        let slot = m.table.slot(id).unwrap_or_else(|e| panic!("{e}"));
+        m.table.get(slot).step_limits()
+    }
+
+    /// A decode step reads a request's limits instead of its groups: set by
+    /// every allocation to what the groups allow (the slots its blocks hold,
+    /// the tokens below its next block to publish), forgotten when the
+    /// blocks change elsewhere, and never set for a layout whose steps are
+    /// not plain (a sliding window beside full attention).
+    #[test]
+    fn step_limits_follow_the_blocks() {
+        let mut m = manager(ManagerConfig::full_attention(64, 16, 1024));
+        let spec = RequestSpec {
+            prompt_token_ids: (0..40).collect(),
+            ..RequestSpec::default()
+        };
+        let h = m.add_request("r", spec).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(limits(&m, "r"), (0, 0), "no blocks yet");
+        let admitted = m.allocate_slots("r", &AllocateArgs::step(40, 0), None);
+        assert!(admitted.unwrap_or_else(|e| panic!("{e}")).is_some());
+        // Three blocks hold 48 slots; two are cached, the third fills at 48.
+        assert_eq!(limits(&m, "r"), (48, 48));
+        let mut out = BatchAllocation::default();
+        let mut seen = Vec::new();
+        for (computed, t) in (40u64..).zip(0..10u32) {
+            let (sampled, handles, done) = ([Some(1000 + t)], [h], [computed]);
+            let step = BatchStep {
+                append_token_ids: Some(&sampled),
+                ..BatchStep::new(RequestRefs::Handles(&handles), &[1], Some(&done))
+            };
+            m.allocate_slots_batch_step(&step, &mut out)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(out.num_allocated, 1);
+            seen.push(limits(&m, "r"));
+        }
+        // Steps that need nothing keep the limits; the step computing the
+        // 48th token fills and caches the third block, which moves the cached
+        // limit, and the next one takes a fourth block.
+        let mut want = vec![(48, 48); 7];
+        want.extend([(48, 64), (64, 64), (64, 64)]);
+        assert_eq!(seen, want);
+        m.free("r").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(limits(&m, "r"), (0, 0), "blocks gone");
+
+        let mut cfg = ManagerConfig::full_attention(64, 16, 1024);
+        let window = crate::GroupSpec::new(crate::AttentionKind::SlidingWindow { window: 32 }, 16);
+        cfg.groups.push(window);
+        let mut m = manager(cfg);
+        let spec = RequestSpec {
+            prompt_token_ids: (0..40).collect(),
+            ..RequestSpec::default()
+        };
+        m.add_request("r", spec).unwrap_or_else(|e| panic!("{e}"));
+        let admitted = m.allocate_slots("r", &AllocateArgs::step(40, 0), None);
+        assert!(admitted.unwrap_or_else(|e| panic!("{e}")).is_some());
+        assert_eq!(
+            limits(&m, "r"),
+            (0, 0),
+            "hybrid steps take the general path"
+        );
+    }
 }

@@ -429,7 +429,7 @@ impl KvCacheManager {
     /// Unknown request.
     pub fn num_cached_blocks(&self, id: &str) -> Result<Vec<Option<usize>>> {
         let req = self.table.get(self.table.slot(id)?);
-        Ok(req.groups.iter().map(GroupBlocks::num_cached).collect())
+        Ok(req.groups().iter().map(GroupBlocks::num_cached).collect())
     }
 
     /// vLLM's `estimate_cached_tokens`: over the prefix-cacheable groups, the
@@ -445,7 +445,7 @@ impl KvCacheManager {
             .coord
             .groups()
             .iter()
-            .zip(&req.groups)
+            .zip(req.groups())
             .filter(|(gm, _)| gm.prefix_cacheable())
             .map(|(_, gb)| {
                 gb.blocks()

@@ -34,7 +34,7 @@ impl KvCacheManager {
     /// The request's blocks of HiSparse group `group`, to read.
     fn hisparse_row(&self, id: &str, group: usize, resident: bool) -> Result<&GroupBlocks> {
         let slot = self.hisparse_slot(id, group, resident)?;
-        Ok(&self.table.get(slot).groups[group])
+        Ok(&self.table.get(slot).groups()[group])
     }
 
     /// The request's blocks of HiSparse group `group`, to change.
@@ -45,7 +45,7 @@ impl KvCacheManager {
         resident: bool,
     ) -> Result<&mut GroupBlocks> {
         let slot = self.hisparse_slot(id, group, resident)?;
-        Ok(&mut self.table.get_mut(slot).groups[group])
+        Ok(&mut self.table.get_mut(slot).groups_mut()[group])
     }
 
     /// Points host-only page `page` of the request's resident row in `group`

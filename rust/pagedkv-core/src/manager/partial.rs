@@ -115,10 +115,10 @@ impl KvCacheManager {
 
     fn group_blocks(&self, id: &str, g: usize) -> Result<&crate::single_type::GroupBlocks> {
         let r = self.req(id)?;
-        r.groups.get(g).ok_or_else(|| {
+        r.groups().get(g).ok_or_else(|| {
             invalid(format!(
                 "group {g} is out of range (the model has {})",
-                r.groups.len()
+                r.groups().len()
             ))
         })
     }

@@ -8,6 +8,12 @@ use crate::pool::BlockId;
 use crate::single_type::Need;
 use crate::spec::AttentionKind;
 
+/// An entry of a checked batch that takes the lean path
+/// ([`KvCacheManager::lean_step`]); `u64::MAX` marks one taking the general
+/// path, any other value the count a step taking the fast path schedules
+/// through (at most `max_model_len`).
+pub(super) const LEAN_STEP: u64 = u64::MAX - 1;
+
 impl KvCacheManager {
     /// A lookup result applies to this request on this manager, fits the
     /// request's admission and is still cached.
@@ -122,7 +128,7 @@ impl KvCacheManager {
             if !gm.prefix_cacheable() || a.vllm_lenient {
                 continue; // cross attention: its blocks cover encoder tokens
             }
-            let have = req.groups[g].blocks().len() as u64 * u64::from(gm.block_size());
+            let have = req.groups()[g].blocks().len() as u64 * u64::from(gm.block_size());
             if a.num_computed_tokens > have {
                 return Err(invalid(format!(
                     "num_computed_tokens {} but request {:?} holds blocks for only {have} tokens",
@@ -163,8 +169,9 @@ impl KvCacheManager {
 
     /// Checks every entry of a batch (after slot resolution) before anything
     /// changes. Into `fast`, per entry: the count its step schedules through
-    /// when it takes the fast path ([`Self::plain_step`]), `u64::MAX` when
-    /// it takes the general one.
+    /// when it takes the fast path ([`Self::plain_step`]), [`LEAN_STEP`] when
+    /// it takes the lean one ([`Self::lean_step`]), `u64::MAX` when it takes
+    /// the general one.
     pub(super) fn validate_batch(
         &self,
         slots: &[u32],
@@ -189,6 +196,19 @@ impl KvCacheManager {
                 appending,
             ) {
                 fast.push(through);
+                continue;
+            }
+            if let Some(need) = self.lean_step(
+                slot,
+                num_new_tokens[i],
+                num_computed_tokens[i],
+                num_lookahead_tokens,
+                appending,
+            ) {
+                fast.push(LEAN_STEP);
+                if need > free_at_start {
+                    self.check_ever_fits(slot, need, &[], num_computed_tokens[i].min(max_len))?;
+                }
                 continue;
             }
             fast.push(u64::MAX);

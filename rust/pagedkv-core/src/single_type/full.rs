@@ -102,7 +102,7 @@ impl GroupManager {
         if boundary == 0 || boundary > num_tokens || boundary.is_multiple_of(bs) {
             return None;
         }
-        let &block = req.groups[g].blocks.get(boundary / bs)?;
+        let &block = req.groups()[g].blocks.get(boundary / bs)?;
         let key = CacheKey {
             hash: req.hashes()[boundary / hash_block_size - 1],
             group: self.group_id,

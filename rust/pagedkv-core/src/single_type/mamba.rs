@@ -289,7 +289,7 @@ impl GroupManager {
                     group: self.group_id,
                 })
         };
-        let gb = &req.groups[g];
+        let gb = &req.groups()[g];
         if let Some((position, column)) = gb.checkpoint {
             let block = *gb.blocks.get(column)?;
             let prompt_checkpoint = position
@@ -341,7 +341,7 @@ impl GroupManager {
         let new = pool.cache_partial_block(block, key, num_tokens as u32);
         self.cached_this_step.insert(key);
         if !num_tokens.is_multiple_of(bs) {
-            let gb = &mut req.groups[g];
+            let gb = &mut req.groups_mut()[g];
             gb.partial_hit = Some((idx, block));
             gb.num_cached = Some(idx);
             gb.producer_tail = Some((block, num_tokens));
@@ -363,7 +363,7 @@ impl GroupManager {
         if self.mamba_align().is_none() {
             return;
         }
-        let blocks = req.groups[g].blocks();
+        let blocks = req.groups()[g].blocks();
         for &b in &blocks[range.start.min(blocks.len())..range.end.min(blocks.len())] {
             if b == NULL_BLOCK {
                 continue;

@@ -2,10 +2,11 @@
 
 The oracle's synthetic shared-prefix trace driven through the scheduler policy
 over pagedkv's manager (as ``drive_bench.py``), prompts given as uint32 arrays,
-three ways per round, interleaved over ``--rounds`` rounds: prompts hashed in
-place (``background_hashing=False``), on the manager's hash worker (``True``),
-and on the worker with each step's sampled tokens in a call of their own
-(``append_token_ids_batch``) instead of in the next ``allocate_slots_batch``.
+four ways per round, interleaved over ``--rounds`` rounds: prompts hashed in
+place (``background_hashing=False``) and on the manager's hash worker
+(``True``), each with the step's sampled tokens in the next
+``allocate_slots_batch`` and in a call of their own
+(``append_token_ids_batch``).
 
     python benches/critical_path_bench.py [--rounds 3] [--num-requests 2000]
         [--vllm-python ORACLE_VENV/bin/python --oracle-dir ../shared/tools/vllm_oracle]
@@ -19,12 +20,16 @@ each round also runs vLLM 0.33's own manager on the same trace (the oracle's
 ``drive.py``, as ``drive_bench.py`` does), first or last in turn, and the bench
 prints vLLM's manager time per step (its prompt hashing, done when requests are
 built, apart) and its ratio to each critical path; vLLM must allocate the same
-block ids.
+block ids. vLLM appends each sampled token to its ``Request`` (hashing the
+blocks it fills there), outside its manager's calls: the modes with a call of
+their own for the appends also print the critical path without that call,
+the calls vLLM's manager time covers.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -39,6 +44,7 @@ MODES = {
     "in place": (False, True),
     "background": (True, True),
     "bg, separate appends": (True, False),
+    "in place, sep. appends": (False, False),
 }
 
 
@@ -68,6 +74,12 @@ def one_run(reqs: list, mode: str, num_blocks: int) -> dict[str, float | str]:
         / 1e3
         / st.steps,
         "add_us": st.ns.get("add_request", 0) / 1e3 / st.steps,
+        # The calls vLLM's manager makes: the sampled tokens' appends apart (a
+        # mode that appends in a call of its own); vLLM appends them, and
+        # hashes the blocks they fill, in `Request`, outside its manager.
+        "no_append_us": (st.manager_ns - st.ns.get("append_token_ids_batch", 0)) / 1e3 / st.steps
+        if not tokens_with_allocation
+        else float("nan"),
         "cpu_us": cpu * 1e6 / st.steps,
         "wall_us": wall * 1e6 / st.steps,
         "checksum": f"{st.alloc_checksum:016x}",
@@ -110,6 +122,7 @@ def main() -> None:
     print(f"  {'':<32}" + "".join(f"{m:>24}" for m in MODES))
     for key, name in (
         ("critical_us", "critical path (manager calls)"),
+        ("no_append_us", "  without the appends call"),
         ("add_us", "  add_request"),
         ("lookup_us", "  get_computed_blocks"),
         ("decode_us", "  running requests' batch calls"),
@@ -119,16 +132,26 @@ def main() -> None:
         cells = []
         for mode in MODES:
             vals = [float(r[key]) for r in results[mode]]
+            if any(math.isnan(v) for v in vals):
+                cells.append("-")
+                continue
             cells.append(f"{min(vals):10.2f} / {statistics.median(vals):8.2f}")
         print(f"  {name:<32}" + "".join(f"{c:>24}" for c in cells))
     if vllm_us:
         lo, mid = min(vllm_us), statistics.median(vllm_us)
         print(f"  {'vLLM 0.33 manager time':<32}{lo:10.2f} / {mid:8.2f}")
-        cells = []
-        for mode in MODES:
-            crit = [float(r["critical_us"]) for r in results[mode]]
-            cells.append(f"{lo / min(crit):9.1f}x / {mid / statistics.median(crit):6.1f}x")
-        print(f"  {'vLLM / critical path':<32}" + "".join(f"{c:>24}" for c in cells))
+        for key, name in (
+            ("critical_us", "vLLM / critical path"),
+            ("no_append_us", "  / without the appends"),
+        ):
+            cells = []
+            for mode in MODES:
+                crit = [float(r[key]) for r in results[mode]]
+                if any(math.isnan(v) for v in crit):
+                    cells.append("-")
+                    continue
+                cells.append(f"{lo / min(crit):9.1f}x / {mid / statistics.median(crit):6.1f}x")
+            print(f"  {name:<32}" + "".join(f"{c:>24}" for c in cells))
 
 
 def vllm_manager_us(args: argparse.Namespace, results: dict) -> float:

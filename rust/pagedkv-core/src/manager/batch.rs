@@ -78,7 +78,8 @@ impl KvCacheManager {
     /// engine ran every scheduled token. The caller passes no counts.
     ///
     /// # Errors
-    /// As [`Self::allocate_slots_batch_refs`] (an unknown request first).
+    /// As [`Self::allocate_slots_batch_refs`]: the first entry in order that is
+    /// unknown, named twice or invalid.
     pub fn allocate_slots_batch_tracked(
         &mut self,
         refs: RequestRefs<'_>,
@@ -145,76 +146,89 @@ impl KvCacheManager {
         self.check_no_pending_split()?;
         let mut slots = std::mem::take(&mut self.scratch_slots);
         let mut counts = std::mem::take(&mut self.scratch_counts);
-        let done = self.table.resolve(step.refs, &mut slots).and_then(|()| {
-            let computed = if let Some(c) = step.num_computed_tokens {
-                c
-            } else {
-                counts.clear();
-                counts.extend(slots.iter().map(|&s| self.table.get(s).scheduled_through));
-                &counts
-            };
-            self.refuse_repeated_requests(&slots)?;
-            self.allocate_resolved(&slots, computed, step, out)
-        });
+        let mut fast = std::mem::take(&mut self.scratch_fast);
+        let done = self
+            .check_batch(step, &mut slots, &mut counts, &mut fast)
+            .and_then(|()| {
+                let computed = step.num_computed_tokens.unwrap_or(&counts);
+                self.allocate_checked(&slots, computed, &fast, step, out)
+            });
         self.scratch_slots = slots;
         self.scratch_counts = counts;
+        self.scratch_fast = fast;
         done
     }
 
-    /// Refuses a batch that names a request twice: its second step would be
-    /// checked against the state the first leaves, after something changed.
-    fn refuse_repeated_requests(&mut self, slots: &[u32]) -> Result<()> {
+    /// Checks every entry of a batch before anything changes, in one pass:
+    /// resolves its request (into `slots`), refuses a request named twice (its
+    /// second step would be checked against the state the first leaves),
+    /// takes its computed tokens (into `counts` when the manager tracks them)
+    /// and checks its step ([`Self::check_batch_entry`], into `fast`).
+    fn check_batch(
+        &mut self,
+        step: &BatchStep<'_>,
+        slots: &mut Vec<u32>,
+        counts: &mut Vec<u64>,
+        fast: &mut Vec<u64>,
+    ) -> Result<()> {
+        let n = step.refs.len();
+        slots.clear();
+        slots.reserve(n);
+        counts.clear();
+        if step.num_computed_tokens.is_none() {
+            counts.reserve(n);
+        }
+        fast.clear();
+        fast.reserve(n);
         self.batch_stamp = self.batch_stamp.wrapping_add(1);
         if self.batch_stamp == 0 {
             self.batch_marks.fill(0);
             self.batch_stamp = 1;
         }
         let stamp = self.batch_stamp;
-        for &slot in slots {
-            let i = slot as usize;
-            if i >= self.batch_marks.len() {
-                self.batch_marks.resize(i + 1, 0);
+        let free_at_start = i64::from(self.coord.pool().num_free_blocks());
+        let mut bound = None;
+        for i in 0..n {
+            let slot = match step.refs {
+                RequestRefs::Ids(ids) => self.table.slot(ids[i])?,
+                RequestRefs::Handles(hs) => self.table.slot_of_handle(hs[i])?,
+            };
+            let k = slot as usize;
+            if k >= self.batch_marks.len() {
+                self.batch_marks.resize(k + 1, 0);
             }
-            if self.batch_marks[i] == stamp {
+            if self.batch_marks[k] == stamp {
                 return Err(invalid(format!(
                     "request {:?} is named twice in the batch",
                     self.table.get(slot).id
                 )));
             }
-            self.batch_marks[i] = stamp;
+            self.batch_marks[k] = stamp;
+            slots.push(slot);
+            let computed = if let Some(c) = step.num_computed_tokens {
+                c[i]
+            } else {
+                let c = self.table.get(slot).scheduled_through;
+                counts.push(c);
+                c
+            };
+            let appending = step
+                .append_token_ids
+                .map_or(0, |t| u64::from(t[i].is_some()));
+            fast.push(self.check_batch_entry(
+                slot,
+                [step.num_new_tokens[i], computed, step.num_lookahead_tokens],
+                appending,
+                free_at_start,
+                &mut bound,
+            )?);
         }
         Ok(())
     }
 
-    /// The batch call on resolved request slots (counts of the same length):
-    /// every entry validated before anything changes, the tokens appended, then
-    /// each request allocated in order until the first that does not fit.
-    fn allocate_resolved(
-        &mut self,
-        slots: &[u32],
-        num_computed_tokens: &[u64],
-        step: &BatchStep<'_>,
-        out: &mut BatchAllocation,
-    ) -> Result<()> {
-        let (num_new_tokens, num_lookahead_tokens) =
-            (step.num_new_tokens, step.num_lookahead_tokens);
-        let mut fast = std::mem::take(&mut self.scratch_fast);
-        let checked = self.validate_batch(
-            slots,
-            num_new_tokens,
-            num_computed_tokens,
-            num_lookahead_tokens,
-            step.append_token_ids,
-            &mut fast,
-        );
-        let done = checked
-            .and_then(|()| self.allocate_checked(slots, num_computed_tokens, &fast, step, out));
-        self.scratch_fast = fast;
-        done
-    }
-
-    /// [`Self::allocate_resolved`] once every entry was checked (`fast` from
-    /// [`Self::validate_batch`]).
+    /// The batch call once every entry was checked (`fast` from
+    /// [`Self::check_batch`]): the tokens appended, then each request
+    /// allocated in order until the first that does not fit.
     fn allocate_checked(
         &mut self,
         slots: &[u32],

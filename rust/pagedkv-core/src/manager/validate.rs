@@ -167,89 +167,80 @@ impl KvCacheManager {
         Ok(())
     }
 
-    /// Checks every entry of a batch (after slot resolution) before anything
-    /// changes. Into `fast`, per entry: the count its step schedules through
-    /// when it takes the fast path ([`Self::plain_step`]), [`LEAN_STEP`] when
-    /// it takes the lean one ([`Self::lean_step`]), `u64::MAX` when it takes
-    /// the general one.
-    pub(super) fn validate_batch(
+    /// Checks one entry of a batch, `[num_new_tokens, num_computed_tokens,
+    /// num_lookahead_tokens]` for the request in `slot` with `appending`
+    /// tokens (none or one) appended first, before anything changes (`free_at_start`:
+    /// the free blocks then; `bound`: the step bound of the last token count
+    /// seen, as a decode step repeats one). Returns the count its step
+    /// schedules through when it takes the fast path ([`Self::plain_step`]),
+    /// [`LEAN_STEP`] when it takes the lean one ([`Self::lean_step`]),
+    /// `u64::MAX` when it takes the general one.
+    pub(super) fn check_batch_entry(
         &self,
-        slots: &[u32],
-        num_new_tokens: &[u64],
-        num_computed_tokens: &[u64],
-        num_lookahead_tokens: u64,
-        append_token_ids: Option<&[Option<u32>]>,
-        fast: &mut Vec<u64>,
-    ) -> Result<()> {
-        let free_at_start = i64::from(self.coord.pool().num_free_blocks());
+        slot: u32,
+        [num_new_tokens, num_computed_tokens, num_lookahead_tokens]: [u64; 3],
+        appending: u64,
+        free_at_start: i64,
+        bound: &mut Option<(u64, i64)>,
+    ) -> Result<u64> {
         let max_len = self.cfg.max_model_len;
-        // The bound for the last token count seen (a decode step repeats one).
-        let mut bound: Option<(u64, i64)> = None;
-        fast.clear();
-        for (i, &slot) in slots.iter().enumerate() {
-            let appending = append_token_ids.map_or(0, |t| u64::from(t[i].is_some()));
-            if let Some(through) = self.plain_step(
-                slot,
-                num_new_tokens[i],
-                num_computed_tokens[i],
-                num_lookahead_tokens,
-                appending,
-            ) {
-                fast.push(through);
-                continue;
-            }
-            if let Some(need) = self.lean_step(
-                slot,
-                num_new_tokens[i],
-                num_computed_tokens[i],
-                num_lookahead_tokens,
-                appending,
-            ) {
-                fast.push(LEAN_STEP);
-                if need > free_at_start {
-                    self.check_ever_fits(slot, need, &[], num_computed_tokens[i].min(max_len))?;
-                }
-                continue;
-            }
-            fast.push(u64::MAX);
-            let args = AllocateArgs {
-                num_lookahead_tokens,
-                ..AllocateArgs::step(num_new_tokens[i], num_computed_tokens[i])
-            };
-            if appending != 0 {
-                self.check_room(slot, 1)?;
-            }
-            self.validate_args_appending(slot, &args, appending)?;
-            // A step that cannot need more blocks than are free cannot be one
-            // that never fits: the exact count is left to the allocation.
-            let tokens = num_new_tokens[i].saturating_add(num_lookahead_tokens);
-            let max_blocks = match bound {
-                Some((t, b)) if t == tokens => b,
-                _ => {
-                    let b = self.max_step_blocks(tokens);
-                    bound = Some((tokens, b));
-                    b
-                }
-            };
-            if max_blocks <= free_at_start {
-                continue;
-            }
-            let need_args = Need {
-                num_tokens: (num_computed_tokens[i] + num_new_tokens[i] + num_lookahead_tokens)
-                    .min(max_len),
-                total_computed: num_computed_tokens[i],
-                num_local: num_computed_tokens[i],
-                main_model: (num_computed_tokens[i] + num_new_tokens[i]).min(max_len),
-                prefill_end: self.table.get(slot).prefill_end_after(appending),
-                cap: false,
-            };
-            let req = self.table.get(slot);
-            let (need, blocked) = self.coord.num_blocks_to_allocate(req, &need_args, &[], 0);
-            if need > free_at_start && !blocked {
-                self.check_ever_fits(slot, need, &[], num_computed_tokens[i].min(max_len))?;
-            }
+        if let Some(through) = self.plain_step(
+            slot,
+            num_new_tokens,
+            num_computed_tokens,
+            num_lookahead_tokens,
+            appending,
+        ) {
+            return Ok(through);
         }
-        Ok(())
+        if let Some(need) = self.lean_step(
+            slot,
+            num_new_tokens,
+            num_computed_tokens,
+            num_lookahead_tokens,
+            appending,
+        ) {
+            if need > free_at_start {
+                self.check_ever_fits(slot, need, &[], num_computed_tokens.min(max_len))?;
+            }
+            return Ok(LEAN_STEP);
+        }
+        let args = AllocateArgs {
+            num_lookahead_tokens,
+            ..AllocateArgs::step(num_new_tokens, num_computed_tokens)
+        };
+        if appending != 0 {
+            self.check_room(slot, 1)?;
+        }
+        self.validate_args_appending(slot, &args, appending)?;
+        // A step that cannot need more blocks than are free cannot be one
+        // that never fits: the exact count is left to the allocation.
+        let tokens = num_new_tokens.saturating_add(num_lookahead_tokens);
+        let max_blocks = match *bound {
+            Some((t, b)) if t == tokens => b,
+            _ => {
+                let b = self.max_step_blocks(tokens);
+                *bound = Some((tokens, b));
+                b
+            }
+        };
+        if max_blocks <= free_at_start {
+            return Ok(u64::MAX);
+        }
+        let need_args = Need {
+            num_tokens: (num_computed_tokens + num_new_tokens + num_lookahead_tokens).min(max_len),
+            total_computed: num_computed_tokens,
+            num_local: num_computed_tokens,
+            main_model: (num_computed_tokens + num_new_tokens).min(max_len),
+            prefill_end: self.table.get(slot).prefill_end_after(appending),
+            cap: false,
+        };
+        let req = self.table.get(slot);
+        let (need, blocked) = self.coord.num_blocks_to_allocate(req, &need_args, &[], 0);
+        if need > free_at_start && !blocked {
+            self.check_ever_fits(slot, need, &[], num_computed_tokens.min(max_len))?;
+        }
+        Ok(u64::MAX)
     }
 
     /// An upper bound of the blocks one running request's step of `tokens`

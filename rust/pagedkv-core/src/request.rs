@@ -50,10 +50,16 @@ pub struct MmFeature {
     pub length: u64,
 }
 
+/// Output tokens a request's token vector holds room for beyond its prompt:
+/// a prompt vector with less spare capacity is grown once when the request is
+/// added (a caller building the vector reserves it up front and saves that
+/// copy), so the first decode steps append without copying the prompt.
+pub const OUTPUT_ROOM: usize = 256;
+
 /// Everything `add_request` takes besides the id.
 #[derive(Clone, Debug, Default)]
 pub struct RequestSpec {
-    /// The prompt.
+    /// The prompt (given [`OUTPUT_ROOM`] spare capacity, if it has less).
     pub prompt_token_ids: Vec<u32>,
     /// The request's `LoRA` adapter.
     pub lora: Option<Lora>,
@@ -195,10 +201,14 @@ impl Request {
                 Some(digests)
             }
         };
+        let mut tokens = prompt_token_ids;
+        if n > 0 {
+            tokens.reserve_exact(OUTPUT_ROOM);
+        }
         Ok(Self {
             id,
             uid,
-            tokens: prompt_token_ids,
+            tokens,
             num_prompt_tokens: n,
             hash_vec: Vec::new(),
             ctx_vec: Vec::new(),
@@ -717,6 +727,29 @@ const _: () = {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A prompt vector without room for output gets it when the request is
+    /// made (one copy then, none at the first decode step); one that has the
+    /// room keeps its allocation.
+    #[test]
+    fn a_prompt_gets_room_for_its_output() {
+        let exact: Vec<u32> = (0..100).collect();
+        let spec = RequestSpec {
+            prompt_token_ids: exact,
+            ..RequestSpec::default()
+        };
+        let r = Request::new("r".into(), 0, spec, 1, 16, false).unwrap_or_else(|e| panic!("{e}"));
+        assert!(r.tokens.capacity() >= 100 + OUTPUT_ROOM);
+        let mut roomy = Vec::with_capacity(100 + OUTPUT_ROOM);
+        roomy.extend(0..100u32);
+        let ptr = roomy.as_ptr();
+        let spec = RequestSpec {
+            prompt_token_ids: roomy,
+            ..RequestSpec::default()
+        };
+        let r = Request::new("r".into(), 0, spec, 1, 16, false).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(r.tokens.as_ptr(), ptr, "not reallocated");
+    }
 
     /// A hashing job nobody has run yet is run by its first reader: a lookup
     /// never waits behind the worker's queue (here there is no worker at all).

@@ -11,7 +11,7 @@ use pyo3::types::{
 
 use pagedkv_core::{
     AttentionKind, BlockHash, BlockId, CborValue, GroupSpec, HashAlgo, MambaCacheMode,
-    ManagerConfig, MmFeature, RequestRefs,
+    ManagerConfig, MmFeature, OUTPUT_ROOM, RequestRefs,
 };
 
 use crate::errors::{PkResult, PyPkError, invalid_arg, invalid_config, type_error};
@@ -168,13 +168,8 @@ pub fn tokens(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<u32>> {
     tokens_with_room(obj, limit, 0)
 }
 
-/// Tokens a request's output grows its prompt by before its token vector
-/// reallocates: reserved with the prompt, so the first decode steps append
-/// without copying the prompt.
-const OUTPUT_ROOM: usize = 256;
-
-/// [`tokens`] of a prompt, with room for the first [`OUTPUT_ROOM`] output
-/// tokens reserved in the same allocation.
+/// [`tokens`] of a prompt, with room for the core's [`OUTPUT_ROOM`] output
+/// tokens reserved in the same allocation (the core would grow it otherwise).
 pub fn prompt_tokens(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<u32>> {
     tokens_with_room(obj, limit, OUTPUT_ROOM)
 }

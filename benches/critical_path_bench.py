@@ -33,6 +33,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pagedkv as pk
@@ -129,13 +130,7 @@ def main() -> None:
         ("cpu_us", "process CPU, both threads"),
         ("wall_us", "loop wall time"),
     ):
-        cells = []
-        for mode in MODES:
-            vals = [float(r[key]) for r in results[mode]]
-            if any(math.isnan(v) for v in vals):
-                cells.append("-")
-                continue
-            cells.append(f"{min(vals):10.2f} / {statistics.median(vals):8.2f}")
+        cells = row(results, key, lambda lo, mid: f"{lo:10.2f} / {mid:8.2f}")
         print(f"  {name:<32}" + "".join(f"{c:>24}" for c in cells))
     if vllm_us:
         lo, mid = min(vllm_us), statistics.median(vllm_us)
@@ -144,14 +139,21 @@ def main() -> None:
             ("critical_us", "vLLM / critical path"),
             ("no_append_us", "  / without the appends"),
         ):
-            cells = []
-            for mode in MODES:
-                crit = [float(r[key]) for r in results[mode]]
-                if any(math.isnan(v) for v in crit):
-                    cells.append("-")
-                    continue
-                cells.append(f"{lo / min(crit):9.1f}x / {mid / statistics.median(crit):6.1f}x")
+            cells = row(results, key, lambda c, m: f"{lo / c:9.1f}x / {mid / m:6.1f}x")
             print(f"  {name:<32}" + "".join(f"{c:>24}" for c in cells))
+
+
+def row(results: dict, key: str, cell: Callable[[float, float], str]) -> list[str]:
+    """One cell per mode: `cell(min, median)` of the key's values over the
+    rounds, "-" for a figure the mode does not have."""
+    cells = []
+    for mode in MODES:
+        vals = [float(r[key]) for r in results[mode]]
+        if any(math.isnan(v) for v in vals):
+            cells.append("-")
+        else:
+            cells.append(cell(min(vals), statistics.median(vals)))
+    return cells
 
 
 def vllm_manager_us(args: argparse.Namespace, results: dict) -> float:

@@ -676,25 +676,29 @@ impl KvCacheManager {
         }
     }
 
-    /// The batch's fast path, decided for every entry before anything changes:
-    /// `Some(scheduled_through)` for a running request's step that the full
-    /// checks would accept and that needs no block and publishes none, given
-    /// `appending` (0 or 1) tokens appended first; `None` leaves the entry to
-    /// the full checks and the general path. A step it accepts is recorded by
-    /// setting the two counts, as [`Self::decode_step_needs_nothing`] does.
-    /// (Holding the blocks for the step's slots, at least one past the
-    /// computed tokens or all `max_model_len`, covers the computed tokens too.)
-    pub(super) fn plain_step(
+    /// How the batch makes a running request's step, decided for every entry
+    /// before anything changes, given `appending` (0 or 1) tokens appended
+    /// first: [`BatchPath::Plain`] for a step the full checks would accept
+    /// that needs no block and publishes none (recorded by setting the two
+    /// counts, as [`Self::decode_step_needs_nothing`] does), [`BatchPath::Lean`]
+    /// for one the full checks would accept whose layout and state make it
+    /// lean ([`Coordinator::lean_step_need`]: it takes `need` blocks, none when
+    /// it only publishes one; [`Self::allocate_lean`] makes it), `None` for
+    /// the full checks and the general path. (Holding the blocks for the
+    /// step's slots, at least one past the computed tokens or all
+    /// `max_model_len`, covers the computed tokens too.)
+    pub(super) fn batch_path(
         &self,
         slot: u32,
         num_new_tokens: u64,
         num_computed_tokens: u64,
         num_lookahead_tokens: u64,
         appending: u64,
-    ) -> Option<u64> {
+    ) -> Option<BatchPath> {
         const LIMIT: u64 = 1 << 40;
         let req = self.table.get(slot);
         let known = req.num_tokens() as u64 + appending;
+        // What `validate_args` checks of a step with only these counts.
         if !req.admitted
             || num_new_tokens == 0
             || num_new_tokens > LIMIT
@@ -711,52 +715,22 @@ impl KvCacheManager {
             num_lookahead_tokens,
         );
         let cached_to = self.cfg.enable_caching.then_some(s.to_cache);
-        self.coord
-            .holds_step(req, s.need_slot, cached_to)
-            .then_some(s.main_model)
-    }
-
-    /// The batch's lean path, decided for an entry [`Self::plain_step`] left:
-    /// `Some(need)` for a running request's step that the full checks would
-    /// accept, whose layout and state make it lean
-    /// ([`Coordinator::lean_step_need`]) and that takes `need` blocks (none
-    /// when it only publishes a block), given `appending` (0 or 1) tokens
-    /// appended first; [`Self::allocate_lean`] makes it. `None`: the full
-    /// checks and the general path.
-    pub(super) fn lean_step(
-        &self,
-        slot: u32,
-        num_new_tokens: u64,
-        num_computed_tokens: u64,
-        num_lookahead_tokens: u64,
-        appending: u64,
-    ) -> Option<i64> {
-        const LIMIT: u64 = 1 << 40;
-        let req = self.table.get(slot);
-        let known = req.num_tokens() as u64 + appending;
-        // What `validate_args` checks of a step with only these counts; a
-        // request holding blocks for fewer tokens than it computed is refused
-        // there.
-        if !req.admitted
-            || num_new_tokens == 0
-            || num_new_tokens > LIMIT
-            || num_lookahead_tokens > LIMIT
-            || num_computed_tokens > known
-            || known > self.cfg.max_model_len
-            || num_computed_tokens > req.step_limits().0
-        {
+        if self.coord.holds_step(req, s.need_slot, cached_to) {
+            return Some(BatchPath::Plain {
+                scheduled_through: s.main_model,
+            });
+        }
+        // `validate_args` refuses a request holding blocks for fewer tokens
+        // than it computed.
+        if num_computed_tokens > req.step_limits().0 {
             return None;
         }
-        let s = self.step_counts(
-            known,
-            num_new_tokens,
-            num_computed_tokens,
-            num_lookahead_tokens,
-        );
-        self.coord.lean_step_need(req, s.need_slot)
+        self.coord
+            .lean_step_need(req, s.need_slot)
+            .map(|need| BatchPath::Lean { need })
     }
 
-    /// A step [`Self::lean_step`] accepted (before the tokens were appended):
+    /// A step [`Self::batch_path`] found lean (before the tokens were appended):
     /// what `allocate_general` does for it, without its checks and counting.
     /// `false`: fewer blocks are free than it takes, nothing changed (the
     /// general path then decides).
@@ -1128,6 +1102,17 @@ impl KvCacheManager {
         }
         self.coord.pool().check_invariants(Some(&refs))
     }
+}
+
+/// How the batch call makes a running request's step
+/// ([`KvCacheManager::batch_path`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum BatchPath {
+    /// It needs no block and publishes none: only its counts are recorded.
+    Plain { scheduled_through: u64 },
+    /// It takes `need` blocks or publishes one, in a layout that allows the
+    /// lean path ([`KvCacheManager::allocate_lean`]).
+    Lean { need: i64 },
 }
 
 /// A running request's step, as [`KvCacheManager::step_counts`] gives it.

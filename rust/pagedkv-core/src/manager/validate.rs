@@ -2,14 +2,14 @@
 //! checked before anything changes, so a refused call leaves the manager as
 //! it was.
 
-use super::{AllocateArgs, ComputedBlocks, KvCacheManager};
+use super::{AllocateArgs, BatchPath, ComputedBlocks, KvCacheManager};
 use crate::error::{Error, Result, invalid};
 use crate::pool::BlockId;
 use crate::single_type::Need;
 use crate::spec::AttentionKind;
 
 /// An entry of a checked batch that takes the lean path
-/// ([`KvCacheManager::lean_step`]); `u64::MAX` marks one taking the general
+/// ([`KvCacheManager::batch_path`]); `u64::MAX` marks one taking the general
 /// path, any other value the count a step taking the fast path schedules
 /// through (at most `max_model_len`).
 pub(super) const LEAN_STEP: u64 = u64::MAX - 1;
@@ -172,9 +172,9 @@ impl KvCacheManager {
     /// tokens (none or one) appended first, before anything changes (`free_at_start`:
     /// the free blocks then; `bound`: the step bound of the last token count
     /// seen, as a decode step repeats one). Returns the count its step
-    /// schedules through when it takes the fast path ([`Self::plain_step`]),
-    /// [`LEAN_STEP`] when it takes the lean one ([`Self::lean_step`]),
-    /// `u64::MAX` when it takes the general one.
+    /// schedules through when it takes the fast path, [`LEAN_STEP`] when it
+    /// takes the lean one ([`Self::batch_path`]), `u64::MAX` when it takes the
+    /// general one.
     pub(super) fn check_batch_entry(
         &self,
         slot: u32,
@@ -184,26 +184,21 @@ impl KvCacheManager {
         bound: &mut Option<(u64, i64)>,
     ) -> Result<u64> {
         let max_len = self.cfg.max_model_len;
-        if let Some(through) = self.plain_step(
+        match self.batch_path(
             slot,
             num_new_tokens,
             num_computed_tokens,
             num_lookahead_tokens,
             appending,
         ) {
-            return Ok(through);
-        }
-        if let Some(need) = self.lean_step(
-            slot,
-            num_new_tokens,
-            num_computed_tokens,
-            num_lookahead_tokens,
-            appending,
-        ) {
-            if need > free_at_start {
-                self.check_ever_fits(slot, need, &[], num_computed_tokens.min(max_len))?;
+            Some(BatchPath::Plain { scheduled_through }) => return Ok(scheduled_through),
+            Some(BatchPath::Lean { need }) => {
+                if need > free_at_start {
+                    self.check_ever_fits(slot, need, &[], num_computed_tokens.min(max_len))?;
+                }
+                return Ok(LEAN_STEP);
             }
-            return Ok(LEAN_STEP);
+            None => {}
         }
         let args = AllocateArgs {
             num_lookahead_tokens,

@@ -641,9 +641,7 @@ impl KvCacheManager {
         }
         let s = self.step_counts(
             req.num_tokens() as u64,
-            num_new_tokens,
-            num_computed_tokens,
-            num_lookahead_tokens,
+            [num_new_tokens, num_computed_tokens, num_lookahead_tokens],
         );
         if !self
             .coord
@@ -658,13 +656,12 @@ impl KvCacheManager {
     }
 
     /// A running request's step counts (`allocate_general`'s, without a hit
-    /// or external tokens), for a request of `num_tokens` tokens.
+    /// or external tokens), for a request of `num_tokens` tokens and a step of
+    /// `[num_new_tokens, num_computed_tokens, num_lookahead_tokens]`.
     fn step_counts(
         &self,
         num_tokens: u64,
-        num_new_tokens: u64,
-        num_computed_tokens: u64,
-        num_lookahead_tokens: u64,
+        [num_new_tokens, num_computed_tokens, num_lookahead_tokens]: [u64; 3],
     ) -> StepCounts {
         let max_len = self.cfg.max_model_len;
         let total_computed = num_computed_tokens.min(max_len);
@@ -710,9 +707,7 @@ impl KvCacheManager {
         }
         let s = self.step_counts(
             known,
-            num_new_tokens,
-            num_computed_tokens,
-            num_lookahead_tokens,
+            [num_new_tokens, num_computed_tokens, num_lookahead_tokens],
         );
         let cached_to = self.cfg.enable_caching.then_some(s.to_cache);
         if self.coord.holds_step(req, s.need_slot, cached_to) {
@@ -744,9 +739,7 @@ impl KvCacheManager {
         let req = self.table.get(slot);
         let s = self.step_counts(
             req.num_tokens() as u64,
-            num_new_tokens,
-            num_computed_tokens,
-            num_lookahead_tokens,
+            [num_new_tokens, num_computed_tokens, num_lookahead_tokens],
         );
         let need = self.coord.lean_step_need(req, s.need_slot);
         debug_assert!(need.is_some(), "a lean step stays lean until it is made");

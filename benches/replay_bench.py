@@ -1,7 +1,10 @@
 """Replays an operation dump recorded from vLLM's manager through pagedkv and prints
 the time inside each manager API (µs per call), the manager time per scheduler step,
 and — given vLLM's own replay figures for the same dump (``replay_ops.py`` JSON
-output) — the ratio.
+output) — the ratio. Each round also measures the harness floor
+(``harness_floor``: the same replay with every call replaced by one that does
+next to nothing), and with vLLM's figures the ratio no implementation could
+exceed in this harness.
 
     python benches/replay_bench.py tests/vectors/ops_small.jsonl.gz [--vllm-json vllm.json]
     python benches/replay_bench.py DUMP --vllm-python ORACLE_VENV/bin/python \
@@ -19,7 +22,7 @@ import statistics
 import subprocess
 import time
 
-from pagedkv._oracle.replay import replay_dump
+from pagedkv._oracle.replay import harness_floor, replay_dump
 
 VLLM_API = {  # pagedkv API -> vLLM replay_ops.py key (it reports these totals only)
     "get_computed_blocks": "get_computed_blocks",
@@ -33,7 +36,8 @@ def _vllm_replay(args: argparse.Namespace) -> dict:
     out = subprocess.run(
         [
             args.vllm_python,
-            os.path.join(args.oracle_dir, "replay_ops.py"),
+            # Absolute: the script runs from the oracle's directory.
+            os.path.join(os.path.abspath(args.oracle_dir), "replay_ops.py"),
             os.path.abspath(args.dump),
         ],
         capture_output=True,
@@ -65,6 +69,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     ours: list[tuple[object, float]] = []
+    floors = []
     theirs: list[dict] = []
     for r in range(args.rounds):
         sides = ["vllm", "pagedkv"] if r % 2 == 0 else ["pagedkv", "vllm"]
@@ -78,10 +83,12 @@ def main() -> None:
             wall = time.perf_counter() - t0
             assert rep.ok, rep.first_mismatches
             ours.append((rep, wall))
+            floors.append(harness_floor(args.dump))
     if not theirs and args.vllm_json:
         with open(args.vllm_json) as f:
             theirs.append(json.loads(f.read().strip().splitlines()[-1]))
     rep, wall = min(ours, key=lambda x: x[0].manager_seconds)
+    floor = min(floors, key=lambda f: f.manager_seconds)
     steps = rep.per_api.get("new_step_starts", [1, 0])[0]
     vllm = min(theirs, key=lambda v: sum(v["manager_ms"].values())) if theirs else None
 
@@ -90,28 +97,31 @@ def main() -> None:
         f"python {platform.python_version()} on {platform.machine()}  "
         f"best of {len(ours)} pagedkv / {len(theirs)} vLLM replays"
     )
-    print(f"{'API':<26}{'calls':>9}{'pagedkv µs/call':>17}", end="")
+    print(f"{'API':<26}{'calls':>9}{'pagedkv µs/call':>17}{'floor':>8}", end="")
     print(f"{'vLLM µs/call':>14}{'ratio':>8}" if vllm else "")
-    rows = dict(rep.per_api)
-    adm = rows.get("allocate_slots(admit)", [0, 0])
-    run = rows.get("allocate_slots(running)", [0, 0])
-    rows["allocate_slots(all)"] = [adm[0] + run[0], adm[1] + run[1]]
-    frees = [rows.get(k, [0, 0]) for k in ("free", "remove_request")]
-    rows["free+remove_request"] = [frees[0][0] + frees[1][0], frees[0][1] + frees[1][1]]
+    rows, floor_rows = _with_sums(rep.per_api), _with_sums(floor.per_api)
     for api, (calls, ns) in sorted(rows.items()):
         if not calls:
             continue
         us = ns / calls / 1e3
-        line = f"{api:<26}{calls:>9}{us:>17.3f}"
+        f_calls, f_ns = floor_rows.get(api, [0, 0])
+        f_us = f_ns / f_calls / 1e3 if f_calls else float("nan")
+        line = f"{api:<26}{calls:>9}{us:>17.3f}{f_us:>8.3f}"
         if vllm and api in VLLM_API:
             v = vllm["us_per_call"][VLLM_API[api]]
             line += f"{v:>14.2f}{v / us:>8.0f}x"
         print(line)
     ms = sorted(r.manager_seconds * 1e3 for r, _ in ours)
+    fms = sorted(f.manager_seconds * 1e3 for f in floors)
     print(
         f"pagedkv manager time per step: {ms[0] * 1e3 / steps:.2f} / "
         f"{statistics.median(ms) * 1e3 / steps:.2f} µs (min / median) over {steps} steps "
         f"(replay wall {wall:.2f} s)"
+    )
+    print(
+        f"harness floor per step: {fms[0] * 1e3 / steps:.2f} / "
+        f"{statistics.median(fms) * 1e3 / steps:.2f} µs (every call replaced by one "
+        "that does next to nothing)"
     )
     if theirs:
         vms = sorted(sum(v["manager_ms"].values()) for v in theirs)
@@ -120,6 +130,22 @@ def main() -> None:
             f"{statistics.median(vms) * 1e3 / steps:.1f} µs; ratio {vms[0] / ms[0]:.0f}x (min), "
             f"{statistics.median(vms) / statistics.median(ms):.0f}x (median)"
         )
+        print(
+            f"vLLM / harness floor: {vms[0] / fms[0]:.0f}x (min), "
+            f"{statistics.median(vms) / statistics.median(fms):.0f}x (median): "
+            "the most any implementation could show in this replay"
+        )
+
+
+def _with_sums(per_api: dict[str, list[int]]) -> dict[str, list[int]]:
+    """The per-API rows plus the sums compared with vLLM's totals."""
+    rows = dict(per_api)
+    adm = rows.get("allocate_slots(admit)", [0, 0])
+    run = rows.get("allocate_slots(running)", [0, 0])
+    rows["allocate_slots(all)"] = [adm[0] + run[0], adm[1] + run[1]]
+    frees = [rows.get(k, [0, 0]) for k in ("free", "remove_request")]
+    rows["free+remove_request"] = [frees[0][0] + frees[1][0], frees[0][1] + frees[1][1]]
+    return rows
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import gzip
 import json
 from pathlib import Path
 
-from pagedkv._oracle.replay import replay_dump
+from pagedkv._oracle.replay import harness_floor, replay_dump
 from pagedkv._oracle.trace import TraceConfig, generate
 
 DUMP = Path(__file__).parent / "vectors" / "ops_small.jsonl.gz"
@@ -33,3 +33,15 @@ def test_every_recorded_vllm_call_gives_the_same_result() -> None:
     assert report.ops == report.expected_ops == 45439
     assert report.free_blocks_at_end == report.expected_free_blocks_at_end
     assert report.ok
+
+
+def test_the_harness_floor_times_every_call_under_its_api() -> None:
+    # The floor's rows line up with the replay's: the same calls counted
+    # under the same API names, each timed once.
+    report, floor = replay_dump(str(DUMP)), harness_floor(str(DUMP))
+    assert floor.ops == report.ops == 45439
+    assert {api: n for api, (n, _) in floor.per_api.items()} == {
+        api: n for api, (n, _) in report.per_api.items()
+    }
+    assert floor.per_api["allocate_slots(running)"][0] == 40969
+    assert 0 < floor.manager_seconds

@@ -227,8 +227,11 @@ impl KvCacheManager {
     }
 
     /// The batch call once every entry was checked (`fast` from
-    /// [`Self::check_batch`]): the tokens appended, then each request
-    /// allocated in order until the first that does not fit.
+    /// [`Self::check_batch`]), in one pass: each request's sampled token
+    /// appended, then its step made, in order until the first step that does
+    /// not fit; the tokens of the requests after it are still appended. (A
+    /// request's step reads only its own tokens, so this is the result of
+    /// every append first, then every step.)
     fn allocate_checked(
         &mut self,
         slots: &[u32],
@@ -239,16 +242,6 @@ impl KvCacheManager {
     ) -> Result<()> {
         let (num_new_tokens, num_lookahead_tokens) =
             (step.num_new_tokens, step.num_lookahead_tokens);
-        if let Some(tokens) = step.append_token_ids {
-            let hbs = self.hash_block_size;
-            let hashing = self.hashing();
-            for (&slot, t) in slots.iter().zip(tokens) {
-                if let &Some(t) = t {
-                    let hasher = hashing.then_some(&mut self.hasher);
-                    self.table.get_mut(slot).push_token(t, hasher, hbs);
-                }
-            }
-        }
         let n = self.coord.groups().len();
         out.num_allocated = 0;
         out.block_ids.resize(n, Vec::new());
@@ -258,21 +251,31 @@ impl KvCacheManager {
             out.offsets[g].clear();
             out.offsets[g].push(0);
         }
-        for (i, &slot) in slots.iter().enumerate() {
-            let (new, computed) = (num_new_tokens[i], num_computed_tokens[i]);
-            if fast[i] < LEAN_STEP {
-                // A running request's step that needs nothing (decided above).
+        let hbs = self.hash_block_size;
+        let hashing = self.hashing();
+        let mut stopped = false;
+        for (i, ((&slot, &f), &computed)) in
+            slots.iter().zip(fast).zip(num_computed_tokens).enumerate()
+        {
+            if let Some(Some(t)) = step.append_token_ids.map(|t| t[i]) {
+                let hasher = hashing.then_some(&mut self.hasher);
+                self.table.get_mut(slot).push_token(t, hasher, hbs);
+            }
+            if stopped {
+                continue;
+            }
+            if f < LEAN_STEP {
+                // A running request's step that needs nothing (decided above);
+                // its offsets are written with the next step that allocates.
                 let req = self.table.get_mut(slot);
                 req.num_computed_at_step = computed;
-                req.scheduled_through = fast[i];
-                for (ids, offsets) in out.block_ids.iter().zip(&mut out.offsets) {
-                    offsets.push(ids.len() as u32);
-                }
+                req.scheduled_through = f;
                 out.num_allocated += 1;
                 continue;
             }
+            let new = num_new_tokens[i];
             // Validated above, before anything changed.
-            let done = if fast[i] == LEAN_STEP {
+            let done = if f == LEAN_STEP {
                 self.allocate_lean(slot, new, computed, num_lookahead_tokens)
             } else {
                 self.decode_step_needs_nothing(slot, new, computed, num_lookahead_tokens)
@@ -283,14 +286,21 @@ impl KvCacheManager {
                     ..AllocateArgs::step(new, computed)
                 };
                 if !self.allocate_general(slot, &args, None)? {
-                    break;
+                    stopped = true;
+                    continue;
                 }
             }
             for (g, new) in self.coord.new_blocks().iter().enumerate() {
-                out.block_ids[g].extend_from_slice(new);
-                out.offsets[g].push(out.block_ids[g].len() as u32);
+                let (ids, offsets) = (&mut out.block_ids[g], &mut out.offsets[g]);
+                // The steps since the last that allocated took nothing here.
+                offsets.resize(i + 1, ids.len() as u32);
+                ids.extend_from_slice(new);
+                offsets.push(ids.len() as u32);
             }
             out.num_allocated += 1;
+        }
+        for (ids, offsets) in out.block_ids.iter().zip(&mut out.offsets) {
+            offsets.resize(out.num_allocated + 1, ids.len() as u32);
         }
         Ok(())
     }

@@ -159,12 +159,12 @@ def replay_dump(path: str, max_reported: int = 5) -> ReplayReport:
             elif op == "free":
                 rid = trace.requests[rec["req"]].req_id
                 t = clock()
-                if rec["reason"] == "preempted":
+                if api == "free":
                     kv.free(rid)
-                    rep._time(api, clock() - t)
                 else:
                     kv.remove_request(rid)
-                    rep._time(api, clock() - t)
+                rep._time(api, clock() - t)
+                if api == "remove_request":
                     known.pop(rec["req"], None)
             else:
                 raise ValueError(f"unknown op {op!r} in {path}")

@@ -624,25 +624,17 @@ impl KvCacheManager {
     }
 
     /// A validated decode step of a running request that takes no block and
-    /// publishes none (most steps): its counts recorded as `allocate_validated`
-    /// records them, and `true`. `false`: nothing changed, the general path
-    /// decides.
-    pub(super) fn decode_step_needs_nothing(
-        &mut self,
-        slot: u32,
-        num_new_tokens: u64,
-        num_computed_tokens: u64,
-        num_lookahead_tokens: u64,
-    ) -> bool {
+    /// publishes none (most steps), `step` being `[num_new_tokens,
+    /// num_computed_tokens, num_lookahead_tokens]`: its counts recorded as
+    /// `allocate_validated` records them, and `true`. `false`: nothing
+    /// changed, the general path decides.
+    pub(super) fn decode_step_needs_nothing(&mut self, slot: u32, step: [u64; 3]) -> bool {
         let caching = self.cfg.enable_caching;
         let req = self.table.get(slot);
         if !req.admitted {
             return false;
         }
-        let s = self.step_counts(
-            req.num_tokens() as u64,
-            [num_new_tokens, num_computed_tokens, num_lookahead_tokens],
-        );
+        let s = self.step_counts(req.num_tokens() as u64, step);
         if !self
             .coord
             .decode_step_needs_nothing(req, s.need_slot, s.to_cache as usize, caching)
@@ -650,7 +642,7 @@ impl KvCacheManager {
             return false;
         }
         let req = self.table.get_mut(slot);
-        req.num_computed_at_step = num_computed_tokens;
+        req.num_computed_at_step = step[1];
         req.scheduled_through = s.main_model;
         true
     }
@@ -728,19 +720,12 @@ impl KvCacheManager {
     /// A step [`Self::batch_path`] found lean (before the tokens were appended):
     /// what `allocate_general` does for it, without its checks and counting.
     /// `false`: fewer blocks are free than it takes, nothing changed (the
-    /// general path then decides).
-    pub(super) fn allocate_lean(
-        &mut self,
-        slot: u32,
-        num_new_tokens: u64,
-        num_computed_tokens: u64,
-        num_lookahead_tokens: u64,
-    ) -> bool {
+    /// general path then decides). `step` as for
+    /// [`Self::decode_step_needs_nothing`].
+    pub(super) fn allocate_lean(&mut self, slot: u32, step: [u64; 3]) -> bool {
+        let num_computed_tokens = step[1];
         let req = self.table.get(slot);
-        let s = self.step_counts(
-            req.num_tokens() as u64,
-            [num_new_tokens, num_computed_tokens, num_lookahead_tokens],
-        );
+        let s = self.step_counts(req.num_tokens() as u64, step);
         let need = self.coord.lean_step_need(req, s.need_slot);
         debug_assert!(need.is_some(), "a lean step stays lean until it is made");
         if need.is_none_or(|n| n > i64::from(self.num_free_blocks())) {
@@ -770,9 +755,11 @@ impl KvCacheManager {
             && a.is_plain_step_if_caching()
             && self.decode_step_needs_nothing(
                 slot,
-                a.num_new_tokens,
-                a.num_computed_tokens,
-                a.num_lookahead_tokens,
+                [
+                    a.num_new_tokens,
+                    a.num_computed_tokens,
+                    a.num_lookahead_tokens,
+                ],
             )
         {
             return Ok(true);

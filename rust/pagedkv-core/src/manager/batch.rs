@@ -275,10 +275,11 @@ impl KvCacheManager {
             }
             let new = num_new_tokens[i];
             // Validated above, before anything changed.
+            let counts = [new, computed, num_lookahead_tokens];
             let done = if f == LEAN_STEP {
-                self.allocate_lean(slot, new, computed, num_lookahead_tokens)
+                self.allocate_lean(slot, counts)
             } else {
-                self.decode_step_needs_nothing(slot, new, computed, num_lookahead_tokens)
+                self.decode_step_needs_nothing(slot, counts)
             };
             if !done {
                 let args = AllocateArgs {

@@ -148,3 +148,47 @@ def test_bad_token_in_list_is_refused_without_change(bad: list[Any], error: type
     assert snapshot(mgr, ["ok"]) == before
     assert as_lists(mgr.get_block_ids("ok")) == ([],)
     mgr.check_invariants()
+
+
+def _layouts(values: list[int], dtype: Any) -> dict[str, np.ndarray]:
+    """The same integers as NumPy arrays laid out every way an array can be:
+    contiguous, a strided view, byte-swapped, and misaligned in its buffer."""
+    a = np.array(values, dtype=dtype)
+    wide = np.repeat(a, 2)
+    raw = b"\0" + a.tobytes()
+    return {
+        "contiguous": a,
+        "strided": wide[::2],
+        "byte-swapped": a.astype(a.dtype.newbyteorder()),
+        "misaligned": np.frombuffer(raw, dtype=a.dtype, offset=1),
+    }
+
+
+@pytest.mark.parametrize("dtype", [np.uint32, np.int32, np.int64, np.uint64])
+def test_integer_arrays_of_any_layout_read_as_their_values(dtype: Any) -> None:
+    """A prompt, a batch's handles, computed counts and sampled tokens read the
+    same from a NumPy array of any integer type and any layout (a strided view
+    or a misaligned buffer is read item by item) as from a list."""
+    prompt = [t * 37 % 60_000 for t in range(70)]
+    ref = make_manager(16, 64)
+    ref.add_request("list", prompt)
+    for name, arr in _layouts(prompt, dtype).items():
+        m = make_manager(16, 64)
+        m.add_request("r", arr)
+        assert m.block_hashes("r") == ref.block_hashes("list"), name
+
+    def run(form: Any) -> list[Any]:
+        m = make_manager(4, 64)
+        handles = _admit_all(m, 3, 6)
+        out = []
+        for step in range(6):
+            refs = form(handles, np.int64)
+            computed = form([6 + step] * 3, dtype)
+            tokens = form([50 + step, 60 + step, 70 + step], dtype)
+            n, groups = m.allocate_slots_batch(refs, 1, computed, append_token_ids=tokens)
+            out.append((n, [(i.tolist(), o.tolist()) for i, o in groups]))
+        return [*out, snapshot(m, [f"r{i}" for i in range(3)])]
+
+    expected = run(lambda v, _dt: list(v))
+    for layout in ("contiguous", "strided", "byte-swapped", "misaligned"):
+        assert run(lambda v, dt, layout=layout: _layouts(v, dt)[layout]) == expected, layout

@@ -2,7 +2,10 @@
 //! out as int32 `NumPy` arrays). A value the core's type cannot hold is refused
 //! here; what a value means, and whether it is allowed, is the core's business.
 
-use numpy::{PyArray1, PyReadonlyArray1};
+use numpy::{
+    Element, PyArray1, PyArrayDescr, PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray,
+    PyUntypedArrayMethods,
+};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
 use pyo3::types::{
@@ -174,6 +177,83 @@ pub fn prompt_tokens(obj: &Bound<'_, PyAny>, limit: usize) -> PkResult<Vec<u32>>
     tokens_with_room(obj, limit, OUTPUT_ROOM)
 }
 
+/// The items of a one-dimensional integer `NumPy` array, read in place.
+pub enum IntSlice<'a> {
+    I64(&'a [i64]),
+    I32(&'a [i32]),
+    U32(&'a [u32]),
+    U64(&'a [u64]),
+}
+
+impl IntSlice<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::I64(a) => a.len(),
+            Self::I32(a) => a.len(),
+            Self::U32(a) => a.len(),
+            Self::U64(a) => a.len(),
+        }
+    }
+}
+
+/// `f` of the items of `obj` when it is a one-dimensional `NumPy` array of 32-
+/// or 64-bit integers; None for anything else (the caller's general path reads
+/// it item by item). A contiguous, aligned array in native byte order is read
+/// in place; any other (a strided view, a byte-swapped or misaligned buffer) is
+/// first copied by `NumPy` into one that is. The item type is read off the
+/// array's descriptor, so only the matching typed read is tried (each typed
+/// read refused would ask `NumPy` whether two dtypes are equivalent).
+pub fn int_slice<R>(
+    obj: &Bound<'_, PyAny>,
+    f: impl FnOnce(IntSlice<'_>) -> PkResult<R>,
+) -> Option<PkResult<R>> {
+    fn read<T: Element, R>(
+        obj: &Bound<'_, PyAny>,
+        f: impl FnOnce(&[T]) -> PkResult<R>,
+    ) -> PkResult<R> {
+        let a = obj.extract::<PyReadonlyArray1<'_, T>>()?;
+        f(a.as_slice()?)
+    }
+    /// The array in native byte order, contiguous and aligned (a copy).
+    fn native<'py>(
+        obj: &Bound<'py, PyAny>,
+        d: &Bound<'py, PyArrayDescr>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = obj.py();
+        // `require` copies unless the array already is all of these.
+        py.import("numpy")?.call_method1(
+            "require",
+            (obj, d.call_method1("newbyteorder", ("=",))?, "CA"),
+        )
+    }
+    let a = obj.cast::<PyUntypedArray>().ok()?;
+    if a.ndim() != 1 {
+        return None;
+    }
+    let d = a.dtype();
+    let (kind, size) = (d.kind(), d.itemsize());
+    if !matches!((kind, size), (b'i' | b'u', 4 | 8)) {
+        return None;
+    }
+    let in_place = a.is_contiguous() && a.is_aligned() && d.is_native_byteorder() != Some(false);
+    let copy;
+    let arr = if in_place {
+        obj
+    } else {
+        copy = match native(obj, &d) {
+            Ok(c) => c,
+            Err(e) => return Some(Err(e.into())),
+        };
+        &copy
+    };
+    Some(match (kind, size) {
+        (b'i', 8) => read(arr, |s| f(IntSlice::I64(s))),
+        (b'i', _) => read(arr, |s| f(IntSlice::I32(s))),
+        (b'u', 4) => read(arr, |s| f(IntSlice::U32(s))),
+        _ => read(arr, |s| f(IntSlice::U64(s))),
+    })
+}
+
 /// [`tokens`], `room` more reserved.
 fn tokens_with_room(obj: &Bound<'_, PyAny>, limit: usize, room: usize) -> PkResult<Vec<u32>> {
     if let Ok(list) = obj.cast::<PyList>() {
@@ -186,25 +266,30 @@ fn tokens_with_room(obj: &Bound<'_, PyAny>, limit: usize, room: usize) -> PkResu
             Ok(())
         }
     };
-    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
-        check(a.len()?)?;
-        let a = a.as_slice()?;
-        return try_collect(a.len() + room, a.iter().map(|&v| token_from_i64(v)));
-    }
-    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
-        check(a.len()?)?;
-        let a = a.as_slice()?;
-        return try_collect(
-            a.len() + room,
-            a.iter().map(|&v| token_from_i64(i64::from(v))),
-        );
-    }
-    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u32>>() {
-        check(a.len()?)?;
-        let a = a.as_slice()?;
-        let mut out = Vec::with_capacity(a.len() + room);
-        out.extend_from_slice(a);
-        return Ok(out);
+    let read = int_slice(obj, |items| {
+        check(items.len())?;
+        match items {
+            IntSlice::U32(a) => {
+                let mut out = Vec::with_capacity(a.len() + room);
+                out.extend_from_slice(a);
+                Ok(out)
+            }
+            IntSlice::I64(a) => try_collect(a.len() + room, a.iter().map(|&v| token_from_i64(v))),
+            IntSlice::I32(a) => try_collect(
+                a.len() + room,
+                a.iter().map(|&v| token_from_i64(i64::from(v))),
+            ),
+            IntSlice::U64(a) => try_collect(
+                a.len() + room,
+                a.iter().map(|&v| {
+                    u32::try_from(v)
+                        .map_err(|_| invalid_arg(format!("token id {v} is outside 0..2**32")))
+                }),
+            ),
+        }
+    });
+    if let Some(read) = read {
+        return read;
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error("token ids must be a sequence of ints"));
@@ -408,16 +493,20 @@ pub fn appended_tokens(obj: &Bound<'_, PyAny>, n: usize) -> PkResult<Vec<Option<
             }),
         );
     }
-    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
-        let a = a.as_slice()?;
-        return try_collect(a.len(), a.iter().map(|&v| one(v)));
-    }
-    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
-        let a = a.as_slice()?;
-        return try_collect(a.len(), a.iter().map(|&v| one(i64::from(v))));
-    }
-    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u32>>() {
-        return Ok(a.as_slice()?.iter().map(|&v| Some(v)).collect());
+    let read = int_slice(obj, |items| match items {
+        IntSlice::I64(a) => try_collect(a.len(), a.iter().map(|&v| one(v))),
+        IntSlice::I32(a) => try_collect(a.len(), a.iter().map(|&v| one(i64::from(v)))),
+        IntSlice::U32(a) => Ok(a.iter().map(|&v| Some(v)).collect()),
+        IntSlice::U64(a) => try_collect(
+            a.len(),
+            a.iter().map(|&v| match u32::try_from(v) {
+                Ok(t) => Ok(Some(t)),
+                Err(_) => Err(invalid_arg(format!("token id {v} is outside 0..2**32"))),
+            }),
+        ),
+    });
+    if let Some(read) = read {
+        return read;
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error(
@@ -434,11 +523,14 @@ pub fn appended_tokens(obj: &Bound<'_, PyAny>, n: usize) -> PkResult<Vec<Option<
 
 /// Non-negative counts from an int `NumPy` array or a sequence.
 pub fn counts(name: &str, obj: &Bound<'_, PyAny>) -> PkResult<Vec<u64>> {
-    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
-        return non_negative(name, a.as_slice()?.iter().copied());
-    }
-    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
-        return non_negative(name, a.as_slice()?.iter().map(|&v| i64::from(v)));
+    let read = int_slice(obj, |items| match items {
+        IntSlice::I64(a) => non_negative(name, a.iter().copied()),
+        IntSlice::I32(a) => non_negative(name, a.iter().map(|&v| i64::from(v))),
+        IntSlice::U32(a) => Ok(a.iter().map(|&v| u64::from(v)).collect()),
+        IntSlice::U64(a) => Ok(a.to_vec()),
+    });
+    if let Some(read) = read {
+        return read;
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error(format!("{name} must be a sequence of ints")));
@@ -503,14 +595,20 @@ impl BatchIds {
                 .map(Self::Handles);
             }
         }
-        if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
-            // A negative value is no handle: it maps to one that is never live.
-            return Ok(Self::Handles(
-                a.as_slice()?.iter().map(|&h| h as u64).collect(),
-            ));
-        }
-        if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u64>>() {
-            return Ok(Self::Handles(a.as_slice()?.to_vec()));
+        let read = int_slice(obj, |items| {
+            Ok(match items {
+                // A negative value is no handle: it maps to one that is never live.
+                IntSlice::I64(a) => a.iter().map(|&h| h as u64).collect(),
+                IntSlice::U64(a) => a.to_vec(),
+                IntSlice::I32(_) | IntSlice::U32(_) => {
+                    return Err(type_error(
+                        "request handles come as int64 or uint64 arrays (handles need 64 bits)",
+                    ));
+                }
+            })
+        });
+        if let Some(read) = read {
+            return read.map(Self::Handles);
         }
         if obj.is_instance_of::<PyString>() {
             return Err(type_error(

@@ -2,13 +2,13 @@
 //! conversion only. Like the manager, every call converts its arguments (events
 //! included) before it borrows the index.
 
-use numpy::PyReadonlyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyString};
 
 use pagedkv_core::hash::event_int;
 use pagedkv_core::prefix_index::{IndexEvent, PrefixIndex, ReplicaId};
 
+use crate::convert::{IntSlice, int_slice};
 use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg, type_error};
 use crate::events::{PyAllBlocksCleared, PyBlockRemoved, PyBlockStored};
 
@@ -32,8 +32,15 @@ fn hash_item(item: &Bound<'_, PyAny>) -> PkResult<u64> {
 
 /// A hash chain from a uint64 `NumPy` array or a sequence of ints / bytes.
 fn hash_list(obj: &Bound<'_, PyAny>) -> PkResult<Vec<u64>> {
-    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u64>>() {
-        return Ok(a.as_slice()?.to_vec());
+    let read = int_slice(obj, |items| {
+        Ok(match items {
+            IntSlice::U64(a) => Some(a.to_vec()),
+            // Other integer arrays are read item by item, each checked.
+            _ => None,
+        })
+    });
+    if let Some(Ok(Some(hashes))) = read {
+        return Ok(hashes);
     }
     if let Ok(list) = obj.cast::<PyList>() {
         return list.iter().map(|x| hash_item(&x)).collect();

@@ -1,12 +1,16 @@
-"""The scheduler's critical path with prompt hashing in the background.
+"""The scheduler's critical path with prompt hashing off it.
 
 The oracle's synthetic shared-prefix trace driven through the scheduler policy
 over pagedkv's manager (as ``drive_bench.py``), prompts given as uint32 arrays,
-four ways per round, interleaved over ``--rounds`` rounds: prompts hashed in
-place (``background_hashing=False``) and on the manager's hash worker
-(``True``), each with the step's sampled tokens in the next
-``allocate_slots_batch`` and in a call of their own
-(``append_token_ids_batch``).
+six ways per round, interleaved over ``--rounds`` rounds: prompts hashed in
+place (``background_hashing=False``), on the manager's hash worker (``True``),
+and with the requests built and hashed before the loop
+(``request_preparer().prepare``: what an engine's input thread does as
+requests arrive; vLLM's engine builds its ``Request`` objects, block hashes
+included, in its input thread, and the oracle's ``drive.py`` builds them before
+its loop), the loop only registering them (``add_prepared``); each with the
+step's sampled tokens in the next ``allocate_slots_batch`` and in a call of
+their own (``append_token_ids_batch``).
 
     python benches/critical_path_bench.py [--rounds 3] [--num-requests 2000]
         [--vllm-python ORACLE_VENV/bin/python --oracle-dir ../shared/tools/vllm_oracle]
@@ -14,7 +18,8 @@ place (``background_hashing=False``) and on the manager's hash worker
 Per step: the critical path (time inside manager calls, what the scheduler
 waits for: hashing included when it happens in place, the wait for the worker
 when a lookup needs hashes not yet there) and the process CPU time of the whole
-loop (both threads, the Python loop included). Min / median over the rounds; the
+loop (all threads, the Python loop included; the preparation before the loop
+left out, as vLLM's request building is). Min / median over the rounds; the
 runs must allocate identically (same ``alloc_checksum``). With ``--vllm-python``,
 each round also runs vLLM 0.33's own manager on the same trace (the oracle's
 ``drive.py``, as ``drive_bench.py`` does), first or last in turn, and the bench
@@ -40,30 +45,35 @@ import pagedkv as pk
 from pagedkv._oracle.trace import TraceConfig, generate
 from pagedkv.sim import ManagerBackend, Scheduler, SchedulerConfig, drive
 
-# (background hashing, sampled tokens with the next allocation)
+# (background hashing, sampled tokens with the next allocation, prepared ahead)
 MODES = {
-    "in place": (False, True),
-    "background": (True, True),
-    "bg, separate appends": (True, False),
-    "in place, sep. appends": (False, False),
+    "in place": (False, True, False),
+    "background": (True, True, False),
+    "prepared": (False, True, True),
+    "prepared, sep. appends": (False, False, True),
+    "bg, separate appends": (True, False, False),
+    "in place, sep. appends": (False, False, False),
 }
 
 
 def one_run(reqs: list, mode: str, num_blocks: int) -> dict[str, float | str]:
-    background, tokens_with_allocation = MODES[mode]
+    background, tokens_with_allocation, prepared = MODES[mode]
     kw = dict(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")
     groups = [pk.KVCacheGroupSpec(["layers.0.attn"], pk.FullAttentionSpec(**kw))]
     config = pk.KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
     kv = pk.KVCacheManager(
         config, max_model_len=16384, max_in_flight_tokens=8192, background_hashing=background
     )
+    backend = ManagerBackend(kv, tokens_with_allocation=tokens_with_allocation)
     sched = Scheduler(
-        ManagerBackend(kv, tokens_with_allocation=tokens_with_allocation),
+        backend,
         SchedulerConfig(
             max_num_seqs=256, max_num_batched_tokens=8192, hits_count_as_computed=False
         ),
     )
     items = [r.fresh() for r in reqs]
+    if prepared:
+        backend.prepare(items)
     cpu0, t0 = time.process_time(), time.perf_counter()
     drive(sched, items)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
@@ -120,18 +130,18 @@ def main() -> None:
         f"drive trace, {args.num_requests} requests, µs per step, min / median of "
         f"{args.rounds} interleaved rounds (allocations {same})"
     )
-    print(f"  {'':<32}" + "".join(f"{m:>24}" for m in MODES))
+    print(f"  {'':<32}" + "".join(f"{m:>23}" for m in MODES))
     for key, name in (
         ("critical_us", "critical path (manager calls)"),
         ("no_append_us", "  without the appends call"),
         ("add_us", "  add_request"),
         ("lookup_us", "  get_computed_blocks"),
         ("decode_us", "  running requests' batch calls"),
-        ("cpu_us", "process CPU, both threads"),
+        ("cpu_us", "process CPU, all threads"),
         ("wall_us", "loop wall time"),
     ):
-        cells = row(results, key, lambda lo, mid: f"{lo:10.2f} / {mid:8.2f}")
-        print(f"  {name:<32}" + "".join(f"{c:>24}" for c in cells))
+        cells = row(results, key, lambda lo, mid: f"{lo:9.2f} / {mid:8.2f}")
+        print(f"  {name:<32}" + "".join(f"{c:>23}" for c in cells))
     if vllm_us:
         lo, mid = min(vllm_us), statistics.median(vllm_us)
         print(f"  {'vLLM 0.33 manager time':<32}{lo:10.2f} / {mid:8.2f}")
@@ -140,7 +150,7 @@ def main() -> None:
             ("no_append_us", "  / without the appends"),
         ):
             cells = row(results, key, lambda c, m: f"{lo / c:9.1f}x / {mid / m:6.1f}x")
-            print(f"  {name:<32}" + "".join(f"{c:>24}" for c in cells))
+            print(f"  {name:<32}" + "".join(f"{c:>23}" for c in cells))
 
 
 def row(results: dict, key: str, cell: Callable[[float, float], str]) -> list[str]:

@@ -429,6 +429,8 @@ def test_counts_that_are_valid_alone_but_impossible_together() -> None:
 
 TOKEN_METHODS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "add_request": lambda m, t: m.add_request("new", t),
+    # Prepared off the manager, then added.
+    "request_preparer": lambda m, t: m.add_prepared(m.request_preparer().prepare("new", t)),
     "append_token_ids": lambda m, t: m.append_token_ids("run", t),
     "append_token_ids_batch": lambda m, t: m.append_token_ids_batch(["run"], t),
 }
@@ -780,6 +782,9 @@ def test_every_public_method_is_in_the_matrix() -> None:
         "take_boundary_state_offloads",
         "allocate_slots",
         "add_request",
+        # Its refusals (another manager's, a known id, added twice) in
+        # test_prepared.py; its prompts through request_preparer above:
+        "add_prepared",
         # No arguments to get wrong:
         "reset_prefix_cache",
         "new_step_starts",
@@ -1007,6 +1012,7 @@ class ReentrantTokens:
 
 REENTRANT: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "add_request": lambda m, it: m.add_request("new", it),
+    "request_preparer": lambda m, it: m.add_prepared(m.request_preparer().prepare("new", it)),
     "append_token_ids": lambda m, it: m.append_token_ids("wait", it),
     "evict_blocks": lambda m, it: m.evict_blocks(it),
 }

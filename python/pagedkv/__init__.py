@@ -35,7 +35,13 @@ from .errors import (
 )
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from .index import PrefixIndex, PrefixMatch
-from .manager import ComputedBlocks, KVCacheManager, ManagerOptions
+from .manager import (
+    ComputedBlocks,
+    KVCacheManager,
+    ManagerOptions,
+    PreparedRequest,
+    RequestPreparer,
+)
 from .metrics import MeteredKVCacheManager
 from .presets import ModelPreset
 from .specs import (
@@ -94,6 +100,8 @@ __all__ = [
     "PrefixCacheStats",
     "PrefixIndex",
     "PrefixMatch",
+    "PreparedRequest",
+    "RequestPreparer",
     "SinkFullAttentionSpec",
     "SlidingWindowSpec",
     "StaleComputedBlocksError",

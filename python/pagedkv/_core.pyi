@@ -25,6 +25,8 @@ __all__ = [
     "ComputedBlocks",
     "KVCacheManager",
     "PrefixIndex",
+    "PreparedRequest",
+    "RequestPreparer",
     "__version__",
     "hash_block_tokens",
     "hash_to_int",
@@ -150,6 +152,34 @@ class ComputedBlocks:
     @property
     def shared_prefix_boundary(self) -> int: ...
 
+@final
+class RequestPreparer:
+    def prepare(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int] | npt.NDArray[Any],
+        *,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+        mm_features: Sequence[tuple[str, int, int] | Any] | None = None,
+        prompt_embeds: Any = None,
+        skip_reading_prefix_cache: bool = False,
+        session_id: str | None = None,
+    ) -> PreparedRequest: ...
+
+@final
+class PreparedRequest:
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_block_hashes(self) -> int: ...
+    @property
+    def added(self) -> bool: ...
+
 @disjoint_base
 class KVCacheManager:
     def __new__(
@@ -203,6 +233,8 @@ class KVCacheManager:
         session_id: str | None = None,
     ) -> int: ...
     def request_handle(self, request_id: str) -> int: ...
+    def request_preparer(self) -> RequestPreparer: ...
+    def add_prepared(self, prepared: PreparedRequest) -> int: ...
     def _core_decode_steps(
         self, handles: Sequence[int], steps: int, first_computed: int
     ) -> int: ...

@@ -12,9 +12,20 @@ from .stats import PrefixCacheStats
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["ComputedBlocks", "KVCacheManager", "ManagerOptions"]
+__all__ = [
+    "ComputedBlocks",
+    "KVCacheManager",
+    "ManagerOptions",
+    "PreparedRequest",
+    "RequestPreparer",
+]
 
 ComputedBlocks = _core.ComputedBlocks
+#: Builds and hashes requests off the scheduler's thread
+#: (``KVCacheManager.request_preparer()``).
+RequestPreparer = _core.RequestPreparer
+#: A request a ``RequestPreparer`` built, for ``KVCacheManager.add_prepared``.
+PreparedRequest = _core.PreparedRequest
 
 #: The block hash algorithms, by name (the core's).
 HASH_ALGOS: tuple[str, ...] = _core.HASH_ALGOS

@@ -25,11 +25,11 @@ per request).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from ..manager import ComputedBlocks, KVCacheManager
+from ..manager import ComputedBlocks, KVCacheManager, PreparedRequest
 from .policy import Backend, Request
 
 __all__ = ["ManagerBackend"]
@@ -46,11 +46,32 @@ class ManagerBackend(Backend[Request]):
         self._defer_tokens = tokens_with_allocation
         self._clock = time.perf_counter_ns
         self._hit: ComputedBlocks | None = None
+        # Requests built and hashed ahead (``prepare``), until added.
+        self._prepared: dict[str, PreparedRequest] = {}
+
+    def prepare(self, reqs: Iterable[Request]) -> None:
+        """Builds and hashes these requests now, with the manager's
+        ``RequestPreparer`` (what an engine's input thread does as requests
+        arrive, before its scheduler sees them: vLLM builds its ``Request``
+        objects, block hashes included, there); ``add_request`` then only
+        registers each (``add_prepared``)."""
+        preparer = self.kv.request_preparer()
+        for req in reqs:
+            self._prepared[req.request_id] = preparer.prepare(
+                req.request_id,
+                req.prompt,
+                lora_name=req.lora_name,
+                lora_path=req.lora_path,
+                cache_salt=req.cache_salt,
+            )
 
     def add_request(self, req: Request) -> None:
         st, clock = self.stats, self._clock
+        prepared = self._prepared.pop(req.request_id, None)
         t = clock()
-        if req.lora_name is None and req.cache_salt is None:
+        if prepared is not None:
+            handle = self.kv.add_prepared(prepared)
+        elif req.lora_name is None and req.cache_salt is None:
             handle = self.kv.add_request(req.request_id, req.prompt)
         else:
             handle = self.kv.add_request(

@@ -47,7 +47,7 @@ pub use events::{BlockStored, EventExtraKey, KvEvent, PLACEHOLDER_TOKEN};
 pub use hash::{BlockHash, BlockHasher, CborValue, ExtraKey, HashAlgo};
 pub use manager::{
     AllocateArgs, BatchAllocation, BatchStep, ComputedBlocks, ConnectorHit, KvCacheManager,
-    RequestHandle, RequestRefs,
+    PreparedRequest, RequestHandle, RequestPreparer, RequestRefs,
 };
 pub use pool::{BlockId, BlockPool, CacheKey, NULL_BLOCK};
 pub use prefix_index::{PrefixIndex, PrefixMatch, ReplicaId};

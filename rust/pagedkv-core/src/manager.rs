@@ -13,6 +13,8 @@ pub use connector::ConnectorHit;
 mod external;
 mod hisparse;
 mod partial;
+mod prepared;
+pub use prepared::{PreparedRequest, RequestPreparer};
 mod validate;
 mod zeroing;
 
@@ -393,15 +395,8 @@ impl KvCacheManager {
             return Err(Error::DuplicateRequest(id.to_owned()));
         }
         // An engine may register a request before any token (vLLM allows it).
-        if spec.prompt_token_ids.is_empty() && !self.cfg.external_block_hashes {
-            return Err(invalid("prompt_token_ids must not be empty"));
-        }
-        if spec.prompt_token_ids.len() as u64 > self.cfg.max_model_len {
-            return Err(invalid(format!(
-                "prompt of {} tokens is longer than max_model_len {}",
-                spec.prompt_token_ids.len(),
-                self.cfg.max_model_len
-            )));
+        if !(self.cfg.external_block_hashes && spec.prompt_token_ids.is_empty()) {
+            prepared::check_prompt(&spec, self.cfg.max_model_len)?;
         }
         let mut req = Request::new(
             id.to_owned(),

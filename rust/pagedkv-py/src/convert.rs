@@ -13,8 +13,8 @@ use pyo3::types::{
 };
 
 use pagedkv_core::{
-    AttentionKind, BlockHash, BlockId, CborValue, GroupSpec, HashAlgo, MambaCacheMode,
-    ManagerConfig, MmFeature, OUTPUT_ROOM, RequestRefs,
+    AttentionKind, BlockHash, BlockId, CborValue, GroupSpec, HashAlgo, Lora, MambaCacheMode,
+    ManagerConfig, MmFeature, OUTPUT_ROOM, RequestRefs, RequestSpec,
 };
 
 use crate::errors::{PkResult, PyPkError, invalid_arg, invalid_config, type_error};
@@ -251,6 +251,35 @@ pub fn int_slice<R>(
         (b'i', _) => read(arr, |s| f(IntSlice::I32(s))),
         (b'u', 4) => read(arr, |s| f(IntSlice::U32(s))),
         _ => read(arr, |s| f(IntSlice::U64(s))),
+    })
+}
+
+/// A request's prompt and the rest of `add_request`'s arguments, converted.
+pub fn request_spec(
+    prompt_token_ids: Vec<u32>,
+    lora: Option<Lora>,
+    cache_salt: Option<String>,
+    mm_features: Option<&Bound<'_, PyAny>>,
+    prompt_embeds: Option<&Bound<'_, PyAny>>,
+    skip_reading_prefix_cache: bool,
+    session_id: Option<String>,
+) -> PkResult<RequestSpec> {
+    let mm_features = match mm_features.filter(|m| !m.is_none()) {
+        Some(m) => self::mm_features(m)?,
+        None => Vec::new(),
+    };
+    let prompt_embeds = prompt_embeds
+        .filter(|e| !e.is_none())
+        .map(embed_bytes)
+        .transpose()?;
+    Ok(RequestSpec {
+        prompt_token_ids,
+        lora,
+        cache_salt,
+        mm_features,
+        prompt_embeds,
+        skip_reading_prefix_cache,
+        session_id,
     })
 }
 

@@ -6,7 +6,8 @@
 //! - [`manager`]: the `KVCacheManager` and `ComputedBlocks` classes;
 //! - [`events`]: the KV-cache event classes;
 //! - [`hash`]: block hashing functions;
-//! - [`index`]: the router-side `PrefixIndex`.
+//! - [`index`]: the router-side `PrefixIndex`;
+//! - [`prepared`]: requests built and hashed off the scheduler's thread.
 
 // PyO3 extracts arguments as owned values (`Vec<Bound<..>>`, `PyRef<..>`).
 #![allow(clippy::needless_pass_by_value)]
@@ -19,6 +20,7 @@ mod events;
 mod hash;
 mod index;
 mod manager;
+mod prepared;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -26,6 +28,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     events::register(m)?;
     hash::register(m)?;
     index::register(m)?;
+    prepared::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -14,16 +14,17 @@ use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyTuple};
 use pagedkv_core::pool::{BlockActivityKind, BlockPoolStats};
 use pagedkv_core::{
     AllocateArgs, BatchAllocation, BatchStep, CacheKey, ComputedBlocks, KvCacheManager, Lora,
-    RequestRefs, RequestSpec,
+    RequestRefs,
 };
 
 use crate::convert::{
     BatchIds, appended_tokens, block_hash, block_hash_list, block_hashes_from, count, counts,
     counts_or_one, engine_tokens, engine_tokens_from, groups_i32, groups_tuple, ids_i32,
-    manager_config, prompt_tokens, tokens,
+    manager_config, prompt_tokens, request_spec, tokens,
 };
 use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg, type_error};
 use crate::events;
+use crate::prepared::{PyPreparedRequest, PyRequestPreparer};
 use std::sync::OnceLock;
 
 /// Result of `get_computed_blocks`.
@@ -292,23 +293,15 @@ impl PyManager {
             None if external => engine_tokens(prompt_token_ids, limit)?,
             None => prompt_tokens(prompt_token_ids, limit)?,
         };
-        let mm_features = match mm_features.filter(|m| !m.is_none()) {
-            Some(m) => crate::convert::mm_features(m)?,
-            None => Vec::new(),
-        };
-        let prompt_embeds = prompt_embeds
-            .filter(|e| !e.is_none())
-            .map(crate::convert::embed_bytes)
-            .transpose()?;
-        let spec = RequestSpec {
+        let spec = request_spec(
             prompt_token_ids,
-            lora: Lora::from_parts(lora_name, lora_path, lora_id)?,
+            Lora::from_parts(lora_name, lora_path, lora_id)?,
             cache_salt,
             mm_features,
             prompt_embeds,
             skip_reading_prefix_cache,
             session_id,
-        };
+        )?;
         let inner = &mut borrow_mut(slf)?.inner;
         Ok(match counted {
             Some(n) => {
@@ -380,6 +373,34 @@ impl PyManager {
             this.inner.append_token_ids_batch_refs(refs, &toks)?;
         }
         Ok(u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    /// A preparer of this manager's requests, for another thread: its
+    /// `prepare` builds and hashes a request as `add_request` would, without
+    /// the manager; `add_prepared` then registers it.
+    fn request_preparer(&self) -> PkResult<PyRequestPreparer> {
+        Ok(PyRequestPreparer::new(self.inner.request_preparer()?))
+    }
+
+    /// Registers a request a `RequestPreparer` of this manager built; returns
+    /// its handle, as `add_request` does. Refused (nothing changes, the
+    /// prepared request stays usable): one prepared for another manager, a
+    /// known id, one added before.
+    fn add_prepared(
+        slf: &Bound<'_, Self>,
+        prepared: &Bound<'_, PyPreparedRequest>,
+    ) -> PkResult<u64> {
+        let prepared = prepared.get();
+        let mut slot = prepared.lock();
+        let Some(p) = slot.as_ref() else {
+            return Err(prepared.already_added());
+        };
+        let mut this = borrow_mut(slf)?;
+        this.inner.check_prepared(p)?;
+        match slot.take() {
+            Some(p) => Ok(this.inner.add_prepared(p)?),
+            None => Err(prepared.already_added()),
+        }
     }
 
     /// The handle of a known request (what `add_request` returned): batch calls

@@ -130,3 +130,36 @@ def test_an_engine_hashed_manager_has_no_preparer() -> None:
     m = make_manager(4, 32, external_block_hashes=True)
     with pytest.raises(InvalidArgumentError, match="external_block_hashes"):
         m.request_preparer()
+
+
+def test_the_scheduler_on_prepared_requests_allocates_as_on_added_ones() -> None:
+    """The simulator's backend with every request prepared ahead
+    (``ManagerBackend.prepare``) allocates block for block as with
+    ``add_request``, and registers each request with ``add_prepared``."""
+    from pagedkv._oracle.trace import TraceConfig, generate
+    from pagedkv.sim import ManagerBackend, Scheduler, SchedulerConfig, drive
+
+    reqs = generate(TraceConfig(seed=3, num_requests=120)).scheduler_requests()
+    stats = []
+    for prepared in (False, True):
+        m = make_manager(16, 1024, max_model_len=16384)
+        backend = ManagerBackend(m)
+        sched = Scheduler(backend, SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096))
+        items = [r.fresh() for r in reqs]
+        added: list[str] = []
+        if prepared:
+            backend.prepare(items)
+            assert m.num_requests == 0
+            add = m.add_prepared
+
+            def counted(p: pk.PreparedRequest, add: Any = add, added: list[str] = added) -> int:
+                added.append(p.request_id)
+                return int(add(p))
+
+            m.add_prepared = counted  # type: ignore[method-assign]
+        drive(sched, items)
+        stats.append(sched.stats)
+        m.check_invariants()
+        assert len(added) == (120 if prepared else 0)
+    assert stats[0].alloc_checksum == stats[1].alloc_checksum
+    assert stats[0].steps == stats[1].steps and stats[0].preemptions == stats[1].preemptions

@@ -6,12 +6,13 @@
 //!
 //! `cargo run --release -p pagedkv-benches --example drive_floor [requests] [blocks]`
 //!
-//! `drive_floor critical [MiB] [rounds] [background|in-place]`: the critical path of
-//! `benches/critical_path_bench.py` with no Python at all: the calls the
-//! scheduler's backend makes (handles, sampled tokens with the next
-//! allocation), prompts hashed in place and on the hash worker, alternated
-//! over the rounds (default 5; or only the one named); time inside the manager's calls per step, per
-//! call, min / median. With `MiB` > 0 a buffer that large is swept before
+//! `drive_floor critical [MiB] [rounds] [background|in-place|prepared]`: the
+//! critical path of `benches/critical_path_bench.py` with no Python at all: the
+//! calls the scheduler's backend makes (handles, sampled tokens with the next
+//! allocation), prompts hashed in place, on the hash worker, or with every
+//! request built and hashed before the loop (`RequestPreparer`, registered by
+//! `add_prepared`), alternated over the rounds (default 5; or only the one
+//! named); time inside the manager's calls per step, min / median. With `MiB` > 0 a buffer that large is swept before
 //! every step, the caches cold as after a Python scheduler's own work.
 use std::time::Instant;
 
@@ -55,12 +56,17 @@ type Row = (&'static str, fn(&floor::CallTimes) -> u64);
 fn critical(mib: usize, rounds: usize) {
     let reqs = trace::generate(0, 2000);
     let only = std::env::args().nth(4);
-    let modes: Vec<(&str, bool)> = [("in place", false), ("background", true)]
-        .into_iter()
-        .filter(|(name, _)| only.as_deref().is_none_or(|o| o.replace('-', " ") == *name))
-        .collect();
+    // (name, background hashing, requests prepared before the loop)
+    let modes: Vec<(&str, bool, bool)> = [
+        ("in place", false, false),
+        ("background", true, false),
+        ("prepared", false, true),
+    ]
+    .into_iter()
+    .filter(|(name, ..)| only.as_deref().is_none_or(|o| o.replace('-', " ") == *name))
+    .collect();
     if modes.is_empty() {
-        eprintln!("modes: background, in-place");
+        eprintln!("modes: background, in-place, prepared");
         return;
     }
     let mut runs: Vec<Vec<floor::Summary>> = vec![Vec::new(); modes.len()];
@@ -77,6 +83,7 @@ fn critical(mib: usize, rounds: usize) {
             let mut opts = floor::Options {
                 fused: true,
                 sweep: vec![0u8; mib << 20],
+                prepared: modes[m].2,
                 ..Default::default()
             };
             runs[m].push(floor::run_with(&mut kv, &reqs, &mut opts));
@@ -106,7 +113,7 @@ fn critical(mib: usize, rounds: usize) {
         ("  new_step_starts", |t| t.new_step_starts),
     ];
     print!("{:34}", "");
-    for (name, _) in &modes {
+    for (name, ..) in &modes {
         print!("{name:>22}");
     }
     println!();

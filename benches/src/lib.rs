@@ -162,7 +162,8 @@ pub mod floor {
     use std::time::Instant;
 
     use pagedkv_core::{
-        AllocateArgs, BatchAllocation, BatchStep, KvCacheManager, RequestRefs, RequestSpec,
+        AllocateArgs, BatchAllocation, BatchStep, KvCacheManager, PreparedRequest, RequestRefs,
+        RequestSpec,
     };
 
     use crate::trace::Req;
@@ -191,6 +192,10 @@ pub mod floor {
         /// Written one byte per cache line before every step (the caches cold,
         /// as after a scheduler's own work between steps); empty: warm.
         pub sweep: Vec<u8>,
+        /// Every request built and hashed before the loop (the manager's
+        /// `RequestPreparer`, an engine's input thread), registered in the
+        /// loop by `add_prepared`.
+        pub prepared: bool,
     }
 
     /// Nanoseconds inside the manager's calls, per API, over a run.
@@ -230,6 +235,8 @@ pub mod floor {
         pub preemptions: u64,
         pub alloc_checksum: u64,
         pub ns: CallTimes,
+        /// Requests registered by `add_prepared` ([`Options::prepared`]).
+        pub num_prepared: u64,
     }
 
     /// Adds the time `f` takes to `ns`.
@@ -267,6 +274,20 @@ pub mod floor {
         let (mut waiting, mut running): (VecDeque<Run>, Vec<Run>) = (VecDeque::new(), Vec::new());
         let (mut next, mut clock, mut steps, mut preemptions) = (0usize, 0u64, 0u64, 0u64);
         let mut out = BatchAllocation::default();
+        let mut prepared: Vec<Option<PreparedRequest>> = match kv.request_preparer() {
+            Ok(preparer) if opts.prepared => reqs
+                .iter()
+                .map(|r| {
+                    let spec = RequestSpec {
+                        prompt_token_ids: r.prompt.clone(),
+                        ..Default::default()
+                    };
+                    preparer.prepare(&r.id, spec).ok()
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        let mut num_prepared = 0;
         while next < reqs.len() || !waiting.is_empty() || !running.is_empty() {
             if waiting.is_empty() && running.is_empty() {
                 clock = clock.max(reqs[next].arrival_step);
@@ -277,13 +298,18 @@ pub mod floor {
             }
             std::hint::black_box(&sweep[..]);
             while next < reqs.len() && reqs[next].arrival_step <= clock {
-                let spec = RequestSpec {
-                    prompt_token_ids: reqs[next].prompt.clone(),
-                    ..Default::default()
-                };
-                let id = reqs[next].id.as_str();
-                let handle =
-                    timed(&mut ns.add_request, || kv.add_request(id, spec)).unwrap_or(u64::MAX);
+                let handle = if let Some(p) = prepared.get_mut(next).and_then(Option::take) {
+                    num_prepared += 1;
+                    timed(&mut ns.add_request, || kv.add_prepared(p))
+                } else {
+                    let spec = RequestSpec {
+                        prompt_token_ids: reqs[next].prompt.clone(),
+                        ..Default::default()
+                    };
+                    let id = reqs[next].id.as_str();
+                    timed(&mut ns.add_request, || kv.add_request(id, spec))
+                }
+                .unwrap_or(u64::MAX);
                 waiting.push_back(Run {
                     idx: next,
                     handle,
@@ -437,6 +463,7 @@ pub mod floor {
             preemptions,
             alloc_checksum: ck,
             ns,
+            num_prepared,
         }
     }
 }
@@ -476,6 +503,26 @@ mod tests {
         assert_eq!((s.steps, s.preemptions), (2602, 330));
         assert_eq!(s.alloc_checksum, 0xaea7_f22d_7e64_32be);
         assert!(s.ns.batch > 0 && s.ns.lookup > 0 && s.ns.admit > 0 && s.ns.preempt > 0);
+        kv.check_invariants().expect("invariants");
+    }
+
+    /// The same with every request prepared before the loop (`RequestPreparer`)
+    /// and registered by `add_prepared`.
+    #[test]
+    fn the_floor_loop_on_prepared_requests_allocates_as_vllm_does() {
+        let reqs = crate::trace::generate(0, 2000);
+        let mut cfg = ManagerConfig::full_attention(4096, 16, 16384);
+        cfg.max_in_flight_tokens = Some(8192);
+        let mut kv = KvCacheManager::new(cfg).expect("config");
+        let mut opts = crate::floor::Options {
+            fused: true,
+            prepared: true,
+            ..Default::default()
+        };
+        let s = crate::floor::run_with(&mut kv, &reqs, &mut opts);
+        assert_eq!((s.steps, s.preemptions), (2602, 330));
+        assert_eq!(s.alloc_checksum, 0xaea7_f22d_7e64_32be);
+        assert_eq!(s.num_prepared, 2000);
         kv.check_invariants().expect("invariants");
     }
 }

@@ -207,7 +207,9 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{e}"));
             assert_eq!((p.id(), p.num_tokens()), (id.as_str(), prompt.len()));
             assert_eq!(p.num_block_hashes(), prompt.len() / 16);
-            let h = via_preparer.add_prepared(p).unwrap_or_else(|e| panic!("{e}"));
+            let h = via_preparer
+                .add_prepared(p)
+                .unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(via_preparer.request_handle(&id).ok(), Some(h));
             assert_eq!(
                 added.block_hashes(&id).ok(),

@@ -130,6 +130,16 @@ impl AllocateArgs {
             && self.split_at_group.is_none()
     }
 
+    /// The arguments of a batch entry's step: [`Self::step`]'s with a
+    /// lookahead, nothing else set.
+    fn is_batch_step(&self) -> bool {
+        *self
+            == Self {
+                num_lookahead_tokens: self.num_lookahead_tokens,
+                ..Self::step(self.num_new_tokens, self.num_computed_tokens)
+            }
+    }
+
     /// A running request's step: `num_new_tokens` after `num_computed_tokens`.
     #[must_use]
     pub fn step(num_new_tokens: u64, num_computed_tokens: u64) -> Self {
@@ -570,9 +580,32 @@ impl KvCacheManager {
     ) -> Result<Option<&[Vec<BlockId>]>> {
         let slot = self.table.slot(id)?;
         self.check_no_pending_split()?;
+        if hit.is_none() && args.is_batch_step() && self.running_step(slot, args) {
+            return Ok(Some(self.coord.new_blocks()));
+        }
         self.validate_args(slot, args)?;
         let ok = self.allocate_validated(slot, args, hit)?;
         Ok(ok.then_some(self.coord.new_blocks()))
+    }
+
+    /// A running request's step with a batch entry's arguments, made as the
+    /// batch makes it when its counts and step limits decide it (a step that
+    /// takes nothing, or a lean one: [`Self::batch_path`], which checks what
+    /// `validate_args` would of such a step without reading the request's
+    /// groups): `true`, done. `false`: nothing changed (the step needs the
+    /// full checks and the general path, or a lean one more blocks than are
+    /// free).
+    fn running_step(&mut self, slot: u32, a: &AllocateArgs) -> bool {
+        let step = [
+            a.num_new_tokens,
+            a.num_computed_tokens,
+            a.num_lookahead_tokens,
+        ];
+        match self.batch_path(slot, step[0], step[1], step[2], 0) {
+            Some(BatchPath::Plain { .. }) => self.decode_step_needs_nothing(slot, step),
+            Some(BatchPath::Lean { .. }) => self.allocate_lean(slot, step),
+            None => false,
+        }
     }
 
     /// Completes an allocation split at a group (`AllocateArgs::split_at_group`):

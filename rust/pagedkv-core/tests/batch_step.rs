@@ -418,3 +418,78 @@ fn block_taking_steps_match_single_calls() {
     assert!(matches!(err, Error::CannotFit(_)), "{err}");
     assert_eq!(state(&mut m, &["big"]), before, "refused: nothing changed");
 }
+
+/// A running request's single `allocate_slots` with a batch entry's arguments
+/// takes the batch's paths (a step that needs nothing, a lean one); with any
+/// other argument set (`has_scheduled_reqs: false`, which only an admission
+/// reads) the full checks and the general path. Both give the same results,
+/// blocks, events and state step by step, through block-taking steps, steps
+/// with lookahead, a refused step and (on the small pool) a pool that runs
+/// out; every other step is a batch call on the counts each manager tracks
+/// (what the single steps before it left behind).
+#[test]
+fn single_running_steps_match_the_general_path() {
+    for num_blocks in [64, 14] {
+        let cfg = || ManagerConfig {
+            enable_kv_cache_events: true,
+            ..ManagerConfig::full_attention(num_blocks, 4, 256)
+        };
+        let mut ms = [
+            KvCacheManager::new(cfg()).expect("config"),
+            KvCacheManager::new(cfg()).expect("config"),
+        ];
+        let ids = ["a", "b", "c"];
+        let mut handles = [Vec::new(), Vec::new()];
+        for (m, hs) in ms.iter_mut().zip(&mut handles) {
+            for (i, id) in ids.iter().enumerate() {
+                hs.push(admit(m, id, i as u32, 6 + 3 * i as u32));
+            }
+        }
+        let mut ran_out = false;
+        for step in 0..24u32 {
+            let sampled: Vec<u32> = (0..3).map(|i| 900 + step * 3 + i).collect();
+            if step % 2 == 1 {
+                let mut got = Vec::new();
+                for (m, hs) in ms.iter_mut().zip(&handles) {
+                    let tokens: Vec<Option<u32>> = sampled.iter().copied().map(Some).collect();
+                    let call = BatchStep {
+                        append_token_ids: Some(&tokens),
+                        ..BatchStep::new(RequestRefs::Handles(hs), &[1, 1, 1], None)
+                    };
+                    let mut out = BatchAllocation::default();
+                    got.push(
+                        m.allocate_slots_batch_step(&call, &mut out)
+                            .map(|()| (out.num_allocated, out.block_ids)),
+                    );
+                }
+                assert_eq!(got[0], got[1], "step {step}");
+            } else {
+                for (i, id) in ids.iter().enumerate() {
+                    let lookahead = u64::from(step % 5 == 2) * 2;
+                    let computed = ms[0].num_tokens(id).expect("known") as u64;
+                    let mut got = Vec::new();
+                    for (k, m) in ms.iter_mut().enumerate() {
+                        m.append_token_ids(id, &[sampled[i]]).expect("known");
+                        let args = AllocateArgs {
+                            num_lookahead_tokens: lookahead,
+                            has_scheduled_reqs: k == 0,
+                            ..AllocateArgs::step(1, computed)
+                        };
+                        got.push(
+                            m.allocate_slots(id, &args, None)
+                                .map(|r| r.map(<[_]>::to_vec)),
+                        );
+                        // More computed tokens than the request has: refused.
+                        let bad = AllocateArgs::step(1, computed + 5);
+                        assert!(m.allocate_slots(id, &bad, None).is_err());
+                    }
+                    assert_eq!(got[0], got[1], "step {step} {id}");
+                    ran_out |= matches!(got[0], Ok(None));
+                }
+            }
+            let [fast, general] = &mut ms;
+            assert_eq!(state(fast, &ids), state(general, &ids), "step {step}");
+        }
+        assert_eq!(ran_out, num_blocks < 64, "the small pool runs out");
+    }
+}

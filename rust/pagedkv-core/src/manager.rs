@@ -580,11 +580,17 @@ impl KvCacheManager {
     ) -> Result<Option<&[Vec<BlockId>]>> {
         let slot = self.table.slot(id)?;
         self.check_no_pending_split()?;
-        if hit.is_none() && args.is_batch_step() && self.running_step(slot, args) {
-            return Ok(Some(self.coord.new_blocks()));
-        }
-        self.validate_args(slot, args)?;
-        let ok = self.allocate_validated(slot, args, hit)?;
+        let ok = if hit.is_none() && args.is_batch_step() {
+            // The batch's paths decide such a step; when they do not, the
+            // decode fast path would not either: straight to the general one.
+            self.running_step(slot, args) || {
+                self.validate_args(slot, args)?;
+                self.allocate_general(slot, args, None)?
+            }
+        } else {
+            self.validate_args(slot, args)?;
+            self.allocate_validated(slot, args, hit)?
+        };
         Ok(ok.then_some(self.coord.new_blocks()))
     }
 

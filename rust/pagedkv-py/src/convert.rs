@@ -53,7 +53,9 @@ pub fn count(name: &str, v: i64) -> PkResult<u64> {
     u64::try_from(v).map_err(|_| invalid_arg(format!("{name} must be non-negative, got {v}")))
 }
 
-fn token_from_i64(v: i64) -> PkResult<u32> {
+/// One token id (`0..2**32`).
+fn token_id(v: impl Into<i128>) -> PkResult<u32> {
+    let v = v.into();
     u32::try_from(v).map_err(|_| invalid_arg(format!("token id {v} is outside 0..2**32")))
 }
 
@@ -303,18 +305,9 @@ fn tokens_with_room(obj: &Bound<'_, PyAny>, limit: usize, room: usize) -> PkResu
                 out.extend_from_slice(a);
                 Ok(out)
             }
-            IntSlice::I64(a) => try_collect(a.len() + room, a.iter().map(|&v| token_from_i64(v))),
-            IntSlice::I32(a) => try_collect(
-                a.len() + room,
-                a.iter().map(|&v| token_from_i64(i64::from(v))),
-            ),
-            IntSlice::U64(a) => try_collect(
-                a.len() + room,
-                a.iter().map(|&v| {
-                    u32::try_from(v)
-                        .map_err(|_| invalid_arg(format!("token id {v} is outside 0..2**32")))
-                }),
-            ),
+            IntSlice::I64(a) => try_collect(a.len() + room, a.iter().map(|&v| token_id(v))),
+            IntSlice::I32(a) => try_collect(a.len() + room, a.iter().map(|&v| token_id(v))),
+            IntSlice::U64(a) => try_collect(a.len() + room, a.iter().map(|&v| token_id(v))),
         }
     });
     if let Some(read) = read {
@@ -492,7 +485,7 @@ pub fn appended_tokens(obj: &Bound<'_, PyAny>, n: usize) -> PkResult<Vec<Option<
         if v < 0 {
             Ok(None)
         } else {
-            token_from_i64(v).map(Some)
+            token_id(v).map(Some)
         }
     };
     let item = |item: &Bound<'_, PyAny>| -> PkResult<Option<u32>> {
@@ -526,13 +519,7 @@ pub fn appended_tokens(obj: &Bound<'_, PyAny>, n: usize) -> PkResult<Vec<Option<
         IntSlice::I64(a) => try_collect(a.len(), a.iter().map(|&v| one(v))),
         IntSlice::I32(a) => try_collect(a.len(), a.iter().map(|&v| one(i64::from(v)))),
         IntSlice::U32(a) => Ok(a.iter().map(|&v| Some(v)).collect()),
-        IntSlice::U64(a) => try_collect(
-            a.len(),
-            a.iter().map(|&v| match u32::try_from(v) {
-                Ok(t) => Ok(Some(t)),
-                Err(_) => Err(invalid_arg(format!("token id {v} is outside 0..2**32"))),
-            }),
-        ),
+        IntSlice::U64(a) => try_collect(a.len(), a.iter().map(|&v| token_id(v).map(Some))),
     });
     if let Some(read) = read {
         return read;

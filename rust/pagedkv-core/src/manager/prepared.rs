@@ -144,9 +144,8 @@ impl KvCacheManager {
     }
 
     /// Registers a prepared request: what [`Self::add_request`] does, the
-    /// request already built and hashed. A block the preparation did not hash
-    /// (the manager started hashing since, e.g. events turned on) is hashed
-    /// here.
+    /// request already built and hashed (whether a manager hashes is fixed
+    /// when it is built, so its preparer hashed what it would).
     ///
     /// # Errors
     /// As [`Self::check_prepared`] (nothing changes then); the request table
@@ -155,9 +154,6 @@ impl KvCacheManager {
         self.check_prepared(&p)?;
         let mut req = *p.req;
         req.uid = self.table.next_uid();
-        if self.hashing() {
-            req.update_hashes(&mut self.hasher, self.hash_block_size);
-        }
         // The table keys its own copy of the id; the request keeps this one.
         let id = std::mem::take(&mut req.id);
         let slot = self.table.insert(&id, req)?;

@@ -287,6 +287,8 @@ impl Coordinator {
     /// many tokens. Reads no hashes: the batch decides its steps with it
     /// before anything is appended (conservatively: a block full but not yet
     /// hashed counts as one to publish).
+    #[allow(clippy::inline_always)] // see `KvCacheManager::batch_path`
+    #[inline(always)]
     pub(crate) fn holds_step(
         &self,
         req: &Request,

@@ -710,6 +710,12 @@ impl KvCacheManager {
     /// the full checks and the general path. (Holding the blocks for the
     /// step's slots, at least one past the computed tokens or all
     /// `max_model_len`, covers the computed tokens too.)
+    // Inlined into both callers (the batch check and a single running
+    // step), with `allocate_lean` and `Coordinator::holds_step`: once a
+    // second caller made the compiler keep them out of line, a 100-request
+    // batch call took ~7 % longer (2,000 against 1,870 ns in a loop).
+    #[allow(clippy::inline_always)]
+    #[inline(always)]
     pub(super) fn batch_path(
         &self,
         slot: u32,
@@ -756,6 +762,8 @@ impl KvCacheManager {
     /// `false`: fewer blocks are free than it takes, nothing changed (the
     /// general path then decides). `step` as for
     /// [`Self::decode_step_needs_nothing`].
+    #[allow(clippy::inline_always)] // as `batch_path`
+    #[inline(always)]
     pub(super) fn allocate_lean(&mut self, slot: u32, step: [u64; 3]) -> bool {
         let num_computed_tokens = step[1];
         let req = self.table.get(slot);

@@ -201,62 +201,54 @@ impl IntSlice<'_> {
 /// `f` of the items of `obj` when it is a one-dimensional `NumPy` array of 32-
 /// or 64-bit integers; None for anything else (the caller's general path reads
 /// it item by item). A contiguous, aligned array in native byte order is read
-/// in place; any other (a strided view, a byte-swapped or misaligned buffer) is
-/// first copied by `NumPy` into one that is. The item type is read off the
-/// array's descriptor, so only the matching typed read is tried (each typed
-/// read refused would ask `NumPy` whether two dtypes are equivalent).
+/// in place; any other (a strided view, a byte-swapped or misaligned buffer:
+/// its typed read refused) is first copied by `NumPy` into one that is. The
+/// item type is read off the array's descriptor, so only the matching typed
+/// read is tried (each typed read refused asks `NumPy` whether two dtypes are
+/// equivalent).
 pub fn int_slice<R>(
     obj: &Bound<'_, PyAny>,
     f: impl FnOnce(IntSlice<'_>) -> PkResult<R>,
 ) -> Option<PkResult<R>> {
+    /// `f` of the array's items of type `T`, read in place or from a copy.
     fn read<T: Element, R>(
         obj: &Bound<'_, PyAny>,
+        d: &Bound<'_, PyArrayDescr>,
         f: impl FnOnce(&[T]) -> PkResult<R>,
     ) -> PkResult<R> {
-        let a = obj.extract::<PyReadonlyArray1<'_, T>>()?;
-        f(a.as_slice()?)
-    }
-    /// The array in native byte order, contiguous and aligned (a copy).
-    fn native<'py>(
-        obj: &Bound<'py, PyAny>,
-        d: &Bound<'py, PyArrayDescr>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+        if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, T>>()
+            && let Ok(items) = a.as_slice()
+        {
+            return f(items);
+        }
+        // `require` copies into a native, contiguous and aligned array.
         let py = obj.py();
-        // `require` copies unless the array already is all of these.
-        py.import("numpy")?.call_method1(
+        let native = py.import("numpy")?.call_method1(
             "require",
             (obj, d.call_method1("newbyteorder", ("=",))?, "CA"),
-        )
+        )?;
+        let a = native.extract::<PyReadonlyArray1<'_, T>>()?;
+        f(a.as_slice()?)
     }
     let a = obj.cast::<PyUntypedArray>().ok()?;
     if a.ndim() != 1 {
         return None;
     }
     let d = a.dtype();
-    let (kind, size) = (d.kind(), d.itemsize());
-    if !matches!((kind, size), (b'i' | b'u', 4 | 8)) {
-        return None;
-    }
-    let in_place = a.is_contiguous() && a.is_aligned() && d.is_native_byteorder() != Some(false);
-    let copy;
-    let arr = if in_place {
-        obj
-    } else {
-        copy = match native(obj, &d) {
-            Ok(c) => c,
-            Err(e) => return Some(Err(e.into())),
-        };
-        &copy
-    };
-    Some(match (kind, size) {
-        (b'i', 8) => read(arr, |s| f(IntSlice::I64(s))),
-        (b'i', _) => read(arr, |s| f(IntSlice::I32(s))),
-        (b'u', 4) => read(arr, |s| f(IntSlice::U32(s))),
-        _ => read(arr, |s| f(IntSlice::U64(s))),
+    Some(match (d.kind(), d.itemsize()) {
+        (b'i', 8) => read(obj, &d, |s| f(IntSlice::I64(s))),
+        (b'i', 4) => read(obj, &d, |s| f(IntSlice::I32(s))),
+        (b'u', 4) => read(obj, &d, |s| f(IntSlice::U32(s))),
+        (b'u', 8) => read(obj, &d, |s| f(IntSlice::U64(s))),
+        _ => return None,
     })
 }
 
 /// A request's prompt and the rest of `add_request`'s arguments, converted.
+/// Inlined: returned through a `Result`, the spec was stored field by field and
+/// read back wide by the caller (as `Counts::args` in `manager.rs`).
+#[allow(clippy::inline_always)]
+#[inline(always)]
 pub fn request_spec(
     prompt_token_ids: Vec<u32>,
     lora: Option<Lora>,

@@ -1489,8 +1489,9 @@ impl Counts {
     /// The core's arguments; a negative count is refused by name. Inlined
     /// (as are the two `with_` builders after it): returned through a
     /// `Result`, the arguments were stored field by field and read back 16
-    /// bytes at a time, a failed store-to-load forward on every call (~5 ns of
-    /// a running request's `allocate_slots`, 106 against 111 ns in a loop).
+    /// bytes at a time, a failed store-to-load forward on every call (a
+    /// running request's `allocate_slots` in the recorded-call replay: 320–330
+    /// against 333–347 ns; see BENCHMARKS.md).
     #[allow(clippy::inline_always)]
     #[inline(always)]
     fn args(

@@ -192,3 +192,31 @@ def test_integer_arrays_of_any_layout_read_as_their_values(dtype: Any) -> None:
     expected = run(lambda v, _dt: list(v))
     for layout in ("contiguous", "strided", "byte-swapped", "misaligned"):
         assert run(lambda v, dt, layout=layout: _layouts(v, dt)[layout]) == expected, layout
+
+
+@pytest.mark.parametrize("dtype", [np.uint32, np.int64])
+def test_a_broadcast_array_is_refused_not_copied(dtype: Any) -> None:
+    """A view whose items overlap (``np.broadcast_to``: a trillion items in a
+    few bytes) is refused with a TypeError before anything is copied, as a
+    prompt, a batch's handles or counts, or sampled tokens; the manager is
+    unchanged and keeps serving."""
+    m = make_manager(4, 64)
+    handles = _admit_all(m, 3, 6)
+    before = snapshot(m, ["r0", "r1", "r2"])
+    huge = np.broadcast_to(np.array([7], dtype=dtype), (10**12,))
+    with pytest.raises(TypeError, match="overlap"):
+        m.add_request("new", huge)
+    three = np.broadcast_to(np.array([1], dtype=np.int64), (3,))
+    calls = [
+        lambda: m.allocate_slots_batch(np.broadcast_to(np.int64(handles[0]), (3,)), 1, [6, 6, 6]),
+        lambda: m.allocate_slots_batch(handles, three, [6, 6, 6]),
+        lambda: m.allocate_slots_batch(handles, 1, np.broadcast_to(np.array([6]), (3,))),
+        lambda: m.allocate_slots_batch(handles, 1, [6, 6, 6], append_token_ids=huge),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match="overlap"):
+            call()
+    assert snapshot(m, ["r0", "r1", "r2"]) == before and "new" not in m
+    # A strided view of the same values is read (copied) as before.
+    ok = m.allocate_slots_batch(handles, np.repeat(three, 2)[::2], [6, 6, 6])
+    assert ok[0] == 3

@@ -202,7 +202,8 @@ impl IntSlice<'_> {
 /// or 64-bit integers; None for anything else (the caller's general path reads
 /// it item by item). A contiguous, aligned array in native byte order is read
 /// in place; any other (a strided view, a byte-swapped or misaligned buffer:
-/// its typed read refused) is first copied by `NumPy` into one that is. The
+/// its typed read refused) is first copied by `NumPy` into one that is, and
+/// one whose items overlap (a broadcast view) is refused. The
 /// item type is read off the array's descriptor, so only the matching typed
 /// read is tried (each typed read refused asks `NumPy` whether two dtypes are
 /// equivalent).
@@ -213,6 +214,7 @@ pub fn int_slice<R>(
     /// `f` of the array's items of type `T`, read in place or from a copy.
     fn read<T: Element, R>(
         obj: &Bound<'_, PyAny>,
+        a: &Bound<'_, PyUntypedArray>,
         d: &Bound<'_, PyArrayDescr>,
         f: impl FnOnce(&[T]) -> PkResult<R>,
     ) -> PkResult<R> {
@@ -220,6 +222,14 @@ pub fn int_slice<R>(
             && let Ok(items) = a.as_slice()
         {
             return f(items);
+        }
+        // A copy is no larger than the memory the array's items already take,
+        // unless they overlap: a broadcast (or `as_strided`) view may name far
+        // more items than it holds, and is refused rather than copied.
+        if a.len() > 1 && a.strides()[0].unsigned_abs() < d.itemsize() {
+            return Err(type_error(
+                "an integer array whose items overlap (a broadcast view): pass a copy",
+            ));
         }
         // `require` copies into a native, contiguous and aligned array.
         let py = obj.py();
@@ -236,10 +246,10 @@ pub fn int_slice<R>(
     }
     let d = a.dtype();
     Some(match (d.kind(), d.itemsize()) {
-        (b'i', 8) => read(obj, &d, |s| f(IntSlice::I64(s))),
-        (b'i', 4) => read(obj, &d, |s| f(IntSlice::I32(s))),
-        (b'u', 4) => read(obj, &d, |s| f(IntSlice::U32(s))),
-        (b'u', 8) => read(obj, &d, |s| f(IntSlice::U64(s))),
+        (b'i', 8) => read(obj, &a, &d, |s| f(IntSlice::I64(s))),
+        (b'i', 4) => read(obj, &a, &d, |s| f(IntSlice::I32(s))),
+        (b'u', 4) => read(obj, &a, &d, |s| f(IntSlice::U32(s))),
+        (b'u', 8) => read(obj, &a, &d, |s| f(IntSlice::U64(s))),
         _ => return None,
     })
 }

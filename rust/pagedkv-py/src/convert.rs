@@ -246,10 +246,10 @@ pub fn int_slice<R>(
     }
     let d = a.dtype();
     Some(match (d.kind(), d.itemsize()) {
-        (b'i', 8) => read(obj, &a, &d, |s| f(IntSlice::I64(s))),
-        (b'i', 4) => read(obj, &a, &d, |s| f(IntSlice::I32(s))),
-        (b'u', 4) => read(obj, &a, &d, |s| f(IntSlice::U32(s))),
-        (b'u', 8) => read(obj, &a, &d, |s| f(IntSlice::U64(s))),
+        (b'i', 8) => read(obj, a, &d, |s| f(IntSlice::I64(s))),
+        (b'i', 4) => read(obj, a, &d, |s| f(IntSlice::I32(s))),
+        (b'u', 4) => read(obj, a, &d, |s| f(IntSlice::U32(s))),
+        (b'u', 8) => read(obj, a, &d, |s| f(IntSlice::U64(s))),
         _ => return None,
     })
 }

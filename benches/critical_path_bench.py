@@ -2,8 +2,9 @@
 
 The oracle's synthetic shared-prefix trace driven through the scheduler policy
 over pagedkv's manager (as ``drive_bench.py``), prompts given as uint32 arrays,
-six ways per round, interleaved over ``--rounds`` rounds: prompts hashed in
-place (``background_hashing=False``), on the manager's hash worker (``True``),
+several ways per round, interleaved over ``--rounds`` rounds: prompts hashed
+in place (``background_hashing=False``; with the ``sha256_cbor`` memo, on by
+default, and without it), on the manager's hash worker (``True``),
 and with the requests built and hashed before the loop
 (``request_preparer().prepare``: what an engine's input thread does as
 requests arrive; vLLM's engine builds its ``Request`` objects, block hashes
@@ -13,6 +14,7 @@ step's sampled tokens in the next ``allocate_slots_batch`` and in a call of
 their own (``append_token_ids_batch``).
 
     python benches/critical_path_bench.py [--rounds 3] [--num-requests 2000]
+        [--hash-memo-blocks N] [--mode "in place" --mode "in place, no memo" ...]
         [--vllm-python ORACLE_VENV/bin/python --oracle-dir ../shared/tools/vllm_oracle]
 
 Per step: the critical path (time inside manager calls, what the scheduler
@@ -45,24 +47,32 @@ import pagedkv as pk
 from pagedkv._oracle.trace import TraceConfig, generate
 from pagedkv.sim import ManagerBackend, Scheduler, SchedulerConfig, drive
 
-# (background hashing, sampled tokens with the next allocation, prepared ahead)
+# (background hashing, sampled tokens with the next allocation, prepared ahead,
+# hash memo off)
 MODES = {
-    "in place": (False, True, False),
-    "background": (True, True, False),
-    "prepared": (False, True, True),
-    "prepared, sep. appends": (False, False, True),
-    "bg, separate appends": (True, False, False),
-    "in place, sep. appends": (False, False, False),
+    "in place": (False, True, False, False),
+    "in place, no memo": (False, True, False, True),
+    "background": (True, True, False, False),
+    "prepared": (False, True, True, False),
+    "prepared, sep. appends": (False, False, True, False),
+    "bg, separate appends": (True, False, False, False),
+    "in place, sep. appends": (False, False, False, False),
 }
 
 
-def one_run(reqs: list, mode: str, num_blocks: int) -> dict[str, float | str]:
-    background, tokens_with_allocation, prepared = MODES[mode]
+def one_run(
+    reqs: list, mode: str, num_blocks: int, memo_blocks: int | None
+) -> dict[str, float | str]:
+    background, tokens_with_allocation, prepared, no_memo = MODES[mode]
     kw = dict(block_size=16, num_kv_heads=8, head_size=128, dtype="bfloat16")
     groups = [pk.KVCacheGroupSpec(["layers.0.attn"], pk.FullAttentionSpec(**kw))]
     config = pk.KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
     kv = pk.KVCacheManager(
-        config, max_model_len=16384, max_in_flight_tokens=8192, background_hashing=background
+        config,
+        max_model_len=16384,
+        max_in_flight_tokens=8192,
+        background_hashing=background,
+        hash_memo_blocks=0 if no_memo else memo_blocks,
     )
     backend = ManagerBackend(kv, tokens_with_allocation=tokens_with_allocation)
     sched = Scheduler(
@@ -102,6 +112,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-requests", type=int, default=2000)
     ap.add_argument("--num-blocks", type=int, default=4096)
+    ap.add_argument(
+        "--hash-memo-blocks",
+        type=int,
+        help="the sha256_cbor memo's size (default: the manager's; 0: off)",
+    )
+    ap.add_argument("--mode", action="append", help="a mode to run (repeatable; default: all)")
     ap.add_argument("--vllm-python", help="the oracle venv's python: run vLLM alongside")
     ap.add_argument(
         "--oracle-dir",
@@ -110,6 +126,14 @@ def main() -> None:
         ),
     )
     args = ap.parse_args()
+    if args.mode:
+        chosen = args.mode
+        unknown = [m for m in chosen if m not in MODES]
+        if unknown:
+            raise SystemExit(f"unknown modes {unknown}; modes: {', '.join(MODES)}")
+        for m in list(MODES):
+            if m not in chosen:
+                del MODES[m]
     trace = generate(TraceConfig(seed=0, num_requests=args.num_requests, interarrival_milli=1000))
     reqs = trace.scheduler_requests()
     for r in reqs:
@@ -121,7 +145,7 @@ def main() -> None:
         if args.vllm_python and i % 2 == 0:
             vllm_us.append(vllm_manager_us(args, results))
         for mode in order:
-            results[mode].append(one_run(reqs, mode, args.num_blocks))
+            results[mode].append(one_run(reqs, mode, args.num_blocks, args.hash_memo_blocks))
         if args.vllm_python and i % 2 == 1:
             vllm_us.append(vllm_manager_us(args, results))
     checksums = {r["checksum"] for rs in results.values() for r in rs}

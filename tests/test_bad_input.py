@@ -806,6 +806,8 @@ def test_every_public_method_is_in_the_matrix() -> None:
         "num_cached_block_hashes",
         "kv_cache_config",
         "verification_failures",
+        "hash_memo_hits",
+        "hash_memo_misses",
         "max_model_len",
         "enable_caching",
         "log_stats",

@@ -294,3 +294,61 @@ def test_prompts_from_any_integer_buffer_hash_alike() -> None:
     with pytest.raises(pk.PagedKVError, match="outside"):
         m.add_request("negative", array.array("i", [5, -1]))
     assert m.num_requests == 1 + len(forms)
+
+
+# --------------------------------------------------------------------------- memo
+
+
+@pytest.mark.parametrize("memo", [None, 1, 0])
+def test_request_block_hashes_through_the_memo_match_vllm(memo: int | None) -> None:
+    """Every recorded request added twice to one manager: the second time its
+    plain blocks come from the memo (on by default; 1: a single set, blocks
+    displacing each other), and every hash is still vLLM's."""
+    mgr = make_manager(16, 4, hash_memo_blocks=memo)
+    for round_ in range(2):
+        for i, case in enumerate(REQUESTS["cases"]):
+            bs, tokens = case["block_size"], case["token_ids"]
+            if bs != 16:
+                continue
+            lora = {"lora_name": case["lora_name"], "lora_path": "/x"} if case["lora_name"] else {}
+            rid = f"{round_}-{i}"
+            mgr.add_request(
+                rid,
+                tokens,
+                cache_salt=case["cache_salt"],
+                mm_features=[tuple(m) for m in case["mm_features"]],
+                **lora,
+            )
+            assert [h.hex() for h in mgr.block_hashes(rid)] == [b["hash"] for b in case["blocks"]]
+    hits, misses = mgr.hash_memo_hits, mgr.hash_memo_misses
+    if memo == 0:
+        assert (hits, misses) == (0, 0)
+    elif memo is None:
+        # The plain cases' blocks, hashed once and found the second time.
+        assert hits > 0 and hits == misses
+    else:
+        assert misses > hits
+
+
+def test_the_memo_answers_a_shared_prefix_and_only_prompt_blocks() -> None:
+    system = list(range(1000, 1320))  # 20 blocks
+    on, off = make_manager(16, 64), make_manager(16, 64, hash_memo_blocks=0)
+    for mgr in (on, off):
+        mgr.add_request("a", [*system, 1, 2, 3])
+        mgr.add_request("b", np.array([*system, *range(16)], dtype=np.int64))
+        # Sampled tokens filling a block: hashed, not looked up.
+        mgr.append_token_ids("a", list(range(29)))
+    assert on.block_hashes("a") == off.block_hashes("a")
+    assert on.block_hashes("b") == off.block_hashes("b")
+    # "a": 20 blocks hashed; "b": the 20 shared found, its own hashed.
+    assert (on.hash_memo_hits, on.hash_memo_misses) == (20, 21)
+    assert (off.hash_memo_hits, off.hash_memo_misses) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [(-1, ValueError), (2**26 + 1, ValueError), ("8", TypeError), (1.5, TypeError)],
+)
+def test_a_bad_memo_size_is_refused(value: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match="hash_memo_blocks"):
+        make_manager(16, 8, hash_memo_blocks=value)

@@ -23,6 +23,9 @@ fn config(num_blocks: u32, background: bool) -> ManagerConfig {
     let mut cfg = ManagerConfig::full_attention(num_blocks, 16, 16384);
     cfg.max_in_flight_tokens = Some(8192);
     cfg.background_hashing = background;
+    if let Some(n) = std::env::var("MEMO").ok().and_then(|v| v.parse().ok()) {
+        cfg.hash_memo_blocks = Some(n);
+    }
     cfg
 }
 

@@ -5,7 +5,10 @@
 //! `cargo run --release -p pagedkv-benches --example hash_chain [ROUNDS]`
 //!
 //! Prints ns per block: min, 10th percentile and median of ROUNDS (default
-//! 400) timings of 20 hashes of a 64-block prompt of 16-token blocks.
+//! 400) timings of 20 hashes of a 64-block prompt of 16-token blocks, without
+//! the hash memo, with a memo that holds the prompt (every block looked up and
+//! found) and with one that holds two blocks (every block looked up, missed,
+//! hashed and recorded).
 use pagedkv_core::hash::{BlockHasher, HashAlgo};
 use std::hint::black_box;
 use std::time::Instant;
@@ -30,29 +33,42 @@ fn main() {
                 .collect()
         })
         .collect();
-    let mut h = BlockHasher::new(
-        HashAlgo::Sha256Cbor,
-        HashAlgo::Sha256Cbor.none_hash("bench"),
-    );
     let blocks = f64::from(PROMPTS_PER_ROUND) * chain.len() as f64;
-    let mut ns: Vec<f64> = (0..rounds)
-        .map(|_| {
-            let t = Instant::now();
-            for _ in 0..PROMPTS_PER_ROUND {
-                let mut parent = None;
-                for block in &chain {
-                    parent = Some(h.hash_block(parent.as_ref(), black_box(block), &[]));
+    // (label, memo entries): no memo; a memo holding the chain, every block
+    // found; a memo of one set, every block displacing another and hashed.
+    for (label, memo) in [
+        ("no memo", 0),
+        ("memo, all found", 1 << 12),
+        ("memo, none found", 2),
+    ] {
+        let mut h = BlockHasher::new(
+            HashAlgo::Sha256Cbor,
+            HashAlgo::Sha256Cbor.none_hash("bench"),
+        );
+        h.set_memo(16, memo);
+        let mut ns: Vec<f64> = (0..rounds)
+            .map(|_| {
+                let t = Instant::now();
+                for _ in 0..PROMPTS_PER_ROUND {
+                    // As `add_request` hashes a prompt: the memo taken once.
+                    let last = h.chain(true, |c| {
+                        let mut parent = None;
+                        for block in &chain {
+                            parent = Some(c.hash(parent.as_ref(), black_box(block), &[]));
+                        }
+                        parent
+                    });
+                    black_box(last);
                 }
-                black_box(parent);
-            }
-            t.elapsed().as_nanos() as f64 / blocks
-        })
-        .collect();
-    ns.sort_by(f64::total_cmp);
-    println!(
-        "sha256_cbor chained, ns per block: min {:.1}  p10 {:.1}  median {:.1}",
-        ns[0],
-        ns[rounds / 10],
-        ns[rounds / 2]
-    );
+                t.elapsed().as_nanos() as f64 / blocks
+            })
+            .collect();
+        ns.sort_by(f64::total_cmp);
+        println!(
+            "sha256_cbor chained, {label:>16}, ns per block: min {:.1}  p10 {:.1}  median {:.1}",
+            ns[0],
+            ns[rounds / 10],
+            ns[rounds / 2]
+        );
+    }
 }

@@ -102,6 +102,19 @@ class ManagerOptions(TypedDict, total=False):
       hashes before it returns. The worker checks for its next prompt every
       50 µs while the scheduler is busy (so handing one over costs no thread
       wake-up) and sleeps after 20 ms without one.
+    - ``hash_memo_blocks`` (None): the ``sha256_cbor`` memo. A prompt block
+      hashed before (a shared system prompt, the earlier turns of a
+      conversation) is looked up by its whole input (parent hash and every
+      token, compared in full) instead of hashed again: the same hash, about a
+      quarter of the cost. The memo keeps this many recent prompt blocks (a
+      power of two; 128 bytes each for 16-token blocks); None: the pool's size
+      between 4,096 and 65,536 (512 KiB to 8 MiB); 0: off. The hash worker
+      and the manager's preparers share it. Blocks of sampled tokens, blocks
+      with extra keys (LoRA, multimodal, the salted first block), other hash
+      algorithms and truncated hashes are always hashed. A block not found
+      costs about a quarter more than hashing alone: for prompts that share
+      nothing, turn it off. ``hash_memo_hits`` / ``hash_memo_misses`` count
+      the blocks found and hashed.
     """
 
     enable_caching: bool
@@ -127,6 +140,7 @@ class ManagerOptions(TypedDict, total=False):
     mamba_shared_prefix_checkpoint: bool
     zero_new_blocks: bool
     background_hashing: bool
+    hash_memo_blocks: int | None
 
 
 class KVCacheManager(_core.KVCacheManager):

@@ -13,6 +13,10 @@ use sha2::block_api::compress256;
 use crate::error::{Error, Result, invalid};
 use xxhash_rust::xxh3::xxh3_128;
 
+mod memo;
+use memo::HashMemo;
+use std::sync::{Arc, Mutex, MutexGuard};
+
 /// The seed vLLM 0.33 derives `NONE_HASH` from when `PYTHONHASHSEED` is unset
 /// (cryptographic algorithms only).
 pub const DEFAULT_NONE_HASH_SEED: &str = "vllm-none-hash";
@@ -362,6 +366,10 @@ pub struct BlockHasher {
     buf: Vec<u8>,
     /// Keep only this many leading bytes of every block hash (0: all).
     truncate: u8,
+    /// Digests of recent plain `sha256_cbor` blocks by their input
+    /// ([`Self::set_memo`]), shared with the hashers made from this one
+    /// ([`Self::same_kind`]).
+    memo: Option<Arc<Mutex<HashMemo>>>,
 }
 
 impl BlockHasher {
@@ -373,11 +381,13 @@ impl BlockHasher {
             none_hash,
             buf: Vec::with_capacity(256),
             truncate: 0,
+            memo: None,
         }
     }
 
-    /// The same hasher (algorithm, `NONE_HASH`, truncation) with an empty
-    /// buffer: what a hashing job takes along without copying the buffer.
+    /// The same hasher (algorithm, `NONE_HASH`, truncation, the memo itself,
+    /// shared) with an empty buffer: what a hashing job or a preparer takes
+    /// along without copying the buffer.
     #[must_use]
     pub fn same_kind(&self) -> Self {
         Self {
@@ -385,7 +395,67 @@ impl BlockHasher {
             none_hash: self.none_hash,
             buf: Vec::new(),
             truncate: self.truncate,
+            memo: self.memo.clone(),
         }
+    }
+
+    /// Keeps the digests of the last `entries` (rounded up to a power of two)
+    /// plain `sha256_cbor` blocks of `width` tokens with their whole input
+    /// (parent digest and tokens), so a block hashed again (a shared prefix, a
+    /// conversation's earlier turns) is looked up, not hashed: the digest is
+    /// returned only for the exact input it was computed from. 0 for either
+    /// turns it off. The table (`entries` x 128 bytes for 16 tokens) is
+    /// allocated when first written. Other algorithms, truncated hashes and
+    /// blocks with extra keys are always hashed.
+    ///
+    /// The memo is shared by the hashers made from this one
+    /// ([`Self::same_kind`]: a manager's hash worker, its preparers) and
+    /// taken for a whole chain ([`Self::chain`]); a chain that finds it taken
+    /// hashes every block rather than wait.
+    pub fn set_memo(&mut self, width: usize, entries: usize) {
+        self.memo = HashMemo::new(width, entries).map(|m| Arc::new(Mutex::new(m)));
+    }
+
+    /// Bytes the memo holds once used (0 when off).
+    #[must_use]
+    pub fn memo_bytes(&self) -> usize {
+        self.memo
+            .as_deref()
+            .map_or(0, |m| m.lock().map_or(0, |m| m.bytes()))
+    }
+
+    /// Blocks the memo answered, and blocks it was asked for and hashed, by
+    /// every hasher sharing it (`(0, 0)` when off).
+    #[must_use]
+    pub fn memo_counts(&self) -> (u64, u64) {
+        self.memo
+            .as_deref()
+            .map_or((0, 0), |m| m.lock().map_or((0, 0), |m| (m.hits, m.misses)))
+    }
+
+    /// Forgets the memo's blocks (it stays on).
+    pub fn clear_memo(&mut self) {
+        if let Some(Ok(mut m)) = self.memo.as_deref().map(Mutex::lock) {
+            m.clear();
+        }
+    }
+
+    /// Hashes a chain of blocks with `f`, the memo taken once for all of them
+    /// when `memo` (blocks of sampled tokens, seldom seen before, would only
+    /// cost it a miss and an entry each: `false`).
+    pub fn chain<R>(&mut self, memo: bool, f: impl FnOnce(&mut ChainHasher<'_>) -> R) -> R {
+        let shared = if memo { self.memo.take() } else { None };
+        let out = {
+            let lock = shared.as_deref().and_then(|m| m.try_lock().ok());
+            f(&mut ChainHasher {
+                hasher: self,
+                memo: lock,
+            })
+        };
+        if shared.is_some() {
+            self.memo = shared;
+        }
+        out
     }
 
     /// Keeps only the first `bytes` bytes of every block hash (1..=32; 0 keeps
@@ -433,13 +503,39 @@ impl BlockHasher {
         tokens: &[u32],
         extra: &[ExtraKey],
     ) -> BlockHash {
-        let parent = parent.unwrap_or(&self.none_hash);
-        if self.algo == HashAlgo::Sha256Cbor
-            && self.truncate == 0
-            && extra.is_empty()
-            && let Some(h) = sha256_cbor_direct(parent, tokens)
-        {
-            return h;
+        self.chain(true, |c| c.hash(parent, tokens, extra))
+    }
+
+    /// [`Self::hash_block`] through `memo` when given.
+    fn hash_block_in(
+        &mut self,
+        parent: Option<&BlockHash>,
+        tokens: &[u32],
+        extra: &[ExtraKey],
+        memo: Option<&mut HashMemo>,
+    ) -> BlockHash {
+        let none_hash = self.none_hash;
+        let parent = parent.unwrap_or(&none_hash);
+        if self.algo == HashAlgo::Sha256Cbor && self.truncate == 0 && extra.is_empty() {
+            if let Some(memo) = memo
+                && tokens.len() == memo.width()
+                && let Ok(p) = <&[u8; 32]>::try_from(parent.as_bytes())
+            {
+                let slot = match memo.lookup(p, tokens) {
+                    Ok(bytes) => {
+                        memo.hits += 1;
+                        return BlockHash { bytes, len: 32 };
+                    }
+                    Err(slot) => slot,
+                };
+                memo.misses += 1;
+                if let Some(h) = sha256_cbor_direct(parent, tokens) {
+                    memo.store(slot, p, tokens, &h.bytes);
+                    return h;
+                }
+            } else if let Some(h) = sha256_cbor_direct(parent, tokens) {
+                return h;
+            }
         }
         let buf = &mut self.buf;
         buf.clear();
@@ -497,6 +593,47 @@ impl BlockHasher {
             Some(v) => v.encode(buf)?,
         }
         Ok(self.algo.digest(buf))
+    }
+}
+
+/// A [`BlockHasher`] hashing a chain ([`BlockHasher::chain`]), holding the
+/// memo (when on and free) for all of its blocks.
+#[derive(Debug)]
+pub struct ChainHasher<'a> {
+    hasher: &'a mut BlockHasher,
+    memo: Option<MutexGuard<'a, HashMemo>>,
+}
+
+impl ChainHasher<'_> {
+    /// [`BlockHasher::hash_block`], through the memo held.
+    #[inline]
+    pub fn hash(
+        &mut self,
+        parent: Option<&BlockHash>,
+        tokens: &[u32],
+        extra: &[ExtraKey],
+    ) -> BlockHash {
+        self.hasher
+            .hash_block_in(parent, tokens, extra, self.memo.as_deref_mut())
+    }
+
+    /// Starts loading the memo entry of a later block of the chain (its
+    /// tokens), so the chain does not wait for it.
+    #[inline]
+    pub fn prefetch(&self, tokens: &[u32]) {
+        if let Some(m) = &self.memo {
+            m.prefetch(tokens);
+        }
+    }
+
+    /// [`BlockHasher::context_digest`].
+    pub fn context_digest(
+        &mut self,
+        prev: &[u8; 32],
+        tokens: &[u32],
+        extra: &[ExtraKey],
+    ) -> [u8; 32] {
+        self.hasher.context_digest(prev, tokens, extra)
     }
 }
 

@@ -256,6 +256,8 @@ impl KvCacheManager {
         if let Some(n) = cfg.hash_truncate_bytes {
             hasher.set_truncation(n);
         }
+        // Below 2**26 (validated).
+        hasher.set_memo(hbs as usize, cfg.memo_blocks() as usize);
         let coord = Coordinator::new(&cfg, hbs)?;
         let uid = MANAGER_UIDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Self {
@@ -1011,6 +1013,14 @@ impl KvCacheManager {
                 .cache_blocks(req, num_computed_tokens as usize, at);
         }
         Ok(())
+    }
+
+    /// Prompt blocks the hash memo answered and prompt blocks it was asked
+    /// for and hashed: in place, on the hash worker and in the manager's
+    /// preparers (`(0, 0)` with the memo off).
+    #[must_use]
+    pub fn hash_memo_counts(&self) -> (u64, u64) {
+        self.hasher.memo_counts()
     }
 
     /// Prefix hits cut short by `verify_cached_tokens` (a cached block whose

@@ -137,6 +137,9 @@ pub(crate) struct Request {
     pub shared_prefix_boundary: u64,
 }
 
+/// Blocks ahead of the one being hashed whose memo entry is prefetched.
+const MEMO_AHEAD: usize = 8;
+
 impl Request {
     pub fn new(
         id: String,
@@ -389,7 +392,7 @@ impl Request {
         }
         self.tokens.extend_from_slice(tokens);
         if let Some(h) = hasher {
-            self.update_hashes(h, hash_block_size);
+            self.update_sampled_hashes(h, hash_block_size);
         }
     }
 
@@ -408,7 +411,7 @@ impl Request {
         if let Some(h) = hasher
             && self.tokens.len().is_multiple_of(hash_block_size)
         {
-            self.update_hashes(h, hash_block_size);
+            self.update_sampled_hashes(h, hash_block_size);
         }
     }
 
@@ -514,6 +517,16 @@ impl Request {
     /// [`HASH_HEADROOM`] blocks past the prompt), and the extra-key list stays
     /// empty for requests without a `LoRA` adapter, salt or multimodal items.
     pub fn update_hashes(&mut self, hasher: &mut BlockHasher, hash_block_size: usize) {
+        self.hash_new_blocks(hasher, hash_block_size, true);
+    }
+
+    /// [`Self::update_hashes`] for blocks filled by sampled tokens: not
+    /// through the hash memo.
+    fn update_sampled_hashes(&mut self, hasher: &mut BlockHasher, hash_block_size: usize) {
+        self.hash_new_blocks(hasher, hash_block_size, false);
+    }
+
+    fn hash_new_blocks(&mut self, hasher: &mut BlockHasher, hash_block_size: usize, memo: bool) {
         if self.pending.is_some() {
             self.settle(Some(&mut *hasher), hash_block_size);
         }
@@ -528,19 +541,31 @@ impl Request {
         let mut contexts = std::mem::take(&mut self.ctx_vec);
         let mut keys: Vec<ExtraKey<'_>> = Vec::new();
         let mut start = chain.len() * hash_block_size;
-        let mut parent = chain.last().copied();
-        let mut ctx = contexts.last().copied().unwrap_or([0; 32]);
-        while start + hash_block_size <= self.tokens.len() {
-            let end = start + hash_block_size;
-            self.extra_keys(start, end, &mut keys);
-            let h = hasher.hash_block(parent.as_ref(), &self.tokens[start..end], &keys);
-            chain.push(h);
-            if self.verify {
-                ctx = hasher.context_digest(&ctx, &self.tokens[start..end], &keys);
-                contexts.push(ctx);
-            }
-            parent = Some(h);
-            start = end;
+        if start + hash_block_size <= self.tokens.len() {
+            let mut parent = chain.last().copied();
+            let mut ctx = contexts.last().copied().unwrap_or([0; 32]);
+            hasher.chain(memo, |hasher| {
+                while start + hash_block_size <= self.tokens.len() {
+                    let end = start + hash_block_size;
+                    // The memo entry of a block a few ahead, loading while this
+                    // one is hashed or looked up.
+                    if let Some(later) = self.tokens.get(
+                        end + MEMO_AHEAD * hash_block_size
+                            ..end + (MEMO_AHEAD + 1) * hash_block_size,
+                    ) {
+                        hasher.prefetch(later);
+                    }
+                    self.extra_keys(start, end, &mut keys);
+                    let h = hasher.hash(parent.as_ref(), &self.tokens[start..end], &keys);
+                    chain.push(h);
+                    if self.verify {
+                        ctx = hasher.context_digest(&ctx, &self.tokens[start..end], &keys);
+                        contexts.push(ctx);
+                    }
+                    parent = Some(h);
+                    start = end;
+                }
+            });
         }
         drop(keys);
         self.hash_vec = chain;

@@ -295,7 +295,20 @@ pub struct ManagerConfig {
     /// hashes (a lookup, an append, an allocation that caches blocks) waits for
     /// them. The same hashes, events and results as hashing in place.
     pub background_hashing: bool,
+    /// Blocks the `sha256_cbor` memo keeps ([`crate::hash::BlockHasher::set_memo`]):
+    /// a prompt block hashed before (a shared prefix, a conversation's earlier
+    /// turns) is looked up with its whole input instead of hashed again. `None`:
+    /// the pool's size, at least [`MEMO_MIN_BLOCKS`] and at most
+    /// [`MEMO_MAX_BLOCKS`]; 0: off. 128 bytes a block for 16-token blocks.
+    pub hash_memo_blocks: Option<u64>,
 }
+
+/// The fewest blocks the hash memo keeps by default.
+pub const MEMO_MIN_BLOCKS: u64 = 1 << 12;
+/// The most blocks the hash memo keeps by default (8 MiB of 16-token blocks).
+pub const MEMO_MAX_BLOCKS: u64 = 1 << 16;
+/// The most blocks a hash memo may be given.
+pub const MEMO_LIMIT_BLOCKS: u64 = 1 << 26;
 
 /// Largest `max_model_len` / `max_in_flight_tokens`: token counts stay far from
 /// overflowing the `i64` arithmetic of capacity checks.
@@ -333,7 +346,21 @@ impl ManagerConfig {
             mamba_shared_prefix_checkpoint: false,
             zero_new_blocks: false,
             background_hashing: false,
+            hash_memo_blocks: None,
         }
+    }
+
+    /// Blocks the hash memo keeps under this configuration (0: none).
+    #[must_use]
+    pub fn memo_blocks(&self) -> u64 {
+        if self.hash_algo != HashAlgo::Sha256Cbor
+            || self.hash_truncate_bytes.is_some_and(|n| n != 0)
+            || self.external_block_hashes
+        {
+            return 0;
+        }
+        self.hash_memo_blocks
+            .unwrap_or_else(|| u64::from(self.num_blocks).clamp(MEMO_MIN_BLOCKS, MEMO_MAX_BLOCKS))
     }
 
     /// A single full-attention group with defaults everywhere else.
@@ -424,6 +451,11 @@ impl ManagerConfig {
             && !(1..=32).contains(&n)
         {
             return bad(format!("hash_truncate_bytes must be in 1..=32, got {n}"));
+        }
+        if let Some(n) = self.hash_memo_blocks
+            && n > MEMO_LIMIT_BLOCKS
+        {
+            return bad(format!("hash_memo_blocks must be at most 2**26, got {n}"));
         }
         if !(self.watermark >= 0.0 && self.watermark.is_finite()) {
             return bad(format!(

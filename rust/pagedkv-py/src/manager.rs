@@ -188,6 +188,20 @@ impl PyManager {
         self.inner.verification_failures()
     }
 
+    /// Prompt blocks the `sha256_cbor` memo answered (`hash_memo_blocks`)
+    /// instead of hashing them: in place, on the hash worker and in the
+    /// manager's preparers.
+    #[getter]
+    fn hash_memo_hits(&self) -> u64 {
+        self.inner.hash_memo_counts().0
+    }
+
+    /// Prompt blocks the memo was asked for, did not hold, and were hashed.
+    #[getter]
+    fn hash_memo_misses(&self) -> u64 {
+        self.inner.hash_memo_counts().1
+    }
+
     /// Blocks in the free queue (evictable cached blocks included).
     #[getter]
     fn num_free_blocks(&self) -> u32 {

@@ -6,10 +6,11 @@
 //!
 //! `cargo run --release -p pagedkv-benches --example drive_floor [requests] [blocks]`
 //!
-//! `drive_floor critical [MiB] [rounds] [background|in-place|prepared]`: the
-//! critical path of `benches/critical_path_bench.py` with no Python at all: the
-//! calls the scheduler's backend makes (handles, sampled tokens with the next
-//! allocation), prompts hashed in place, on the hash worker, or with every
+//! `drive_floor critical [MiB] [rounds] [background|in-place|in-place,-no-memo|prepared]`:
+//! the critical path of `benches/critical_path_bench.py` with no Python at all:
+//! the calls the scheduler's backend makes (handles, sampled tokens with the
+//! next allocation), prompts hashed in place (with the hash memo and without
+//! it), on the hash worker, or with every
 //! request built and hashed before the loop (`RequestPreparer`, registered by
 //! `add_prepared`), alternated over the rounds (default 5; or only the one
 //! named); time inside the manager's calls per step, min / median. With `MiB` > 0 a buffer that large is swept before
@@ -23,9 +24,6 @@ fn config(num_blocks: u32, background: bool) -> ManagerConfig {
     let mut cfg = ManagerConfig::full_attention(num_blocks, 16, 16384);
     cfg.max_in_flight_tokens = Some(8192);
     cfg.background_hashing = background;
-    if let Some(n) = std::env::var("MEMO").ok().and_then(|v| v.parse().ok()) {
-        cfg.hash_memo_blocks = Some(n);
-    }
     cfg
 }
 
@@ -59,17 +57,19 @@ type Row = (&'static str, fn(&floor::CallTimes) -> u64);
 fn critical(mib: usize, rounds: usize) {
     let reqs = trace::generate(0, 2000);
     let only = std::env::args().nth(4);
-    // (name, background hashing, requests prepared before the loop)
-    let modes: Vec<(&str, bool, bool)> = [
-        ("in place", false, false),
-        ("background", true, false),
-        ("prepared", false, true),
+    // (name, background hashing, requests prepared before the loop, no
+    // hash memo)
+    let modes: Vec<(&str, bool, bool, bool)> = [
+        ("in place", false, false, false),
+        ("in place, no memo", false, false, true),
+        ("background", true, false, false),
+        ("prepared", false, true, false),
     ]
     .into_iter()
     .filter(|(name, ..)| only.as_deref().is_none_or(|o| o.replace('-', " ") == *name))
     .collect();
     if modes.is_empty() {
-        eprintln!("modes: background, in-place, prepared");
+        eprintln!("modes: in-place, in-place,-no-memo, background, prepared");
         return;
     }
     let mut runs: Vec<Vec<floor::Summary>> = vec![Vec::new(); modes.len()];
@@ -80,7 +80,11 @@ fn critical(mib: usize, rounds: usize) {
             } else {
                 modes.len() - 1 - k
             };
-            let Ok(mut kv) = KvCacheManager::new(config(4096, modes[m].1)) else {
+            let mut cfg = config(4096, modes[m].1);
+            if modes[m].3 {
+                cfg.hash_memo_blocks = Some(0);
+            }
+            let Ok(mut kv) = KvCacheManager::new(cfg) else {
                 return;
             };
             let mut opts = floor::Options {

@@ -45,6 +45,7 @@ def run_pagedkv(args: argparse.Namespace) -> dict:
         hash_algo=args.hash,
         max_in_flight_tokens=8192,
         prefix_cache_retention_interval=0 if args.hybrid else None,
+        hash_memo_blocks=args.hash_memo_blocks,
     )
     # The reference drive loop does not count prefix hits as computed (see
     # SchedulerConfig.hits_count_as_computed): reproduce it so both do the same work.
@@ -108,6 +109,11 @@ def main() -> None:
     ap.add_argument("--interarrival-milli", type=int, default=1000)
     ap.add_argument("--hash", default="sha256_cbor")
     ap.add_argument("--hybrid", action="store_true", help="full attention + sliding window 1024")
+    ap.add_argument(
+        "--hash-memo-blocks",
+        type=int,
+        help="the sha256_cbor memo's size (default: the manager's; 0: off)",
+    )
     ap.add_argument("--vllm-python")
     ap.add_argument(
         "--oracle-dir",

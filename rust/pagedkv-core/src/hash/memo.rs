@@ -63,15 +63,27 @@ const MULTIPLIERS: [u32; 16] = [
     0x5be0_cd19,
 ];
 
-/// The little-endian bytes of up to eight tokens (zeros past the last), the
-/// form an entry holds them in.
+/// Whether a chunk holds these (up to eight) tokens' little-endian bytes
+/// (compared in place: a chunk built on the stack and compared would wait for
+/// its own stores).
 #[inline]
-fn token_chunk(tokens: &[u32]) -> [u8; 32] {
-    let mut b = [0u8; 32];
-    for (w, &t) in b.as_chunks_mut::<4>().0.iter_mut().zip(tokens) {
-        *w = t.to_le_bytes();
+fn holds(chunk: &[u8; 32], tokens: &[u32]) -> bool {
+    chunk
+        .as_chunks::<4>()
+        .0
+        .iter()
+        .zip(tokens)
+        .fold(true, |same, (b, &t)| same & (u32::from_le_bytes(*b) == t))
+}
+
+/// Writes up to eight tokens' little-endian bytes into a chunk, zeros past
+/// the last.
+#[inline]
+fn write(chunk: &mut [u8; 32], tokens: &[u32]) {
+    let words = chunk.as_chunks_mut::<4>().0;
+    for (i, w) in words.iter_mut().enumerate() {
+        *w = tokens.get(i).map_or([0; 4], |t| t.to_le_bytes());
     }
-    b
 }
 
 impl HashMemo {
@@ -149,7 +161,7 @@ impl HashMemo {
                 && tokens
                     .chunks(8)
                     .zip(entry.iter().flat_map(|l| &l.0).skip(2))
-                    .all(|(ts, chunk)| token_chunk(ts) == *chunk)
+                    .all(|(ts, chunk)| holds(chunk, ts))
             {
                 return Ok(*digest);
             }
@@ -177,7 +189,7 @@ impl HashMemo {
         let mut chunks = first.iter_mut().flat_map(|l| &mut l.0).skip(2);
         for ts in tokens.chunks(8) {
             if let Some(chunk) = chunks.next() {
-                *chunk = token_chunk(ts);
+                write(chunk, ts);
             }
         }
     }

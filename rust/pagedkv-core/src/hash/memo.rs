@@ -20,10 +20,10 @@ struct Line([[u8; 32]; 2]);
 /// Digests of hashed blocks by their input.
 #[derive(Clone, Debug)]
 pub(crate) struct HashMemo {
-    /// Entries of `lines` cache lines, as 32-byte chunks: the parent digest,
-    /// the digest (all zeros in an empty entry, a digest SHA-256 gives with
-    /// the odds of a collision), the tokens' little-endian bytes (eight to a
-    /// chunk, zeros past the last). Allocated zeroed on first use.
+    /// Entries of `lines` cache lines: the parent digest and the digest (all
+    /// zeros in an empty entry, a digest SHA-256 gives with the odds of a
+    /// collision), then the tokens' little-endian bytes, eight to a 32-byte
+    /// chunk (zeros past the last). Allocated zeroed on first use.
     table: Vec<Line>,
     lines: usize,
     /// Tokens of the blocks it holds (the manager's hash block size).
@@ -160,8 +160,8 @@ impl HashMemo {
                 && stored_parent == parent
                 && tokens
                     .chunks(8)
-                    .zip(entry.iter().flat_map(|l| &l.0).skip(2))
-                    .all(|(ts, chunk)| holds(chunk, ts))
+                    .enumerate()
+                    .all(|(c, ts)| holds(&entry[1 + c / 2].0[c % 2], ts))
             {
                 return Ok(*digest);
             }
@@ -186,11 +186,8 @@ impl HashMemo {
         let (first, second) = lines.split_at_mut(self.lines);
         second.copy_from_slice(first);
         first[0].0 = [*parent, *digest];
-        let mut chunks = first.iter_mut().flat_map(|l| &mut l.0).skip(2);
-        for ts in tokens.chunks(8) {
-            if let Some(chunk) = chunks.next() {
-                write(chunk, ts);
-            }
+        for (c, ts) in tokens.chunks(8).enumerate() {
+            write(&mut first[1 + c / 2].0[c % 2], ts);
         }
     }
 

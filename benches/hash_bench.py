@@ -6,9 +6,11 @@ block's parent is the previous hash).
 
 pagedkv: per block through ``add_request`` of a ``--blocks``-block prompt (hashes
 every full block; the prompt given as a uint32 array and as a list), per
-algorithm. vLLM: ``hash_block_tokens(sha256_cbor, parent, tokens, None)`` per
-block, the function its request block hasher calls for every block, in a
-subprocess that stays up and measures one round each time this process has
+algorithm, the ``sha256_cbor`` memo off; and with the memo, the prompt added
+before (every block found in it instead of hashed). vLLM:
+``hash_block_tokens(sha256_cbor, parent, tokens, None)`` per block, the
+function its request block hasher calls for every block, in a subprocess
+that stays up and measures one round each time this process has
 measured one, so both sides see the same machine load. Each figure is min /
 median over the rounds. The core alone (no Python) is ``cargo bench -p
 pagedkv-benches --bench core -- hash_block``.
@@ -45,7 +47,15 @@ for line in sys.stdin:
     print(best / n * 1e6, flush=True)
 """
 
-ALGOS = ("sha256_cbor", "xxhash_cbor", "xxh3_native")
+# (label, hash algorithm, memo blocks): every block hashed (no memo: the same
+# prompt is added again each time), and sha256_cbor with its memo, the prompt
+# seen before (every block looked up, found and compared in full).
+ALGOS = (
+    ("sha256_cbor", "sha256_cbor", 0),
+    ("sha256_cbor, memo", "sha256_cbor", 1 << 12),
+    ("xxhash_cbor", "xxhash_cbor", 0),
+    ("xxh3_native", "xxh3_native", 0),
+)
 
 
 class PagedkvSide:
@@ -59,9 +69,14 @@ class PagedkvSide:
         self.arr = np.array(self.prompt, dtype=np.uint32)
         self.n = n_blocks
         self.mgrs = {
-            algo: pk.KVCacheManager(config, max_model_len=len(self.prompt) + 16, hash_algo=algo)
-            for algo in ALGOS
+            label: pk.KVCacheManager(
+                config, max_model_len=len(self.prompt) + 16, hash_algo=algo, hash_memo_blocks=memo
+            )
+            for label, algo, memo in ALGOS
         }
+        for mgr in self.mgrs.values():
+            mgr.add_request("r", self.arr)
+            mgr.remove_request("r")
 
     def round(self) -> dict[str, float]:
         out = {}

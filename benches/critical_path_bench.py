@@ -176,24 +176,23 @@ def main() -> None:
         cells = row(results, key, lambda lo, mid: f"{lo:9.2f} / {mid:8.2f}")
         print(f"  {name:<32}" + "".join(f"{c:>23}" for c in cells))
     if vllm_us:
-        lo, mid = min(vllm_us), statistics.median(vllm_us)
-        print(f"  {'vLLM 0.33 manager time':<32}{lo:10.2f} / {mid:8.2f}")
-        for key, name in (
-            ("critical_us", "vLLM / critical path"),
-            ("no_append_us", "  / without the appends"),
-        ):
-            cells = row(results, key, lambda c, m: f"{lo / c:9.1f}x / {mid / m:6.1f}x")
-            print(f"  {name:<32}" + "".join(f"{c:>23}" for c in cells))
+        ratios(results, "vLLM 0.33 manager time", "vLLM", vllm_us)
         # Hashing in place on both sides: vLLM's prompt and decode-block
         # hashing added to its manager time.
-        hlo, hmid = min(vllm_hashing_us), statistics.median(vllm_hashing_us)
-        print(f"  {'vLLM 0.33 manager + hashing':<32}{hlo:10.2f} / {hmid:8.2f}")
-        for key, name in (
-            ("critical_us", "vLLM + hashing / critical path"),
-            ("no_append_us", "  / without the appends"),
-        ):
-            cells = row(results, key, lambda c, m: f"{hlo / c:9.1f}x / {hmid / m:6.1f}x")
-            print(f"  {name:<32}" + "".join(f"{c:>23}" for c in cells))
+        ratios(results, "vLLM 0.33 manager + hashing", "vLLM + hashing", vllm_hashing_us)
+
+
+def ratios(results: dict, label: str, short: str, vllm: list[float]) -> None:
+    """vLLM's figure (min / median over its runs) and its ratio to each mode's
+    critical path, with and without the appends call."""
+    lo, mid = min(vllm), statistics.median(vllm)
+    print(f"  {label:<32}{lo:10.2f} / {mid:8.2f}")
+    for key, name in (
+        ("critical_us", f"{short} / critical path"),
+        ("no_append_us", "  / without the appends"),
+    ):
+        cells = row(results, key, lambda c, m: f"{lo / c:9.1f}x / {mid / m:6.1f}x")
+        print(f"  {name:<32}" + "".join(f"{c:>23}" for c in cells))
 
 
 def row(results: dict, key: str, cell: Callable[[float, float], str]) -> list[str]:

@@ -92,7 +92,7 @@ fn the_memo_changes_no_hash() {
             let (hits, misses) = full.hash_memo_counts();
             // Every prompt block not seen before is hashed, nearly every one
             // seen before found (1-token blocks outnumber the default's
-            // 4,096 entries).
+            // 16,384 entries).
             let (most, fewest) = huge.hash_memo_counts();
             assert!(most > 0 && hits + misses == most + fewest);
             let share = if block_size == 1 { 85 } else { 98 };

@@ -108,8 +108,8 @@ class ManagerOptions(TypedDict, total=False):
       token, compared in full) instead of hashed again: the same hash for a
       fraction of the cost (16 ns a block found in the core against 97
       hashed). The memo keeps this many recent prompt blocks (a power of two;
-      128 bytes each for 16-token blocks); None: 16,384 (2 MiB, allocated
-      zeroed when first written); 0: off. The hash worker and the manager's
+      128 bytes each for 16-token blocks; at most 2**22); None: 16,384 (2 MiB,
+      allocated zeroed when first written); 0: off. The hash worker and the manager's
       preparers share it. Blocks of sampled tokens, blocks with extra keys
       (LoRA, multimodal, the salted first block), other hash algorithms and
       truncated hashes are always hashed. A block not found costs about a

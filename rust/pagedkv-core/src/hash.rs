@@ -404,9 +404,11 @@ impl BlockHasher {
     /// (parent digest and tokens), so a block hashed again (a shared prefix, a
     /// conversation's earlier turns) is looked up, not hashed: the digest is
     /// returned only for the exact input it was computed from. 0 for either
-    /// turns it off. The table (`entries` x 128 bytes for 16 tokens) is
-    /// allocated when first written. Other algorithms, truncated hashes and
-    /// blocks with extra keys are always hashed.
+    /// turns it off, as do blocks over 64 tokens and more than 2**40 entries.
+    /// The table (`entries` x 128 bytes for 16 tokens) is allocated when
+    /// first written; if it cannot be, every block is hashed. Other
+    /// algorithms, truncated hashes and blocks with extra keys are always
+    /// hashed.
     ///
     /// The memo is shared by the hashers made from this one
     /// ([`Self::same_kind`]: a manager's hash worker, its preparers) and

@@ -256,7 +256,7 @@ impl KvCacheManager {
         if let Some(n) = cfg.hash_truncate_bytes {
             hasher.set_truncation(n);
         }
-        // Below 2**26 (validated).
+        // At most 2**22 (validated).
         hasher.set_memo(hbs as usize, cfg.memo_blocks() as usize);
         let coord = Coordinator::new(&cfg, hbs)?;
         let uid = MANAGER_UIDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

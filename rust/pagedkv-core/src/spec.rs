@@ -308,7 +308,7 @@ pub struct ManagerConfig {
 /// time, against 4,096 and 65,536).
 pub const MEMO_DEFAULT_BLOCKS: u64 = 1 << 14;
 /// The most blocks a hash memo may be given.
-pub const MEMO_LIMIT_BLOCKS: u64 = 1 << 26;
+pub const MEMO_LIMIT_BLOCKS: u64 = 1 << 22;
 
 /// Largest `max_model_len` / `max_in_flight_tokens`: token counts stay far from
 /// overflowing the `i64` arithmetic of capacity checks.
@@ -454,7 +454,9 @@ impl ManagerConfig {
         if let Some(n) = self.hash_memo_blocks
             && n > MEMO_LIMIT_BLOCKS
         {
-            return bad(format!("hash_memo_blocks must be at most 2**26, got {n}"));
+            return bad(format!(
+                "hash_memo_blocks must be at most 2**22 (4,194,304), got {n}"
+            ));
         }
         if !(self.watermark >= 0.0 && self.watermark.is_finite()) {
             return bad(format!(

@@ -166,7 +166,7 @@ fn other_algorithms_and_truncated_hashes_have_no_memo() {
 #[test]
 fn a_memo_past_its_limit_is_refused() {
     let mut cfg = ManagerConfig::full_attention(64, 16, 1024);
-    cfg.hash_memo_blocks = Some((1 << 26) + 1);
+    cfg.hash_memo_blocks = Some((1 << 22) + 1);
     match KvCacheManager::new(cfg) {
         Err(Error::InvalidConfig(m)) => assert!(m.contains("hash_memo_blocks"), "{m}"),
         other => panic!("{other:?}"),

@@ -23,7 +23,7 @@ pub(crate) struct HashMemo {
     /// Entries of `lines` cache lines: the parent digest and the digest (all
     /// zeros in an empty entry, a digest SHA-256 gives with the odds of a
     /// collision), then the tokens' little-endian bytes, eight to a 32-byte
-    /// chunk (zeros past the last). Allocated zeroed on first use.
+    /// chunk (zeros past the last). Allocated and zeroed when first written.
     table: Vec<Line>,
     lines: usize,
     /// Tokens of the blocks it holds (the manager's hash block size).
@@ -33,11 +33,15 @@ pub(crate) struct HashMemo {
     /// Lookups that found the block, and that did not.
     pub(crate) hits: u64,
     pub(crate) misses: u64,
+    /// The table could not be allocated: the memo stays empty.
+    unavailable: bool,
 }
 
 /// Entries a block may be in (a set's): a block whose set is full displaces
 /// the set's older entry.
 const WAYS: usize = 2;
+/// Most entries a memo may be asked for.
+const MAX_ENTRIES: usize = 1 << 40;
 /// Most tokens of a block the memo holds.
 const MAX_WIDTH: usize = 64;
 /// An odd constant of well-mixed bits.
@@ -88,10 +92,10 @@ fn write(chunk: &mut [u8; 32], tokens: &[u32]) {
 
 impl HashMemo {
     /// A memo of `entries` blocks (rounded up to a power of two, at least a
-    /// set) of `width` tokens; `None` when either is 0 or blocks are over 64
-    /// tokens.
+    /// set) of `width` tokens; `None` when either is 0, blocks are over 64
+    /// tokens or entries over 2**40 (whose slot arithmetic could overflow).
     pub(crate) fn new(width: usize, entries: usize) -> Option<Self> {
-        if width == 0 || width > MAX_WIDTH || entries == 0 {
+        if width == 0 || width > MAX_WIDTH || entries == 0 || entries > MAX_ENTRIES {
             return None;
         }
         // Two digests and the tokens, in whole lines.
@@ -103,6 +107,7 @@ impl HashMemo {
             entries: entries.max(WAYS).checked_next_power_of_two()?,
             hits: 0,
             misses: 0,
+            unavailable: false,
         })
     }
 
@@ -113,7 +118,9 @@ impl HashMemo {
 
     /// Bytes it holds once used.
     pub(crate) fn bytes(&self) -> usize {
-        self.entries * self.lines * size_of::<Line>()
+        self.entries
+            .saturating_mul(self.lines)
+            .saturating_mul(size_of::<Line>())
     }
 
     /// The first line of the set of entries a block with these tokens may be
@@ -179,8 +186,8 @@ impl HashMemo {
         tokens: &[u32],
         digest: &[u8; 32],
     ) {
-        if self.table.is_empty() {
-            self.table = vec![Line::default(); self.entries * self.lines];
+        if self.table.is_empty() && !self.allocate() {
+            return;
         }
         let lines = &mut self.table[set..set + WAYS * self.lines];
         let (first, second) = lines.split_at_mut(self.lines);
@@ -189,6 +196,27 @@ impl HashMemo {
         for (c, ts) in tokens.chunks(8).enumerate() {
             write(&mut first[1 + c / 2].0[c % 2], ts);
         }
+    }
+
+    /// Allocates the table (zeroed: every entry empty); `false`, the memo
+    /// staying empty and every block hashed, if the memory cannot be had.
+    #[cold]
+    fn allocate(&mut self) -> bool {
+        if self.unavailable {
+            return false;
+        }
+        let mut table = Vec::new();
+        let Some(n) = self.entries.checked_mul(self.lines) else {
+            self.unavailable = true;
+            return false;
+        };
+        if table.try_reserve_exact(n).is_err() {
+            self.unavailable = true;
+            return false;
+        }
+        table.resize(n, Line::default());
+        self.table = table;
+        true
     }
 
     /// Forgets every block (the memory is returned).
@@ -234,10 +262,25 @@ mod tests {
             assert!(m.lookup(&parent, &tokens).is_err(), "cleared");
         }
         assert!(HashMemo::new(0, 4).is_none() && HashMemo::new(16, 0).is_none());
+        assert!(HashMemo::new(65, 4).is_none() && HashMemo::new(16, (1 << 40) + 1).is_none());
         // 16 tokens: the inputs and digests fill two cache lines; a set of
         // two entries at least.
         assert_eq!(HashMemo::new(16, 1).map(|m| m.bytes()), Some(256));
         assert_eq!(HashMemo::new(16, 5).map(|m| m.bytes()), Some(8 * 128));
+    }
+
+    /// A table that cannot be allocated leaves the memo empty: every lookup
+    /// misses, nothing is recorded, nothing panics.
+    #[test]
+    fn a_table_that_cannot_be_had_leaves_the_memo_empty() {
+        let mut m = HashMemo::new(16, 1 << 40).unwrap_or_else(|| panic!("memo"));
+        let tokens: Vec<u32> = (0..16).collect();
+        for _ in 0..2 {
+            let set = m.lookup(&digest(1), &tokens).unwrap_err();
+            m.store(set, &digest(1), &tokens, &digest(2));
+        }
+        assert!(m.lookup(&digest(1), &tokens).is_err());
+        assert!(m.unavailable && m.table.is_empty());
     }
 
     /// With one set every block maps to it: a third block displaces the

@@ -5,10 +5,11 @@
 //! An entry holds a block's full input (the parent digest and every token)
 //! beside its digest, and a lookup returns the digest only when the input
 //! matches in full: the result is the digest SHA-256 gives, never a guess. An
-//! entry's slot is chosen by the block's tokens alone, not its parent, so the
-//! slots of a prompt's blocks are known before any of them is hashed and are
+//! entry's set is chosen by the block's tokens alone, not its parent, so the
+//! sets of a prompt's blocks are known before any of them is hashed and are
 //! loaded ahead of the chain ([`HashMemo::prefetch`]); a chain only waits for
-//! its digests. Two entries to a set: a new block displaces the older.
+//! its digests. Two entries to a set: a new block displaces the older. (Every
+//! block of a memo has the same number of tokens, its width.)
 
 use pagedkv_arch::prefetch;
 
@@ -46,8 +47,8 @@ const MAX_ENTRIES: usize = 1 << 40;
 const MAX_WIDTH: usize = 64;
 /// An odd constant of well-mixed bits.
 const MIX: u64 = 0x9e37_79b9_7f4a_7c15;
-/// A 32-bit odd multiplier per token of a block (32-bit, so that a product
-/// is one widening multiply, two to an SSE2 instruction).
+/// An odd multiplier per token of a block, 32-bit so that each product is
+/// one widening multiply.
 const MULTIPLIERS: [u32; 16] = [
     0x9e37_79b1,
     0x85eb_ca77,

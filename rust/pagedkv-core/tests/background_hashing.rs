@@ -1,39 +1,19 @@
 //! Hashing prompts on the worker thread changes nothing observable: two managers,
 //! one hashing in place and one in the background, driven through the same
 //! operations, give the same hits, block ids, hashes and events.
-use pagedkv_core::{AllocateArgs, KvCacheManager, Lora, ManagerConfig, MmFeature, RequestSpec};
+use pagedkv_core::{AllocateArgs, KvCacheManager, ManagerConfig, RequestSpec};
 
 #[path = "support/rng.rs"]
 mod rng;
+#[path = "support/specs.rs"]
+mod specs;
 use rng::Rng;
 
 fn spec(rng: &mut Rng, prefixes: &[Vec<u32>]) -> RequestSpec {
     let mut prompt = prefixes[rng.below(prefixes.len() as u64) as usize].clone();
     let tail = 1 + rng.below(200) as usize;
     prompt.extend((0..tail).map(|_| rng.below(32_000) as u32));
-    let mut s = RequestSpec {
-        prompt_token_ids: prompt,
-        ..RequestSpec::default()
-    };
-    match rng.below(5) {
-        0 => s.cache_salt = Some(format!("tenant-{}", rng.below(2))),
-        1 => {
-            s.lora = Some(Lora {
-                name: format!("adapter-{}", rng.below(2)),
-                path: None,
-                id: Some(1),
-            });
-        }
-        2 => {
-            s.mm_features = vec![MmFeature {
-                identifier: format!("image-{}", rng.below(3)),
-                offset: 4,
-                length: 20,
-            }];
-        }
-        _ => {}
-    }
-    s
+    specs::with_extra_keys(rng, prompt, 5, |_| 4)
 }
 
 fn run(background: bool, verify: bool, seed: u64) -> Vec<String> {

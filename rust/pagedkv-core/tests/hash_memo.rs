@@ -3,12 +3,12 @@
 //! than the workload give every request the same block hashes, while the memo
 //! answers the blocks it saw before.
 use pagedkv_core::hash::{BlockHasher, HashAlgo};
-use pagedkv_core::{
-    Error, KvCacheManager, Lora, ManagerConfig, MmFeature, RequestSpec, hash::BlockHash,
-};
+use pagedkv_core::{Error, KvCacheManager, ManagerConfig, RequestSpec, hash::BlockHash};
 
 #[path = "support/rng.rs"]
 mod rng;
+#[path = "support/specs.rs"]
+mod specs;
 use rng::Rng;
 
 fn manager(block_size: u32, memo: Option<u64>, algo: HashAlgo) -> KvCacheManager {
@@ -27,29 +27,7 @@ fn spec(rng: &mut Rng, prefixes: &[Vec<u32>]) -> RequestSpec {
         p => prefixes[p - 1].clone(),
     };
     prompt.extend((0..=rng.below(100)).map(|_| rng.below(u64::from(u32::MAX) + 1) as u32));
-    let mut s = RequestSpec {
-        prompt_token_ids: prompt,
-        ..RequestSpec::default()
-    };
-    match rng.below(6) {
-        0 => s.cache_salt = Some(format!("tenant-{}", rng.below(2))),
-        1 => {
-            s.lora = Some(Lora {
-                name: format!("adapter-{}", rng.below(2)),
-                path: None,
-                id: Some(1),
-            });
-        }
-        2 => {
-            s.mm_features = vec![MmFeature {
-                identifier: format!("image-{}", rng.below(3)),
-                offset: rng.below(40),
-                length: 20,
-            }];
-        }
-        _ => {}
-    }
-    s
+    specs::with_extra_keys(rng, prompt, 6, |rng| rng.below(40))
 }
 
 fn hashes(m: &KvCacheManager, id: &str) -> Vec<BlockHash> {

@@ -345,6 +345,32 @@ def test_the_memo_answers_a_shared_prefix_and_only_prompt_blocks() -> None:
     assert (off.hash_memo_hits, off.hash_memo_misses) == (0, 0)
 
 
+def test_a_prompt_takes_the_hashes_it_shares_with_a_live_request() -> None:
+    """With a memo of one set (it finds none of these blocks again), a prompt
+    that begins like a live request's takes that request's hashes for the
+    whole blocks they share, counted as found; a removed request lends none."""
+    system = list(range(2000, 2000 + 16 * 12))
+    on = make_manager(16, 64, hash_memo_blocks=1)
+    off = make_manager(16, 64, hash_memo_blocks=0)
+    # "b" differs from "a" at token 16 * 5 + 3: five of its seven blocks shared.
+    b = np.array([*system[: 16 * 5 + 3], 1, *range(40)], dtype=np.uint32)
+    for mgr in (on, off):
+        mgr.add_request("a", [*system, 7, 7])
+        mgr.add_request("b", b)
+    assert on.block_hashes("b") == off.block_hashes("b")
+    assert on.hash_memo_hits == 5
+    for mgr in (on, off):
+        mgr.remove_request("b")
+        mgr.add_request("c", system)
+    # The last request to begin so, "b", is gone: all 12 hashed again.
+    assert on.block_hashes("c") == off.block_hashes("c")
+    assert (on.hash_memo_hits, on.hash_memo_misses) == (5, 12 + 2 + 12)
+    for mgr in (on, off):
+        mgr.add_request("d", [*system, 5])
+    assert on.block_hashes("d") == off.block_hashes("d") == off.block_hashes("a")[:12]
+    assert on.hash_memo_hits == 5 + 12
+
+
 @pytest.mark.parametrize(
     ("value", "error"),
     [(-1, ValueError), (2**22 + 1, ValueError), ("8", TypeError), (1.5, TypeError)],

@@ -114,8 +114,12 @@ class ManagerOptions(TypedDict, total=False):
       (LoRA, multimodal, the salted first block), other hash algorithms and
       truncated hashes are always hashed. A block not found costs about a
       tenth more than hashing alone: for prompts that share nothing, turn it
-      off. ``hash_memo_hits`` / ``hash_memo_misses`` count the blocks found
-      and hashed.
+      off. A prompt hashed in place whose blocks have no extra keys and that
+      begins like a live request's (the last such to begin with the same
+      first block) takes that request's hashes for the whole blocks their
+      tokens share, the rest through the memo; 0 turns this off too.
+      ``hash_memo_hits`` / ``hash_memo_misses`` count the blocks found (taken
+      from a live request included) and hashed.
     """
 
     enable_caching: bool

@@ -26,6 +26,7 @@ use crate::pool::{BlockId, BlockPool};
 use crate::request::HashWorker;
 use crate::request::{Request, RequestSpec};
 use crate::request_table::RequestTable;
+use std::hash::{Hash, Hasher};
 pub use crate::request_table::{RequestHandle, RequestRefs};
 use crate::single_type::{GroupBlocks, Need};
 use crate::spec::ManagerConfig;
@@ -238,7 +239,19 @@ pub struct KvCacheManager {
     /// The prompt-hashing thread (`background_hashing`), started by the first
     /// prompt it hashes.
     hash_worker: Option<HashWorker>,
+    /// With the hash memo on: per first hash block (by a hash of its tokens,
+    /// [`SOURCES`] slots), the last request hashed in place that began with
+    /// it (its slot and uid; uid 0: none). A prompt that begins like a live
+    /// one takes that one's hashes for the blocks they share
+    /// ([`Request::take_shared_hashes`]), the rest through the memo.
+    hash_sources: Vec<(u32, u64)>,
+    /// Prompt blocks whose hashes were taken that way.
+    shared_hash_blocks: u64,
 }
+
+/// Slots of [`KvCacheManager::hash_sources`]: a serving mix's system
+/// prompts, and recent conversations' first blocks.
+const SOURCES: usize = 256;
 
 impl KvCacheManager {
     /// Builds a manager.
@@ -276,6 +289,12 @@ impl KvCacheManager {
             batch_stamp: 0,
             pending_split: None,
             hash_worker: None,
+            hash_sources: if cfg.memo_blocks() > 0 {
+                vec![(0, 0); SOURCES]
+            } else {
+                Vec::new()
+            },
+            shared_hash_blocks: 0,
             cfg,
         })
     }
@@ -425,11 +444,42 @@ impl KvCacheManager {
                     req.hash_in_background(worker, &self.hasher, self.hash_block_size);
                 }
             } else {
+                let source = self.take_shared_hashes(&mut req);
                 req.update_hashes(&mut self.hasher, self.hash_block_size);
+                let slot = self.table.insert(id, req)?;
+                if let Some(i) = source {
+                    self.hash_sources[i] = (slot, self.table.get(slot).uid);
+                }
+                return Ok(self.table.handle_of(slot));
             }
         }
         let slot = self.table.insert(id, req)?;
         Ok(self.table.handle_of(slot))
+    }
+
+    /// With the memo on, for a request about to be hashed in place whose
+    /// hashes follow its tokens: takes the hashes of the blocks it shares
+    /// from the start with the last live request that began like it. Returns
+    /// the request's [`Self::hash_sources`] slot (where it becomes the
+    /// source), `None` for a request that is no source.
+    fn take_shared_hashes(&mut self, req: &mut Request) -> Option<usize> {
+        let bs = self.hash_block_size;
+        let first = req.tokens().get(..bs)?;
+        if self.hash_sources.is_empty() || !req.hashes_follow_tokens() {
+            return None;
+        }
+        let mut h = rustc_hash::FxHasher::default();
+        first.hash(&mut h);
+        let i = h.finish() as usize % self.hash_sources.len();
+        let (slot, uid) = self.hash_sources[i];
+        if let Some(src) = self.table.live(slot)
+            && src.uid == uid
+            && src.hashes_follow_tokens()
+        {
+            let n = req.take_shared_hashes(src, bs);
+            self.shared_hash_blocks += n as u64;
+        }
+        Some(i)
     }
 
     /// Appends generated tokens; blocks that fill get hashed.
@@ -1015,12 +1065,15 @@ impl KvCacheManager {
         Ok(())
     }
 
-    /// Prompt blocks the hash memo answered and prompt blocks it was asked
-    /// for and hashed: in place, on the hash worker and in the manager's
-    /// preparers (`(0, 0)` with the memo off).
+    /// Prompt blocks whose hashes were found instead of computed (answered
+    /// by the hash memo, or taken from a live request the prompt begins like)
+    /// and prompt blocks the memo was asked for and hashed: in place, on the
+    /// hash worker and in the manager's preparers (`(0, 0)` with the memo
+    /// off).
     #[must_use]
     pub fn hash_memo_counts(&self) -> (u64, u64) {
-        self.hasher.memo_counts()
+        let (found, hashed) = self.hasher.memo_counts();
+        (found + self.shared_hash_blocks, hashed)
     }
 
     /// Prefix hits cut short by `verify_cached_tokens` (a cached block whose

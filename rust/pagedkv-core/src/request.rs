@@ -520,6 +520,55 @@ impl Request {
         self.hash_new_blocks(hasher, hash_block_size, true);
     }
 
+    /// Whether its block hashes follow from its tokens alone (under the
+    /// manager's hasher): no block has extra keys (no `LoRA` adapter, salt,
+    /// multimodal item or prompt embeddings), no context digests are kept,
+    /// and none are being computed elsewhere.
+    pub(crate) fn hashes_follow_tokens(&self) -> bool {
+        self.lora.is_none()
+            && self.cache_salt.is_none()
+            && self.mm.is_empty()
+            && self.embed_digests.is_none()
+            && !self.verify
+            && self.pending.is_none()
+    }
+
+    /// Takes from `src` the hashes of the leading hash blocks the two share
+    /// (as many whole blocks as their tokens agree on from the start and
+    /// `src` has hashed): a block's hash follows from the tokens up to its
+    /// end, so they are the hashes this request's blocks would get. Both must
+    /// be requests of one manager whose hashes follow their tokens
+    /// ([`Self::hashes_follow_tokens`]), this one without hashes yet. Returns
+    /// the blocks taken.
+    pub(crate) fn take_shared_hashes(&mut self, src: &Self, hash_block_size: usize) -> usize {
+        debug_assert!(self.hash_vec.is_empty() && self.hashes_follow_tokens());
+        debug_assert!(src.hashes_follow_tokens());
+        let bs = hash_block_size;
+        let limit = src.hash_vec.len().min(self.tokens.len() / bs);
+        let (a, b) = (&self.tokens[..limit * bs], &src.tokens[..limit * bs]);
+        // Whole runs of blocks compared at once (one `memcmp` each), the run
+        // that differs block by block.
+        const RUN: usize = 16;
+        let mut n = 0;
+        while n < limit {
+            let end = (n + RUN).min(limit);
+            if a[n * bs..end * bs] == b[n * bs..end * bs] {
+                n = end;
+                continue;
+            }
+            while a[n * bs..(n + 1) * bs] == b[n * bs..(n + 1) * bs] {
+                n += 1;
+            }
+            break;
+        }
+        if n > 0 {
+            let full = self.tokens.len() / bs;
+            self.hash_vec.reserve(full + HASH_HEADROOM);
+            self.hash_vec.extend_from_slice(&src.hash_vec[..n]);
+        }
+        n
+    }
+
     /// [`Self::update_hashes`] for blocks filled by sampled tokens: not
     /// through the hash memo.
     fn update_sampled_hashes(&mut self, hasher: &mut BlockHasher, hash_block_size: usize) {

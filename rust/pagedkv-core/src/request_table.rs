@@ -157,6 +157,11 @@ impl RequestTable {
         Ok(())
     }
 
+    /// The request in a slot, if it holds one.
+    pub(crate) fn live(&self, slot: u32) -> Option<&Request> {
+        self.reqs.get(slot as usize).and_then(Option::as_ref)
+    }
+
     /// The request in an occupied slot.
     pub(crate) fn get(&self, slot: u32) -> &Request {
         match &self.reqs[slot as usize] {

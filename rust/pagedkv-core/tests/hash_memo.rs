@@ -225,3 +225,152 @@ fn the_worker_and_preparers_share_the_memo() {
     assert_eq!(hashes(&bg, "c"), hashes(&off, "c"));
     assert_eq!(bg.hash_memo_counts(), (24, 15));
 }
+
+fn plain(prompt: Vec<u32>) -> RequestSpec {
+    RequestSpec {
+        prompt_token_ids: prompt,
+        ..RequestSpec::default()
+    }
+}
+
+/// A prompt that begins like a live request's takes that request's hashes
+/// for the whole blocks they share, up to the first token that differs, and
+/// hashes the rest; with a memo of a single set (which finds none of these
+/// blocks again) the counts show each block taken or hashed.
+#[test]
+fn a_prompt_takes_the_hashes_it_shares_with_a_live_request() {
+    let system: Vec<u32> = (7000..7000 + 16 * 20).collect();
+    let mut on = manager(16, Some(1), HashAlgo::Sha256Cbor);
+    let mut off = manager(16, Some(0), HashAlgo::Sha256Cbor);
+    // "b" differs from "a" at token 16 * 5 + 3: five blocks shared.
+    let mut b: Vec<u32> = system.clone();
+    b[16 * 5 + 3] = 1;
+    // "c" holds all of "a" (20 blocks and its 8-token tail) and more.
+    let a: Vec<u32> = system.iter().copied().chain([3; 8]).collect();
+    let c: Vec<u32> = a.iter().copied().chain(0..40).collect();
+    for (id, prompt) in [("a", &a), ("b", &b), ("c", &c)] {
+        for m in [&mut on, &mut off] {
+            m.add_request(id, plain(prompt.clone())).expect("add");
+        }
+        assert_eq!(hashes(&on, id), hashes(&off, id), "{id}");
+    }
+    // "a" hashes 20; "b" takes 5 and hashes 15; "c" (its last source "b")
+    // takes 5 and hashes 18 of 23.
+    let (found, hashed) = on.hash_memo_counts();
+    assert_eq!((found, hashed - 20 - 15), (10, 18));
+
+    // A follow-up turn of "a" (its prompt, the output sampled for it, a
+    // question) takes from a live source only, and the blocks filled by the
+    // source's sampled tokens too.
+    let output: Vec<u32> = (0..40).map(|t| 90_000 + t).collect();
+    let turn: Vec<u32> = a.iter().chain(&output).copied().chain([5; 30]).collect();
+    for m in [&mut on, &mut off] {
+        m.remove_request("b").expect("remove");
+        m.remove_request("c").expect("remove");
+        m.append_token_ids("a", &output).expect("append");
+    }
+    let before = on.hash_memo_counts();
+    for m in [&mut on, &mut off] {
+        m.add_request("a2", plain(turn.clone())).expect("add");
+    }
+    assert_eq!(hashes(&on, "a2"), hashes(&off, "a2"));
+    // The last request to begin so was "c", removed: nothing taken.
+    assert_eq!(on.hash_memo_counts().0, before.0);
+    for m in [&mut on, &mut off] {
+        m.remove_request("a2").expect("remove");
+        m.add_request("a3", plain(a.clone())).expect("add");
+        m.remove_request("a").expect("remove");
+        m.append_token_ids("a3", &output).expect("append");
+    }
+    let before = on.hash_memo_counts();
+    for m in [&mut on, &mut off] {
+        m.add_request("a4", plain(turn.clone())).expect("add");
+    }
+    assert_eq!(hashes(&on, "a4"), hashes(&off, "a4"));
+    // From "a3": its 20 prompt blocks and the 3 its tail and output fill.
+    assert_eq!(on.hash_memo_counts().0 - before.0, 23);
+}
+
+/// Requests whose hashes do not follow from their tokens alone (a salt, a
+/// `LoRA` adapter, a multimodal item) neither take hashes nor lend theirs;
+/// nor do managers with the memo off or another algorithm.
+#[test]
+fn requests_with_extra_keys_share_no_hashes() {
+    let prompt: Vec<u32> = (100..100 + 16 * 6).collect();
+    let mut rng = Rng(9);
+    for choice in 0..3 {
+        let keyed = loop {
+            let s = specs::with_extra_keys(&mut rng, prompt.clone(), 3, |_| 40);
+            let kind = [
+                s.cache_salt.is_some(),
+                s.lora.is_some(),
+                !s.mm_features.is_empty(),
+            ];
+            if kind[choice] {
+                break s;
+            }
+        };
+        let mut on = manager(16, Some(1), HashAlgo::Sha256Cbor);
+        let mut off = manager(16, Some(0), HashAlgo::Sha256Cbor);
+        for m in [&mut on, &mut off] {
+            m.add_request("plain", plain(prompt.clone())).expect("add");
+            m.add_request("keyed", keyed.clone()).expect("add");
+            m.add_request("plain2", plain(prompt.clone())).expect("add");
+            m.add_request("keyed2", keyed.clone()).expect("add");
+        }
+        for id in ["plain", "keyed", "plain2", "keyed2"] {
+            assert_eq!(hashes(&on, id), hashes(&off, id), "{choice} {id}");
+        }
+        // Only "plain2" takes (from "plain", the last plain request to begin
+        // so): its 6 blocks.
+        assert_eq!(on.hash_memo_counts().0, 6, "{choice}");
+    }
+    for (memo, algo) in [(Some(0), HashAlgo::Sha256Cbor), (None, HashAlgo::Xxh3Native)] {
+        let mut m = manager(16, memo, algo);
+        m.add_request("a", plain(prompt.clone())).expect("add");
+        m.add_request("b", plain(prompt.clone())).expect("add");
+        assert_eq!(m.hash_memo_counts(), (0, 0), "{algo:?}");
+    }
+}
+
+/// Many live requests of shared prefixes cut at any token, with extra keys
+/// now and then, added and removed at random: every hash is the one a
+/// manager without the memo gives, whatever was taken from whom.
+#[test]
+fn shared_hashes_change_no_hash() {
+    for block_size in [16, 5, 1] {
+        let mut rng = Rng(u64::from(block_size) + 40);
+        let roots: Vec<Vec<u32>> = (0..4)
+            .map(|_| (0..120).map(|_| rng.below(1000) as u32).collect())
+            .collect();
+        let mut on = manager(block_size, None, HashAlgo::Sha256Cbor);
+        let mut off = manager(block_size, Some(0), HashAlgo::Sha256Cbor);
+        let mut live: Vec<String> = Vec::new();
+        for i in 0..300 {
+            let root = &roots[rng.below(roots.len() as u64) as usize];
+            let cut = rng.below(root.len() as u64 + 1) as usize;
+            let mut prompt = root[..cut].to_vec();
+            prompt.extend((0..rng.below(40)).map(|_| rng.below(1000) as u32));
+            let s = specs::with_extra_keys(&mut rng, prompt, 8, |rng| rng.below(60));
+            let id = format!("r{i}");
+            for m in [&mut on, &mut off] {
+                m.add_request(&id, s.clone()).expect("add");
+            }
+            assert_eq!(hashes(&on, &id), hashes(&off, &id), "{block_size} {id}");
+            if rng.below(3) == 0 {
+                let out: Vec<u32> = (0..rng.below(30)).map(|_| rng.below(1000) as u32).collect();
+                for m in [&mut on, &mut off] {
+                    m.append_token_ids(&id, &out).expect("append");
+                }
+            }
+            live.push(id);
+            while live.len() > 12 || (rng.below(4) == 0 && !live.is_empty()) {
+                let gone = live.swap_remove(rng.below(live.len() as u64) as usize);
+                for m in [&mut on, &mut off] {
+                    m.remove_request(&gone).expect("remove");
+                }
+            }
+        }
+        assert!(on.hash_memo_counts().0 > 0);
+    }
+}

@@ -188,9 +188,10 @@ impl PyManager {
         self.inner.verification_failures()
     }
 
-    /// Prompt blocks the `sha256_cbor` memo answered (`hash_memo_blocks`)
-    /// instead of hashing them: in place, on the hash worker and in the
-    /// manager's preparers.
+    /// Prompt blocks whose hashes were found instead of computed: answered by
+    /// the `sha256_cbor` memo (`hash_memo_blocks`; in place, on the hash
+    /// worker and in the manager's preparers), or taken from a live request
+    /// the prompt begins like (in place).
     #[getter]
     fn hash_memo_hits(&self) -> u64 {
         self.inner.hash_memo_counts().0

@@ -378,3 +378,23 @@ def test_a_prompt_takes_the_hashes_it_shares_with_a_live_request() -> None:
 def test_a_bad_memo_size_is_refused(value: Any, error: type[Exception]) -> None:
     with pytest.raises(error, match="hash_memo_blocks"):
         make_manager(16, 8, hash_memo_blocks=value)
+
+
+def test_token_buffers_grown_past_a_mebibyte_keep_their_tokens() -> None:
+    """A request's token and hash buffers grow from the module's small-block
+    allocator into the system allocator (a mebibyte and more) and back
+    through removal: every token survives the move, as the hashes show."""
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, 32000, size=300_000, dtype=np.uint32)
+    whole = make_manager(16, 64, max_model_len=400_000)
+    grown = make_manager(16, 64, max_model_len=400_000)
+    whole.add_request("r", prompt)
+    # 800 KB of tokens, then appended past 1 MiB in a few steps.
+    grown.add_request("r", prompt[:200_000])
+    for start in range(200_000, 300_000, 25_000):
+        grown.append_token_ids("r", prompt[start : start + 25_000])
+    assert grown.num_tokens("r") == 300_000
+    assert grown.block_hashes("r") == whole.block_hashes("r")
+    grown.remove_request("r")
+    grown.add_request("again", prompt[:1000])
+    assert grown.block_hashes("again") == whole.block_hashes("r")[: 1000 // 16]

@@ -26,11 +26,11 @@ use crate::pool::{BlockId, BlockPool};
 use crate::request::HashWorker;
 use crate::request::{Request, RequestSpec};
 use crate::request_table::RequestTable;
-use std::hash::{Hash, Hasher};
 pub use crate::request_table::{RequestHandle, RequestRefs};
 use crate::single_type::{GroupBlocks, Need};
 use crate::spec::ManagerConfig;
 use crate::stats::PrefixCacheStats;
+use std::hash::{Hash, Hasher};
 
 /// Result of [`KvCacheManager::get_computed_blocks`]: the prefix-cache hit of a
 /// request, valid until blocks are evicted (it is re-validated when used).

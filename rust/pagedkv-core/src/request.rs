@@ -139,6 +139,8 @@ pub(crate) struct Request {
 
 /// Blocks ahead of the one being hashed whose memo entry is prefetched.
 const MEMO_AHEAD: usize = 8;
+/// Blocks of two prompts compared at once when one takes the other's hashes.
+const SHARED_RUN: usize = 16;
 
 impl Request {
     pub fn new(
@@ -546,12 +548,11 @@ impl Request {
         let bs = hash_block_size;
         let limit = src.hash_vec.len().min(self.tokens.len() / bs);
         let (a, b) = (&self.tokens[..limit * bs], &src.tokens[..limit * bs]);
+        let mut n = 0;
         // Whole runs of blocks compared at once (one `memcmp` each), the run
         // that differs block by block.
-        const RUN: usize = 16;
-        let mut n = 0;
         while n < limit {
-            let end = (n + RUN).min(limit);
+            let end = (n + SHARED_RUN).min(limit);
             if a[n * bs..end * bs] == b[n * bs..end * bs] {
                 n = end;
                 continue;

@@ -325,7 +325,10 @@ fn requests_with_extra_keys_share_no_hashes() {
         // so): its 6 blocks.
         assert_eq!(on.hash_memo_counts().0, 6, "{choice}");
     }
-    for (memo, algo) in [(Some(0), HashAlgo::Sha256Cbor), (None, HashAlgo::Xxh3Native)] {
+    for (memo, algo) in [
+        (Some(0), HashAlgo::Sha256Cbor),
+        (None, HashAlgo::Xxh3Native),
+    ] {
         let mut m = manager(16, memo, algo);
         m.add_request("a", plain(prompt.clone())).expect("add");
         m.add_request("b", plain(prompt.clone())).expect("add");

@@ -1,6 +1,8 @@
 //! `PyO3` binding of pagedkv-core (`pagedkv._core`): conversion and error mapping
 //! only. Block ids leave as int32 `NumPy` arrays; no per-block Python objects.
 //!
+//! - [`alloc`]: the module's allocator (mimalloc for what is below a
+//!   mebibyte);
 //! - [`convert`]: Python arguments to core types, block ids back to arrays;
 //! - [`errors`]: the core's errors to the `pagedkv.errors` exceptions;
 //! - [`manager`]: the `KVCacheManager` and `ComputedBlocks` classes;
@@ -14,6 +16,7 @@
 
 use pyo3::prelude::*;
 
+mod alloc;
 mod convert;
 mod errors;
 mod events;
@@ -33,15 +36,5 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-/// The module's own heap: the manager's requests (their tokens and block
-/// hashes), block lists and result buffers are allocated and freed by
-/// mimalloc, not the process's malloc. Its size-class pages keep a request's
-/// buffers and its neighbours' close together, so a step that reads a hundred
-/// requests' state after the Python scheduler has evicted it from the caches
-/// touches fewer lines and pages (the drive trace's critical path ~5 % lower
-/// with prompts hashed in place, ~10 % with requests prepared ahead; see
-/// BENCHMARKS.md). Only memory Rust allocates goes through it; Python's
-/// objects and `NumPy`'s arrays stay on their own allocators. Thread-local
-/// state is the dynamic model's, for a module loaded by `dlopen`.
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: alloc::ModuleAlloc = alloc::ModuleAlloc;

@@ -143,6 +143,35 @@ const MEMO_AHEAD: usize = 8;
 const SHARED_RUN: usize = 16;
 
 impl Request {
+    /// What a vacant slot of the request table holds: nothing allocated.
+    pub(crate) fn vacant() -> Self {
+        Self {
+            id: String::new(),
+            uid: 0,
+            tokens: Vec::new(),
+            num_prompt_tokens: 0,
+            hash_vec: Vec::new(),
+            ctx_vec: Vec::new(),
+            pending: None,
+            lent: 0,
+            verify: false,
+            lora: None,
+            cache_salt: None,
+            mm: Vec::new(),
+            embed_digests: None,
+            skip_reading: false,
+            session_id: None,
+            num_preemptions: 0,
+            pending_lookup: false,
+            shared_prefix_boundary: 0,
+            num_computed_at_step: 0,
+            admitted: false,
+            scheduled_through: 0,
+            step_limits: (0, 0),
+            group_vec: Vec::new(),
+        }
+    }
+
     pub fn new(
         id: String,
         uid: u64,

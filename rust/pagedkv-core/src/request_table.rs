@@ -53,13 +53,22 @@ const TAG_MASK: u64 = (1 << TAG_BITS) - 1;
 const SLOT_SHIFT: u32 = TAG_BITS;
 const GEN_SHIFT: u32 = TAG_BITS + SLOT_BITS;
 const GEN_MASK: u64 = (1 << GEN_BITS) - 1;
+/// A slot's generation word with this bit set holds a request.
+const LIVE: u32 = 1 << 31;
 
 /// Requests by slot, with the id index and handle resolution.
 #[derive(Debug)]
 pub(crate) struct RequestTable {
-    reqs: Vec<Option<Request>>,
-    /// Generation of each slot, bumped when the slot is vacated, so a handle of
-    /// a removed request never names its successor.
+    /// The requests by slot; a vacant slot holds [`Request::vacant`]. Whether a
+    /// slot holds a request is its generation word's [`LIVE`] bit, not an
+    /// `Option`: a decode step resolves a hundred handles on cold caches, and
+    /// an `Option<Request>`'s discriminant sits in whichever field has the
+    /// widest niche (the `LoRA` id's, in the request's fourth cache line),
+    /// one more line per request than the step reads.
+    reqs: Vec<Request>,
+    /// Generation of each slot (the low bits), bumped when the slot is
+    /// vacated, so a handle of a removed request never names its successor;
+    /// and [`LIVE`] while it holds a request.
     slot_gen: Vec<u32>,
     free_slots: Vec<u32>,
     index: FxHashMap<String, u32>,
@@ -116,8 +125,10 @@ impl RequestTable {
         let slot = (handle >> SLOT_SHIFT) as u32;
         // The tag check also refuses a set top bit (never issued).
         if handle & (TAG_MASK | 1 << 63) == self.tag
-            && self.reqs.get(slot as usize).is_some_and(Option::is_some)
-            && u64::from(self.slot_gen[slot as usize]) & GEN_MASK == handle >> GEN_SHIFT
+            && self
+                .slot_gen
+                .get(slot as usize)
+                .is_some_and(|&g| g & LIVE != 0 && u64::from(g) & GEN_MASK == handle >> GEN_SHIFT)
         {
             return Ok(slot);
         }
@@ -159,35 +170,43 @@ impl RequestTable {
 
     /// The request in a slot, if it holds one.
     pub(crate) fn live(&self, slot: u32) -> Option<&Request> {
-        self.reqs.get(slot as usize).and_then(Option::as_ref)
+        let live = self
+            .slot_gen
+            .get(slot as usize)
+            .is_some_and(|g| g & LIVE != 0);
+        self.reqs.get(slot as usize).filter(|_| live)
     }
 
-    /// The request in an occupied slot.
+    /// The request in an occupied slot (the index maps ids only to occupied
+    /// slots, and handles are checked before use).
     pub(crate) fn get(&self, slot: u32) -> &Request {
-        match &self.reqs[slot as usize] {
-            Some(r) => r,
-            None => unreachable_slot(),
-        }
+        debug_assert!(
+            self.slot_gen[slot as usize] & LIVE != 0,
+            "vacant slot {slot}"
+        );
+        &self.reqs[slot as usize]
     }
 
     /// The request in an occupied slot, mutably.
     pub(crate) fn get_mut(&mut self, slot: u32) -> &mut Request {
-        match &mut self.reqs[slot as usize] {
-            Some(r) => r,
-            None => unreachable_slot(),
-        }
+        debug_assert!(
+            self.slot_gen[slot as usize] & LIVE != 0,
+            "vacant slot {slot}"
+        );
+        &mut self.reqs[slot as usize]
     }
 
     /// Adds a request under `id` (not known yet); returns its slot.
     pub(crate) fn insert(&mut self, id: &str, req: Request) -> Result<u32> {
         let slot = if let Some(s) = self.free_slots.pop() {
-            self.reqs[s as usize] = Some(req);
+            self.reqs[s as usize] = req;
+            self.slot_gen[s as usize] |= LIVE;
             s
         } else {
             let s = u32::try_from(self.reqs.len())
                 .map_err(|_| invalid("the request table is full (2**32 requests)"))?;
-            self.reqs.push(Some(req));
-            self.slot_gen.push(0);
+            self.reqs.push(req);
+            self.slot_gen.push(LIVE);
             s
         };
         self.next_uid += 1;
@@ -198,22 +217,20 @@ impl RequestTable {
     /// Forgets the request in `slot` (named `id`); its handle dies with it.
     pub(crate) fn remove(&mut self, id: &str, slot: u32) {
         self.index.remove(id);
-        self.reqs[slot as usize] = None;
-        self.slot_gen[slot as usize] = self.slot_gen[slot as usize].wrapping_add(1);
+        self.reqs[slot as usize] = Request::vacant();
+        let g = &mut self.slot_gen[slot as usize];
+        *g = (*g & !LIVE).wrapping_add(1) & !LIVE;
         self.free_slots.push(slot);
     }
 
     /// Every live request.
     pub(crate) fn iter(&self) -> impl Iterator<Item = &Request> {
-        self.reqs.iter().flatten()
+        self.reqs
+            .iter()
+            .zip(&self.slot_gen)
+            .filter(|&(_, &g)| g & LIVE != 0)
+            .map(|(r, _)| r)
     }
-}
-
-#[cold]
-fn unreachable_slot() -> ! {
-    // The index maps ids only to occupied slots and handles are checked before
-    // use; reaching this is a bug in the manager, not misuse.
-    unreachable!("request slot without a request")
 }
 
 #[cfg(test)]
@@ -254,6 +271,35 @@ mod tests {
         let h2 = t.handle_of(s2);
         assert_eq!(h2 as u32, h as u32, "same slot, same low word");
         assert_ne!(h2, h);
+    }
+
+    /// Whether a slot holds a request is its live bit: a vacated slot is
+    /// skipped by `iter`, not `live`, its handle refused; refilled, it is live
+    /// again under a new generation.
+    #[test]
+    fn a_vacated_slot_is_not_live() {
+        let mut t = RequestTable::new(3);
+        let slots: Vec<u32> = ["a", "b", "c"]
+            .iter()
+            .enumerate()
+            .map(|(i, id)| t.insert(id, request(i as u64 + 1)).expect("insert"))
+            .collect();
+        let old = t.handle_of(slots[1]);
+        t.remove("b", slots[1]);
+        assert!(t.live(slots[1]).is_none() && t.live(slots[0]).is_some());
+        assert!(t.live(99).is_none());
+        let ids: Vec<&str> = t.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids, ["r1", "r3"]);
+        assert!(t.slot_of_handle(old).is_err());
+        let s = t.insert("d", request(4)).expect("insert");
+        assert_eq!(s, slots[1], "the slot is reused");
+        assert_eq!(t.live(s).map(|r| r.uid), Some(4));
+        assert_eq!(t.slot_of_handle(t.handle_of(s)), Ok(s));
+        assert!(
+            t.slot_of_handle(old).is_err(),
+            "the old generation stays refused"
+        );
+        assert_eq!(t.iter().count(), 3);
     }
 
     #[test]

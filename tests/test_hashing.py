@@ -382,17 +382,19 @@ def test_a_bad_memo_size_is_refused(value: Any, error: type[Exception]) -> None:
 
 def test_token_buffers_grown_past_a_mebibyte_keep_their_tokens() -> None:
     """A request's token and hash buffers grow from the module's small-block
-    allocator into the system allocator (a mebibyte and more) and back
-    through removal: every token survives the move, as the hashes show."""
+    allocator into the system allocator (16 KiB and more) and past a
+    mebibyte, and are freed with the request: every token survives the
+    moves, as the hashes show."""
     rng = np.random.default_rng(5)
     prompt = rng.integers(0, 32000, size=300_000, dtype=np.uint32)
     whole = make_manager(16, 64, max_model_len=400_000)
     grown = make_manager(16, 64, max_model_len=400_000)
     whole.add_request("r", prompt)
-    # 800 KB of tokens, then appended past 1 MiB in a few steps.
-    grown.add_request("r", prompt[:200_000])
-    for start in range(200_000, 300_000, 25_000):
-        grown.append_token_ids("r", prompt[start : start + 25_000])
+    # 3 KB of tokens (200 hashes: 6.6 KB), appended past 16 KiB, then past
+    # 1 MiB.
+    grown.add_request("r", prompt[:800])
+    for start, end in ((800, 5000), (5000, 200_000), (200_000, 300_000)):
+        grown.append_token_ids("r", prompt[start:end])
     assert grown.num_tokens("r") == 300_000
     assert grown.block_hashes("r") == whole.block_hashes("r")
     grown.remove_request("r")

@@ -1,18 +1,24 @@
-//! The module's own heap: what Rust allocates in it (the manager's requests,
-//! their tokens and block hashes, block lists, result buffers) below a
-//! mebibyte comes from mimalloc, the rest from the system allocator.
+//! The module's own heap: what Rust allocates in it below 16 KiB (the
+//! manager's request records and ids, block lists, the hash vectors of most
+//! prompts, result buffers) comes from mimalloc, the rest (token buffers of
+//! longer prompts, a pool's arrays and prefix map, the hash memo) from the
+//! system allocator.
 //!
-//! mimalloc's size-class pages keep a request's buffers and its neighbours'
-//! close together and its frees cheap: a step that reads a hundred requests'
-//! state after the Python scheduler has left the caches cold costs less (see
-//! BENCHMARKS.md, "The module's allocator"). Blocks of a mebibyte and more (a
-//! large pool's arrays and prefix map, the hash memo) go to the system
-//! allocator, whose `mmap` the kernel refuses when it cannot back it: mimalloc
-//! maps with `MAP_NORESERVE`, so a pool larger than the machine would be
-//! granted and the process killed when it is first written, instead of the
-//! manager reporting that it cannot be allocated. Python's objects and
-//! `NumPy`'s arrays stay on their own allocators. mimalloc's thread-local
-//! state uses the dynamic model, for a module loaded by `dlopen`.
+//! mimalloc's size-class pages keep the many small blocks of a hundred running
+//! requests close together and its frees cheap: a step that reads their state
+//! after the Python scheduler has left the caches cold costs less (see
+//! BENCHMARKS.md, "Prompts that begin like a live request, and the module's
+//! allocator"). Larger blocks stay with the system allocator, for two
+//! reasons. mimalloc gave blocks of a freed prompt's size fresh memory more
+//! often than the system allocator, which reuses the freed chunk: page faults
+//! (huge ones, with transparent huge pages) inside a step, and some processes
+//! markedly slower than others. And the system allocator's `mmap` is refused
+//! when the kernel cannot back it, where mimalloc maps with `MAP_NORESERVE`:
+//! a pool larger than the machine would be granted and the process killed
+//! when it is first written, instead of the manager reporting that it cannot
+//! be allocated. Python's objects and `NumPy`'s arrays stay on their own
+//! allocators. mimalloc's thread-local state uses the dynamic model, for a
+//! module loaded by `dlopen`.
 #![allow(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -20,7 +26,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use mimalloc::MiMalloc;
 
 /// Blocks of this many bytes and more come from the system allocator.
-const LARGE: usize = 1 << 20;
+const LARGE: usize = 16 << 10;
 
 /// mimalloc below [`LARGE`] bytes, the system allocator from there.
 pub struct ModuleAlloc;

@@ -1,8 +1,7 @@
 //! `PyO3` binding of pagedkv-core (`pagedkv._core`): conversion and error mapping
 //! only. Block ids leave as int32 `NumPy` arrays; no per-block Python objects.
 //!
-//! - [`alloc`]: the module's allocator (mimalloc for what is below a
-//!   mebibyte);
+//! - [`alloc`]: the module's allocator (mimalloc for blocks below 16 KiB);
 //! - [`convert`]: Python arguments to core types, block ids back to arrays;
 //! - [`errors`]: the core's errors to the `pagedkv.errors` exceptions;
 //! - [`manager`]: the `KVCacheManager` and `ComputedBlocks` classes;

@@ -97,6 +97,8 @@ def one_run(
         / 1e3
         / st.steps,
         "add_us": st.ns.get("add_request", 0) / 1e3 / st.steps,
+        "admit_us": st.ns.get("allocate_slots(admit)", 0) / 1e3 / st.steps,
+        "remove_us": st.ns.get("remove_request", 0) / 1e3 / st.steps,
         # The calls vLLM's manager makes: the sampled tokens' appends apart (a
         # mode that appends in a call of its own); vLLM appends them, and
         # hashes the blocks they fill, in `Request`, outside its manager.
@@ -169,7 +171,9 @@ def main() -> None:
         ("no_append_us", "  without the appends call"),
         ("add_us", "  add_request"),
         ("lookup_us", "  get_computed_blocks"),
+        ("admit_us", "  allocate_slots (admission)"),
         ("decode_us", "  running requests' batch calls"),
+        ("remove_us", "  remove_request"),
         ("cpu_us", "process CPU, all threads"),
         ("wall_us", "loop wall time"),
     ):

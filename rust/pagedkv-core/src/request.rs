@@ -239,15 +239,12 @@ impl Request {
         if n > 0 {
             tokens.reserve_exact(OUTPUT_ROOM);
         }
+        // Counts, hashes and flags start as a vacant slot's.
         Ok(Self {
             id,
             uid,
             tokens,
             num_prompt_tokens: n,
-            hash_vec: Vec::new(),
-            ctx_vec: Vec::new(),
-            pending: None,
-            lent: 0,
             verify,
             lora,
             cache_salt: cache_salt.filter(|s| !s.is_empty()),
@@ -255,14 +252,8 @@ impl Request {
             embed_digests,
             skip_reading: skip_reading_prefix_cache,
             session_id,
-            num_preemptions: 0,
-            pending_lookup: false,
-            shared_prefix_boundary: 0,
-            num_computed_at_step: 0,
-            admitted: false,
-            scheduled_through: 0,
-            step_limits: (0, 0),
             group_vec: vec![GroupBlocks::default(); num_groups],
+            ..Self::vacant()
         })
     }
 

@@ -269,26 +269,27 @@ fn a_prompt_takes_the_hashes_it_shares_with_a_live_request() {
         m.remove_request("c").expect("remove");
         m.append_token_ids("a", &output).expect("append");
     }
-    let before = on.hash_memo_counts();
-    for m in [&mut on, &mut off] {
-        m.add_request("a2", plain(turn.clone())).expect("add");
-    }
-    assert_eq!(hashes(&on, "a2"), hashes(&off, "a2"));
     // The last request to begin so was "c", removed: nothing taken.
-    assert_eq!(on.hash_memo_counts().0, before.0);
+    assert_eq!(add_both(&mut on, &mut off, "a2", &turn), 0);
     for m in [&mut on, &mut off] {
         m.remove_request("a2").expect("remove");
         m.add_request("a3", plain(a.clone())).expect("add");
         m.remove_request("a").expect("remove");
         m.append_token_ids("a3", &output).expect("append");
     }
-    let before = on.hash_memo_counts();
-    for m in [&mut on, &mut off] {
-        m.add_request("a4", plain(turn.clone())).expect("add");
-    }
-    assert_eq!(hashes(&on, "a4"), hashes(&off, "a4"));
     // From "a3": its 20 prompt blocks and the 3 its tail and output fill.
-    assert_eq!(on.hash_memo_counts().0 - before.0, 23);
+    assert_eq!(add_both(&mut on, &mut off, "a4", &turn), 23);
+}
+
+/// Adds a plain request to both managers, checks that they give it the same
+/// hashes, and returns the blocks `on` found instead of hashing.
+fn add_both(on: &mut KvCacheManager, off: &mut KvCacheManager, id: &str, prompt: &[u32]) -> u64 {
+    let before = on.hash_memo_counts().0;
+    for m in [&mut *on, &mut *off] {
+        m.add_request(id, plain(prompt.to_vec())).expect("add");
+    }
+    assert_eq!(hashes(on, id), hashes(off, id), "{id}");
+    on.hash_memo_counts().0 - before
 }
 
 /// Requests whose hashes do not follow from their tokens alone (a salt, a

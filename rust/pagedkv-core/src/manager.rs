@@ -437,6 +437,8 @@ impl KvCacheManager {
             self.hash_block_size,
             self.cfg.verify_cached_tokens && self.cfg.enable_caching,
         )?;
+        // The request's `hash_sources` slot, where it becomes the source.
+        let mut source = None;
         if self.hashing() {
             let full_blocks = req.num_tokens() / self.hash_block_size;
             if full_blocks > 0 && self.start_background_worker() {
@@ -444,16 +446,15 @@ impl KvCacheManager {
                     req.hash_in_background(worker, &self.hasher, self.hash_block_size);
                 }
             } else {
-                let source = self.take_shared_hashes(&mut req);
+                source = self.take_shared_hashes(&mut req);
                 req.update_hashes(&mut self.hasher, self.hash_block_size);
-                let slot = self.table.insert(id, req)?;
-                if let Some(i) = source {
-                    self.hash_sources[i] = (slot, self.table.get(slot).uid);
-                }
-                return Ok(self.table.handle_of(slot));
             }
         }
+        let uid = req.uid;
         let slot = self.table.insert(id, req)?;
+        if let Some(i) = source {
+            self.hash_sources[i] = (slot, uid);
+        }
         Ok(self.table.handle_of(slot))
     }
 
@@ -461,20 +462,20 @@ impl KvCacheManager {
     /// hashes follow its tokens: takes the hashes of the blocks it shares
     /// from the start with the last live request that began like it. Returns
     /// the request's [`Self::hash_sources`] slot (where it becomes the
-    /// source), `None` for a request that is no source.
+    /// source), `None` for a request that is no source. Only such requests
+    /// become sources, and what makes their hashes follow their tokens never
+    /// changes, so a live source with the recorded uid still qualifies.
     fn take_shared_hashes(&mut self, req: &mut Request) -> Option<usize> {
-        let bs = self.hash_block_size;
-        let first = req.tokens().get(..bs)?;
         if self.hash_sources.is_empty() || !req.hashes_follow_tokens() {
             return None;
         }
+        let bs = self.hash_block_size;
         let mut h = rustc_hash::FxHasher::default();
-        first.hash(&mut h);
+        req.tokens().get(..bs)?.hash(&mut h);
         let i = h.finish() as usize % self.hash_sources.len();
         let (slot, uid) = self.hash_sources[i];
         if let Some(src) = self.table.live(slot)
             && src.uid == uid
-            && src.hashes_follow_tokens()
         {
             let n = req.take_shared_hashes(src, bs);
             self.shared_hash_blocks += n as u64;

@@ -124,6 +124,47 @@ def test_one_count_for_every_request_is_broadcast(one: Any) -> None:
         batch_mgr.allocate_slots_batch(ids, 1.0, [0] * len(ids))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    "form",
+    [list, tuple, lambda c: [np.int64(v) for v in c], lambda c: [*c[:-1], np.int32(c[-1])]],
+    ids=["ints", "tuple", "numpy_ints", "one_numpy_int"],
+)
+def test_count_lists_of_any_int_items_read_alike(form: Callable[[list[int]], Any]) -> None:
+    # A list of exact ints is read in place; any other item sends the whole
+    # list through the general conversion, with the same result.
+    prompts = {"a": list(range(16)), "b": [3] * 20, "c": list(range(100, 131))}
+    loop_mgr, batch_mgr, ids = twin_managers(admitted(prompts), block_size=16, num_blocks=40)
+    for t in range(20):
+        computed = step((loop_mgr, batch_mgr), ids, {rid: [1000 + t] for rid in ids})
+        expected = loop_allocate(loop_mgr, ids, [1] * len(ids), computed)
+        assert batch_allocate(batch_mgr, ids, form([1] * len(ids)), form(computed)) == expected
+        assert_same_state(loop_mgr, batch_mgr, ids)
+
+
+@pytest.mark.parametrize(
+    ("counts", "exc", "match"),
+    [
+        ([1, -1, 1], InvalidArgumentError, "non-negative, got -1"),
+        ([1, np.int64(-2), 1], InvalidArgumentError, "non-negative, got -2"),
+        ([1, 2**70, 1], OverflowError, None),
+        ([1, "1", 1], TypeError, None),
+        ([1, 1.0, 1], TypeError, None),
+    ],
+    ids=["negative", "negative_numpy", "too_large", "str", "float"],
+)
+def test_bad_items_in_a_count_list_are_refused_and_change_nothing(
+    counts: list[Any], exc: type[BaseException], match: str | None
+) -> None:
+    mgr = make_manager(log_stats=True, enable_kv_cache_events=True)
+    ids = admitted({"a": [1] * 20, "b": [2] * 20, "c": [3] * 20})(mgr)
+    before = snapshot(mgr, ids)
+    for new, computed in ((counts, [20, 20, 20]), ([1, 1, 1], counts)):
+        with pytest.raises(exc, match=match):
+            mgr.allocate_slots_batch(ids, new, computed)
+        assert snapshot(mgr, ids) == before
+    mgr.check_invariants()
+
+
 def test_broadcast_count_follows_the_batch_size_and_value_from_call_to_call() -> None:
     # The broadcast array is reused between calls: a smaller batch, or another
     # count, must never see the previous call's array.

@@ -19,11 +19,30 @@
 //! be allocated. Python's objects and `NumPy`'s arrays stay on their own
 //! allocators. mimalloc's thread-local state uses the dynamic model, for a
 //! module loaded by `dlopen`.
+//!
+//! mimalloc returns the memory of pages left empty to the OS a second after
+//! they empty (its `purge_delay`); a page reused after that faults again, a
+//! 2 MiB huge page at a time where transparent huge pages are on, each fault
+//! zeroing it inside a manager call. The module keeps them instead
+//! ([`keep_freed_pages`]): its small blocks are a live request's records, so
+//! what it holds is bounded by the most requests it held at once.
 #![allow(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
 
 use mimalloc::MiMalloc;
+
+/// mimalloc's `mi_option_purge_delay` (its `mimalloc.h`, version 3).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Tells mimalloc never to return the module's empty pages to the OS (see the
+/// module docs), unless `MIMALLOC_PURGE_DELAY` in the environment says
+/// otherwise. Called when the module loads.
+pub fn keep_freed_pages() {
+    // SAFETY: sets an option's value; takes no pointers, and mimalloc reads
+    // its options at any time.
+    unsafe { libmimalloc_sys::mi_option_set_default(MI_OPTION_PURGE_DELAY, -1) }
+}
 
 /// Blocks of this many bytes and more come from the system allocator.
 const LARGE: usize = 16 << 10;

@@ -471,7 +471,9 @@ fn block_hash_item(item: &Bound<'_, PyAny>) -> PkResult<BlockHash> {
 /// Counts, one per request of a batch of `n`, or one count for all of them (an
 /// int, or a `NumPy` or torch integer scalar).
 pub fn counts_or_one(name: &str, obj: &Bound<'_, PyAny>, n: usize) -> PkResult<Vec<u64>> {
-    if obj.len().is_err() {
+    // An int first: asking it for a length raises (and clears) a TypeError,
+    // which cost more than the rest of a one-request batch call.
+    if obj.is_instance_of::<PyInt>() || obj.len().is_err() {
         // No sequence: one count (an int too large, or no int, refused here).
         return Ok(vec![count(name, obj.extract::<i64>()?)?; n]);
     }
@@ -541,6 +543,19 @@ pub fn appended_tokens(obj: &Bound<'_, PyAny>, n: usize) -> PkResult<Vec<Option<
 
 /// Non-negative counts from an int `NumPy` array or a sequence.
 pub fn counts(name: &str, obj: &Bound<'_, PyAny>) -> PkResult<Vec<u64>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        // Exact ints read in place; anything else converted (or refused) by
+        // the general path.
+        let n = list.len();
+        let mut v = Vec::with_capacity(n);
+        for i in 0..n {
+            match exact_int_item(list, i) {
+                Some(c) if c >= 0 => v.push(c as u64),
+                _ => return counts_of(name, obj),
+            }
+        }
+        return Ok(v);
+    }
     let read = int_slice(obj, |items| match items {
         IntSlice::I64(a) => non_negative(name, a.iter().copied()),
         IntSlice::I32(a) => non_negative(name, a.iter().map(|&v| i64::from(v))),
@@ -550,6 +565,11 @@ pub fn counts(name: &str, obj: &Bound<'_, PyAny>) -> PkResult<Vec<u64>> {
     if let Some(read) = read {
         return read;
     }
+    counts_of(name, obj)
+}
+
+/// [`counts`] of any sequence, item by item.
+fn counts_of(name: &str, obj: &Bound<'_, PyAny>) -> PkResult<Vec<u64>> {
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error(format!("{name} must be a sequence of ints")));
     }

@@ -31,6 +31,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     hash::register(m)?;
     index::register(m)?;
     prepared::register(m)?;
+    alloc::keep_freed_pages();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -682,9 +682,12 @@ impl PyManager {
         let py = slf.py();
         let per_group = PyTuple::new(
             py,
-            per_group
-                .into_iter()
-                .map(|(ids, off)| (PyArray1::from_vec(py, ids), PyArray1::from_vec(py, off))),
+            per_group.into_iter().map(|(ids, off)| {
+                (
+                    PyArray1::from_slice(py, &ids),
+                    PyArray1::from_slice(py, &off),
+                )
+            }),
         )?;
         Ok((num_allocated, per_group))
     }

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pagedkv as pk
 import pytest
-from _util import as_lists, make_manager, snapshot
+from _util import admit, as_lists, make_manager, snapshot
 from pagedkv.errors import InvalidArgumentError, UnknownRequestError
 
 
@@ -192,6 +192,38 @@ def test_integer_arrays_of_any_layout_read_as_their_values(dtype: Any) -> None:
     expected = run(lambda v, _dt: list(v))
     for layout in ("contiguous", "strided", "byte-swapped", "misaligned"):
         assert run(lambda v, dt, layout=layout: _layouts(v, dt)[layout]) == expected, layout
+
+
+@pytest.mark.parametrize("length", [1023, 1024, 1025, 4000])
+@pytest.mark.parametrize("dtype", [np.uint32, np.int64])
+def test_arrays_either_side_of_the_copied_size_read_alike(length: int, dtype: Any) -> None:
+    """Arrays of up to 1,024 items are copied out, longer ones read in place:
+    prompts and count arrays of either size, in every layout, read as lists."""
+    prompt = [t * 37 % 60_000 for t in range(length)]
+    ref = make_manager(16, 512, max_model_len=8192)
+    ref.add_request("list", prompt)
+    for name, arr in _layouts(prompt, dtype).items():
+        m = make_manager(16, 512, max_model_len=8192)
+        m.add_request("r", arr)
+        assert m.block_hashes("r") == ref.block_hashes("list"), name
+        assert m.num_tokens("r") == length, name
+    # Up to 1,100 requests of one full block, each taking a second one:
+    # handles and counts of about that length.
+    n = min(length, 1100)
+    for name, form in [("list", list), *[(k, k) for k in _layouts([0], np.int64)]]:
+        m = make_manager(4, 2 * n + 8, max_model_len=64)
+        handles = [m.add_request(f"r{i}", [i, i + 1, i + 2, i + 3]) for i in range(n)]
+        for i in range(n):
+            admit(m, f"r{i}")
+
+        def arr(v: list[int], dt: Any, form: Any = form) -> Any:
+            return list(v) if form is list else _layouts(v, dt)[form]
+
+        got = m.allocate_slots_batch(
+            arr(handles, np.int64), arr([1] * n, dtype), arr([4] * n, dtype)
+        )
+        assert got[0] == n, name
+        assert got[1][0][1].tolist() == list(range(n + 1)), name
 
 
 @pytest.mark.parametrize("dtype", [np.uint32, np.int64])

@@ -3,8 +3,8 @@
 //! here; what a value means, and whether it is allowed, is the core's business.
 
 use numpy::{
-    Element, PyArray1, PyArrayDescr, PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray,
-    PyUntypedArrayMethods,
+    Element, PyArray1, PyArrayDescr, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray1,
+    PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedStr;
@@ -198,10 +198,16 @@ impl IntSlice<'_> {
     }
 }
 
+/// Arrays of at most this many items (a batch's counts or handles, a short
+/// prompt) are copied out instead of borrowed: `numpy`'s borrow tracking
+/// costs ~60 ns an array, more than such a copy; a longer array (a prompt
+/// the caller copies anyway) is read in place.
+const SMALL_ARRAY: usize = 1024;
+
 /// `f` of the items of `obj` when it is a one-dimensional `NumPy` array of 32-
 /// or 64-bit integers; None for anything else (the caller's general path reads
 /// it item by item). A contiguous, aligned array in native byte order is read
-/// in place; any other (a strided view, a byte-swapped or misaligned buffer:
+/// in place (copied out first when it has at most [`SMALL_ARRAY`] items); any other (a strided view, a byte-swapped or misaligned buffer:
 /// its typed read refused) is first copied by `NumPy` into one that is, and
 /// one whose items overlap (a broadcast view) is refused. The
 /// item type is read off the array's descriptor, so only the matching typed
@@ -218,7 +224,15 @@ pub fn int_slice<R>(
         d: &Bound<'_, PyArrayDescr>,
         f: impl FnOnce(&[T]) -> PkResult<R>,
     ) -> PkResult<R> {
-        if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, T>>()
+        if a.len() <= SMALL_ARRAY {
+            // `to_vec` refuses what the borrowed read would (a strided,
+            // misaligned or byte-swapped array), which then takes the copy below.
+            if let Ok(a) = obj.cast::<PyArray1<T>>()
+                && let Ok(items) = a.to_vec()
+            {
+                return f(&items);
+            }
+        } else if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, T>>()
             && let Ok(items) = a.as_slice()
         {
             return f(items);

@@ -17,7 +17,7 @@ def test_freed_request_memory_is_reused_without_page_faults() -> None:
     # Prompts of ~10 KB, below the 16 KiB the module's small-block allocator
     # (mimalloc) serves: their token buffers and hash vectors come from it.
     # Left to its defaults, mimalloc hands the memory of pages left empty back
-    # to the OS some milliseconds later, and the next wave of requests faults
+    # to the OS a second later, and the next wave of requests faults
     # it in again (hundreds of faults here, 2 MiB huge pages each where
     # transparent huge pages are on); the module keeps it.
     prompts = [np.arange(i * 5000, i * 5000 + 2500, dtype=np.uint32) for i in range(300)]

@@ -207,9 +207,10 @@ const SMALL_ARRAY: usize = 1024;
 /// `f` of the items of `obj` when it is a one-dimensional `NumPy` array of 32-
 /// or 64-bit integers; None for anything else (the caller's general path reads
 /// it item by item). A contiguous, aligned array in native byte order is read
-/// in place (copied out first when it has at most [`SMALL_ARRAY`] items); any other (a strided view, a byte-swapped or misaligned buffer:
-/// its typed read refused) is first copied by `NumPy` into one that is, and
-/// one whose items overlap (a broadcast view) is refused. The
+/// in place (copied out first when it has at most [`SMALL_ARRAY`] items); any
+/// other (a strided view, a byte-swapped or misaligned buffer: its typed read
+/// refused) is first copied by `NumPy` into one that is, and one whose items
+/// overlap (a broadcast view) is refused. The
 /// item type is read off the array's descriptor, so only the matching typed
 /// read is tried (each typed read refused asks `NumPy` whether two dtypes are
 /// equivalent).

@@ -17,6 +17,7 @@ from .errors import PagedKVError
 from .manager import HASH_ALGOS
 from .sim import runner
 from .sim.cluster import ROUTERS
+from .sim.outputs import OutputPathError, check_output
 from .sim.perf import GPUS
 from .sim.runner import EngineUnavailableError, SimConfig, SimResult
 from .sim.steptime import LinearModel
@@ -461,13 +462,7 @@ def _simulate(args: argparse.Namespace) -> int:
             plot._format(args.plot)
         except ValueError as e:
             raise _UsageError(str(e)) from None
-    for option, path in (
-        ("--plot", args.plot),
-        ("--csv", args.csv),
-        ("--save-trace", args.save_trace),
-    ):
-        if path:
-            _check_output_path(option, path)
+    _check_outputs(args)
     axes = _parse_compare([args.sweep] if args.sweep else args.compare)
     if args.save_trace and any(a == "workload" for a, _ in axes):
         raise _UsageError(
@@ -630,18 +625,25 @@ def _simulate(args: argparse.Namespace) -> int:
     return _write_outputs(out, args.json, outputs)
 
 
-def _check_output_path(option: str, path: str) -> None:
-    """Refuses, before any simulation, an output file that cannot be written."""
-    target = os.path.abspath(path)
-    parent = os.path.dirname(target)
-    if os.path.isdir(target):
-        raise _UsageError(f"{option} {path}: is a directory")
-    if not os.path.isdir(parent):
-        raise _UsageError(f"{option} {path}: no directory {parent}")
-    if not os.access(parent, os.W_OK) or (
-        os.path.exists(target) and not os.access(target, os.W_OK)
-    ):
-        raise _UsageError(f"{option} {path}: not writable")
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuses, before any simulation, an output that cannot be written or that
+    would overwrite an input (the trace, the model's config.json) or another
+    output (``pagedkv.sim.outputs``)."""
+    inputs = [p for p in (args.trace, args.model) if p and os.path.exists(p)]
+    given = [
+        (option, path)
+        for option, path in (
+            ("--plot", args.plot),
+            ("--csv", args.csv),
+            ("--save-trace", args.save_trace),
+        )
+        if path is not None
+    ]
+    for i, (option, path) in enumerate(given):
+        try:
+            check_output(path, inputs=inputs, others=[p for _, p in given[:i]], what=option)
+        except OutputPathError as e:
+            raise _UsageError(str(e)) from None
 
 
 def _write_outputs(

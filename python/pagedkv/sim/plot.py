@@ -9,12 +9,12 @@ value. The file's extension picks the format (``.png``, ``.svg``, ``.pdf``).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .outputs import open_output
 from .runner import SimResult
 
 __all__ = ["FIGSIZE", "ROLLING_STEPS", "plot_results", "plot_sweep", "rolling_hit_rate"]
@@ -47,16 +47,11 @@ def _figure(path: str, rows: int, cols: int) -> Iterator[tuple[Any, Any]]:
     fig, axes = plt.subplots(rows, cols, figsize=FIGSIZE, dpi=DPI, squeeze=False)
     try:
         yield fig, axes
-        # No tight bbox: the image keeps exactly FIGSIZE * DPI pixels. Written
-        # beside the target and renamed over it: an interrupted run leaves no
-        # half image.
-        target = Path(path)
-        tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-        try:
-            fig.savefig(tmp, dpi=DPI, format=fmt)
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
+        # No tight bbox: the image keeps exactly FIGSIZE * DPI pixels. A regular
+        # file is written beside the target and renamed over it: an interrupted
+        # run leaves no half image.
+        with open_output(path, "wb") as f:
+            fig.savefig(f, dpi=DPI, format=fmt)
     finally:
         plt.close(fig)
 

@@ -9,12 +9,12 @@ the points as one flat row each.
 from __future__ import annotations
 
 import csv
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..errors import PagedKVError
+from .outputs import open_output
 from .runner import SimResult
 
 __all__ = ["CSV_COLUMNS", "point", "run_point", "write_csv"]
@@ -101,14 +101,8 @@ def _flat(p: dict[str, Any]) -> dict[str, Any]:
 
 def write_csv(points: Sequence[dict[str, Any]], path: str | Path) -> None:
     """Writes one row per point (``CSV_COLUMNS``; empty cells where a point did not run)."""
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-            w.writeheader()
-            for p in points:
-                w.writerow(_flat(p))
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with open_output(path, newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for p in points:
+            w.writerow(_flat(p))

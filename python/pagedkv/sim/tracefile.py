@@ -38,13 +38,13 @@ import gzip
 import io
 import json
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
+from .outputs import check_output, open_output
 from .policy import Request
 from .workloads import Workload
 
@@ -300,16 +300,13 @@ def write_trace(workload: Workload, path: str | Path) -> None:
     """Writes ``workload`` as a trace file (steps, explicit token ids; a turn that
     extends its session's previous turn is written with ``history``)."""
     last: dict[str, Request] = {}
-    path = Path(path)
-    # Written beside the target and renamed over it once complete: an
-    # interrupted write leaves no trace file (and a cut one fails to read).
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            _write_records(workload, f, last)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    trace = workload.params.get("trace")
+    check_output(path, inputs=[str(trace)] if trace else [], what="trace")
+    # A regular file is written beside the target and renamed over it once
+    # complete: an interrupted write leaves no trace file (and a cut one, read
+    # through a FIFO, fails to read: its end record is missing).
+    with open_output(path) as f:
+        _write_records(workload, f, last)
 
 
 def _write_records(workload: Workload, f: Any, last: dict[str, Request]) -> None:

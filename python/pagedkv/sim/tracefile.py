@@ -35,12 +35,12 @@ trace file always gives the same requests.
 from __future__ import annotations
 
 import gzip
-import io
 import json
 import math
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import numpy as np
 
@@ -79,12 +79,32 @@ class TraceFormatError(ValueError):
 
 #: Longest line read (a file without newlines, ``/dev/zero``, stops here).
 MAX_LINE_BYTES = 64 << 20
+#: Most lines read, blank lines and comments included (a gzip of blank lines
+#: stops here).
+MAX_LINES = 10_000_000
+#: Most bytes read from a trace, after gunzipping.
+MAX_TRACE_BYTES = 2 << 30
+#: Most requests in one trace.
+MAX_REQUESTS = 1_000_000
 #: Most tokens one request may hold (its prompt, history included, plus output).
 MAX_REQUEST_TOKENS = 10_000_000
 #: Most tokens all requests and prefixes of a trace may hold together.
 MAX_TOTAL_TOKENS = 200_000_000
 #: Latest arrival, pause or step count (2**40 steps).
 MAX_STEPS = 1 << 40
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number (JSON has no {name})")
+
+
+def loads(line: str) -> Any:
+    """One JSON value of a trace line; ``NaN`` / ``Infinity`` and nesting deeper
+    than Python's recursion limit are refused (``ValueError``)."""
+    try:
+        return json.loads(line, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def _int_list(v: Any, what: str) -> np.ndarray:
@@ -125,30 +145,55 @@ def _seconds(rec: dict[str, Any], seconds_key: str, steps_key: str) -> float | N
     return float(rec[seconds_key])
 
 
-def open_text(path: str | Path) -> IO[str]:
-    """The file as text, gunzipped when it starts with gzip's magic bytes."""
+def _open_bytes(path: str | Path) -> IO[bytes]:
     with open(path, "rb") as f:
         magic = f.read(2)
     if magic == b"\x1f\x8b":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return cast(IO[bytes], gzip.open(path, "rb"))
+    return open(path, "rb")
 
 
 def bounded_lines(path: str | Path) -> Iterator[tuple[int, str]]:
-    """The file's non-blank lines, stripped, with their numbers; a line longer
-    than ``MAX_LINE_BYTES`` (a file without newlines) is refused."""
-    with open_text(path) as f:
-        lineno = 0
+    """The file's non-blank lines, stripped, with their numbers (gunzipped, a
+    UTF-8 byte-order mark dropped). Refused with :class:`TraceFormatError`: a line
+    longer than ``MAX_LINE_BYTES`` (a file without newlines), more than
+    ``MAX_LINES`` lines (blank ones included) or ``MAX_TRACE_BYTES`` bytes, a
+    truncated or corrupt gzip stream, text that is not UTF-8."""
+    lineno = 0
+    read = 0
+    with _open_bytes(path) as f:
         while True:
-            raw = f.readline(MAX_LINE_BYTES + 1)
+            try:
+                raw = f.readline(MAX_LINE_BYTES + 1)
+            except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+                why = "the gzip stream ends early" if isinstance(e, EOFError) else str(e)
+                raise TraceFormatError(
+                    f"{path}:{lineno + 1}: truncated or corrupt gzip ({why})"
+                ) from None
             if not raw:
                 return
             lineno += 1
+            read += len(raw)
             if len(raw) > MAX_LINE_BYTES:
                 raise TraceFormatError(
                     f"{path}:{lineno}: a line longer than the limit of {MAX_LINE_BYTES} bytes"
                 )
-            line = raw.strip()
+            if lineno > MAX_LINES:
+                raise TraceFormatError(
+                    f"{path}:{lineno}: more lines than the limit of {MAX_LINES:,} "
+                    "(blank lines included)"
+                )
+            if read > MAX_TRACE_BYTES:
+                raise TraceFormatError(
+                    f"{path}:{lineno}: more than the limit of {MAX_TRACE_BYTES:,} bytes "
+                    "(after gunzipping)"
+                )
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise TraceFormatError(f"{path}:{lineno}: not UTF-8 text ({e.reason})") from None
             if line:
                 yield lineno, line
 
@@ -171,10 +216,7 @@ def read_trace(path: str | Path, *, step_ms: float = 50.0) -> Workload:
         if complete:
             raise TraceFormatError(f"{path}:{lineno}: a record after the end record")
         try:
-            try:
-                rec = json.loads(line)
-            except RecursionError:
-                raise ValueError("JSON nested too deeply") from None
+            rec = loads(line)
             if not isinstance(rec, dict):
                 raise ValueError("each line must be a JSON object")
             kind = rec.get("type", "request")
@@ -203,6 +245,8 @@ def read_trace(path: str | Path, *, step_ms: float = 50.0) -> Workload:
                     prefixes[pid] = rng.integers(0, vocab, count(rec["len"], "len"))
                 total += len(prefixes[pid])
             elif kind == "request":
+                if len(reqs) >= MAX_REQUESTS:
+                    raise ValueError(f"more requests than the limit of {MAX_REQUESTS:,}")
                 req = _request(rec, len(reqs), rng, vocab, prefixes, last_turn, step_ms)
                 if req.request_id in ids:
                     raise ValueError(f"duplicate request id {req.request_id!r}")
@@ -269,6 +313,11 @@ def _request(
             raise ValueError("output must hold at least one token")
     else:
         output = rng.integers(0, vocab, count(rec["output_len"], "output_len", 1)).tolist()
+    if len(prompt) + len(output) > MAX_REQUEST_TOKENS:
+        raise ValueError(
+            f"a request of {len(prompt)} prompt and {len(output)} output tokens is past the "
+            f"limit of {MAX_REQUEST_TOKENS} tokens"
+        )
     lora = rec.get("lora")
     req = Request(
         request_id=str(rec.get("id", f"r{index}")),

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
-import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,11 +38,14 @@ import numpy as np
 
 from .policy import Request
 from .tracefile import (
+    MAX_REQUEST_TOKENS,
+    MAX_REQUESTS,
     MAX_STEPS,
     MAX_TOTAL_TOKENS,
     TraceFormatError,
     bounded_lines,
     count,
+    loads,
     read_trace,
     seconds_to_steps,
 )
@@ -64,6 +67,15 @@ MOONCAKE_BLOCK = 512
 VOCAB = 32000
 
 
+def _csv_header(line: str) -> list[str]:
+    """A CSV header line's column names, unquoted and stripped."""
+    try:
+        row = next(csv.reader([line]), [])
+    except csv.Error:
+        return []
+    return [c.strip() for c in row]
+
+
 def detect_format(path: str | Path) -> str:
     """The format of a trace file, from its first non-blank line (pagedkv's own
     JSONL unless it is recognisably another)."""
@@ -72,13 +84,13 @@ def detect_format(path: str | Path) -> str:
             continue
         if line.startswith("{"):
             try:
-                rec = json.loads(line)
-            except (ValueError, RecursionError):
+                rec = loads(line)
+            except ValueError:
                 return "pagedkv"  # its reader names what is wrong
             if isinstance(rec, dict) and "hash_ids" in rec and "input_length" in rec:
                 return "mooncake"
             return "pagedkv"
-        header = [c.strip() for c in line.split(",")]
+        header = _csv_header(line)
         if "Request tokens" in header and "Response tokens" in header:
             return "burstgpt"
         if "ContextTokens" in header and "GeneratedTokens" in header:
@@ -88,9 +100,9 @@ def detect_format(path: str | Path) -> str:
     return "pagedkv"
 
 
-def _count(v: Any, what: str, where: str, minimum: int = 0) -> int:
-    """:func:`~pagedkv.sim.tracefile.count`, also of a CSV field's digits."""
-    if isinstance(v, str) and v.strip().isdigit():
+def _count(v: Any, what: str, where: str, minimum: int = 0, *, text: bool = False) -> int:
+    """:func:`~pagedkv.sim.tracefile.count`; ``text``: a CSV field's digits."""
+    if text and isinstance(v, str) and v.strip().isascii() and v.strip().isdigit():
         v = int(v.strip())
     try:
         return count(v, what, minimum)
@@ -108,26 +120,62 @@ def _step(seconds: float, step_ms: float, where: str) -> int:
 
 
 class _Budget:
-    """Counts tokens against ``MAX_TOTAL_TOKENS``."""
+    """Counts requests and tokens against ``MAX_REQUESTS``, ``MAX_REQUEST_TOKENS``
+    (one request's prompt and output together) and ``MAX_TOTAL_TOKENS``."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path, self.total = path, 0
+        self.path, self.total, self.requests = path, 0, 0
 
-    def add(self, n: int, lineno: int) -> None:
-        self.total += n
+    def add(self, prompt: int, output: int, lineno: int) -> None:
+        where = f"{self.path}:{lineno}"
+        self.requests += 1
+        if self.requests > MAX_REQUESTS:
+            raise TraceFormatError(f"{where}: more requests than the limit of {MAX_REQUESTS:,}")
+        if prompt + output > MAX_REQUEST_TOKENS:
+            raise TraceFormatError(
+                f"{where}: a request of {prompt} prompt and {output} output tokens is past "
+                f"the limit of {MAX_REQUEST_TOKENS} tokens"
+            )
+        self.total += prompt + output
         if self.total > MAX_TOTAL_TOKENS:
             raise TraceFormatError(
-                f"{self.path}:{lineno}: the trace's tokens are past the limit of {MAX_TOTAL_TOKENS}"
+                f"{where}: the trace's tokens are past the limit of {MAX_TOTAL_TOKENS}"
             )
 
 
-def _mooncake_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+class _Record:
+    """One request of a lengths-and-arrivals trace, validated: arrival in seconds
+    (as the file gives it), prompt and output lengths (an output of 0 is 1), and
+    Mooncake's block hash ids."""
+
+    __slots__ = ("arrival_s", "hash_ids", "input_length", "lineno", "output_length")
+
+    def __init__(
+        self, lineno: int, arrival_s: float, n: int, out: int, hash_ids: list[int]
+    ) -> None:
+        self.lineno, self.arrival_s = lineno, arrival_s
+        self.input_length, self.output_length, self.hash_ids = n, out, hash_ids
+
+
+def _finite_seconds(v: float, what: str, where: str) -> float:
+    if not math.isfinite(v) or abs(v) > _MAX_SECONDS:
+        raise TraceFormatError(
+            f"{where}: {what} {v!r} s is outside -{_MAX_SECONDS:g}..{_MAX_SECONDS:g} s"
+        )
+    return v
+
+
+#: Largest absolute time read from a trace (seconds; ~31,700 years).
+_MAX_SECONDS = 1e12
+
+
+def _mooncake_records(path: str | Path) -> Iterator[_Record]:
+    """The one reader of Mooncake traces (``simulate`` and ``trace-stats``)."""
+    budget = _Budget(path)
     for lineno, line in bounded_lines(path):
         where = f"{path}:{lineno}"
         try:
-            rec = json.loads(line)
-        except RecursionError:
-            raise TraceFormatError(f"{where}: JSON nested too deeply") from None
+            rec = loads(line)
         except ValueError as e:
             raise TraceFormatError(f"{where}: {e}") from None
         if not isinstance(rec, dict):
@@ -146,78 +194,111 @@ def _mooncake_records(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 f"{where}: {len(ids)} hash ids of {MOONCAKE_BLOCK} tokens do not make "
                 f"input_length {n}"
             )
-        yield lineno, rec
+        out = max(1, _count(rec["output_length"], "output_length", where))
+        ts = rec["timestamp"]
+        if isinstance(ts, bool) or not isinstance(ts, int | float):
+            raise TraceFormatError(
+                f"{where}: timestamp must be a number of milliseconds, got {ts!r}"
+            )
+        secs = _finite_seconds(float(ts) / 1000.0, "timestamp", where)
+        if secs < 0:
+            raise TraceFormatError(f"{where}: timestamp {ts!r} is negative")
+        budget.add(n, out, lineno)
+        yield _Record(lineno, secs, n, out, ids)
 
 
 def _read_mooncake(path: str | Path, step_ms: float, seed: int) -> Workload:
     blocks: dict[int, np.ndarray] = {}
-    budget = _Budget(path)
     reqs: list[Request] = []
-    for lineno, rec in _mooncake_records(path):
-        where = f"{path}:{lineno}"
-        n = rec["input_length"]
-        out_len = max(1, _count(rec["output_length"], "output_length", where))
-        budget.add(n + out_len, lineno)
+    for rec in _mooncake_records(path):
+        where = f"{path}:{rec.lineno}"
         parts = []
-        for h in rec["hash_ids"]:
+        for h in rec.hash_ids:
             block = blocks.get(h)
             if block is None:
                 rng = np.random.Generator(np.random.PCG64([seed, h]))
                 block = blocks[h] = rng.integers(0, VOCAB, MOONCAKE_BLOCK)
             parts.append(block)
-        prompt = np.concatenate(parts)[:n]
-        ts = rec["timestamp"]
-        if isinstance(ts, bool) or not isinstance(ts, int | float):
-            raise TraceFormatError(f"{where}: timestamp must be a number of milliseconds")
-        out_rng = np.random.Generator(np.random.PCG64([seed, 1 << 62, lineno]))
+        prompt = np.concatenate(parts)[: rec.input_length]
+        out_rng = np.random.Generator(np.random.PCG64([seed, 1 << 62, rec.lineno]))
         reqs.append(
             Request(
                 request_id=f"r{len(reqs)}",
                 prompt=prompt,
-                output=out_rng.integers(0, VOCAB, out_len).tolist(),
-                arrival_step=_step(float(ts) / 1000.0, step_ms, where),
-                arrival_s=float(ts) / 1000.0,
+                output=out_rng.integers(0, VOCAB, rec.output_length).tolist(),
+                arrival_step=_step(rec.arrival_s, step_ms, where),
+                arrival_s=rec.arrival_s,
             )
         )
     return _workload(path, reqs, "mooncake", step_ms)
 
 
 def _csv_rows(path: str | Path) -> Iterator[tuple[int, dict[str, str]]]:
-    text = (line for _, line in bounded_lines(path))
-    rows = csv.DictReader(text)
-    row = 1
+    numbered = bounded_lines(path)
+    lines: list[int] = []
+
+    def text() -> Iterator[str]:
+        for lineno, line in numbered:
+            lines.append(lineno)
+            yield line
+
+    rows = csv.DictReader(text())
+    try:
+        names = rows.fieldnames
+    except csv.Error as e:
+        raise TraceFormatError(f"{path}:1: {e}") from None
+    if names is not None:
+        # Column names unquoted and stripped (``"Request tokens"``, ``" TIMESTAMP"``).
+        rows.fieldnames = [n.strip() for n in names]
     while True:
-        row += 1
         try:
             fields = next(rows)
         except StopIteration:
             return
         except csv.Error as e:  # an oversized field, a NUL byte, a broken quote
-            raise TraceFormatError(f"{path}:{row}: {e}") from None
-        yield row, fields
+            raise TraceFormatError(f"{path}:{lines[-1] if lines else 1}: {e}") from None
+        yield lines[-1], fields
+
+
+_AZURE_STAMP = re.compile(
+    r"(?P<head>\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2})?)"
+    r"(?:[.,](?P<frac>\d+))?"
+    r"\s*(?P<tz>Z|UTC|[+-]\d{2}(?::?\d{2})?)?"
+)
 
 
 def _azure_seconds(stamp: str, where: str) -> float:
-    s = stamp.strip()
+    """Seconds since the epoch of an Azure ``TIMESTAMP``: a date and time with any
+    number of fraction digits (Azure writes 7; past nanoseconds they are
+    dropped), and an optional UTC offset (``+05:00``, ``-0800``, ``Z``; none: UTC)."""
+    m = _AZURE_STAMP.fullmatch(stamp.strip())
+    if m is None:
+        raise TraceFormatError(f"{where}: TIMESTAMP {stamp!r} is not a date and time")
     try:
-        # Fractions past microseconds (Azure writes 7 digits) are dropped.
-        head, dot, frac = s.partition(".")
-        t = dt.datetime.fromisoformat(head if not dot else f"{head}.{frac[:6]}")
+        t = dt.datetime.fromisoformat(m["head"].replace(" ", "T"))
     except ValueError:
         raise TraceFormatError(f"{where}: TIMESTAMP {stamp!r} is not a date and time") from None
-    if t.tzinfo is None:
-        t = t.replace(tzinfo=dt.timezone.utc)
-    return t.timestamp()
+    offset = 0
+    tz = m["tz"]
+    if tz and tz not in ("Z", "UTC"):
+        digits = tz[1:].replace(":", "")
+        hours, minutes = int(digits[:2]), int(digits[2:4] or 0)
+        if hours > 23 or minutes > 59:
+            raise TraceFormatError(f"{where}: TIMESTAMP {stamp!r} has a bad UTC offset")
+        offset = (1 if tz[0] == "+" else -1) * (hours * 3600 + minutes * 60)
+    frac: str = (m["frac"] or "0")[:9]  # nanoseconds at most
+    seconds = t.replace(tzinfo=dt.timezone.utc).timestamp() - offset
+    return float(seconds + int(frac) / 10 ** len(frac))
 
 
-def _read_lengths(path: str | Path, fmt: str, step_ms: float, seed: int) -> Workload:
+def _length_records(path: str | Path, fmt: str) -> Iterator[_Record]:
+    """The one reader of BurstGPT and Azure CSV traces (``simulate`` and
+    ``trace-stats``): arrivals as the file gives them, in seconds."""
     cols = {
         "burstgpt": ("Timestamp", "Request tokens", "Response tokens"),
         "azure": ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
     }[fmt]
     budget = _Budget(path)
-    reqs: list[Request] = []
-    first: float | None = None
     for lineno, row in _csv_rows(path):
         where = f"{path}:{lineno}"
         missing = [c for c in cols if row.get(c) is None]
@@ -229,19 +310,31 @@ def _read_lengths(path: str | Path, fmt: str, step_ms: float, seed: int) -> Work
             try:
                 secs = float(row[cols[0]])
             except ValueError:
-                raise TraceFormatError(f"{where}: Timestamp must be a number of seconds") from None
-        first = secs if first is None else first
-        n = _count(row[cols[1]], cols[1], where, 1)
-        out_len = max(1, _count(row[cols[2]], cols[2], where))
-        budget.add(n + out_len, lineno)
-        rng = np.random.Generator(np.random.PCG64([seed, lineno]))
+                raise TraceFormatError(
+                    f"{where}: Timestamp must be a number of seconds, got {row[cols[0]]!r}"
+                ) from None
+        secs = _finite_seconds(secs, cols[0], where)
+        n = _count(row[cols[1]], cols[1], where, 1, text=True)
+        out_len = max(1, _count(row[cols[2]], cols[2], where, text=True))
+        budget.add(n, out_len, lineno)
+        yield _Record(lineno, secs, n, out_len, [])
+
+
+def _read_lengths(path: str | Path, fmt: str, step_ms: float, seed: int) -> Workload:
+    recs = list(_length_records(path, fmt))
+    # Rows in any order: arrivals count from the earliest.
+    first = min((r.arrival_s for r in recs), default=0.0)
+    reqs: list[Request] = []
+    for rec in recs:
+        where = f"{path}:{rec.lineno}"
+        rng = np.random.Generator(np.random.PCG64([seed, rec.lineno]))
         reqs.append(
             Request(
                 request_id=f"r{len(reqs)}",
-                prompt=rng.integers(0, VOCAB, n),
-                output=rng.integers(0, VOCAB, out_len).tolist(),
-                arrival_step=_step(secs - first, step_ms, where),
-                arrival_s=secs - first,
+                prompt=rng.integers(0, VOCAB, rec.input_length),
+                output=rng.integers(0, VOCAB, rec.output_length).tolist(),
+                arrival_step=_step(rec.arrival_s - first, step_ms, where),
+                arrival_s=rec.arrival_s - first,
             )
         )
     return _workload(path, reqs, fmt, step_ms)
@@ -349,24 +442,26 @@ def trace_stats(
     outputs: list[int] = []
     if fmt == "mooncake":
         stamps: list[float] = []
-        for _, rec in _mooncake_records(path):
-            n = rec["input_length"]
+        for rec in _mooncake_records(path):
+            n = rec.input_length
             k = 0
             chain = 0
-            for h in rec["hash_ids"]:
+            for h in rec.hash_ids:
                 chain = hash((chain, h))
                 if chain not in seen:
                     break
                 k += 1
             chain = 0
-            for h in rec["hash_ids"]:
+            for h in rec.hash_ids:
                 chain = hash((chain, h))
                 seen.add(chain)
             hit += min(k * MOONCAKE_BLOCK, n)
             total += n
             inputs.append(n)
-            outputs.append(int(rec["output_length"]))
-            stamps.append(float(rec["timestamp"]) / 1000.0)
+            outputs.append(rec.output_length)
+            stamps.append(rec.arrival_s)
+        if not stamps:
+            raise TraceFormatError(f"{path}: no request")
         duration = max(stamps) - min(stamps)
     else:
         w = load_trace(path, fmt, step_ms=step_ms)

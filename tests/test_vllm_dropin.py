@@ -15,7 +15,12 @@ from typing import Any
 import pagedkv as pk
 import pytest
 from _util import load_vectors, make_manager
-from pagedkv.errors import InvalidArgumentError, StaleComputedBlocksError, UnknownRequestError
+from pagedkv.errors import (
+    InvalidArgumentError,
+    InvariantViolationError,
+    StaleComputedBlocksError,
+    UnknownRequestError,
+)
 
 REQUESTS = load_vectors("vllm_request_hashes.json")
 
@@ -417,6 +422,38 @@ def test_hisparse_resident_and_hot_groups_through_pagedkvs_own_api() -> None:
     assert m.num_detached_block_refs == 0
     assert m.num_free_blocks == 31
     m.check_invariants()
+
+
+def test_hisparse_adopt_refuses_a_block_the_engine_does_not_pin() -> None:
+    # A free block adopted as a resident page would be handed to the next
+    # request while the page still reads it: two requests on one block.
+    m = pk.KVCacheManager(_hisparse_config(), max_model_len=256)
+    m.add_request("a", list(range(12)))
+    m.allocate_slots("a", 12, num_computed_tokens=0)
+    m.add_request("b", list(range(12)))
+    m.allocate_slots("b", 4, num_computed_tokens=0, new_computed_blocks=m.get_computed_blocks("b"))
+    row = m.hisparse_residency_row("b", 1).tolist()
+    assert row == [0, 0, 8]
+    free = m.num_free_blocks
+    with pytest.raises(InvalidArgumentError, match="not pinned by the engine"):
+        m.hisparse_adopt_page("b", 1, 0, 20)
+    m.touch_blocks([1])  # a's indexer block, pinned too
+    with pytest.raises(InvalidArgumentError, match="held by a request"):
+        m.hisparse_adopt_page("b", 1, 0, 1)
+    with pytest.raises(InvalidArgumentError, match="null block"):
+        m.hisparse_adopt_page("b", 1, 0, 0)
+    assert m.hisparse_residency_row("b", 1).tolist() == row
+    assert m.num_free_blocks == free
+    m.check_invariants()
+    m.unpin_blocks([1])
+    # A pinned copy is adopted; returning its pin while the page reads it is
+    # caught by the invariant checker.
+    copy = int(m.get_new_blocks(1)[0])
+    assert m.hisparse_adopt_page("b", 1, 0, copy)
+    m.check_invariants()
+    m.free_blocks([copy])
+    with pytest.raises(InvariantViolationError, match="reads free block"):
+        m.check_invariants()
 
 
 def test_hisparse_needs_count_imported_tokens_apart() -> None:

@@ -1170,6 +1170,7 @@ impl KvCacheManager {
             admitted += usize::from(req.admitted);
             self.coord.check_request(req, &mut refs, &mut owner_group)?;
         }
+        self.check_resident_pages(&refs)?;
         for (b, n) in self.coord.pool().engine_refs() {
             refs[b as usize] += n;
         }

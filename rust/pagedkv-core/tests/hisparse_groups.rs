@@ -260,3 +260,89 @@ fn hisparse_calls_refuse_other_groups_and_unknown_requests() {
     assert_eq!(ids(&m, "a"), vec![vec![], vec![1, 2], vec![3, 4], vec![]]);
     ok(m.check_invariants());
 }
+
+/// `a` cached, `b` admitted on its hit: `b`'s resident row is `[NULL, NULL, 8]`.
+fn two_on_one_prefix() -> KvCacheManager {
+    let mut m = mgr(32, 2);
+    add(&mut m, "a", 12, 1);
+    admit(&mut m, "a", 12);
+    ok(m.cache_blocks("a", 12));
+    add(&mut m, "b", 12, 1);
+    admit(&mut m, "b", 12);
+    assert_eq!(ids(&m, "b")[2], vec![NULL, NULL, 8]);
+    m
+}
+
+#[test]
+fn a_resident_page_adopts_only_a_block_the_engine_pins_alone() {
+    let mut m = two_on_one_prefix();
+    let refused = |m: &mut KvCacheManager, page: usize, block: u32, what: &str| {
+        let before = ok(m.hisparse_residency_row("b", 2, 0));
+        let free = m.num_free_blocks();
+        match m.hisparse_adopt_page("b", 2, page, block) {
+            Err(Error::InvalidArgument(msg)) => assert!(msg.contains(what), "{msg}"),
+            other => panic!("adopting block {block}: {other:?}"),
+        }
+        assert_eq!(ok(m.hisparse_residency_row("b", 2, 0)), before);
+        assert_eq!(m.num_free_blocks(), free);
+        ok(m.check_invariants());
+    };
+    // A free block: the next allocation would hand it to another request.
+    assert_eq!(m.pool().ref_cnt(20), 0);
+    refused(&mut m, 0, 20, "not pinned by the engine");
+    refused(&mut m, 0, NULL, "null block");
+    // A block a request holds (a's indexer block), even with an engine pin.
+    refused(&mut m, 0, 1, "not pinned by the engine");
+    ok(m.touch_blocks(&[1]));
+    refused(&mut m, 0, 1, "held by a request");
+    ok(m.unpin_blocks(&[1]));
+    // One pin, one page: a second page of the row cannot read the same copy.
+    let copy = m.get_new_blocks(1).expect("free")[0];
+    assert!(ok(m.hisparse_adopt_page("b", 2, 0, copy)));
+    refused(&mut m, 1, copy, "needs its own reference");
+    ok(m.touch_blocks(&[copy]));
+    assert!(ok(m.hisparse_adopt_page("b", 2, 1, copy)));
+    assert_eq!(ok(m.hisparse_residency_row("b", 2, 0)), vec![copy, copy, 8]);
+    ok(m.check_invariants());
+    // Freeing returns both references.
+    let popped = ok(m.pop_blocks_for_free("b"));
+    ok(m.free_blocks(&popped));
+    assert_eq!(m.pool().ref_cnt(copy), 0);
+    ok(m.check_invariants());
+}
+
+fn violation(m: &KvCacheManager) -> String {
+    match m.check_invariants() {
+        Err(Error::InvariantViolation(msg)) => msg,
+        other => panic!("expected a violation, got {other:?}"),
+    }
+}
+
+#[test]
+fn the_invariant_checker_catches_a_resident_page_on_a_free_or_held_block() {
+    let mut m = two_on_one_prefix();
+    let copy = m.get_new_blocks(1).expect("free")[0];
+    assert!(ok(m.hisparse_adopt_page("b", 2, 0, copy)));
+    ok(m.check_invariants());
+    // The engine returns the pin while the page still reads the block.
+    ok(m.free_blocks(&[copy]));
+    assert_eq!(m.pool().ref_cnt(copy), 0);
+    assert!(violation(&m).contains("reads free block"));
+    // The pool hands it to another request.
+    let n = m.num_free_blocks() as usize;
+    add(&mut m, "c", 4 * n, 2);
+    admit(&mut m, "c", 4);
+    assert!(ids(&m, "c")[1].contains(&copy), "{:?}", ids(&m, "c"));
+    assert!(violation(&m).contains("which a request holds"));
+}
+
+#[test]
+fn the_invariant_checker_catches_two_rows_reading_one_pin() {
+    let mut m = two_on_one_prefix();
+    add(&mut m, "c", 12, 1);
+    admit(&mut m, "c", 12);
+    let copy = m.get_new_blocks(1).expect("free")[0];
+    assert!(ok(m.hisparse_adopt_page("b", 2, 0, copy)));
+    assert!(ok(m.hisparse_adopt_page("c", 2, 0, copy)));
+    assert!(violation(&m).contains("pins it 1 time(s)"));
+}

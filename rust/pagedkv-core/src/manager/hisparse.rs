@@ -7,8 +7,8 @@
 //! group order.
 
 use super::KvCacheManager;
-use crate::error::{Result, invalid};
-use crate::pool::BlockId;
+use crate::error::{Error, Result, invalid};
+use crate::pool::{BlockId, NULL_BLOCK};
 use crate::single_type::GroupBlocks;
 use crate::spec::AttentionKind;
 
@@ -53,8 +53,17 @@ impl KvCacheManager {
     /// `adopt_resident_page`). `false`, with nothing changed, past the row or
     /// where the page is resident already.
     ///
+    /// The page takes over one of the engine's references on `block` (taken
+    /// with [`Self::get_new_blocks`] or [`Self::touch_blocks`]): the row
+    /// returns it when the request is freed, or [`Self::hisparse_drop_page`]
+    /// hands it back. A block nobody pins (a free one) would go to the next
+    /// allocation while the page still reads it.
+    ///
     /// # Errors
-    /// Unknown request; `group` not a resident group; a block outside the pool.
+    /// Unknown request; `group` not a resident group; a block outside the
+    /// pool, the null block, a block the engine holds no reference on, one a
+    /// request or a pending copy also holds, or one another page of the
+    /// request's resident rows already reads. Nothing changes then.
     pub fn hisparse_adopt_page(
         &mut self,
         id: &str,
@@ -62,15 +71,120 @@ impl KvCacheManager {
         page: usize,
         block: BlockId,
     ) -> Result<bool> {
-        let n = self.coord.pool().num_blocks();
+        let pool = self.coord.pool();
+        let n = pool.num_blocks();
         if block >= n {
             return Err(invalid(format!(
                 "block {block} is not in the pool of {n} blocks"
             )));
         }
-        Ok(self
-            .hisparse_row_mut(id, group, true)?
-            .adopt_page(page, block))
+        let slot = self.hisparse_slot(id, group, true)?;
+        if block == NULL_BLOCK {
+            return Err(invalid(
+                "block 0 is the null block; a resident page reads a block the engine pins",
+            ));
+        }
+        let engine = pool.engine_refs_of(block);
+        if engine == 0 {
+            return Err(invalid(format!(
+                "block {block} is not pinned by the engine (ref count {}); take it with \
+                 get_new_blocks or touch_blocks before a resident page reads it",
+                pool.ref_cnt(block)
+            )));
+        }
+        let others = pool.ref_cnt(block) - engine;
+        if others > 0 {
+            return Err(invalid(format!(
+                "block {block} is held by a request or a pending copy ({others} reference(s) \
+                 besides the engine's); a resident page reads a block only the engine pins"
+            )));
+        }
+        let row = &self.table.get(slot).groups()[group];
+        if page >= row.blocks().len() || row.resident_page(page).is_some() {
+            return Ok(false);
+        }
+        let claimed = self.resident_claims(slot, block);
+        if claimed >= engine {
+            return Err(invalid(format!(
+                "block {block} is read by {claimed} resident page(s) of request {id:?} and \
+                 pinned {engine} time(s); each resident page needs its own reference"
+            )));
+        }
+        Ok(self.table.get_mut(slot).groups_mut()[group].adopt_page(page, block))
+    }
+
+    /// How many pages of the resident rows of the request at `slot` read
+    /// `block`, the overlay applied.
+    fn resident_claims(&self, slot: u32, block: BlockId) -> u32 {
+        let req = self.table.get(slot);
+        let groups = self.coord.groups();
+        let mut n = 0u32;
+        for (g, gb) in req.groups().iter().enumerate() {
+            if groups[g].is_hisparse_resident() {
+                n += gb.residency_row(0).iter().filter(|&&b| b == block).count() as u32;
+            }
+        }
+        n
+    }
+
+    /// The invariant of resident rows, given `request_refs` (the references of
+    /// requests' own tables, resident rows left out): every page a resident
+    /// row reads, the overlay applied, is a block the engine pins once per
+    /// reading page, and no request's table holds it.
+    pub(super) fn check_resident_pages(&self, request_refs: &[u32]) -> Result<()> {
+        let groups = self.coord.groups();
+        if !groups
+            .iter()
+            .any(crate::single_type::GroupManager::is_hisparse_resident)
+        {
+            return Ok(());
+        }
+        let pool = self.coord.pool();
+        let n = pool.num_blocks() as usize;
+        let mut claims: rustc_hash::FxHashMap<BlockId, u32> = rustc_hash::FxHashMap::default();
+        let violation = |m: String| Err(Error::InvariantViolation(m));
+        for req in self.table.iter() {
+            for (g, gb) in req.groups().iter().enumerate() {
+                if !groups[g].is_hisparse_resident() {
+                    continue;
+                }
+                for (page, b) in gb.residency_row(0).into_iter().enumerate() {
+                    if b == NULL_BLOCK {
+                        continue;
+                    }
+                    if b as usize >= n {
+                        return violation(format!(
+                            "resident page {page} of request {:?} reads out-of-range block {b}",
+                            req.id
+                        ));
+                    }
+                    if pool.ref_cnt(b) == 0 {
+                        return violation(format!(
+                            "resident page {page} of request {:?} reads free block {b}",
+                            req.id
+                        ));
+                    }
+                    if request_refs[b as usize] > 0 {
+                        return violation(format!(
+                            "resident page {page} of request {:?} reads block {b}, which a \
+                             request holds",
+                            req.id
+                        ));
+                    }
+                    *claims.entry(b).or_insert(0) += 1;
+                }
+            }
+        }
+        for (b, c) in claims {
+            let engine = pool.engine_refs_of(b);
+            if c > engine {
+                return violation(format!(
+                    "resident pages read block {b} {c} time(s) but the engine pins it {engine} \
+                     time(s)"
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Page `page` of the request's resident row in `group` is read from the

@@ -451,6 +451,16 @@ BAD_TOKENS: dict[str, tuple[Callable[[], Any], type[BaseException]]] = {
     "numpy_past_u32": (lambda: np.array([2**40], dtype=np.int64), InvalidArgumentError),
     "tuple_with_nan": (lambda: (1, NAN), TypeError),
     "raising_iterator": (raising_tokens, ZeroDivisionError),
+    # Every integer dtype refuses a value outside 0..2**32 the same way.
+    **{
+        f"numpy_negative_{dt}": (lambda dt=dt: np.array([3, -1], dtype=dt), InvalidArgumentError)
+        for dt in ("int8", "int16", ">i2", "int32", ">i4", "int64", ">i8")
+    },
+    "numpy_uint64_past_u32": (lambda: np.array([2**32], dtype=np.uint64), InvalidArgumentError),
+    "numpy_scalar_negative": (lambda: [np.int16(2), np.int8(-1)], InvalidArgumentError),
+    "numpy_bool": (lambda: np.array([True, False]), TypeError),
+    "numpy_float32": (lambda: np.array([1, 2], dtype=np.float32), TypeError),
+    "numpy_float16": (lambda: np.array([1, 2], dtype=np.float16), TypeError),
 }
 
 
@@ -470,6 +480,23 @@ def test_bad_token_ids(
     check_refused(mgr, lambda m: call(m, make()), expected)
     assert "new" not in mgr
     assert mgr.num_tokens("run") == 55
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    ["int8", "int16", ">i2", "int32", "int64", "uint8", "uint16", ">u2", "uint32", "uint64"],
+)
+def test_every_integer_dtype_gives_the_same_tokens(dtype: str) -> None:
+    prompt = [i % 128 for i in range(3 * BS)]
+    ref = busy()
+    ref.add_request("new", prompt)
+    ref.append_token_ids("new", [5] * BS)
+    mgr = busy()
+    mgr.add_request("new", np.array(prompt, dtype=dtype))
+    mgr.append_token_ids("new", np.array([5] * BS, dtype=dtype))
+    assert mgr.num_tokens("new") == 4 * BS
+    assert mgr.block_hashes("new") == ref.block_hashes("new")
+    mgr.check_invariants()
 
 
 @pytest.mark.parametrize(

@@ -59,12 +59,30 @@ fn token_id(v: impl Into<i128>) -> PkResult<u32> {
     u32::try_from(v).map_err(|_| invalid_arg(format!("token id {v} is outside 0..2**32")))
 }
 
+/// `item`'s value when it is an integer of another type than `int` (a
+/// `NumPy` integer scalar: `operator.index` takes it); `None` for a bool, a
+/// float or anything else. Only asked on the refusal path.
+fn integer_like(item: &Bound<'_, PyAny>) -> Option<String> {
+    if item.is_instance_of::<PyBool>() {
+        return None;
+    }
+    let v = item
+        .py()
+        .import("operator")
+        .and_then(|op| op.call_method1("index", (item,)))
+        .ok()?;
+    Some(v.to_string())
+}
+
 fn token_item(item: &Bound<'_, PyAny>) -> PkResult<u32> {
     if item.is_instance_of::<PyBool>() {
         return Err(type_error("token ids must be ints, not bools"));
     }
     if let Ok(v) = item.extract::<u32>() {
         return Ok(v);
+    }
+    if let Some(v) = integer_like(item).filter(|_| !item.is_instance_of::<PyInt>()) {
+        return Err(invalid_arg(format!("token id {v} is outside 0..2**32")));
     }
     let shown = item.repr().map(|r| r.to_string()).unwrap_or_default();
     if item.is_instance_of::<PyInt>() {
@@ -80,7 +98,7 @@ fn token_item(item: &Bound<'_, PyAny>) -> PkResult<u32> {
 /// explains.
 #[allow(unsafe_code)] // the one unsafe block of the workspace: see its SAFETY note
 #[allow(clippy::useless_conversion)] // `c_long` is 32 bits on Windows
-fn exact_int_item(list: &Bound<'_, PyList>, i: usize) -> Option<i64> {
+pub fn exact_int_item(list: &Bound<'_, PyList>, i: usize) -> Option<i64> {
     debug_assert!(i < list.len());
     let int_type = std::ptr::addr_of_mut!(pyo3::ffi::PyLong_Type);
     // SAFETY: the GIL is held (`list` is bound to it) and nothing here runs
@@ -261,6 +279,17 @@ pub fn int_slice<R>(
     }
     let d = a.dtype();
     Some(match (d.kind(), d.itemsize()) {
+        // 8- and 16-bit integers are widened to int64 (a copy no larger than
+        // four times the array), so their values are refused as every other
+        // integer dtype's are.
+        (b'i' | b'u', 1 | 2) => {
+            let wide = match obj.call_method1("astype", ("int64",)) {
+                Ok(w) => w,
+                Err(e) => return Some(Err(e.into())),
+            };
+            let wa = wide.cast::<PyUntypedArray>().ok()?;
+            read(&wide, wa, &wa.dtype(), |s| f(IntSlice::I64(s)))
+        }
         (b'i', 8) => read(obj, a, &d, |s| f(IntSlice::I64(s))),
         (b'i', 4) => read(obj, a, &d, |s| f(IntSlice::I32(s))),
         (b'u', 4) => read(obj, a, &d, |s| f(IntSlice::U32(s))),
@@ -471,7 +500,7 @@ pub fn block_hashes_from(
 }
 
 /// One block hash: bytes, 1..=32 long.
-fn block_hash_item(item: &Bound<'_, PyAny>) -> PkResult<BlockHash> {
+pub fn block_hash_item(item: &Bound<'_, PyAny>) -> PkResult<BlockHash> {
     let b = item.cast::<PyBytes>().map_err(|_| {
         type_error(format!(
             "block hashes must be bytes, got {}",

@@ -305,7 +305,9 @@ class KVCacheManager:
         token_ids: Sequence[int],
         block_hashes: Sequence[bytes],
         shared_prefix_boundary: int = 0,
-    ) -> None: ...
+        *,
+        num_prompt_tokens: int | None = None,
+    ) -> bool: ...
     def allocate_slots_synced(
         self,
         request_id: str,
@@ -329,6 +331,7 @@ class KVCacheManager:
         *,
         engine_managed_blocks: tuple[int, int] | None = None,
         split_at_group: int | None = None,
+        num_prompt_tokens: int | None = None,
     ) -> tuple[_IdArray, ...] | None: ...  # None: does not fit; (): nothing allocated
     def pop_blocks_for_free(self, request_id: str) -> _IdArray: ...
     def finish_allocation(self, request_id: str) -> tuple[_IdArray, ...]: ...

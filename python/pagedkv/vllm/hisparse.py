@@ -385,6 +385,7 @@ class HiSparseKVCacheManager(KVCacheManager):
             request.num_in_flight_tokens,
             skip_zeroing_group_ids or None,
             engine_managed_blocks=(step_need, full_need),
+            num_prompt_tokens=request.num_prompt_tokens,
         )
         if new is None:
             return None

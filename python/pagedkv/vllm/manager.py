@@ -367,6 +367,7 @@ class KVCacheManager:
             has_scheduled_reqs,
             request.num_in_flight_tokens,
             skip_zeroing_group_ids or None,  # nothing to convert on the common path
+            num_prompt_tokens=request.num_prompt_tokens,
         )
         if not new:  # None (does not fit), or () (nothing allocated: most decode steps)
             return None if new is None else self.empty_kv_cache_blocks
@@ -692,12 +693,15 @@ def add_to_core(core: _core.KVCacheManager, request: Request, prompt_by_length: 
 
 
 def sync_with_core(core: _core.KVCacheManager, request: Request) -> None:
-    """Hands a core the tokens and block hashes a registered request gained."""
+    """Brings a core's copy of a registered request up to date: the tokens and
+    block hashes it gained, or, where vLLM rewrote them (a streaming session's
+    next chunk), everything from the first difference on."""
     core.sync_request(
         request.request_id,
         _token_list(request),
         request.block_hashes,
         request.shared_prefix_boundary,
+        num_prompt_tokens=request.num_prompt_tokens,
     )
 
 

@@ -46,8 +46,8 @@ pub use error::{Error, Result};
 pub use events::{BlockStored, EventExtraKey, KvEvent, PLACEHOLDER_TOKEN};
 pub use hash::{BlockHash, BlockHasher, CborValue, ExtraKey, HashAlgo};
 pub use manager::{
-    AllocateArgs, BatchAllocation, BatchStep, ComputedBlocks, ConnectorHit, KvCacheManager,
-    PreparedRequest, RequestHandle, RequestPreparer, RequestRefs,
+    AllocateArgs, BatchAllocation, BatchStep, ComputedBlocks, ConnectorHit, EngineRequest,
+    KvCacheManager, PreparedRequest, RequestHandle, RequestPreparer, RequestRefs,
 };
 pub use pool::{BlockId, BlockPool, CacheKey, NULL_BLOCK};
 pub use prefix_index::{PrefixIndex, PrefixMatch, ReplicaId};

@@ -11,6 +11,7 @@ pub use batch::BatchStep;
 mod connector;
 pub use connector::ConnectorHit;
 mod external;
+pub use external::EngineRequest;
 mod hisparse;
 mod partial;
 mod prepared;

@@ -217,6 +217,12 @@ impl BlockPool {
         self.enable_caching
     }
 
+    /// Makes every lookup result taken so far be checked again before it is
+    /// adopted (a request's hashes changed under it).
+    pub(crate) fn invalidate_lookups(&mut self) {
+        self.epoch += 1;
+    }
+
     /// The eviction epoch (see field docs).
     #[must_use]
     pub fn epoch(&self) -> u64 {

@@ -534,6 +534,17 @@ impl Request {
         self.hash_vec.extend_from_slice(hashes);
     }
 
+    /// Drops the tokens past `num_tokens` and the hashes past `num_hashes` (an
+    /// engine rewrote the request's tail; the caller checked that no cached
+    /// block lies past them).
+    pub fn truncate_external(&mut self, num_tokens: usize, num_hashes: usize) {
+        debug_assert!(self.pending.is_none() && self.lent == 0);
+        self.tokens.truncate(num_tokens);
+        self.hash_vec.truncate(num_hashes);
+        self.scheduled_through = self.scheduled_through.min(num_tokens as u64);
+        self.step_limits = (0, 0);
+    }
+
     /// Hashes every newly full hash block. Allocates nothing in the common case:
     /// the hashes go straight into the request's vector (whose capacity covers
     /// [`HASH_HEADROOM`] blocks past the prompt), and the extra-key list stays

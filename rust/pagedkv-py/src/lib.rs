@@ -3,6 +3,7 @@
 //!
 //! - [`alloc`]: the module's allocator (mimalloc for blocks below 16 KiB);
 //! - [`convert`]: Python arguments to core types, block ids back to arrays;
+//! - [`engine_request`]: an engine's request lists as the core reads them;
 //! - [`errors`]: the core's errors to the `pagedkv.errors` exceptions;
 //! - [`manager`]: the `KVCacheManager` and `ComputedBlocks` classes;
 //! - [`events`]: the KV-cache event classes;
@@ -18,6 +19,7 @@ use pyo3::prelude::*;
 mod alloc;
 mod convert;
 mod errors;
+mod engine_request;
 mod events;
 mod hash;
 mod index;

@@ -18,10 +18,11 @@ use pagedkv_core::{
 };
 
 use crate::convert::{
-    BatchIds, appended_tokens, block_hash, block_hash_list, block_hashes_from, count, counts,
-    counts_or_one, engine_tokens, engine_tokens_from, groups_i32, groups_tuple, ids_i32,
-    manager_config, prompt_tokens, request_spec, tokens,
+    BatchIds, appended_tokens, block_hash, block_hash_list, count, counts, counts_or_one,
+    engine_tokens, groups_i32, groups_tuple, ids_i32, manager_config, prompt_tokens, request_spec,
+    tokens,
 };
+use crate::engine_request::EngineLists;
 use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg, type_error};
 use crate::events;
 use crate::prepared::{PyPreparedRequest, PyRequestPreparer};
@@ -572,7 +573,7 @@ impl PyManager {
         num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
         num_encoder_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
         num_in_flight_tokens, skip_zeroing_group_ids, /, *, engine_managed_blocks = None,
-        split_at_group = None))]
+        split_at_group = None, num_prompt_tokens = None))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
     fn allocate_slots_synced(
         slf: &Bound<'_, Self>,
@@ -595,6 +596,7 @@ impl PyManager {
         skip_zeroing_group_ids: Option<Vec<i64>>,
         engine_managed_blocks: Option<(i64, i64)>,
         split_at_group: Option<i64>,
+        num_prompt_tokens: Option<i64>,
     ) -> PkResult<Option<Py<PyTuple>>> {
         let args = Counts {
             num_new_tokens,
@@ -618,7 +620,14 @@ impl PyManager {
         .with_engine_managed_blocks(engine_managed_blocks)?
         .with_split_at_group(split_at_group)?;
         let spb = count("shared_prefix_boundary", shared_prefix_boundary)?;
-        Self::sync(slf, request_id, token_ids, block_hashes, spb)?;
+        Self::sync(
+            slf,
+            request_id,
+            token_ids,
+            block_hashes,
+            spb,
+            num_prompt_tokens,
+        )?;
         let hit = new_computed_blocks.as_ref().map(|h| &h.inner);
         // Nothing allocated (most decode steps): `()`, which the caller tells
         // apart by its truth value alone.
@@ -767,20 +776,33 @@ impl PyManager {
 
     // ---- an engine that owns its requests (external_block_hashes) ---------------
 
-    /// Brings a request up to date with the engine's view of it: `token_ids` and
-    /// `block_hashes` are the request's whole lists; only the items past what the
-    /// manager holds are read (a slice of each). `shared_prefix_boundary`: the
-    /// engine's pin for sparse-retention groups (vLLM's request field).
-    #[pyo3(signature = (request_id, token_ids, block_hashes, shared_prefix_boundary = 0))]
+    /// Brings a request up to date with the engine's view of it: `token_ids`
+    /// and `block_hashes` are the request's whole lists. Where they only grew,
+    /// the last hash held (and, with events on, the last block's tokens) is
+    /// checked and the new items are read; where the engine rewrote them, the
+    /// request is cut back to the first difference and re-read from there (a
+    /// rewrite below a block the request has cached is refused). Returns
+    /// whether it was cut back. `shared_prefix_boundary`: the engine's pin for
+    /// sparse-retention groups; `num_prompt_tokens`: the prompt's length now
+    /// (vLLM's streaming sessions grow it). vLLM's request fields both.
+    #[pyo3(signature = (request_id, token_ids, block_hashes, shared_prefix_boundary = 0, *, num_prompt_tokens = None))]
     fn sync_request(
         slf: &Bound<'_, Self>,
         request_id: &str,
         token_ids: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
         shared_prefix_boundary: i64,
-    ) -> PkResult<()> {
+        num_prompt_tokens: Option<i64>,
+    ) -> PkResult<bool> {
         let spb = count("shared_prefix_boundary", shared_prefix_boundary)?;
-        Self::sync(slf, request_id, token_ids, block_hashes, spb)
+        Self::sync(
+            slf,
+            request_id,
+            token_ids,
+            block_hashes,
+            spb,
+            num_prompt_tokens,
+        )
     }
 
     /// Detaches the request's blocks (allocation order) and forgets the request;
@@ -1424,26 +1446,24 @@ impl PyManager {
         Ok(PyComputedBlocks::new(py, inner, &borrow(slf)?.empty))
     }
 
-    /// `sync_request`'s work: the suffixes past what the core holds, then the
-    /// engine's shared-prefix boundary.
+    /// `sync_request`'s work: the core reads the engine's lists where it
+    /// needs to (see `KvCacheManager::sync_from_engine`).
     fn sync(
         slf: &Bound<'_, Self>,
         request_id: &str,
         token_ids: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
         spb: u64,
-    ) -> PkResult<()> {
-        let at = borrow(slf)?.inner.request_lengths(request_id)?;
+        num_prompt_tokens: Option<i64>,
+    ) -> PkResult<bool> {
         let limit = Self::token_limit(slf)?.1;
-        let new_tokens = engine_tokens_from(token_ids, at.0, limit)?;
-        let new_hashes = block_hashes_from(block_hashes, at.1, limit)?;
-        Ok(borrow_mut(slf)?.inner.sync_request(
-            request_id,
-            at,
-            &new_tokens,
-            &new_hashes,
-            Some(spb),
-        )?)
+        let prompt = num_prompt_tokens
+            .map(|n| Self::index("num_prompt_tokens", n))
+            .transpose()?;
+        let src = EngineLists::new(token_ids, block_hashes, limit)?;
+        borrow_mut(slf)?
+            .inner
+            .sync_from_engine(request_id, &src, Some(spb), prompt)
     }
 
     /// The core's `allocate_slots` and its result as int32 arrays per group

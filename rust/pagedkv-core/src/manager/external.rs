@@ -13,11 +13,44 @@ use crate::single_type::{GroupBlocks, GroupManager, Need};
 use crate::spec::MAX_TOKENS;
 use crate::stats::PrefixCacheStats;
 
+/// An engine's own copy of a request, as [`KvCacheManager::sync_from_engine`]
+/// reads it: its whole token and block-hash lists, item by item or as the
+/// suffix from an index on. Reading may fail (the engine's items may not be
+/// token ids or hashes); `Error` carries the manager's own errors too.
+pub trait EngineRequest {
+    /// The error of a read, and of the manager's refusals.
+    type Error: From<Error>;
+    /// Tokens in the engine's list.
+    fn num_tokens(&self) -> usize;
+    /// Block hashes in the engine's list.
+    fn num_hashes(&self) -> usize;
+    /// Token `i` (below [`Self::num_tokens`]).
+    ///
+    /// # Errors
+    /// An item that is not a token id.
+    fn token(&self, i: usize) -> std::result::Result<u32, Self::Error>;
+    /// Block hash `j` (below [`Self::num_hashes`]).
+    ///
+    /// # Errors
+    /// An item that is not a block hash.
+    fn hash(&self, j: usize) -> std::result::Result<BlockHash, Self::Error>;
+    /// The tokens from index `from` on (none when `from` is past the end).
+    ///
+    /// # Errors
+    /// An item that is not a token id; too many.
+    fn tokens_from(&self, from: usize) -> std::result::Result<Vec<u32>, Self::Error>;
+    /// The block hashes from index `from` on (none when `from` is past the end).
+    ///
+    /// # Errors
+    /// An item that is not a block hash; too many.
+    fn hashes_from(&self, from: usize) -> std::result::Result<Vec<BlockHash>, Self::Error>;
+}
+
 impl KvCacheManager {
     /// Appends tokens and the engine's block hashes to a request (managers
     /// built with `external_block_hashes`), after the `at = (tokens, hashes)` the
-    /// request holds. Hashes may run ahead of the tokens (lookahead hashing);
-    /// only blocks whose tokens are known are cached.
+    /// request holds. A block's hash comes with or after its tokens (lookahead
+    /// hashing hashes a block once the tokens after it exist too).
     ///
     /// # Errors
     /// Unknown request; a manager that hashes requests itself; `at` is not
@@ -50,7 +83,7 @@ impl KvCacheManager {
             self.check_boundary(b)?;
         }
         let slot = self.table.slot(id)?;
-        let req = self.table.get_mut(slot);
+        let req = self.table.get(slot);
         if at != (req.num_tokens(), req.hashes().len()) {
             return Err(invalid(format!(
                 "request {id:?} holds {} tokens and {} block hashes, not {} and {}",
@@ -67,9 +100,172 @@ impl KvCacheManager {
                 self.cfg.max_model_len
             )));
         }
+        let (num_tokens, num_hashes) = (req.num_tokens(), req.hashes().len());
+        self.check_hashed_tokens(id, num_hashes + hashes.len(), num_tokens + tokens.len())?;
+        let req = self.table.get_mut(slot);
         req.extend_external(tokens, hashes);
         if let Some(b) = shared_prefix_boundary {
             req.set_shared_prefix_boundary(b);
+        }
+        Ok(())
+    }
+
+    /// Refuses block hashes for blocks whose tokens the request does not have
+    /// (an engine hashes a block once its tokens, and any lookahead tokens
+    /// after them, exist): they would be published for tokens that never were.
+    fn check_hashed_tokens(&self, id: &str, num_hashes: usize, num_tokens: usize) -> Result<()> {
+        if num_hashes * self.hash_block_size > num_tokens {
+            return Err(invalid(format!(
+                "request {id:?} would have {num_hashes} block hashes of {} tokens each but \
+                 only {num_tokens} tokens",
+                self.hash_block_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Brings a request up to date with the engine's own copy of it (`src`:
+    /// its whole token and block-hash lists), trusting nothing: the common
+    /// case, lists that only grew, costs a check of the last hash the manager
+    /// holds (and, where token values are read, the tokens of the last
+    /// block) before the new items are read. An engine may rewrite a request
+    /// in place (vLLM's streaming-input sessions drop the last sampled token
+    /// and re-hash); then the request is cut back to the first token and hash
+    /// that differ and re-read from there, so no block is ever cached under a
+    /// hash or with tokens the request no longer has. With `Some`, the
+    /// shared-prefix boundary and the prompt length are set too. Returns
+    /// whether the request was cut back. Everything is read and checked
+    /// before anything changes.
+    ///
+    /// # Errors
+    /// Unknown request; a manager that hashes requests itself; a boundary or
+    /// a request past `max_model_len`; a prompt longer than the request; a
+    /// rewrite of tokens whose blocks the request has already cached (their
+    /// KV was computed from the old tokens); what `src` refuses to read.
+    pub fn sync_from_engine<S: EngineRequest>(
+        &mut self,
+        id: &str,
+        src: &S,
+        shared_prefix_boundary: Option<u64>,
+        num_prompt_tokens: Option<usize>,
+    ) -> std::result::Result<bool, S::Error> {
+        let slot = self.table.slot(id)?;
+        self.check_engine_mode("sync_request")?;
+        if let Some(b) = shared_prefix_boundary {
+            self.check_boundary(b)?;
+        }
+        let (keep_tokens, keep_hashes) = self.sync_point(slot, src)?;
+        let tokens = src.tokens_from(keep_tokens)?;
+        let hashes = src.hashes_from(keep_hashes)?;
+        let total = keep_tokens + tokens.len();
+        if total as u64 > self.cfg.max_model_len {
+            return Err(invalid(format!(
+                "request {id:?} would have {total} tokens, more than max_model_len {}",
+                self.cfg.max_model_len
+            ))
+            .into());
+        }
+        self.check_hashed_tokens(id, keep_hashes + hashes.len(), total)?;
+        if let Some(p) = num_prompt_tokens
+            && p > total
+        {
+            return Err(invalid(format!(
+                "request {id:?} has a prompt of {p} tokens but only {total} tokens"
+            ))
+            .into());
+        }
+        let req = self.table.get(slot);
+        let rewound = (keep_tokens, keep_hashes) != (req.num_tokens(), req.hashes().len());
+        if rewound {
+            self.check_rewind(slot, keep_tokens, keep_hashes)?;
+            self.table
+                .get_mut(slot)
+                .truncate_external(keep_tokens, keep_hashes);
+            // A lookup taken before the rewrite named blocks under the old
+            // hashes: it is checked again before it is adopted.
+            self.coord.pool_mut().invalidate_lookups();
+        }
+        let req = self.table.get_mut(slot);
+        req.extend_external(&tokens, &hashes);
+        if let Some(b) = shared_prefix_boundary {
+            req.set_shared_prefix_boundary(b);
+        }
+        if let Some(p) = num_prompt_tokens {
+            req.num_prompt_tokens = p;
+        }
+        Ok(rewound)
+    }
+
+    /// Where the manager's copy of a request and the engine's agree up to:
+    /// `(tokens, hashes)`, the request's own lengths when the engine's lists
+    /// only grew.
+    fn sync_point<S: EngineRequest>(
+        &self,
+        slot: u32,
+        src: &S,
+    ) -> std::result::Result<(usize, usize), S::Error> {
+        let req = self.table.get(slot);
+        let (held_tokens, held_hashes) = (req.tokens(), req.hashes());
+        let (nt, nh) = (held_tokens.len(), held_hashes.len());
+        let (src_t, src_h) = (src.num_tokens(), src.num_hashes());
+        // Token values matter only where the manager reads them (events);
+        // otherwise they are placeholders and only their number counts.
+        let values = self.reads_token_values();
+        let hbs = self.hash_block_size;
+        if src_t >= nt && src_h >= nh {
+            let hash_ok = nh == 0 || src.hash(nh - 1)? == held_hashes[nh - 1];
+            // The tokens past the last hashed block (the last block's, when
+            // hashes ran ahead): the hash chain covers the rest.
+            let tail = (nh * hbs).min(nt.saturating_sub(1) / hbs * hbs);
+            let mut tokens_ok = true;
+            if values && hash_ok {
+                for (i, &t) in held_tokens.iter().enumerate().skip(tail) {
+                    if src.token(i)? != t {
+                        tokens_ok = false;
+                        break;
+                    }
+                }
+            }
+            if hash_ok && tokens_ok {
+                return Ok((nt, nh));
+            }
+        }
+        // Rewritten: the first hash and (where values count) token that differ.
+        let mut keep_h = nh.min(src_h);
+        for (j, h) in held_hashes.iter().enumerate().take(keep_h) {
+            if src.hash(j)? != *h {
+                keep_h = j;
+                break;
+            }
+        }
+        let mut keep_t = nt.min(src_t);
+        if values {
+            for (i, &t) in held_tokens.iter().enumerate().take(keep_t) {
+                if src.token(i)? != t {
+                    keep_t = i;
+                    break;
+                }
+            }
+        }
+        Ok((keep_t, keep_h))
+    }
+
+    /// Refuses cutting a request back below a block it has cached: that
+    /// block's KV was computed from the tokens being replaced.
+    fn check_rewind(&self, slot: u32, keep_tokens: usize, keep_hashes: usize) -> Result<()> {
+        let req = self.table.get(slot);
+        let limit = keep_tokens.min(keep_hashes * self.hash_block_size);
+        for (g, gm) in self.coord.groups().iter().enumerate() {
+            let cached = req.groups()[g].num_cached().unwrap_or(0);
+            let bs = gm.block_size() as usize;
+            if cached * bs > limit {
+                return Err(invalid(format!(
+                    "request {:?} was rewritten from token {limit} on, but group {g} has \
+                     cached its first {} tokens: their KV was computed from the old tokens",
+                    req.id,
+                    cached * bs
+                )));
+            }
         }
         Ok(())
     }

@@ -5,6 +5,7 @@ and no file that is not the output replaced."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import threading
@@ -261,3 +262,234 @@ def test_the_api_refuses_too(tmp_path: Path) -> None:
     rows = [sweep.point("variant", "x", runner.run_pagedkv(w, runner.SimConfig(memory_gib=1)))]
     sweep.write_csv(rows, tmp_path / "ok.csv")
     assert (tmp_path / "ok.csv").read_text().startswith("axis,")
+
+
+# ------------------------------------------------------ numbers that are not numbers
+
+
+@pytest.mark.parametrize(
+    "coefficients",
+    [
+        "1e308,1e308,1e308,1e308",
+        "1e7,0,0,0",
+        "1,1e300,0,0",
+        "1,0,inf,0",
+        "nan,1,1,1",
+        "1,-0.5,0,0",
+        "0,0,0,0",
+        "1,2,3",
+        "1,2,3,4,5",
+        "1,2,3,x",
+        "",
+    ],
+)
+def test_bad_step_time_coefficients_are_refused(
+    capsys: pytest.CaptureFixture[str], coefficients: str
+) -> None:
+    assert "step-time" in _refused(capsys, *SMALL, "--step-time", coefficients, "--json")
+
+
+def test_the_largest_step_time_gives_finite_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, *SMALL, "--step-time", "1e6,1e6,1e6,1e6", "--json")
+    assert code == 0, err
+    run = _strict_json(out)["runs"][0]
+    assert run["ttft_ms"]["p99"] > 0
+
+
+@pytest.mark.parametrize("workload", ["tenants", "rag"])
+def test_find_max_rate_refuses_arrivals_all_at_once(
+    capsys: pytest.CaptureFixture[str], workload: str
+) -> None:
+    msg = _refused(
+        capsys,
+        "-w",
+        workload,
+        *SMALL,
+        "--arrival",
+        "at-once",
+        "--slo-ttft",
+        "100",
+        "--find-max-rate",
+        "--json",
+    )
+    assert "arrive at the same time" in msg
+
+
+def test_find_max_rate_refuses_a_trace_of_simultaneous_arrivals(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps({"prompt_len": 30, "output_len": 3}) + "\n" * 2)
+    p.write_text(p.read_text() + json.dumps({"prompt_len": 40, "output_len": 3}) + "\n")
+    msg = _refused(
+        capsys, "--trace", str(p), *FAST, "--slo-tpot", "50", "--find-max-rate", "--json"
+    )
+    assert "arrive at the same time" in msg
+
+
+def test_find_max_rate_json_is_strict(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, err = _run(
+        capsys,
+        "--trace",
+        str(_trace(tmp_path)),
+        *FAST,
+        "--slo-ttft",
+        "1000",
+        "--find-max-rate",
+        "--json",
+    )
+    assert code == 0, err
+    doc = _strict_json(out)
+    assert all(math.isfinite(p["requests_per_s"]) for p in doc["tried"])
+
+
+def test_a_non_finite_figure_is_never_printed(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = runner.SimResult.to_dict
+
+    def with_nan(self: runner.SimResult) -> dict[str, Any]:
+        return real(self) | {"hit_rate": float("nan")}
+
+    monkeypatch.setattr(runner.SimResult, "to_dict", with_nan)
+    msg = _refused(capsys, *SMALL, "--json")
+    assert "not a finite number" in msg
+    assert "NaN" not in capsys.readouterr().out
+
+
+def test_a_huge_compare_grid_is_refused_before_any_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def never(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a variant ran")
+
+    monkeypatch.setattr(runner, "run_pagedkv", never)
+    values = ",".join(str(i) for i in range(1, 1001))
+    msg = _refused(
+        capsys,
+        *SMALL,
+        "--compare",
+        f"num-blocks={values}",
+        "--compare",
+        f"max-num-seqs={values}",
+        "--compare",
+        f"block-size={values}",
+    )
+    assert "1000 x 1000 x 1000 = 1,000,000,000 variants" in msg
+    assert "limit of 256" in _refused(capsys, *SMALL, "--compare", f"num-blocks={values}")
+    assert "limit" in _refused(capsys, *SMALL, "--sweep", f"memory={values}")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "memory=2,2",
+        "memory=2,2.0",
+        "caching=on,on",
+        "block-size=16,016",
+        "num-blocks=600,600",
+        "time-scale=1,1.0",
+    ],
+)
+def test_duplicate_values_are_refused(capsys: pytest.CaptureFixture[str], spec: str) -> None:
+    for flag in ("--sweep", "--compare"):
+        assert "repeats" in _refused(capsys, *SMALL, flag, spec)
+
+
+def test_a_bad_sweep_value_is_reported_and_the_sweep_goes_on(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    csv_path = tmp_path / "s.csv"
+    code, out, err = _run(
+        capsys,
+        *SMALL,
+        "--sweep",
+        "memory=1,abc,-2,nan,inf,0.001,2",
+        "--json",
+        "--csv",
+        str(csv_path),
+    )
+    assert code == 0, err
+    points = _strict_json(out)["points"]
+    assert [p["status"] for p in points] == [
+        "ok",
+        "invalid",
+        "invalid",
+        "invalid",
+        "invalid",
+        "does not fit",
+        "ok",
+    ]
+    assert "positive finite number" in points[1]["reason"]
+    rows = csv_path.read_text().splitlines()
+    assert len(rows) == 1 + len(points)
+    # every value bad: nothing to run
+    assert "memory=abc" in _refused(capsys, *SMALL, "--sweep", "memory=abc,-1")
+
+
+def test_a_point_that_fails_otherwise_is_reported_and_the_sweep_goes_on(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = runner.run_pagedkv
+
+    def flaky(w: Any, cfg: runner.SimConfig, **kw: Any) -> runner.SimResult:
+        if cfg.max_num_seqs == 7:
+            raise ZeroDivisionError("boom")
+        return real(w, cfg, **kw)
+
+    monkeypatch.setattr(runner, "run_pagedkv", flaky)
+    code, out, err = _run(capsys, *SMALL, "--sweep", "max-num-seqs=4,7,8", "--json")
+    assert code == 0, err
+    points = _strict_json(out)["points"]
+    assert [p["status"] for p in points] == ["ok", "failed", "ok"]
+    assert points[1]["reason"] == "ZeroDivisionError: boom"
+    code, out, err = _run(capsys, *SMALL, "--sweep", "max-num-seqs=4,7,8")
+    assert code == 0 and "failed: ZeroDivisionError" in out
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["-n", "5"],
+        ["--requests", "1000"],
+        ["--rate", "3"],
+        ["--arrival", "poisson"],
+        ["--tenants", "8"],
+        ["--loras", "0"],
+        ["--cache-salt"],
+    ],
+)
+def test_workload_options_with_a_trace_are_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, extra: list[str]
+) -> None:
+    msg = _refused(capsys, "--trace", str(_trace(tmp_path)), *FAST, *extra)
+    assert extra[0] in msg and "--trace replays" in msg
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--loras", "-1"],
+        ["--loras", str(10**12)],
+        ["--time-scale", "nan"],
+        ["--time-scale", "inf"],
+        ["--time-scale", "0"],
+        ["--rate", "-1"],
+        ["--rate", "1e400"],
+        ["--memory", "nan"],
+        ["--slo-ttft", "inf"],
+        ["--slo-target", "nan"],
+        ["--gpu-memory-utilization", "1.5"],
+        ["--step-ms", "0"],
+    ],
+)
+def test_bad_numbers_are_refused(capsys: pytest.CaptureFixture[str], extra: list[str]) -> None:
+    # argparse's own refusals print the usage, then one error line, and exit 2
+    try:
+        code = cli.main(["simulate", *SMALL, *extra])
+    except SystemExit as e:
+        code = int(str(e.code))
+    _, err = capsys.readouterr()
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("pagedkv simulate: error: ")
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1

@@ -6,6 +6,7 @@ import argparse
 import functools
 import itertools
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -91,12 +92,23 @@ class _UsageError(Exception):
     pass
 
 
+#: The most runs one --compare grid or --sweep makes.
+MAX_VARIANTS = 256
+
+
 #: The largest value any count or amount on the command line may take.
 MAX_ARG = 10**9
 
 
+def _number(s: str, kind: type[int] | type[float], what: str) -> Any:
+    try:
+        return kind(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what}, got {s!r}") from None
+
+
 def _positive_float(s: str) -> float:
-    v = float(s)
+    v: float = _number(s, float, f"must be a positive finite number up to {MAX_ARG}")
     if not 0 < v <= MAX_ARG:
         raise argparse.ArgumentTypeError(
             f"must be a positive finite number up to {MAX_ARG}, got {s}"
@@ -109,21 +121,21 @@ MAX_REPLICAS = 256
 
 
 def _replica_count(s: str) -> int:
-    v = int(s)
+    v: int = _number(s, int, f"must be 1 to {MAX_REPLICAS}")
     if not 0 < v <= MAX_REPLICAS:
         raise argparse.ArgumentTypeError(f"must be 1 to {MAX_REPLICAS}, got {s}")
     return v
 
 
 def _fraction(s: str) -> float:
-    v = float(s)
+    v: float = _number(s, float, "must be in (0, 1]")
     if not 0 < v <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {s}")
     return v
 
 
 def _positive_int(s: str) -> int:
-    v = int(s)
+    v: int = _number(s, int, f"must be a positive integer up to {MAX_ARG}")
     if not 0 < v <= MAX_ARG:
         raise argparse.ArgumentTypeError(f"must be a positive integer up to {MAX_ARG}, got {s}")
     return v
@@ -134,7 +146,7 @@ MAX_REQUESTS = 10_000_000
 
 
 def _request_count(s: str) -> int:
-    v = int(s)
+    v: int = _number(s, int, f"must be a positive integer up to {MAX_REQUESTS}")
     if not 0 < v <= MAX_REQUESTS:
         raise argparse.ArgumentTypeError(
             f"must be a positive integer up to {MAX_REQUESTS}, got {s}"
@@ -196,7 +208,7 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument(
         "--arrival",
         choices=ARRIVALS,
-        default="poisson",
+        default=None,
         help="arrival process of requests / session starts (default poisson)",
     )
     g.add_argument(
@@ -208,7 +220,7 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument(
         "--tenants",
         type=_positive_int,
-        default=8,
+        default=None,
         metavar="N",
         help="tenants behind the requests (default 8)",
     )
@@ -216,7 +228,7 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument(
         "--loras",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
         help="LoRA adapters, tenant t uses adapter t %% N (default 0: none)",
     )
@@ -372,11 +384,17 @@ def _parse_compare(specs: Sequence[str]) -> list[tuple[str, list[str]]]:
         if any(a == axis for a, _ in axes):
             raise _UsageError(f"--compare: axis {axis!r} given twice")
         axes.append((axis, vals))
+    variants = math.prod(len(v) for _, v in axes)
+    if variants > MAX_VARIANTS:
+        raise _UsageError(
+            f"{' x '.join(str(len(v)) for _, v in axes)} = {variants:,} variants: more than "
+            f"the limit of {MAX_VARIANTS} runs"
+        )
     return axes
 
 
 def _apply(
-    axis: str, value: str, cfg: SimConfig, workload: str, scale: float
+    axis: str, value: str, cfg: SimConfig, workload: str, scale: float, flag: str = "--compare"
 ) -> tuple[SimConfig, str, float]:
     try:
         if axis == "workload":
@@ -387,7 +405,7 @@ def _apply(
             return cfg, workload, _positive_float(value)
         return _apply_config(axis, value, cfg), workload, scale
     except (ValueError, argparse.ArgumentTypeError) as e:
-        raise _UsageError(f"--compare {axis}={value}: {e}") from None
+        raise _UsageError(f"{flag} {axis}={value}: {e}") from None
 
 
 def _apply_config(axis: str, value: str, cfg: SimConfig) -> SimConfig:
@@ -483,8 +501,26 @@ def _simulate(args: argparse.Namespace) -> int:
         raise _UsageError("--compare workload=... uses built-in workloads, not --trace")
     if args.series and not args.json:
         raise _UsageError("--series goes with --json")
-    if args.loras < 0:
-        raise _UsageError("--loras must be >= 0")
+    if args.loras is not None and not 0 <= args.loras <= MAX_ARG:
+        raise _UsageError(f"--loras must be 0 to {MAX_ARG}, got {args.loras}")
+    if args.trace:
+        shaping = [
+            option
+            for option, value in (
+                ("--requests/-n", args.requests),
+                ("--rate", args.rate),
+                ("--arrival", args.arrival),
+                ("--tenants", args.tenants),
+                ("--loras", args.loras),
+                ("--cache-salt", args.cache_salt or None),
+            )
+            if value is not None
+        ]
+        if shaping:
+            raise _UsageError(
+                f"{', '.join(shaping)} shape the built-in workloads; --trace replays the "
+                "trace's own requests (drop them, or cut the trace)"
+            )
 
     if args.find_max_rate and args.slo_ttft is None and args.slo_tpot is None:
         raise _UsageError("--find-max-rate needs --slo-ttft and/or --slo-tpot")
@@ -517,20 +553,37 @@ def _simulate(args: argparse.Namespace) -> int:
         slo_tpot_ms=args.slo_tpot,
     )
     variants: list[tuple[str, SimConfig, str, float]] = []
+    # --sweep: every value gets a point, in order; one that is not a valid
+    # value is reported with its reason (the others run).
+    order: list[tuple[str, tuple[str, SimConfig, str, float] | str]] = []
+    flag = "--sweep" if args.sweep else "--compare"
     for combo in itertools.product(*[[(a, v) for v in vals] for a, vals in axes]):
+        label = ", ".join(f"{a}={v}" for a, v in combo) or "pagedkv"
         cfg, wname, scale = base, args.workload, args.time_scale
-        for axis, value in combo:
-            cfg, wname, scale = _apply(axis, value, cfg, wname, scale)
-        variants.append((", ".join(f"{a}={v}" for a, v in combo) or "pagedkv", cfg, wname, scale))
+        try:
+            for axis, value in combo:
+                cfg, wname, scale = _apply(axis, value, cfg, wname, scale, flag)
+        except _UsageError as e:
+            if not args.sweep:
+                raise
+            order.append((label, str(e)))
+            continue
+        same = next((v[0] for v in variants if v[1:] == (cfg, wname, scale)), None)
+        if same is not None:
+            raise _UsageError(f"{flag}: {label} repeats {same} (give each value once)")
+        variants.append((label, cfg, wname, scale))
+        order.append((label, variants[-1]))
+    if not variants:
+        raise _UsageError(str(order[0][1]))
 
     opts = WorkloadOptions(
         seed=args.seed,
         num_requests=args.requests,
         rate=None if args.rate is None else args.rate * base.tick_s,
-        arrival=args.arrival,
-        num_tenants=args.tenants,
+        arrival=args.arrival or "poisson",
+        num_tenants=args.tenants or 8,
         cache_salt=args.cache_salt,
-        num_loras=args.loras,
+        num_loras=args.loras or 0,
         max_context=args.max_model_len or runner.DEFAULT_MAX_CONTEXT,
     )
     cache: dict[tuple[str, float], Workload] = {}
@@ -556,7 +609,7 @@ def _simulate(args: argparse.Namespace) -> int:
         return _find_max_rate(args, out, err, base, workload_for(args.workload, 1.0))
 
     if args.sweep:
-        return _sweep(args, out, err, axes[0][0], variants, workload_for)
+        return _sweep(args, out, err, axes[0][0], order, workload_for)
 
     results: list[SimResult] = []
     summaries: list[dict[str, Any]] = []
@@ -599,7 +652,7 @@ def _simulate(args: argparse.Namespace) -> int:
         ratio = results[1].us_per_step / results[0].us_per_step
     if args.json:
         doc = report.to_json_obj(summaries, results, ratio=ratio, series=args.series)
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        sys.stdout.write(_json_text(doc))
     else:
         report.print_summary(out, summaries, results, ratio=ratio)
         if args.save_trace:
@@ -623,6 +676,16 @@ def _simulate(args: argparse.Namespace) -> int:
             )
         )
     return _write_outputs(out, args.json, outputs)
+
+
+def _json_text(doc: Any) -> str:
+    """``doc`` as JSON text; JSON has no NaN or Infinity, and none is ever printed."""
+    try:
+        return json.dumps(doc, indent=2, allow_nan=False) + "\n"
+    except ValueError:
+        raise ValueError(
+            "a figure of the results is not a finite number: nothing printed"
+        ) from None
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -682,7 +745,7 @@ def _sweep(
     out: Any,
     err: Any,
     axis: str,
-    variants: Sequence[tuple[str, SimConfig, str, float]],
+    order: Sequence[tuple[str, tuple[str, SimConfig, str, float] | str]],
     workload_for: Callable[[str, float], Workload],
 ) -> int:
     from rich.table import Table
@@ -692,16 +755,23 @@ def _sweep(
 
     points = []
     show = not args.quiet and err.is_terminal
-    for label, cfg, wname, scale in variants:
+    first: tuple[str, SimConfig, str, float] | None = None
+    for label, variant in order:
+        value = label.partition("=")[2]
+        if isinstance(variant, str):
+            points.append(sweep.invalid_point(axis, value, variant))
+            continue
+        _, cfg, wname, scale = variant
+        first = first or variant
         if show:
             err.print(f"{label} ...")
         w = workload_for(wname, scale)
-        value = label.partition("=")[2]
         points.append(
             sweep.run_point(axis, value, functools.partial(runner.run_pagedkv, w, cfg, label=label))
         )
-    w0 = workload_for(variants[0][2], variants[0][3])
-    ceiling = round(prefix_hit_ceiling(w0, variants[0][1].block_size), 6)
+    assert first is not None  # _simulate refuses a sweep without a valid value
+    w0 = workload_for(first[2], first[3])
+    ceiling = round(prefix_hit_ceiling(w0, first[1].block_size), 6)
     outputs: list[tuple[str, str, Callable[[], None]]] = []
     if args.csv:
         outputs.append(("CSV", args.csv, lambda: sweep.write_csv(points, args.csv)))
@@ -722,7 +792,7 @@ def _sweep(
     if args.json:
         doc = {
             "axis": axis,
-            "workload": w0.summary(variants[0][1].tick_s),
+            "workload": w0.summary(first[1].tick_s),
             "prefix_hit_ceiling": ceiling,
             "points": [
                 {k: v for k, v in p.items() if k != "result"}
@@ -730,7 +800,7 @@ def _sweep(
                 for p in points
             ],
         }
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        sys.stdout.write(_json_text(doc))
         return _write_outputs(out, True, outputs)
     t = Table(title=f"pagedkv simulate: sweep of {axis}", title_justify="left")
     for col in (axis, "hit rate", "preemptions", "TTFT p50 / p99 ms", "TPOT p99 ms", "req/s"):
@@ -738,7 +808,7 @@ def _sweep(
     for p in points:
         if p["status"] != "ok":
             reason = p["reason"].split(". ")[0]
-            t.add_row(str(p["value"]), f"does not fit: {reason}", "", "", "", "")
+            t.add_row(str(p["value"]), f"{p['status']}: {reason}", "", "", "", "")
             continue
         t.add_row(
             str(p["value"]),
@@ -768,7 +838,7 @@ def _find_max_rate(
         workload, cfg, target=args.slo_target, base_scale=args.time_scale, progress=progress
     )
     if args.json:
-        sys.stdout.write(json.dumps(found, indent=2) + "\n")
+        sys.stdout.write(_json_text(found))
         return 0
     slo = " and ".join(
         f"{k} <= {v:g} ms"
@@ -827,7 +897,7 @@ def _trace_stats(args: argparse.Namespace) -> int:
         step_ms=args.step_ms,
     )
     if args.json:
-        sys.stdout.write(json.dumps(st, indent=2) + "\n")
+        sys.stdout.write(_json_text(st))
         return 0
     rate = st["requests_per_s"]
     lines = [

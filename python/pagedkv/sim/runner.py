@@ -702,6 +702,12 @@ def find_max_rate(
     # rate is what the run achieves, not what timestamps offer.
     closed = any(r.session is not None for r in workload.requests)
     base_rate = offered_rate(workload, cfg.tick_s)
+    if not closed and not math.isfinite(base_rate):
+        raise ValueError(
+            f"all {len(workload.requests)} requests arrive at the same time: no time "
+            "scale changes the load, so there is no rate to find (give arrivals spread "
+            "over time)"
+        )
     tried: list[dict[str, Any]] = []
 
     def attempt(x: float) -> bool:

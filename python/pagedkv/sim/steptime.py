@@ -158,6 +158,11 @@ class StepTimeModel:
         raise NotImplementedError
 
 
+#: The largest coefficient of ``--step-time`` (milliseconds): a step's time
+#: stays finite for any batch the simulator can build.
+MAX_COEFFICIENT_MS = 1e6
+
+
 @dataclass(frozen=True)
 class LinearModel(StepTimeModel):
     """``ms = a + b * prefill_tokens / 1000 + c * decode_seqs + d * context_tokens
@@ -172,8 +177,11 @@ class LinearModel(StepTimeModel):
     def __post_init__(self) -> None:
         for k in ("a", "b", "c", "d"):
             v = getattr(self, k)
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"step-time coefficient {k} must be finite and >= 0, got {v}")
+            if not (math.isfinite(v) and 0 <= v <= MAX_COEFFICIENT_MS):
+                raise ValueError(
+                    f"step-time coefficient {k} must be a number of ms in "
+                    f"0..{MAX_COEFFICIENT_MS:g}, got {v}"
+                )
         if self.a + self.b + self.c + self.d <= 0:
             raise ValueError("step-time coefficients are all 0: steps would take no time")
 

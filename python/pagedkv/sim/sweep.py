@@ -9,6 +9,7 @@ the points as one flat row each.
 from __future__ import annotations
 
 import csv
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from ..errors import PagedKVError
 from .outputs import open_output
 from .runner import SimResult
 
-__all__ = ["CSV_COLUMNS", "point", "run_point", "write_csv"]
+__all__ = ["CSV_COLUMNS", "invalid_point", "point", "run_point", "write_csv"]
 
 #: the CSV columns, in order (nested figures flattened with ``_``)
 CSV_COLUMNS = (
@@ -49,12 +50,16 @@ CSV_COLUMNS = (
 
 
 def _value(text: str) -> int | float | str:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    """The swept value as a number when it is a finite one (``nan`` stays text)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        v = float(text)
+    except ValueError:
+        return text
+    return v if math.isfinite(v) else text
 
 
 def point(axis: str, value: str, result: SimResult) -> dict[str, Any]:
@@ -79,11 +84,24 @@ def point(axis: str, value: str, result: SimResult) -> dict[str, Any]:
 
 def run_point(axis: str, value: str, run: Callable[[], SimResult]) -> dict[str, Any]:
     """Runs one point; a configuration that cannot run becomes a ``does not fit``
-    point carrying the reason instead of an exception."""
+    point carrying the reason instead of an exception, and any other failure of
+    the point a ``failed`` one (the sweep goes on either way)."""
     try:
         return point(axis, value, run())
     except (PagedKVError, ValueError, RuntimeError) as e:
         return {"axis": axis, "value": _value(value), "status": "does not fit", "reason": str(e)}
+    except Exception as e:
+        return {
+            "axis": axis,
+            "value": _value(value),
+            "status": "failed",
+            "reason": f"{type(e).__name__}: {e}",
+        }
+
+
+def invalid_point(axis: str, value: str, reason: str) -> dict[str, Any]:
+    """The point of a value that is not one of the axis's values (not run)."""
+    return {"axis": axis, "value": _value(value), "status": "invalid", "reason": reason}
 
 
 def _flat(p: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ with vLLM's own ``KVCacheManager`` on the same ``Request`` objects.
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -779,6 +780,44 @@ def test_install_makes_vllm_build_pagedkv() -> None:
         uninstall()
     assert vkm.KVCacheManager is original
     assert not installed()
+
+
+def test_install_patches_every_vllm_binding_and_names_the_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("vllm")
+    import types
+
+    import vllm.v1.core.kv_cache_manager as vkm
+    from pagedkv.vllm import KVCacheManager, install, installed, uninstall
+
+    original = vkm.KVCacheManager
+
+    def raising(name: str) -> Any:
+        raise RuntimeError(f"lazy import of {name} failed")
+
+    # A vLLM module whose __getattr__ raises, one binding the class under
+    # another name, and a module outside vLLM that imported it first.
+    lazy = types.ModuleType("vllm.lazy_for_test")
+    lazy.__getattr__ = raising  # type: ignore[method-assign]
+    alias = types.ModuleType("vllm.alias_for_test")
+    alias.Manager = original  # type: ignore[attr-defined]
+    user = types.ModuleType("user_code_for_test")
+    user.KVCacheManager = original  # type: ignore[attr-defined]
+    for mod in (lazy, alias, user):
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    with pytest.warns(RuntimeWarning, match=r"user_code_for_test\.KVCacheManager"):
+        install()
+    try:
+        assert installed()
+        assert alias.Manager is KVCacheManager  # type: ignore[attr-defined]
+        assert user.KVCacheManager is original  # type: ignore[attr-defined]
+    finally:
+        uninstall()
+    assert not installed()
+    assert vkm.KVCacheManager is original
+    assert alias.Manager is original  # type: ignore[attr-defined]
+    uninstall()  # twice: nothing to do
 
 
 def test_free_queue_links_walk_the_queue_in_order() -> None:

@@ -22,11 +22,35 @@ _BINDERS = (
 )
 
 
+def _bindings(cls: type) -> tuple[list[tuple[Any, str]], list[str]]:
+    """Where ``cls`` is bound at module level: ``(module, name)`` in vLLM's
+    modules, and ``module.name`` elsewhere. Module namespaces are read
+    directly, so a module's ``__getattr__`` never runs (it may raise)."""
+    ours, others = [], []
+    for key, mod in list(sys.modules.items()):
+        try:
+            namespace = vars(mod)
+        except TypeError:  # not a module (a placeholder some loaders leave)
+            continue
+        names = [n for n, v in list(namespace.items()) if v is cls]
+        if not names:
+            continue
+        if key == "vllm" or key.startswith("vllm."):
+            ours += [(mod, n) for n in names]
+        else:
+            others += [f"{key}.{n}" for n in names]
+    return ours, others
+
+
 def install() -> None:
     """Makes vLLM build ``pagedkv.vllm.KVCacheManager`` in place of its own.
 
-    Idempotent; ``uninstall()`` restores vLLM's class. Raises ``ImportError``
-    when vLLM is not installed.
+    Every vLLM module that bound vLLM's class, under any name, gets pagedkv's;
+    modules imported later find it in ``vllm.v1.core.kv_cache_manager``. A
+    module outside vLLM that imported vLLM's class before this call keeps it
+    (it may hold it on purpose, to compare the two): a ``RuntimeWarning``
+    names each such binding. Idempotent; all or nothing; ``uninstall()``
+    restores vLLM's class. Raises ``ImportError`` when vLLM is not installed.
     """
     import importlib
 
@@ -41,28 +65,42 @@ def install() -> None:
     for name in _BINDERS:
         importlib.import_module(name)
     vllm_manager = sys.modules["vllm.v1.core.kv_cache_manager"]
-    original = _ORIGINAL.setdefault("cls", vllm_manager.KVCacheManager)
+    original = _ORIGINAL.get("cls", vars(vllm_manager)["KVCacheManager"])
     if original is KVCacheManager:  # pragma: no cover - installed twice by hand
         return
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "__name__", "").startswith("vllm") and (
-            getattr(mod, "KVCacheManager", None) is original
-        ):
-            setattr(mod, "KVCacheManager", KVCacheManager)  # noqa: B010
+    ours, others = _bindings(original)
+    done: list[tuple[Any, str]] = []
+    try:
+        for mod, name in ours:
+            setattr(mod, name, KVCacheManager)
+            done.append((mod, name))
+    except BaseException:
+        for mod, name in done:
+            setattr(mod, name, original)
+        raise
+    _ORIGINAL["cls"] = original
+    if others:
+        import warnings
+
+        warnings.warn(
+            "pagedkv.vllm.install(): imported before install(), these keep vLLM's own "
+            f"KVCacheManager: {', '.join(sorted(others))}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def uninstall() -> None:
-    """Restores vLLM's own manager class where ``install()`` replaced it."""
-    from pagedkv.vllm.manager import KVCacheManager
-
-    original = _ORIGINAL.pop("cls", None)
+    """Restores vLLM's own manager class wherever a vLLM module holds
+    pagedkv's (what ``install()`` replaced, and modules imported since)."""
+    original = _ORIGINAL.get("cls")
     if original is None:
         return
-    for mod in list(sys.modules.values()):
-        if getattr(mod, "KVCacheManager", None) is KVCacheManager and getattr(
-            mod, "__name__", ""
-        ).startswith("vllm"):
-            setattr(mod, "KVCacheManager", original)  # noqa: B010
+    from pagedkv.vllm.manager import KVCacheManager
+
+    for mod, name in _bindings(KVCacheManager)[0]:
+        setattr(mod, name, original)
+    del _ORIGINAL["cls"]
 
 
 def installed() -> bool:
@@ -72,7 +110,7 @@ def installed() -> bool:
         return False
     from pagedkv.vllm.manager import KVCacheManager
 
-    return mod.KVCacheManager is KVCacheManager
+    return vars(mod).get("KVCacheManager") is KVCacheManager
 
 
 def register() -> None:

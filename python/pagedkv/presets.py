@@ -422,6 +422,32 @@ def get(name: str) -> ModelPreset:
 #: The largest config.json read (real ones are a few KiB).
 MAX_CONFIG_BYTES = 1 << 20
 
+#: The range each config.json field may take (the largest real models sit far
+#: inside: 126 layers, hidden 16,384, 128 heads, 384 experts, 10 M tokens).
+CONFIG_LIMITS: dict[str, tuple[int, int]] = {
+    "num_hidden_layers": (1, 1024),
+    "hidden_size": (1, 1 << 17),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (1, 1024),
+    "intermediate_size": (1, 1 << 20),
+    "vocab_size": (1, 1 << 24),
+    "max_position_embeddings": (1, 1 << 28),
+    "kv_lora_rank": (1, 1 << 14),
+    "q_lora_rank": (1, 1 << 17),
+    "qk_rope_head_dim": (1, 1024),
+    "qk_nope_head_dim": (1, 1024),
+    "v_head_dim": (1, 1024),
+    "num_local_experts": (0, 4096),
+    "num_experts_per_tok": (1, 4096),
+    "moe_intermediate_size": (1, 1 << 20),
+    "n_shared_experts": (0, 64),
+    "first_k_dense_replace": (0, 1024),
+    "sliding_window": (1, 1 << 28),
+    "sliding_window_pattern": (1, 1024),
+    "attention_chunk_size": (1, 1 << 28),
+}
+
 
 def _field(cfg: Mapping[str, Any], where: str, *names: str, default: Any = None) -> Any:
     for n in names:
@@ -432,11 +458,54 @@ def _field(cfg: Mapping[str, Any], where: str, *names: str, default: Any = None)
     return default
 
 
-def _int_field(cfg: Mapping[str, Any], where: str, *names: str, default: int | None = None) -> int:
+def _int_field(
+    cfg: Mapping[str, Any],
+    where: str,
+    *names: str,
+    default: int | None = None,
+    limit: str | None = None,
+    maximum: int | None = None,
+) -> int:
+    """An integer field (the first of ``names`` present), in the range
+    ``CONFIG_LIMITS[limit or names[0]]`` (``maximum`` lowers its top)."""
     v = _field(cfg, where, *names, default=default)
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= 1 << 40:
-        raise ValueError(f"{where}: {names[0]} must be a positive integer, got {v!r}")
+    lo, hi = CONFIG_LIMITS.get(limit or names[0], (1, 1 << 40))
+    if maximum is not None:
+        hi = min(hi, maximum)
+    name = next((n for n in names if cfg.get(n) is not None), names[0])
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{where}: {name} must be an integer in {lo}..{hi}, got {v!r}")
+    if not lo <= v <= hi:
+        raise ValueError(f"{where}: {name} must be in {lo}..{hi}, got {v}")
     return v
+
+
+def _bool_field(cfg: Mapping[str, Any], where: str, name: str, default: bool) -> bool:
+    v = cfg.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ValueError(f"{where}: {name} must be true or false, got {v!r}")
+    return v
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number")
+
+
+def _read_config(path: Path) -> Any:
+    """The parsed file, read up to ``MAX_CONFIG_BYTES`` (a FIFO or device too)."""
+    where = str(path)
+    with open(path, "rb") as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ValueError(f"{where}: larger than {MAX_CONFIG_BYTES} bytes: not a config.json")
+    try:
+        return json.loads(raw.decode("utf-8-sig"), parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError(f"{where}: not JSON (nested too deeply)") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{where}: not JSON ({e})") from None
 
 
 def _layer_kinds(t: Mapping[str, Any], where: str, n: int) -> list[tuple[str, int]]:
@@ -445,21 +514,31 @@ def _layer_kinds(t: Mapping[str, Any], where: str, n: int) -> list[tuple[str, in
     if chunk is not None:
         size = _int_field(t, where, "attention_chunk_size")
         no_rope = t.get("no_rope_layers")
-        if isinstance(no_rope, list) and len(no_rope) == n:
-            return [("full", 0) if not x else ("chunked", size) for x in no_rope]
-        return [("chunked", size)] * n
+        if no_rope is None:
+            return [("chunked", size)] * n
+        if (
+            not isinstance(no_rope, list)
+            or len(no_rope) != n
+            or not all(isinstance(x, int) and x in (0, 1) for x in no_rope)
+        ):
+            raise ValueError(f"{where}: no_rope_layers must hold 0 or 1 for each of the {n} layers")
+        return [("full", 0) if not x else ("chunked", size) for x in no_rope]
     window = t.get("sliding_window")
-    if window is None or t.get("use_sliding_window") is False:
+    if window is None or not _bool_field(t, where, "use_sliding_window", True):
         return [("full", 0)] * n
     w = _int_field(t, where, "sliding_window")
     types = t.get("layer_types")
-    if isinstance(types, list):
-        if len(types) != n or not all(isinstance(x, str) for x in types):
+    if types is not None:
+        if (
+            not isinstance(types, list)
+            or len(types) != n
+            or not all(isinstance(x, str) for x in types)
+        ):
             raise ValueError(f"{where}: layer_types must name each of the {n} layers")
         return [("sliding", w) if "sliding" in x else ("full", 0) for x in types]
     pattern = t.get("sliding_window_pattern")
     if pattern is not None:
-        p = _int_field(t, where, "sliding_window_pattern")
+        p = _int_field(t, where, "sliding_window_pattern", maximum=n)
         return [("full", 0) if (i + 1) % p == 0 else ("sliding", w) for i in range(n)]
     return [("sliding", w)] * n
 
@@ -488,15 +567,12 @@ def from_hf_config(
     else:
         path = Path(source)
         where = str(path)
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ValueError(f"{where}: larger than {MAX_CONFIG_BYTES} bytes: not a config.json")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{where}: not JSON ({e})") from None
+        data = _read_config(path)
     if not isinstance(data, Mapping):
         raise ValueError(f"{where}: a config.json holds one JSON object")
     text = data.get("text_config")
+    if text is not None and not isinstance(text, Mapping):
+        raise ValueError(f"{where}: text_config must be a JSON object")
     t: Mapping[str, Any] = text if isinstance(text, Mapping) else data
     if any(
         k in t for k in ("mamba_d_state", "ssm_state_size", "mamba_expand", "linear_attn_config")
@@ -505,13 +581,30 @@ def from_hf_config(
     n = _int_field(t, where, "num_hidden_layers", "n_layer", "num_layers")
     hidden = _int_field(t, where, "hidden_size", "d_model")
     heads = _int_field(t, where, "num_attention_heads", "n_head")
-    kv_heads = _int_field(t, where, "num_key_value_heads", default=heads)
-    head_dim = _int_field(t, where, "head_dim", default=hidden // heads or 1)
-    inter = _int_field(t, where, "intermediate_size", "ffn_dim", default=4 * hidden)
+    kv_heads = _int_field(t, where, "num_key_value_heads", default=heads, maximum=heads)
+    if heads % kv_heads:
+        raise ValueError(
+            f"{where}: num_attention_heads ({heads}) is not a multiple of "
+            f"num_key_value_heads ({kv_heads})"
+        )
+    head_dim = _int_field(t, where, "head_dim", default=min(1024, max(1, hidden // heads)))
+    inter = _int_field(t, where, "intermediate_size", "ffn_dim", default=min(4 * hidden, 1 << 20))
     vocab = _int_field(t, where, "vocab_size")
-    max_len = _int_field(t, where, "max_position_embeddings", "max_seq_len", default=4096)
-    tied = bool(data.get("tie_word_embeddings", t.get("tie_word_embeddings", False)))
+    max_len = _int_field(
+        t,
+        where,
+        "max_position_embeddings",
+        "max_seq_len",
+        default=4096,
+        limit="max_position_embeddings",
+    )
+    if "tie_word_embeddings" in data:
+        tied = _bool_field(data, where, "tie_word_embeddings", False)
+    else:
+        tied = _bool_field(t, where, "tie_word_embeddings", False)
     quant = data.get("quantization_config")
+    if quant is not None and not isinstance(quant, Mapping):
+        raise ValueError(f"{where}: quantization_config must be a JSON object")
     fp8 = isinstance(quant, Mapping) and quant.get("quant_method") == "fp8"
     mla = t.get("kv_lora_rank") is not None
     if mla:
@@ -519,7 +612,7 @@ def from_hf_config(
         rope = _int_field(t, where, "qk_rope_head_dim")
         nope = _int_field(t, where, "qk_nope_head_dim", default=head_dim)
         v_dim = _int_field(t, where, "v_head_dim", default=head_dim)
-        q_lora = t.get("q_lora_rank")
+        q_lora = None if t.get("q_lora_rank") is None else _int_field(t, where, "q_lora_rank")
         q_in = (
             hidden * q_lora + q_lora * heads * (nope + rope)
             if q_lora
@@ -534,20 +627,38 @@ def from_hf_config(
         attn = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
         kinds = _layer_kinds(t, where, n)
         qk_dim, v_head, kv_split = head_dim, head_dim, kv_heads
-    experts = int(
-        _field(t, where, "num_local_experts", "n_routed_experts", "num_experts", default=0)
+    experts = _int_field(
+        t,
+        where,
+        "num_local_experts",
+        "n_routed_experts",
+        "num_experts",
+        default=0,
+        limit="num_local_experts",
     )
     mlp = 3 * hidden * inter
     expert_params = 0.0
     active_experts = 0.0
     k = 0
     if experts:
-        k = _int_field(t, where, "num_experts_per_tok", "moe_topk")
-        moe_inter = _int_field(
-            t, where, "moe_intermediate_size", "intermediate_size_mlp", default=inter
+        k = _int_field(
+            t,
+            where,
+            "num_experts_per_tok",
+            "moe_topk",
+            limit="num_experts_per_tok",
+            maximum=experts,
         )
-        shared = int(_field(t, where, "n_shared_experts", default=0))
-        dense_layers = int(_field(t, where, "first_k_dense_replace", default=0))
+        moe_inter = _int_field(
+            t,
+            where,
+            "moe_intermediate_size",
+            "intermediate_size_mlp",
+            default=inter,
+            limit="moe_intermediate_size",
+        )
+        shared = _int_field(t, where, "n_shared_experts", default=0)
+        dense_layers = _int_field(t, where, "first_k_dense_replace", default=0, maximum=n)
         moe_layers = n - min(dense_layers, n)
         expert = 3 * hidden * moe_inter
         expert_params = float(moe_layers * experts * expert)
@@ -594,7 +705,9 @@ def from_hf_config(
 
     counts = {kk: sum(1 for x, _ in kinds if x == kk) for kk in ("full", "sliding", "chunked")}
     layout = ", ".join(f"{c} {kk}" for kk, c in counts.items() if c)
-    label = name or str(data.get("_name_or_path") or Path(where).parent.name or "config.json")
+    given = data.get("_name_or_path")
+    label = name or (given if isinstance(given, str) and given else None)
+    label = label or Path(where).parent.name or "config.json"
     return ModelPreset(
         name=label,
         model=label,

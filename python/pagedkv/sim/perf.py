@@ -129,6 +129,23 @@ def _compute(preset: ModelPreset) -> ModelCompute:
     return preset.compute
 
 
+def check_tensor_parallel(compute: ModelCompute, tp: int, model: str) -> None:
+    """Refuses (``ValueError``) a tensor-parallel size vLLM refuses for the model:
+    the attention heads must split evenly over the GPUs, and the KV heads either
+    split evenly (``kv_heads % tp == 0``) or replicate evenly (``tp % kv_heads
+    == 0``)."""
+    heads, kv = compute.num_attention_heads, compute.num_kv_heads
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    if heads % tp:
+        raise ValueError(
+            f"{model}: {heads} attention heads do not split over --tp {tp} (the heads "
+            "must be a multiple of the tensor-parallel size)"
+        )
+    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+        raise ValueError(f"{model}: {kv} KV heads do not split or replicate evenly over --tp {tp}")
+
+
 def kv_split(compute: ModelCompute, tp: int) -> int:
     """How many ways ``tp`` GPUs split the KV cache: KV heads are divided up to
     one per GPU and replicated beyond."""

@@ -210,13 +210,17 @@ def _max_model_len(cfg: SimConfig, workload: Workload, preset: presets.ModelPres
 def _preset(cfg: SimConfig) -> presets.ModelPreset:
     """The model: a preset name, or the path of a Hugging Face ``config.json``."""
     if cfg.model in presets.names():
-        return presets.get(cfg.model)
-    if os.path.isfile(cfg.model):
-        return _config_preset(cfg.model)
-    raise ValueError(
-        f"unknown model {cfg.model!r}: give a preset ({', '.join(presets.names())}) "
-        "or the path of a Hugging Face config.json"
-    )
+        preset = presets.get(cfg.model)
+    elif os.path.isfile(cfg.model):
+        preset = _config_preset(cfg.model)
+    else:
+        raise ValueError(
+            f"unknown model {cfg.model!r}: give a preset ({', '.join(presets.names())}) "
+            "or the path of a Hugging Face config.json"
+        )
+    if preset.compute is not None:
+        perf.check_tensor_parallel(preset.compute, cfg.tp, preset.name)
+    return preset
 
 
 @functools.lru_cache(maxsize=16)

@@ -571,6 +571,13 @@ def run_vllm(
         out = vllm_engine.run(payload, progress)
     else:
         out = _run_subprocess(payload, vllm_python, progress)
+    try:
+        out = vllm_engine.check_result(out)
+    except ValueError as e:
+        raise EngineUnavailableError(
+            f"the vLLM engine's result is not what pagedkv expects "
+            f"({vllm_python or sys.executable}): {e}"
+        ) from None
     config, max_model_len = build_config(cfg, workload)
     per_api = {k: (int(v[0]), int(v[1])) for k, v in out["per_api"].items()}
     return SimResult(
@@ -655,8 +662,22 @@ def _run_subprocess(
     lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
     if not lines:
         raise EngineUnavailableError(f"the vLLM engine printed no result ({vllm_python})")
-    result: dict[str, Any] = json.loads(lines[-1])
+    try:
+        result = json.loads(lines[-1], parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise EngineUnavailableError(
+            f"the vLLM engine printed a result that is not JSON ({vllm_python}): "
+            f"{str(e).splitlines()[0] if str(e) else 'nested too deeply'}"
+        ) from None
+    if not isinstance(result, dict):
+        raise EngineUnavailableError(
+            f"the vLLM engine printed {type(result).__name__}, not a result ({vllm_python})"
+        )
     return result
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number")
 
 
 # ------------------------------------------------------------------ capacity search

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["VllmBackend", "run", "vllm_available"]
+__all__ = ["VllmBackend", "check_result", "run", "vllm_available"]
 
 #: how the script reports progress on stderr: ``PREFIX STEP FINISHED``
 PROGRESS_PREFIX = "pagedkv-progress"
@@ -39,6 +39,94 @@ SUPPORTED_SPECS = (
     "mla_attention",
     "mamba",
 )
+
+
+#: What a result must hold: key -> kind (``count``: an int >= 0, ``number``: a
+#: finite int or float >= 0, ``text``: a string).
+RESULT_FIELDS = {
+    "version": "text",
+    "import_s": "number",
+    "steps": "count",
+    "finished": "count",
+    "preemptions": "count",
+    "admissions": "count",
+    "hit_tokens": "count",
+    "query_tokens": "count",
+    "first_hit_tokens": "count",
+    "first_query_tokens": "count",
+    "peak_running": "count",
+    "peak_usage": "number",
+    "mean_usage": "number",
+    "free_blocks_at_end": "count",
+    "usable_blocks": "count",
+    "manager_ns": "count",
+    "manager_calls": "count",
+    "alloc_checksum": "text",
+    "wall_s": "number",
+}
+_TIMING_FIGURES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_ms", "throughput")
+
+
+def _finite_tree(v: Any, where: str, depth: int = 0) -> None:
+    """Numbers (finite), None, strings, lists and objects of them, 8 levels deep."""
+    if depth > 8:
+        raise ValueError(f"{where}: nested too deeply")
+    if v is None or isinstance(v, str | bool):
+        return
+    if isinstance(v, int | float):
+        if v != v or v in (float("inf"), float("-inf")):
+            raise ValueError(f"{where}: {v} is not a finite number")
+        return
+    if isinstance(v, list):
+        for i, x in enumerate(v):
+            _finite_tree(x, f"{where}[{i}]", depth + 1)
+        return
+    if isinstance(v, dict):
+        for k, x in v.items():
+            _finite_tree(x, f"{where}.{k}", depth + 1)
+        return
+    raise ValueError(f"{where}: unexpected {type(v).__name__}")
+
+
+def check_result(out: Any) -> dict[str, Any]:
+    """``out`` if it is a result of :func:`run` (every field of
+    ``RESULT_FIELDS`` of its kind, ``per_api`` of ``[calls, ns]`` pairs, a
+    16-digit hex ``alloc_checksum``, ``timing`` with its figures, all finite);
+    ``ValueError`` naming the first field that is not."""
+    if not isinstance(out, dict):
+        raise ValueError(f"a JSON object was expected, got {type(out).__name__}")
+    for key, kind in RESULT_FIELDS.items():
+        if key not in out:
+            raise ValueError(f"missing {key!r}")
+        v = out[key]
+        ok = (
+            isinstance(v, str)
+            if kind == "text"
+            else not isinstance(v, bool)
+            and isinstance(v, int if kind == "count" else int | float)
+            and 0 <= v < float("inf")
+        )
+        if not ok:
+            raise ValueError(
+                f"{key!r} must be {'a string' if kind == 'text' else f'a {kind} >= 0'}, got {v!r}"
+            )
+    checksum = out["alloc_checksum"]
+    if len(checksum) != 16 or any(c not in "0123456789abcdef" for c in checksum):
+        raise ValueError(f"'alloc_checksum' must be 16 hex digits, got {checksum!r}")
+    per_api = out.get("per_api")
+    if not isinstance(per_api, dict) or not all(
+        isinstance(k, str)
+        and isinstance(v, list)
+        and len(v) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+        for k, v in per_api.items()
+    ):
+        raise ValueError("'per_api' must map each API to [calls, ns]")
+    timing = out.get("timing")
+    if not isinstance(timing, dict) or any(k not in timing for k in _TIMING_FIGURES):
+        raise ValueError(f"'timing' must hold {', '.join(_TIMING_FIGURES)}")
+    _finite_tree(timing, "timing")
+    return out
 
 
 def vllm_available() -> bool:

@@ -21,7 +21,15 @@ __all__ = ["KVCacheManager", "install", "installed", "register", "uninstall"]
 
 def __getattr__(name: str) -> Any:
     if name == "KVCacheManager":
-        from pagedkv.vllm.manager import KVCacheManager
-
+        try:
+            from pagedkv.vllm.manager import KVCacheManager
+        except ModuleNotFoundError as e:
+            if e.name is None or e.name.split(".")[0] != "vllm":
+                raise
+            raise ImportError(
+                f'pagedkv.vllm.KVCacheManager needs vLLM 0.33: pip install "pagedkv[vllm]" '
+                f"(no module named {e.name!r})",
+                name="vllm",
+            ) from e
         return KVCacheManager
     raise AttributeError(f"module 'pagedkv.vllm' has no attribute {name!r}")

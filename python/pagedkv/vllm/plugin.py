@@ -4,13 +4,14 @@ vLLM's scheduler binds ``KVCacheManager`` from ``vllm.v1.core.kv_cache_manager``
 at import time, so both that module and every loaded module that imported the
 name are patched. vLLM calls ``register()`` (the ``vllm.general_plugins`` entry
 point ``pagedkv``) in every process before it builds a scheduler; it installs
-only when ``PAGEDKV_VLLM=1``.
+only when ``PAGEDKV_VLLM`` is ``1``, ``true``, ``yes`` or ``on``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import warnings
 from typing import Any
 
 _ORIGINAL: dict[str, Any] = {}
@@ -113,7 +114,32 @@ def installed() -> bool:
     return vars(mod).get("KVCacheManager") is KVCacheManager
 
 
+#: ``PAGEDKV_VLLM`` values (case-insensitive) that install, and that do not.
+TRUE_VALUES = ("1", "true", "yes", "on")
+FALSE_VALUES = ("", "0", "false", "no", "off")
+
+
+def enabled(value: str | None) -> bool:
+    """Whether a ``PAGEDKV_VLLM`` value asks for pagedkv's manager: ``1``,
+    ``true``, ``yes``, ``on`` (any case, spaces around ignored) do; unset, empty,
+    ``0``, ``false``, ``no``, ``off`` do not; any other value does not and warns."""
+    if value is None:
+        return False
+    v = value.strip().lower()
+    if v in TRUE_VALUES:
+        return True
+    if v not in FALSE_VALUES:
+        warnings.warn(
+            f"PAGEDKV_VLLM={value!r} is not understood (1/true/yes/on or "
+            "0/false/no/off): vLLM keeps its own KV-cache manager",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return False
+
+
 def register() -> None:
-    """vLLM general-plugin hook: installs when ``PAGEDKV_VLLM=1``."""
-    if os.environ.get("PAGEDKV_VLLM", "0") == "1":
+    """vLLM general-plugin hook: installs when ``PAGEDKV_VLLM`` is ``1``,
+    ``true``, ``yes`` or ``on`` (see :func:`enabled`)."""
+    if enabled(os.environ.get("PAGEDKV_VLLM")):
         install()

@@ -92,6 +92,8 @@ class Case:
     load_failure_policy: str = "fail"  # vLLM's kv_load_failure_policy
     streaming: bool = False
     aborts: bool = False
+    #: Prefix-cache resets (``Scheduler.reset_prefix_cache``) at random steps.
+    resets: bool = False
     num_requests: int = 16
     #: A scripted workload instead of a random one (see SCRIPTS).
     script: str | None = None
@@ -194,6 +196,19 @@ def _cases() -> list[Case]:
     )
     c.append(Case("connector-async-pressure", connector="async", pressure=0.25))
     c.append(Case("connector-async-sched", connector="async", async_sched=True))
+    # Prefix-cache resets (with and without preempting the running requests).
+    c.append(Case("resets", resets=True, events=True))
+    c.append(Case("resets-async-pressure", resets=True, async_sched=True, pressure=0.25))
+    # Hybrid layouts with the other features.
+    c.append(Case("full+swa-ngram2", "full+swa", 8, spec="ngram", num_spec_tokens=2))
+    c.append(Case("full+swa-pressure-events", "full+swa", 8, pressure=0.25, events=True))
+    c.append(Case("full+mamba-pressure", "full+mamba", 16, pressure=0.25))
+    c.append(Case("full+mamba-async", "full+mamba", 16, async_sched=True))
+    c.append(Case("full+mamba-ngram2", "full+mamba", 16, spec="ngram", num_spec_tokens=2))
+    c.append(Case("mla-async-ngram2", "mla", 8, async_sched=True, spec="ngram", num_spec_tokens=2))
+    c.append(Case("swa-pressure-async", "swa", 8, pressure=0.25, async_sched=True))
+    c.append(Case("chunked_local-pressure", "chunked_local", 8, pressure=0.25))
+    c.append(Case("lora-pressure-priority", lora=True, pressure=0.25, priority=True))
     # Streaming-input sessions.
     c.append(Case("stream", streaming=True))
     c.append(Case("stream-bs4", block_size=4, streaming=True))
@@ -205,6 +220,28 @@ def _cases() -> list[Case]:
         )
     )
     c.append(Case("stream-events-pressure", streaming=True, events=True, pressure=0.25))
+    c.append(
+        Case(
+            "stream-async-pressure-aborts",
+            streaming=True,
+            async_sched=True,
+            pressure=0.25,
+            aborts=True,
+        )
+    )
+    c.append(
+        Case("stream-full+swa-async", "full+swa", 8, streaming=True, async_sched=True, events=True)
+    )
+    c.append(
+        Case(
+            "stream-draft2-async",
+            streaming=True,
+            async_sched=True,
+            spec="draft",
+            num_spec_tokens=2,
+            events=True,
+        )
+    )
     c.append(Case("stream-async-events", streaming=True, async_sched=True, events=True))
     c.append(
         Case(
@@ -235,6 +272,10 @@ def _cases() -> list[Case]:
             events=True,
             script="stream-minimal",
         )
+    )
+    # The same without events: only the probes' hits tell.
+    c.append(
+        Case("stream-minimal-async-hits", block_size=4, async_sched=True, script="stream-minimal")
     )
     c.append(
         Case(
@@ -776,6 +817,8 @@ class Side:
         #: Connector loads in flight: request id -> (done at step, fails).
         self.loading: dict[str, tuple[int, bool]] = {}
         self.step_no = 0
+        #: Results of inputs given between steps (compared with the next step).
+        self.notes: list[dict[str, Any]] = []
 
     # -- inputs ---------------------------------------------------------------
 
@@ -840,6 +883,9 @@ class Side:
     def step(self) -> list[tuple[str, dict[str, Any]]]:
         """One engine step; returns the observations to compare, in order."""
         obs: list[tuple[str, dict[str, Any]]] = []
+        if self.notes:
+            obs.append(("inputs", {"notes": self.notes}))
+            self.notes = []
         sched = self.sched
         if not self.case.async_sched:
             so = sched.schedule()
@@ -1066,11 +1112,25 @@ class Result:
     counts: dict[str, int] = field(default_factory=dict)
 
 
-def run_case(case: Case, seed: int, max_steps: int | None = None, trace: bool = False) -> Result:
+#: A change made to pagedkv's side before a step: (side, step) -> None. Used
+#: to check that the harness reports a difference it is given.
+Perturb = Callable[["Side", int], None]
+#: Sees vLLM's side of every compared observation: (step, phase, snapshot).
+Observe = Callable[[int, str, dict[str, Any]], None]
+
+
+def run_case(
+    case: Case,
+    seed: int,
+    max_steps: int | None = None,
+    observe: Observe | None = None,
+    perturb: Perturb | None = None,
+) -> Result:
+    """Runs ``case`` with ``seed`` on both sides; the result says where they first differ."""
     t0 = time.perf_counter()
     res = Result(case.name, seed, "identical")
     try:
-        _run(case, seed, res, max_steps or case.max_steps, trace)
+        _run(case, seed, res, max_steps or case.max_steps, observe, perturb)
     except Unsupported as e:
         res.status, res.detail = "unsupported", str(e)
     except Exception as e:
@@ -1080,7 +1140,14 @@ def run_case(case: Case, seed: int, max_steps: int | None = None, trace: bool = 
     return res
 
 
-def _run(case: Case, seed: int, res: Result, max_steps: int, trace: bool) -> None:
+def _run(
+    case: Case,
+    seed: int,
+    res: Result,
+    max_steps: int,
+    observe: Observe | None,
+    perturb: Perturb | None,
+) -> None:
     model = FakeModel(case, seed)
     workload = make_workload(case, seed)
     num_blocks = num_blocks_for(case, workload)
@@ -1093,6 +1160,11 @@ def _run(case: Case, seed: int, res: Result, max_steps: int, trace: bool) -> Non
             arrivals.setdefault(step, []).append(("chunk", (spec, k, prompt, max_tokens)))
         if spec.abort_at is not None:
             arrivals.setdefault(spec.abort_at, []).append(("abort", spec.rid))
+    if case.resets:
+        rng = Rng("resets", case.name, seed)
+        for _ in range(3):
+            at = rng.randint(2, 30)
+            arrivals.setdefault(at, []).append(("reset", rng.random() < 0.5))
     for step, rid, prompt in SCRIPTED_PROBES.get(case.script or "", []):
         arrivals.setdefault(step, []).append(("probe", (rid, prompt)))
     last_arrival = max(arrivals, default=0)
@@ -1110,7 +1182,14 @@ def _run(case: Case, seed: int, res: Result, max_steps: int, trace: bool) -> Non
                 apply_input(side, case, kind, item, step)
         if step > last_arrival and not any(s.busy() for s in sides):
             break
-        observed = [s.step() for s in sides]
+        if perturb is not None:
+            perturb(sides[1], step)
+        observed = []
+        for s in sides:
+            try:
+                observed.append(s.step())
+            except Exception as e:
+                raise RuntimeError(f"{s.name}'s side raised at step {step}: {e!r}") from e
         kinds = [[k for k, _ in o] for o in observed]
         if kinds[0] != kinds[1]:
             res.status = "diverged"
@@ -1118,8 +1197,8 @@ def _run(case: Case, seed: int, res: Result, max_steps: int, trace: bool) -> Non
             res.detail = f"step {step}: engine phases differ: vllm {kinds[0]}, pagedkv {kinds[1]}"
             return
         for (phase, a), (_, b) in zip(observed[0], observed[1], strict=True):
-            if trace:
-                print(f"  step {step} {phase}: {json.dumps(a, default=str)}")
+            if observe is not None:
+                observe(step, phase, a)
             d = first_diff(a, b)
             if d is not None:
                 res.status = "diverged"
@@ -1140,7 +1219,7 @@ def _run(case: Case, seed: int, res: Result, max_steps: int, trace: bool) -> Non
             if phase == "schedule":
                 counts["steps_scheduled"] += a["total_num_scheduled_tokens"] > 0
                 counts["preemptions"] += len(a["preempted_req_ids"])
-            else:
+            elif phase == "update":
                 counts["events"] += len(a["events"])
                 pcs = a.get("stats", {}).get("prefix_cache_stats") or {}
                 counts["hits"] += pcs.get("hits") or 0
@@ -1178,6 +1257,9 @@ def apply_input(side: Side, case: Case, kind: str, item: Any, step: int) -> None
             )
     elif kind == "abort":
         side.abort(item)
+    elif kind == "reset":
+        ok = side.sched.reset_prefix_cache(reset_running_requests=item)
+        side.notes.append({"reset_prefix_cache": {"reset_running_requests": item, "ok": ok}})
     elif kind == "probe":
         rid, prompt = item
         side.add(make_request(case, rid, prompt, 1, float(step)))
@@ -1211,6 +1293,10 @@ def describe(c: Case) -> str:
     return ", ".join(f"{k}={v}" for k, v in d.items()) or "defaults"
 
 
+def print_step(step: int, phase: str, snap: dict[str, Any]) -> None:
+    print(f"  step {step} {phase}: {json.dumps(snap, default=str)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1239,7 +1325,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     for case in cases:
         for seed in range(args.seed_base, args.seed_base + args.seeds):
-            r = run_case(case, seed, args.max_steps, args.trace)
+            r = run_case(case, seed, args.max_steps, print_step if args.trace else None)
             results.append(r)
             line = f"{case.name:28} seed {seed}: "
             if r.status == "identical":

@@ -356,6 +356,39 @@ class _CachedBlocks:
         return self._owner._core.num_cached_block_hashes
 
 
+class _ExtraHashes(Mapping[int, Set[bytes]]):
+    """vLLM's ``cached_block_hashes_by_block``, read-only: by block id, the
+    ``BlockHashWithGroupId`` keys a block is cached under beside its
+    ``block_hash`` (partial prompt-tail entries). Blocks without any are
+    absent."""
+
+    def __init__(self, owner: KVCacheManager) -> None:
+        self._owner = owner
+
+    def _get(self, block_id: object) -> frozenset[bytes] | None:
+        if type(block_id) is not int or not 0 <= block_id < len(self._owner._blocks):
+            return None
+        keys = self._owner._core.cached_block_extra_hashes(block_id)
+        if not keys:
+            return None
+        return frozenset(make_block_hash_with_group_id(h, g) for h, g in keys)  # type: ignore[arg-type]
+
+    def __getitem__(self, block_id: int) -> Set[bytes]:
+        keys = self._get(block_id)
+        if keys is None:
+            raise KeyError(block_id)
+        return keys
+
+    def __contains__(self, block_id: object) -> bool:
+        return self._get(block_id) is not None
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._owner._core.blocks_with_extra_hashes().tolist())
+
+    def __len__(self) -> int:
+        return len(self._owner._core.blocks_with_extra_hashes())
+
+
 class BlockPoolView:
     """The block pool as vLLM's scheduler and connectors use it."""
 
@@ -378,6 +411,7 @@ class BlockPoolView:
         self.hash_block_size = owner.hash_block_size
         self.num_hash_lookahead_tokens = owner.num_hash_lookahead_tokens
         self.cached_block_hash_to_block = _CachedBlocks(owner)
+        self.cached_block_hashes_by_block = _ExtraHashes(owner)
         self.kv_event_queue = _PendingEvents(owner)
         # What this pool's KV events report (a host tier's view says "CPU").
         self.medium = "GPU"

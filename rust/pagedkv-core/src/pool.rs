@@ -253,6 +253,32 @@ impl BlockPool {
         (k != NIL).then(|| self.map.entry(k).key)
     }
 
+    /// The keys a block is cached under beside its primary key (vLLM's
+    /// `cached_block_hashes_by_block[id]`: partial prompt-tail entries of a
+    /// block that already had a key), in the order they were given. Empty when
+    /// it has none.
+    #[must_use]
+    pub fn extra_keys(&self, id: BlockId) -> &[CacheKey] {
+        if self.secondary.is_empty() {
+            return &[];
+        }
+        self.secondary.get(&id).map_or(&[], Vec::as_slice)
+    }
+
+    /// The blocks that carry keys beside their primary key (the keys of
+    /// vLLM's `cached_block_hashes_by_block`), in ascending id order.
+    #[must_use]
+    pub fn blocks_with_extra_keys(&self) -> Vec<BlockId> {
+        let mut ids: Vec<BlockId> = self
+            .secondary
+            .iter()
+            .filter(|(_, keys)| !keys.is_empty())
+            .map(|(&id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// Number of keys in the prefix map.
     #[must_use]
     pub fn num_cached_keys(&self) -> usize {

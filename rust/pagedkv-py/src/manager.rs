@@ -1413,6 +1413,33 @@ impl PyManager {
         let ids = ids_i32(&borrow(slf)?.inner.pool().cached_blocks(&key));
         Ok(PyArray1::from_vec(slf.py(), ids))
     }
+
+    /// The hashes (and groups) a block is cached under beside the one
+    /// `cached_block_hash` gives (partial prompt-tail entries), in the order
+    /// they were given; empty when none.
+    fn cached_block_extra_hashes<'py>(
+        slf: &Bound<'py, Self>,
+        block_id: i64,
+    ) -> PkResult<Vec<(Bound<'py, PyBytes>, u32)>> {
+        let keys = {
+            let this = borrow(slf)?;
+            let pool = this.inner.pool();
+            pool.extra_keys(pool.block_id(block_id)?).to_vec()
+        };
+        Ok(keys
+            .iter()
+            .map(|k| (PyBytes::new(slf.py(), k.hash.as_bytes()), k.group))
+            .collect())
+    }
+
+    /// The blocks cached under more than one hash (those
+    /// `cached_block_extra_hashes` answers for), in ascending id order.
+    fn blocks_with_extra_hashes<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PkResult<Bound<'py, PyArray1<i32>>> {
+        let ids = ids_i32(&borrow(slf)?.inner.pool().blocks_with_extra_keys());
+        Ok(PyArray1::from_vec(slf.py(), ids))
+    }
 }
 
 impl PyManager {

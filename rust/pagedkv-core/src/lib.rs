@@ -31,6 +31,7 @@
 mod coordinator;
 pub mod error;
 pub mod events;
+pub mod fork;
 pub mod hash;
 pub mod manager;
 pub mod pool;

@@ -506,6 +506,14 @@ impl KvCacheManager {
         if !self.cfg.background_hashing {
             return false;
         }
+        if self
+            .hash_worker
+            .as_ref()
+            .is_some_and(HashWorker::left_behind)
+        {
+            // A forked child's: dropped without a join (see `crate::fork`).
+            self.hash_worker = None;
+        }
         if self.hash_worker.is_none() {
             self.hash_worker = HashWorker::spawn().ok();
         }

@@ -743,6 +743,8 @@ impl HashJob {
 pub(crate) struct HashWorker {
     tx: Option<mpsc::Sender<Arc<HashJob>>>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The fork generation it was spawned in ([`crate::fork`]).
+    generation: u64,
 }
 
 impl HashWorker {
@@ -752,13 +754,22 @@ impl HashWorker {
             .name("pagedkv-hash".into())
             .spawn(move || {
                 while let Some(job) = next_job(&rx) {
+                    crate::fork::enter_job();
                     job.run();
+                    crate::fork::leave_job();
                 }
             })?;
         Ok(Self {
             tx: Some(tx),
             thread: Some(thread),
+            generation: crate::fork::generation(),
         })
+    }
+
+    /// Whether the process forked since the worker was spawned and this is the
+    /// child: the thread stayed in the parent.
+    pub fn left_behind(&self) -> bool {
+        self.generation != crate::fork::generation()
     }
 
     /// Queues the job; if the thread is gone, its first reader runs it.
@@ -799,6 +810,13 @@ fn next_job<T>(rx: &mpsc::Receiver<T>) -> Option<T> {
 
 impl Drop for HashWorker {
     fn drop(&mut self) {
+        if self.left_behind() {
+            // In a forked child: there is no thread to join, and the channel
+            // may have been in use by the parent's thread at the fork.
+            std::mem::forget(self.tx.take());
+            std::mem::forget(self.thread.take());
+            return;
+        }
         drop(self.tx.take());
         if let Some(t) = self.thread.take() {
             let _ = t.join();

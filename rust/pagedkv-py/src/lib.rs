@@ -7,6 +7,7 @@
 //! - [`errors`]: the core's errors to the `pagedkv.errors` exceptions;
 //! - [`manager`]: the `KVCacheManager` and `ComputedBlocks` classes;
 //! - [`events`]: the KV-cache event classes;
+//! - [`fork`]: the hash workers across `os.fork`;
 //! - [`hash`]: block hashing functions;
 //! - [`index`]: the router-side `PrefixIndex`;
 //! - [`prepared`]: requests built and hashed off the scheduler's thread.
@@ -18,9 +19,10 @@ use pyo3::prelude::*;
 
 mod alloc;
 mod convert;
-mod errors;
 mod engine_request;
+mod errors;
 mod events;
+mod fork;
 mod hash;
 mod index;
 mod manager;
@@ -33,6 +35,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     hash::register(m)?;
     index::register(m)?;
     prepared::register(m)?;
+    fork::register(m)?;
     alloc::keep_freed_pages();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

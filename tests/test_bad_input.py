@@ -268,6 +268,7 @@ COUNT_PARAMS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "remove_skipped_blocks.total_computed_tokens": lambda m, v: m.remove_skipped_blocks("run", v),
     "block_ref_count.block_id": lambda m, v: m.block_ref_count(v),
     "cached_block_hash.block_id": lambda m, v: m.cached_block_hash(v),
+    "cached_block_extra_hashes.block_id": lambda m, v: m.cached_block_extra_hashes(v),
     "evict_blocks.block_id": lambda m, v: m.evict_blocks([v]),
     "evict_blocks.valid_then_bad": lambda m, v: m.evict_blocks([5, 1, v]),
     "get_computed_blocks.max_cache_hit_length": lambda m, v: m.get_computed_blocks("wait", v),
@@ -822,6 +823,7 @@ def test_every_public_method_is_in_the_matrix() -> None:
         "block_pool_stats",
         "take_block_activity",
         "take_reused_blocks",
+        "blocks_with_extra_hashes",
         # Read-only properties.
         "num_free_blocks",
         "usage",
@@ -1101,9 +1103,10 @@ COUNTED: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "remove_skipped_blocks": lambda m, n: m.remove_skipped_blocks("run", n),
     "block_ref_count": lambda m, n: m.block_ref_count(n),
     "cached_block_hash": lambda m, n: m.cached_block_hash(n),
+    "cached_block_extra_hashes": lambda m, n: m.cached_block_extra_hashes(n),
 }
 COUNT = {"allocate_slots": 1, "allocate_slots_batch": 0, "block_ref_count": 1,
-         "cached_block_hash": 1}  # fmt: skip
+         "cached_block_hash": 1, "cached_block_extra_hashes": 1}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", COUNTED)

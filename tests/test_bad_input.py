@@ -847,6 +847,8 @@ def test_every_public_method_is_in_the_matrix() -> None:
         "lookup_groups",
         "full_attention_group",
         "num_pending_events",
+        "num_dropped_events",
+        "num_dropped_block_activity",
         "reads_token_values",
     }
     public = {n for n in dir(pk.KVCacheManager) if not n.startswith("_")}

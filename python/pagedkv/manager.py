@@ -102,6 +102,12 @@ class ManagerOptions(TypedDict, total=False):
       hashes before it returns. The worker checks for its next prompt every
       50 µs while the scheduler is busy (so handing one over costs no thread
       wake-up) and sleeps after 20 ms without one.
+    - ``max_pending_events`` (262,144): KV events kept until ``take_events``
+      drains them; past it the oldest quarter is dropped and counted
+      (``num_dropped_events``), so a manager whose events nobody drains stays
+      bounded. 1..2**30.
+    - ``max_pending_block_activity`` (1,048,576): the same for the block
+      activity log of ``kv_cache_metrics`` (``num_dropped_block_activity``).
     - ``hash_memo_blocks`` (None): the ``sha256_cbor`` memo. A prompt block
       hashed before (a shared system prompt, the earlier turns of a
       conversation) is looked up by its whole input (parent hash and every
@@ -146,6 +152,8 @@ class ManagerOptions(TypedDict, total=False):
     zero_new_blocks: bool
     background_hashing: bool
     hash_memo_blocks: int | None
+    max_pending_events: int | None
+    max_pending_block_activity: int | None
 
 
 class KVCacheManager(_core.KVCacheManager):

@@ -95,7 +95,13 @@ impl Coordinator {
             cfg.enable_caching,
             cfg.enable_kv_cache_events,
         )?
-        .with_metrics(cfg.kv_cache_metrics);
+        .with_metrics(cfg.kv_cache_metrics)
+        .with_pending_caps(
+            cfg.max_pending_events
+                .unwrap_or(crate::spec::PENDING_EVENTS_DEFAULT),
+            cfg.max_pending_block_activity
+                .unwrap_or(crate::spec::PENDING_ACTIVITY_DEFAULT),
+        );
         let sbs = cfg.scheduler_block_size();
         let single = cfg.groups.len() == 1;
         let partial_hits = cfg.partial_hash_hits_enabled(hbs);

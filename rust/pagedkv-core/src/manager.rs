@@ -1136,6 +1136,20 @@ impl KvCacheManager {
         self.coord.take_events()
     }
 
+    /// KV events dropped, oldest first, because the queue reached
+    /// `max_pending_events` undrained.
+    #[must_use]
+    pub fn num_dropped_events(&self) -> u64 {
+        self.coord.pool().num_dropped_events()
+    }
+
+    /// Block activity entries dropped, oldest first, because the log reached
+    /// `max_pending_block_activity` undrained.
+    #[must_use]
+    pub fn num_dropped_block_activity(&self) -> u64 {
+        self.coord.pool().num_dropped_block_activity()
+    }
+
     /// Drains the pool's block activity log (`kv_cache_metrics`; empty otherwise).
     pub fn take_block_activity(&mut self) -> Vec<crate::pool::BlockActivity> {
         self.coord.pool_mut().take_block_activity()

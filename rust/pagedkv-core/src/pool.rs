@@ -98,6 +98,23 @@ pub struct BlockPool {
     /// `touch_blocks`, and those of HiSparse resident rows (which the engine
     /// pins and unpins page by page).
     engine_refs: rustc_hash::FxHashMap<BlockId, u32>,
+    /// The most events `events` keeps undrained.
+    max_pending_events: usize,
+    /// Events dropped, oldest first, to keep `events` under its cap.
+    dropped_events: u64,
+}
+
+/// Makes room for one more item in a queue of at most `cap` items that its
+/// caller has not drained: drops the oldest quarter (at least one) once it is
+/// full, so a queue never drained costs amortised O(1) a push. Returns how
+/// many were dropped.
+pub(crate) fn drop_oldest<T>(queue: &mut Vec<T>, cap: usize) -> u64 {
+    if queue.len() < cap.max(1) {
+        return 0;
+    }
+    let k = (cap / 4).clamp(1, queue.len());
+    queue.drain(..k);
+    k as u64
 }
 
 /// The refusal of a pool too large to allocate.
@@ -177,6 +194,8 @@ impl BlockPool {
             watched: rustc_hash::FxHashSet::default(),
             reused: Vec::new(),
             engine_refs: rustc_hash::FxHashMap::default(),
+            max_pending_events: crate::spec::PENDING_EVENTS_DEFAULT as usize,
+            dropped_events: 0,
         })
     }
 
@@ -814,7 +833,7 @@ impl BlockPool {
     fn pop_and_report(&mut self, key: CacheKey, id: BlockId) -> bool {
         let popped = self.map.remove(&key, id);
         if popped && self.events_enabled {
-            self.events.push(KvEvent::BlockRemoved {
+            self.record_event(KvEvent::BlockRemoved {
                 block_hashes: vec![key.hash],
                 group_idx: key.group,
             });
@@ -925,7 +944,7 @@ impl BlockPool {
         }
         self.epoch += 1;
         if self.events_enabled {
-            self.events.push(KvEvent::AllBlocksCleared);
+            self.record_event(KvEvent::AllBlocksCleared);
         }
         if let Some(m) = self.metrics.as_deref_mut() {
             m.stats.cache_resets += 1;
@@ -945,8 +964,37 @@ impl BlockPool {
     /// Records an event (no-op when events are off).
     pub fn push_event(&mut self, ev: KvEvent) {
         if self.events_enabled {
-            self.events.push(ev);
+            self.record_event(ev);
         }
+    }
+
+    /// Queues an event, dropping the oldest quarter when the queue is full.
+    fn record_event(&mut self, ev: KvEvent) {
+        self.dropped_events += drop_oldest(&mut self.events, self.max_pending_events);
+        self.events.push(ev);
+    }
+
+    /// Caps the undrained events and block activity entries (each at least 1).
+    #[must_use]
+    pub fn with_pending_caps(mut self, events: u64, activity: u64) -> Self {
+        self.max_pending_events = usize::try_from(events).unwrap_or(usize::MAX).max(1);
+        if let Some(m) = self.metrics.as_deref_mut() {
+            m.cap = usize::try_from(activity).unwrap_or(usize::MAX).max(1);
+        }
+        self
+    }
+
+    /// Events dropped (oldest first) because they were not drained in time.
+    #[must_use]
+    pub fn num_dropped_events(&self) -> u64 {
+        self.dropped_events
+    }
+
+    /// Block activity entries dropped (oldest first) because they were not
+    /// drained in time.
+    #[must_use]
+    pub fn num_dropped_block_activity(&self) -> u64 {
+        self.metrics.as_ref().map_or(0, |m| m.dropped)
     }
 
     /// Events recorded and not yet drained.
@@ -969,7 +1017,7 @@ impl BlockPool {
     }
 
     /// Drains the block activity log, oldest first (empty without metrics). It
-    /// grows until drained, like the event queue.
+    /// keeps at most its cap undrained, like the event queue.
     pub fn take_block_activity(&mut self) -> Vec<BlockActivity> {
         self.metrics
             .as_deref_mut()

@@ -300,7 +300,25 @@ pub struct ManagerConfig {
     /// turns) is looked up with its whole input instead of hashed again. `None`:
     /// [`MEMO_DEFAULT_BLOCKS`]; 0: off. 128 bytes a block for 16-token blocks.
     pub hash_memo_blocks: Option<u64>,
+    /// KV events kept until [`crate::KvCacheManager::take_events`] drains
+    /// them; past it the oldest quarter is dropped and counted
+    /// ([`crate::KvCacheManager::num_dropped_events`]). `None`:
+    /// [`PENDING_EVENTS_DEFAULT`].
+    pub max_pending_events: Option<u64>,
+    /// Block activity entries (`kv_cache_metrics`) kept until
+    /// [`crate::KvCacheManager::take_block_activity`] drains them; past it the
+    /// oldest quarter is dropped and counted. `None`:
+    /// [`PENDING_ACTIVITY_DEFAULT`].
+    pub max_pending_block_activity: Option<u64>,
 }
+
+/// Events kept undrained by default: a server drains them every step (a few
+/// hundred); 262,144 events are some tens of MiB.
+pub const PENDING_EVENTS_DEFAULT: u64 = 1 << 18;
+/// Block activity entries kept undrained by default (8 bytes each: 8 MiB).
+pub const PENDING_ACTIVITY_DEFAULT: u64 = 1 << 20;
+/// The largest cap either queue takes.
+pub const PENDING_MAX: u64 = 1 << 30;
 
 /// The blocks the hash memo keeps by default (2 MiB of 16-token blocks),
 /// whatever the pool's size: a memo is worth its lookups while it stays in
@@ -347,6 +365,8 @@ impl ManagerConfig {
             zero_new_blocks: false,
             background_hashing: false,
             hash_memo_blocks: None,
+            max_pending_events: None,
+            max_pending_block_activity: None,
         }
     }
 
@@ -450,6 +470,17 @@ impl ManagerConfig {
             && !(1..=32).contains(&n)
         {
             return bad(format!("hash_truncate_bytes must be in 1..=32, got {n}"));
+        }
+        for (name, cap) in [
+            ("max_pending_events", self.max_pending_events),
+            (
+                "max_pending_block_activity",
+                self.max_pending_block_activity,
+            ),
+        ] {
+            if let Some(n) = cap.filter(|&n| n == 0 || n > PENDING_MAX) {
+                return bad(format!("{name} must be in 1..=2**30, got {n}"));
+            }
         }
         if let Some(n) = self.hash_memo_blocks
             && n > MEMO_LIMIT_BLOCKS

@@ -1059,6 +1059,10 @@ pub fn manager_config(
             "zero_new_blocks" => cfg.zero_new_blocks = option(name, &v)?,
             "background_hashing" => cfg.background_hashing = option(name, &v)?,
             "hash_memo_blocks" => cfg.hash_memo_blocks = option_int(name, &v)?,
+            "max_pending_events" => cfg.max_pending_events = option_int(name, &v)?,
+            "max_pending_block_activity" => {
+                cfg.max_pending_block_activity = option_int(name, &v)?;
+            }
             other => {
                 return Err(type_error(format!(
                     "KVCacheManager() got an unexpected keyword argument '{other}'"

@@ -204,6 +204,20 @@ impl PyManager {
         self.inner.hash_memo_counts().1
     }
 
+    /// KV events dropped, oldest first, because `max_pending_events` were
+    /// left undrained.
+    #[getter]
+    fn num_dropped_events(&self) -> u64 {
+        self.inner.num_dropped_events()
+    }
+
+    /// Block activity entries dropped, oldest first, because
+    /// `max_pending_block_activity` were left undrained.
+    #[getter]
+    fn num_dropped_block_activity(&self) -> u64 {
+        self.inner.num_dropped_block_activity()
+    }
+
     /// Blocks in the free queue (evictable cached blocks included).
     #[getter]
     fn num_free_blocks(&self) -> u32 {

@@ -49,10 +49,20 @@ pub(super) struct PoolMetrics {
     pub(super) stats: BlockPoolStats,
     /// Drained by [`BlockPool::take_block_activity`].
     pub(super) activity: Vec<BlockActivity>,
+    /// The most entries `activity` keeps (0: the default).
+    pub(super) cap: usize,
+    /// Entries dropped, oldest first, to keep `activity` under its cap.
+    pub(super) dropped: u64,
 }
 
 impl PoolMetrics {
     pub(super) fn log(&mut self, kind: BlockActivityKind, block: BlockId) {
+        let cap = if self.cap == 0 {
+            crate::spec::PENDING_ACTIVITY_DEFAULT as usize
+        } else {
+            self.cap
+        };
+        self.dropped += super::drop_oldest(&mut self.activity, cap);
         self.activity.push(BlockActivity { kind, block });
     }
 }

@@ -61,6 +61,8 @@ EOS_TOKEN_ID = 2
 STOP_TOKEN_ID = 3
 MODEL = "facebook/opt-125m"
 MAX_MODEL_LEN = 2048
+#: Steps with nothing scheduled, after the last input, that end a run as stalled.
+STALL_STEPS = 20
 
 
 # --------------------------------------------------------------------------
@@ -129,6 +131,20 @@ def _cases() -> list[Case]:
     c.append(Case("pressure-chunked", max_num_batched_tokens=40, pressure=0.2))
     c.append(Case("pressure-full+swa", "full+swa", 8, pressure=0.25))
     c.append(Case("pressure-mla", "mla", 8, pressure=0.2))
+    # Longer workloads under pressure: evictions of cached blocks, repeated preemption.
+    c.append(Case("pressure-long-bs8", block_size=8, pressure=0.15, num_requests=48))
+    c.append(
+        Case(
+            "stream-async-ngram2-long",
+            streaming=True,
+            async_sched=True,
+            spec="ngram",
+            num_spec_tokens=2,
+            events=True,
+            pressure=0.25,
+            num_requests=40,
+        )
+    )
     # Spec decode.
     c.append(Case("ngram2", spec="ngram", num_spec_tokens=2))
     c.append(Case("ngram3-bs4", block_size=4, spec="ngram", num_spec_tokens=3))
@@ -611,7 +627,12 @@ def num_blocks_for(case: Case, workload: list[ReqSpec]) -> int:
     ]
     if case.pressure is None:
         return 4 * groups * sum(need) + 64
-    one = max(need) + 2
+    # A streaming session keeps its blocks while it waits for its next chunk,
+    # and vLLM never preempts a waiting request: sessions parked on every
+    # block stall both schedulers (the run then stops, see _run). Room for a
+    # quarter of the sessions at their longest, plus one more request.
+    sessions = sum(n for n, s in zip(need, workload, strict=True) if s.resumable)
+    one = max(need) + 2 + sessions // 4
     return max(one, int(case.pressure * sum(need))) * groups + 1
 
 
@@ -1176,6 +1197,7 @@ def _run(
         "hits": 0,
     }
     step = 0
+    idle = 0  # consecutive steps after the last input that scheduled nothing
     while step < max_steps:
         for kind, item in arrivals.get(step, ()):
             for side in sides:
@@ -1217,6 +1239,9 @@ def _run(
                 }
                 return
             if phase == "schedule":
+                idle = (
+                    0 if a["total_num_scheduled_tokens"] > 0 or step <= last_arrival else idle + 1
+                )
                 counts["steps_scheduled"] += a["total_num_scheduled_tokens"] > 0
                 counts["preemptions"] += len(a["preempted_req_ids"])
             elif phase == "update":
@@ -1224,9 +1249,17 @@ def _run(
                 pcs = a.get("stats", {}).get("prefix_cache_stats") or {}
                 counts["hits"] += pcs.get("hits") or 0
         step += 1
+        if idle >= STALL_STEPS and not any(s.loading for s in sides):
+            waiting = sorted(sides[0].sched.requests)
+            free = sides[0].sched.kv_cache_manager.block_pool.get_num_free_blocks()
+            res.detail = (
+                f"both schedulers stalled from step {step - idle}: {len(waiting)} requests "
+                f"waiting, {free} free blocks"
+            )
+            break
     res.steps = step
     res.counts = counts
-    if step >= max_steps:
+    if step >= max_steps and not res.detail:
         res.detail = f"stopped at the step cap ({max_steps}) with work left"
 
 

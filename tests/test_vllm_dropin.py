@@ -455,6 +455,27 @@ def test_hisparse_adopt_refuses_a_block_the_engine_does_not_pin() -> None:
         m.check_invariants()
 
 
+def test_hisparse_adopt_with_pin_takes_the_engine_pin_in_the_same_call() -> None:
+    # vLLM's coordinator adopts first and pins right after: with pin=True the
+    # core pins as it adopts, so the page never reads a free block.
+    m = pk.KVCacheManager(_hisparse_config(), max_model_len=256)
+    m.add_request("a", list(range(12)))
+    m.allocate_slots("a", 12, num_computed_tokens=0)
+    m.add_request("b", list(range(12)))
+    m.allocate_slots("b", 4, num_computed_tokens=0, new_computed_blocks=m.get_computed_blocks("b"))
+    free = m.num_free_blocks
+    assert m.hisparse_adopt_page("b", 1, 0, 20, pin=True)
+    assert m.hisparse_residency_row("b", 1).tolist() == [20, 0, 8]
+    assert m.num_free_blocks == free - 1
+    m.check_invariants()
+    assert not m.hisparse_adopt_page("b", 1, 0, 21, pin=True)  # resident already
+    assert m.num_free_blocks == free - 1
+    with pytest.raises(InvalidArgumentError, match="held by a request"):
+        m.hisparse_adopt_page("b", 1, 1, 1, pin=True)
+    assert m.num_free_blocks == free - 1
+    m.check_invariants()
+
+
 def test_hisparse_needs_count_imported_tokens_apart() -> None:
     # vLLM's get_num_blocks_to_allocate with a connector's import (computed
     # tokens beyond the locally computed ones): the resident group keeps the

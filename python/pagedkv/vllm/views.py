@@ -396,6 +396,9 @@ class BlockPoolView:
         self._owner = owner
         self.blocks = owner._blocks
         self.free_block_queue = _FreeQueueView(owner)
+        # Pins resident-page adoptions took for the touch vLLM's HiSparse
+        # coordinator makes right after them (block id -> count).
+        self._adoption_pins: dict[int, int] = {}
         queue = self.free_block_queue
         for b in self.blocks:
             # Slots of vLLM's block and of the view's subclass.
@@ -448,7 +451,11 @@ class BlockPoolView:
         """One more reference on each block for the caller (a free block leaves
         the free queue, keeping its cache entries); ``free_blocks`` or
         ``unpin_blocks`` returns it."""
-        self._owner._core.touch_blocks([b.block_id for b in blocks])
+        ids = [b.block_id for b in blocks]
+        pins = self._adoption_pins
+        if pins:  # a block a resident page adopted is pinned already
+            ids = [i for i in ids if not _take_pin(pins, i)]
+        self._owner._core.touch_blocks(ids)
         self._owner._observe_blocks()
 
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Any) -> None:
@@ -835,16 +842,23 @@ class ResidentManagerView(_HiSparseView):
         )
 
     def adopt_resident_page(self, request_id: str, block_idx: int, block: KVCacheBlock) -> bool:
-        """Points a host-only page at a pinned device copy of its contents."""
+        """Points a host-only page at a device copy of its contents. vLLM's
+        coordinator pins the block right after (``block_pool.touch``); the
+        core pins it in the adoption itself, so no page ever reads a block
+        nobody pins, and that touch is this pin (see ``BlockPoolView.touch``)."""
         if request_id not in self._owner._live:
             return False
-        return bool(
+        adopted = bool(
             self._core.hisparse_adopt_page(
-                request_id, self.kv_cache_group_id, block_idx, block.block_id
+                request_id, self.kv_cache_group_id, block_idx, block.block_id, pin=True
             )
         )
 
     def drop_resident_page(self, request_id: str, block_idx: int) -> KVCacheBlock | None:
+        if adopted:
+            pins = self._owner.block_pool._adoption_pins
+            pins[block.block_id] = pins.get(block.block_id, 0) + 1
+        return adopted
         """The page is read from the host from now on; the block it was read from."""
         if request_id not in self._owner._live:
             return None
@@ -1188,3 +1202,15 @@ def coordinator_view(owner: KVCacheManager) -> CoordinatorView:
         cls = _named_after(vllm_cls, CoordinatorView)
         _COORDINATOR_VIEWS[vllm_cls] = cls
     return cls(owner)
+
+
+def _take_pin(pins: dict[int, int], block_id: int) -> bool:
+    """Takes one of the pins resident-page adoptions made on ``block_id``."""
+    n = pins.get(block_id, 0)
+    if n == 0:
+        return False
+    if n == 1:
+        del pins[block_id]
+    else:
+        pins[block_id] = n - 1
+    return True

@@ -346,3 +346,34 @@ fn the_invariant_checker_catches_two_rows_reading_one_pin() {
     assert!(ok(m.hisparse_adopt_page("c", 2, 0, copy)));
     assert!(violation(&m).contains("pins it 1 time(s)"));
 }
+
+#[test]
+fn an_adoption_that_pins_takes_a_free_block_out_of_the_pool_at_once() {
+    // vLLM's coordinator adopts a cached copy first and pins it right after;
+    // the core pins it in the adoption, so no page ever reads a free block.
+    let mut m = two_on_one_prefix();
+    let free = m.num_free_blocks();
+    assert_eq!(m.pool().ref_cnt(20), 0);
+    assert!(ok(m.hisparse_pin_and_adopt_page("b", 2, 0, 20)));
+    assert_eq!(m.pool().ref_cnt(20), 1);
+    assert_eq!(m.num_free_blocks(), free - 1);
+    assert_eq!(ok(m.hisparse_residency_row("b", 2, 0)), vec![20, NULL, 8]);
+    ok(m.check_invariants());
+    // A page already resident, or past the row: false, and no pin taken.
+    assert!(!ok(m.hisparse_pin_and_adopt_page("b", 2, 0, 21)));
+    assert!(!ok(m.hisparse_pin_and_adopt_page("b", 2, 9, 21)));
+    assert_eq!(m.pool().ref_cnt(21), 0);
+    // A block a request holds: refused, no pin taken.
+    let held = m.pool().ref_cnt(1);
+    assert!(matches!(
+        m.hisparse_pin_and_adopt_page("b", 2, 1, 1),
+        Err(Error::InvalidArgument(ref s)) if s.contains("held by a request")
+    ));
+    assert_eq!(m.pool().ref_cnt(1), held);
+    ok(m.check_invariants());
+    // The free returns the page's pin with the rest.
+    let popped = ok(m.pop_blocks_for_free("b"));
+    ok(m.free_blocks(&popped));
+    assert_eq!(m.pool().ref_cnt(20), 0);
+    ok(m.check_invariants());
+}

@@ -910,20 +910,29 @@ impl PyManager {
 
     /// HiSparse resident group: points host-only page `page` of the request's
     /// row at `block_id` (a device copy the engine pins); False, with nothing
-    /// changed, past the row or where the page is resident already.
+    /// changed, past the row or where the page is resident already. `pin`:
+    /// the block is pinned in the same call, when the page adopts it (an
+    /// engine that adopts first and pins right after).
+    #[pyo3(signature = (request_id, group, page, block_id, *, pin = false))]
     fn hisparse_adopt_page(
         slf: &Bound<'_, Self>,
         request_id: &str,
         group: i64,
         page: i64,
         block_id: i64,
+        pin: bool,
     ) -> PkResult<bool> {
         let group = Self::index("group", group)?;
         let page = Self::index("page", page)?;
         let block = crate::convert::block_id(block_id)?;
-        Ok(borrow_mut(slf)?
-            .inner
-            .hisparse_adopt_page(request_id, group, page, block)?)
+        let mut this = borrow_mut(slf)?;
+        Ok(if pin {
+            this.inner
+                .hisparse_pin_and_adopt_page(request_id, group, page, block)?
+        } else {
+            this.inner
+                .hisparse_adopt_page(request_id, group, page, block)?
+        })
     }
 
     /// HiSparse resident group: page `page` is read from the host from now

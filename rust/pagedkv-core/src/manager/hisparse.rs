@@ -71,6 +71,36 @@ impl KvCacheManager {
         page: usize,
         block: BlockId,
     ) -> Result<bool> {
+        self.adopt_resident_page(id, group, page, block, false)
+    }
+
+    /// [`Self::hisparse_adopt_page`] for an engine that adopts first and pins
+    /// right after (vLLM's HiSparse coordinator: `adopt_resident_page`, then
+    /// `block_pool.touch`): the block is pinned here, as
+    /// [`Self::touch_blocks`] pins it, only when the page adopts it, so at no
+    /// point does a page read a block nobody pins. The engine's pin that
+    /// follows is this one (the caller does not pin again).
+    ///
+    /// # Errors
+    /// As [`Self::hisparse_adopt_page`], the missing pin aside.
+    pub fn hisparse_pin_and_adopt_page(
+        &mut self,
+        id: &str,
+        group: usize,
+        page: usize,
+        block: BlockId,
+    ) -> Result<bool> {
+        self.adopt_resident_page(id, group, page, block, true)
+    }
+
+    fn adopt_resident_page(
+        &mut self,
+        id: &str,
+        group: usize,
+        page: usize,
+        block: BlockId,
+        pin: bool,
+    ) -> Result<bool> {
         let pool = self.coord.pool();
         let n = pool.num_blocks();
         if block >= n {
@@ -84,7 +114,8 @@ impl KvCacheManager {
                 "block 0 is the null block; a resident page reads a block the engine pins",
             ));
         }
-        let engine = pool.engine_refs_of(block);
+        let held = pool.engine_refs_of(block);
+        let engine = held + u32::from(pin);
         if engine == 0 {
             return Err(invalid(format!(
                 "block {block} is not pinned by the engine (ref count {}); take it with \
@@ -92,7 +123,7 @@ impl KvCacheManager {
                 pool.ref_cnt(block)
             )));
         }
-        let others = pool.ref_cnt(block) - engine;
+        let others = pool.ref_cnt(block) - held;
         if others > 0 {
             return Err(invalid(format!(
                 "block {block} is held by a request or a pending copy ({others} reference(s) \
@@ -109,6 +140,9 @@ impl KvCacheManager {
                 "block {block} is read by {claimed} resident page(s) of request {id:?} and \
                  pinned {engine} time(s); each resident page needs its own reference"
             )));
+        }
+        if pin {
+            self.touch_blocks(&[block])?;
         }
         Ok(self.table.get_mut(slot).groups_mut()[group].adopt_page(page, block))
     }

@@ -373,32 +373,47 @@ class SlidingWindowSpec(_RecyclingAttentionSpec):
     ``bounded_replay`` (keyword-only; vLLM's ``SlidingWindowMLASpec`` field):
     the group's KV is never cached. Prefix hits come from the other groups; after
     one, the engine recomputes the hit's last ``sliding_window`` tokens for this
-    group, which holds null blocks below them and fresh blocks from there on."""
+    group, which holds null blocks below them and fresh blocks from there on.
+
+    ``extra_retained_tokens`` (keyword-only; vLLM's field of the same name): a
+    request keeps that many more tokens below the window, not attended (an
+    engine whose multi-module speculative decoding prefills them again). Their
+    blocks are freed that much later and count in the admission cap."""
 
     sliding_window: int
     bounded_replay: bool = field(default=False, kw_only=True)
+    extra_retained_tokens: int = field(default=0, kw_only=True)
 
     kind: ClassVar[str] = "sliding_window"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_positive_int("sliding_window", self.sliding_window)
+        _check_non_negative_int("extra_retained_tokens", self.extra_retained_tokens)
+
+    @property
+    def num_retained_tokens(self) -> int:
+        """Tokens below a request's next position that stay readable:
+        ``sliding_window - 1 + extra_retained_tokens``."""
+        return self.sliding_window - 1 + self.extra_retained_tokens
 
     def max_admission_blocks_per_request(
         self, max_in_flight_tokens: int, max_model_len: int
     ) -> int:
         """Most blocks one request holds:
-        ``cdiv(min(sliding_window - 1 + max_in_flight_tokens, max_model_len), block_size)
+        ``cdiv(min(num_retained_tokens + max_in_flight_tokens, max_model_len), block_size)
         + 1`` (+1: the window may start inside a block)."""
         _check_positive_int("max_in_flight_tokens", max_in_flight_tokens)
         _check_positive_int("max_model_len", max_model_len)
-        num_tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
+        num_tokens = min(self.num_retained_tokens + max_in_flight_tokens, max_model_len)
         return cdiv(num_tokens, self.block_size) + 1
 
     def core_spec(self) -> dict[str, Any]:
         spec = {**super().core_spec(), "sliding_window": self.sliding_window}
         if self.bounded_replay:
             spec["bounded_replay"] = True
+        if self.extra_retained_tokens:
+            spec["extra_retained_tokens"] = self.extra_retained_tokens
         return spec
 
 

@@ -93,6 +93,8 @@ def _core_kind(spec: KVCacheSpec) -> dict[str, Any]:
         if getattr(spec, "bounded_replay", False):
             # Never cached: after a hit the scheduler replays the window.
             group["bounded_replay"] = True
+        if spec.extra_retained_tokens:
+            group["extra_retained_tokens"] = spec.extra_retained_tokens
         return group
     if isinstance(spec, HiSparseResidentSpec):
         return {"kind": "hisparse_resident", "block_size": bs}

@@ -186,6 +186,11 @@ pub struct GroupSpec {
     /// (head counts, dtypes): groups are looked up together only when their
     /// kinds, block sizes and tags are all equal.
     pub tag: String,
+    /// Sliding window: tokens below the window whose blocks a request keeps
+    /// (vLLM's `extra_retained_tokens`: multi-module speculative decoding may
+    /// prefill them again). They are not attended; they are freed that much
+    /// later and count in the per-request admission cap. 0 for other kinds.
+    pub extra_retained_tokens: u32,
 }
 
 impl GroupSpec {
@@ -196,7 +201,16 @@ impl GroupSpec {
             kind,
             block_size,
             tag: String::new(),
+            extra_retained_tokens: 0,
         }
+    }
+
+    /// The same spec keeping `tokens` more tokens below its sliding window
+    /// (vLLM's `extra_retained_tokens`).
+    #[must_use]
+    pub fn with_extra_retained_tokens(mut self, tokens: u32) -> Self {
+        self.extra_retained_tokens = tokens;
+        self
     }
 }
 
@@ -498,6 +512,14 @@ impl ManagerConfig {
         for (i, g) in self.groups.iter().enumerate() {
             if g.block_size == 0 {
                 return bad(format!("group {i}: block_size must be positive"));
+            }
+            if g.extra_retained_tokens != 0 && g.kind.sliding_window().is_none() {
+                return bad(format!(
+                    "group {i}: extra_retained_tokens applies to sliding-window groups only \
+                     ({} group given {})",
+                    g.kind.spec_kind(),
+                    g.extra_retained_tokens
+                ));
             }
         }
         for (i, g) in self.groups.iter().enumerate() {

@@ -993,10 +993,15 @@ fn group_spec(d: &Bound<'_, PyDict>) -> PkResult<GroupSpec> {
         Some(t) => t.extract()?,
         None => String::new(),
     };
+    let extra_retained_tokens = match d.get_item("extra_retained_tokens")? {
+        Some(v) if !v.is_none() => config_int("extra_retained_tokens", v.extract()?)?,
+        _ => 0,
+    };
     Ok(GroupSpec {
         kind,
         block_size: get_u32("block_size")?,
         tag,
+        extra_retained_tokens,
     })
 }
 

@@ -240,7 +240,8 @@ impl GroupManager {
         let admission_cap = match spec.kind {
             AttentionKind::SlidingWindow { window }
             | AttentionKind::ReplayedSlidingWindow { window } => {
-                let n = (u64::from(window) - 1 + max_in_flight_tokens).min(max_model_len);
+                let retained = u64::from(window) - 1 + u64::from(spec.extra_retained_tokens);
+                let n = (retained + max_in_flight_tokens).min(max_model_len);
                 Some(n.div_ceil(bs) + 1)
             }
             AttentionKind::ChunkedLocal { chunk } => {
@@ -381,9 +382,8 @@ impl GroupManager {
             | AttentionKind::HiSparseResident
             | AttentionKind::HiSparseHot { .. } => 0,
             AttentionKind::SlidingWindow { window }
-            | AttentionKind::ReplayedSlidingWindow { window } => {
-                (n + 1).saturating_sub(u64::from(window))
-            }
+            | AttentionKind::ReplayedSlidingWindow { window } => (n + 1)
+                .saturating_sub(u64::from(window) + u64::from(self.spec.extra_retained_tokens)),
             AttentionKind::ChunkedLocal { chunk } => n / u64::from(chunk) * u64::from(chunk),
             AttentionKind::Mamba { .. } => n.saturating_sub(1),
         }

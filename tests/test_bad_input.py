@@ -294,6 +294,7 @@ COUNT_PARAMS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "touch_blocks.block_id": lambda m, v: m.touch_blocks([1, v]),
     "unpin_blocks.block_id": lambda m, v: m.unpin_blocks([v]),
     "get_new_blocks.n": lambda m, v: m.get_new_blocks(v),
+    "set_num_free_blocks.n": lambda m, v: m.set_num_free_blocks(v),
     "cached_block_num_tokens.block_id": lambda m, v: m.cached_block_num_tokens(v),
     "free_neighbors.block_id": lambda m, v: m.free_neighbors(v),
     "partial_hit.group": lambda m, v: m.partial_hit("run", v),

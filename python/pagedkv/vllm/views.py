@@ -328,6 +328,13 @@ class _FreeQueueView:
     def num_free_blocks(self) -> int:
         return self._owner._core.num_free_blocks
 
+    @num_free_blocks.setter
+    def num_free_blocks(self, value: int) -> None:
+        """vLLM's tests write the count to make the pool look full (0) and
+        give the blocks back (the queue's length): the core counts ``value``
+        of its free blocks as free, withholding the rest, until set again."""
+        self._owner._core.set_num_free_blocks(value)
+
     def get_all_free_blocks(self) -> list[PagedBlock]:
         blocks = self._owner._blocks
         return [blocks[i] for i in self._owner._core.free_block_ids().tolist()]

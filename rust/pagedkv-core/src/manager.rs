@@ -320,6 +320,16 @@ impl KvCacheManager {
         self.coord.pool().num_free_blocks()
     }
 
+    /// Sets how many free blocks the pool counts as free (vLLM's
+    /// `free_block_queue.num_free_blocks = n`): see
+    /// [`BlockPool::set_num_free_blocks`].
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for more than the free queue holds.
+    pub fn set_num_free_blocks(&mut self, n: u32) -> Result<()> {
+        self.coord.pool_mut().set_num_free_blocks(n)
+    }
+
     /// Block usage in `[0, 1]`, null block excluded.
     #[must_use]
     pub fn usage(&self) -> f64 {

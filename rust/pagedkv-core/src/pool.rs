@@ -64,6 +64,9 @@ pub struct BlockPool {
     head: u32,
     tail: u32,
     num_free: u32,
+    /// Free blocks the pool does not count as free ([`Self::set_num_free_blocks`]):
+    /// it reports `num_free - withheld` and allocates against that.
+    withheld: u32,
     enable_caching: bool,
     /// Cache key -> blocks. Each entry also holds the tokens its key covers
     /// (full block, or a partial prefix) and when the key was given (a fresh
@@ -180,6 +183,7 @@ impl BlockPool {
             head,
             tail,
             num_free: n - 1,
+            withheld: 0,
             enable_caching,
             map,
             next_stamp: 0,
@@ -214,10 +218,34 @@ impl BlockPool {
         self.blocks.len() as u32
     }
 
-    /// Blocks in the free queue (evictable cached blocks included).
+    /// Blocks in the free queue (evictable cached blocks included) that the pool
+    /// counts as free: all of them unless [`Self::set_num_free_blocks`] withheld
+    /// some.
     #[must_use]
     pub fn num_free_blocks(&self) -> u32 {
-        self.num_free
+        self.num_free.saturating_sub(self.withheld)
+    }
+
+    /// Sets how many blocks the pool counts as free (at most the blocks in its
+    /// free queue): vLLM's `free_block_queue.num_free_blocks = n`, with which its
+    /// tests make the pool look full. The difference is withheld from here on:
+    /// blocks taken and returned change the count one for one, allocations are
+    /// checked against it, and a prefix-cache reset is refused while any is
+    /// withheld (the pool does not look empty). The queue, its order and the
+    /// blocks in it are unchanged; setting the count to the queue's length ends
+    /// it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for more than the free queue holds.
+    pub fn set_num_free_blocks(&mut self, n: u32) -> Result<()> {
+        if n > self.num_free {
+            return Err(invalid(format!(
+                "cannot count {n} blocks as free: the free queue holds {}",
+                self.num_free
+            )));
+        }
+        self.withheld = self.num_free - n;
+        Ok(())
     }
 
     /// `1 - free / (num_blocks - 1)`, 0 for a pool holding only the null block.
@@ -227,7 +255,7 @@ impl BlockPool {
         if total == 0 {
             return 0.0;
         }
-        1.0 - f64::from(self.num_free) / total as f64
+        1.0 - f64::from(self.num_free_blocks()) / total as f64
     }
 
     /// Whether prefix caching is on.
@@ -428,7 +456,7 @@ impl BlockPool {
     /// appends them to `out`. Returns `false` (and takes nothing) when fewer than
     /// `n` are free.
     pub fn get_new_blocks(&mut self, n: u32, out: &mut Vec<BlockId>) -> bool {
-        if n > self.num_free {
+        if n > self.num_free_blocks() {
             return false;
         }
         let start = out.len();
@@ -929,7 +957,7 @@ impl BlockPool {
     /// Clears the prefix cache when no block is in use (only the null block);
     /// returns `false` and changes nothing otherwise.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        if self.num_free as usize != self.blocks.len() - 1 {
+        if self.num_free_blocks() as usize != self.blocks.len() - 1 {
             return false;
         }
         self.map.clear();

@@ -1060,6 +1060,16 @@ impl PyManager {
         Ok(ids.map(|ids| PyArray1::from_vec(slf.py(), ids_i32(&ids))))
     }
 
+    /// Sets how many free blocks the pool counts as free (vLLM's
+    /// `free_block_queue.num_free_blocks = n`, which its tests write to make
+    /// the pool look full); the rest are withheld until it is set again. At
+    /// most the blocks in the free queue.
+    fn set_num_free_blocks(slf: &Bound<'_, Self>, n: i64) -> PkResult<()> {
+        let n = u32::try_from(n)
+            .map_err(|_| crate::errors::invalid_arg(format!("n must be in 0..2**32, got {n}")))?;
+        Ok(borrow_mut(slf)?.inner.set_num_free_blocks(n)?)
+    }
+
     /// Leading blocks of the request already cached, per group (None where it
     /// has not run yet).
     fn num_cached_blocks(slf: &Bound<'_, Self>, request_id: &str) -> PkResult<Vec<Option<usize>>> {

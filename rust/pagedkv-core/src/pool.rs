@@ -94,7 +94,9 @@ pub struct BlockPool {
     /// until the pool hands them out again.
     watched: rustc_hash::FxHashSet<BlockId>,
     /// Watched blocks handed out (or wiped by a reset) since the last
-    /// [`Self::take_reused`], in that order.
+    /// [`Self::take_reused`], in that order; a block listed again past
+    /// [`PENDING_BLOCKS_PER_POOL_BLOCK`] entries a block keeps its first
+    /// listing only ([`dedupe_past_bound`]).
     reused: Vec<BlockId>,
     /// References the engine holds outside any request's table, per block:
     /// detached by `pop_blocks_for_free`, taken with `get_new_blocks` or
@@ -118,6 +120,29 @@ pub(crate) fn drop_oldest<T>(queue: &mut Vec<T>, cap: usize) -> u64 {
     let k = (cap / 4).clamp(1, queue.len());
     queue.drain(..k);
     k as u64
+}
+
+/// Undrained lists of block ids that must lose no block (blocks to zero,
+/// reused blocks) keep at most this many entries per block of the pool.
+pub(crate) const PENDING_BLOCKS_PER_POOL_BLOCK: usize = 4;
+
+/// Keeps an undrained list of block ids of a pool of `num_blocks` blocks within
+/// [`PENDING_BLOCKS_PER_POOL_BLOCK`] entries a block without losing a block:
+/// once it reaches that bound, each block's later listings are removed, its
+/// first kept, in order. Below the bound the list is untouched, so a caller
+/// that drains it in time sees every listing; past it, the caller still sees
+/// every block listed, once, where it was first listed. What is left is at
+/// most `num_blocks` long, so a list never drained costs amortised O(1) a
+/// push.
+pub(crate) fn dedupe_past_bound(queue: &mut Vec<BlockId>, num_blocks: usize) {
+    if queue.len() < num_blocks.max(1) * PENDING_BLOCKS_PER_POOL_BLOCK {
+        return;
+    }
+    let mut seen = vec![false; num_blocks];
+    queue.retain(|&b| {
+        seen.get_mut(b as usize)
+            .is_none_or(|s| !std::mem::replace(s, true))
+    });
 }
 
 /// The refusal of a pool too large to allocate.
@@ -467,6 +492,7 @@ impl BlockPool {
                     self.reused.push(id);
                 }
             }
+            dedupe_past_bound(&mut self.reused, self.blocks.len());
         }
         if self.enable_caching && n > 1 {
             // The evictions' entries, then their buckets, prefetched (the
@@ -616,7 +642,10 @@ impl BlockPool {
     }
 
     /// The watched blocks ([`Self::unpin`]) reused since the last call, in the
-    /// order they were handed out; a reset lists every watched block.
+    /// order they were handed out; a reset lists every watched block. Left
+    /// undrained, the list stays within [`PENDING_BLOCKS_PER_POOL_BLOCK`]
+    /// entries a block: a block reused again then keeps its first listing only
+    /// (nothing is lost: its watcher learns it was reused).
     pub fn take_reused(&mut self) -> Vec<BlockId> {
         std::mem::take(&mut self.reused)
     }
@@ -969,6 +998,7 @@ impl BlockPool {
             let mut wiped: Vec<BlockId> = self.watched.drain().collect();
             wiped.sort_unstable();
             self.reused.extend(wiped);
+            dedupe_past_bound(&mut self.reused, self.blocks.len());
         }
         self.epoch += 1;
         if self.events_enabled {

@@ -382,3 +382,66 @@ fn partial_entries_on_blocks_an_engine_filled_truncate_the_full_attention_hit() 
         vec![1, 1]
     );
 }
+
+#[test]
+fn undrained_copies_stay_within_the_pool_and_offers_within_the_live_requests() {
+    // A loop that never drains the copy-on-write pairs or the boundary-state
+    // offers: each round a producer caches a partial tail and leaves, and a
+    // consumer continues it in a private copy and leaves.
+    let mut m = hybrid(&PARTIAL);
+    let mut fitted = 0;
+    for round in 0..100u32 {
+        let b = round * 10;
+        let (p, c) = (format!("p{round}"), format!("c{round}"));
+        add(&mut m, &p, vec![b, b, b + 1, b + 1, b + 2, b + 2, b + 3]);
+        let hit = ok(m.get_computed_blocks(&p));
+        let fits = ok(m.allocate_slots(&p, &AllocateArgs::step(6, 0), Some(&hit))).is_some();
+        ok(m.free(&p));
+        m.new_step_starts();
+        add(
+            &mut m,
+            &c,
+            vec![b, b, b + 1, b + 1, b + 2, b + 2, b + 3, b + 3],
+        );
+        let hit = ok(m.get_computed_blocks(&c));
+        let args = AllocateArgs {
+            num_new_computed_tokens: hit.num_computed_tokens,
+            ..AllocateArgs::step(8 - hit.num_computed_tokens, 0)
+        };
+        let fits = fits && ok(m.allocate_slots(&c, &args, Some(&hit))).is_some();
+        ok(m.free(&c));
+        ok(m.check_invariants());
+        if !fits {
+            break;
+        }
+        fitted += 1;
+    }
+    // Each pending copy holds its block, so the pool runs out first: the
+    // allocation that does not fit says so and nothing is lost.
+    assert!(fitted < 100);
+    let pairs = m.take_block_copies();
+    assert_eq!(pairs.len(), fitted);
+    assert!(pairs.len() < 20);
+    // Every request left: none of their offers is kept.
+    assert!(m.take_boundary_state_offloads().is_empty());
+    let flat: Vec<u32> = pairs.iter().flat_map(|&(a, b)| [a, b]).collect();
+    ok(m.free_blocks(&flat));
+    ok(m.check_invariants());
+    assert_eq!(m.num_free_blocks(), 19);
+}
+
+#[test]
+fn undrained_offers_of_a_live_request_stay_within_its_boundaries() {
+    // One request prefilled block by block, never drained: at most one offer
+    // per Mamba boundary it crossed, though its old states go back to the pool.
+    let mut m = hybrid(&Hybrid {
+        num_blocks: 128,
+        ..PARTIAL
+    });
+    add(&mut m, "r", seq(200));
+    prefill(&mut m, "r", 4);
+    let offers = m.take_boundary_state_offloads();
+    assert!(!offers.is_empty());
+    assert!(offers.len() <= 200 / 4, "{} offers", offers.len());
+    assert!(offers.iter().all(|(r, g, _, _)| r == "r" && *g == 1));
+}

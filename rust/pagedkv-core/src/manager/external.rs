@@ -439,7 +439,10 @@ impl KvCacheManager {
     /// The unpinned blocks ([`Self::unpin_blocks`]) the pool handed out again
     /// since the last call, in that order (every allocation path: requests'
     /// blocks, copy-on-write copies, [`Self::get_new_blocks`]), and after a
-    /// prefix-cache reset every unpinned block not reported yet.
+    /// prefix-cache reset every unpinned block not reported yet. Left
+    /// undrained, the list stays within four entries a pool block: a block
+    /// reused again then keeps its first listing only, so no reuse goes
+    /// unreported.
     pub fn take_reused_blocks(&mut self) -> Vec<BlockId> {
         self.coord.pool_mut().take_reused()
     }

@@ -20,7 +20,10 @@ impl KvCacheManager {
     /// Drains the blocks to zero listed since the last call: fresh blocks of the
     /// attention groups (with `zero_new_blocks`) and every copy-on-write copy, in
     /// group order; `group` drains one group only (vLLM's per-manager
-    /// `take_new_block_ids`).
+    /// `take_new_block_ids`). Left undrained, each group's list stays within
+    /// four entries a pool block: a block listed again then keeps its first
+    /// listing only (zeroing it once at drain time is all a listing asks), so
+    /// no block to zero is lost.
     ///
     /// # Errors
     /// `group` out of range.

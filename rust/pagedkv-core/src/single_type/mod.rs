@@ -173,7 +173,9 @@ pub struct GroupManager {
     /// `records_new_block_ids`): attention groups of a layout that needs it.
     records_new_block_ids: bool,
     /// Fresh blocks to zero since the last drain (copy-on-write copies are
-    /// always listed, as vLLM lists them).
+    /// always listed, as vLLM lists them); at most
+    /// [`crate::pool::PENDING_BLOCKS_PER_POOL_BLOCK`] entries a pool block
+    /// undrained, a block listed again past that keeping its first listing.
     new_block_ids: Vec<BlockId>,
     num_gpu_blocks: u32,
     /// `log2(block_size)` for power-of-two block sizes (divisions on the hot path
@@ -713,6 +715,7 @@ impl GroupManager {
         let _ = pool.get_new_blocks(need as u32, &mut gb.blocks);
         if self.records_new_block_ids && record_for_zeroing {
             self.new_block_ids.extend_from_slice(&gb.blocks[start..]);
+            self.bound_new_block_ids();
         }
     }
 
@@ -771,6 +774,7 @@ impl GroupManager {
             let copy = out[out.len() - 1];
             self.apply_cow(pool, gb, idx, source, copy);
             self.new_block_ids.push(copy);
+            self.bound_new_block_ids();
         }
         let required = self.blocks_ceil(num_tokens);
         let have = gb.blocks.len() as u64;
@@ -782,6 +786,7 @@ impl GroupManager {
         gb.extend_blocks(&out[start..]);
         if self.records_new_block_ids {
             self.new_block_ids.extend_from_slice(&out[start..]);
+            self.bound_new_block_ids();
         }
     }
 
@@ -802,7 +807,16 @@ impl GroupManager {
         if self.records_new_block_ids {
             self.new_block_ids
                 .extend_from_slice(gb.blocks.get(start..).unwrap_or(&[]));
+            self.bound_new_block_ids();
         }
+    }
+
+    /// Keeps the undrained blocks to zero within
+    /// [`crate::pool::PENDING_BLOCKS_PER_POOL_BLOCK`] entries a pool block:
+    /// past that, a block listed again keeps its first listing only (zeroed
+    /// once at drain time, which is all a listing asks).
+    fn bound_new_block_ids(&mut self) {
+        crate::pool::dedupe_past_bound(&mut self.new_block_ids, self.num_gpu_blocks as usize);
     }
 
     /// vLLM's `_apply_cow`: the request's block `idx` becomes `copy`; both

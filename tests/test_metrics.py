@@ -203,6 +203,28 @@ def test_prometheus_endpoint_matches_the_managers_stats() -> None:
     assert value("pagedkv:kv_block_lifetime_seconds_bucket", le="+Inf") == lifetimes
 
 
+def test_undrained_queue_drops_are_counted_and_exported() -> None:
+    pytest.importorskip("prometheus_client")
+    from pagedkv.metrics import PrometheusExporter
+    from prometheus_client import generate_latest
+
+    mgr = _metered(max_pending_events=4)
+    exporter = PrometheusExporter(mgr.metrics)
+    for i in range(20):  # events never drained
+        mgr.add_request(f"r{i}", [i * 8 + t for t in range(8)])
+        assert mgr.allocate_slots(f"r{i}", 8, num_computed_tokens=0) is not None
+        mgr.remove_request(f"r{i}")
+    assert mgr.metrics.snapshot()["dropped_events"] == 0  # read at the next stats
+    mgr.make_prefix_cache_stats()
+    dropped = mgr.num_dropped_events
+    assert dropped > 0
+    snap = mgr.metrics.snapshot()
+    assert (snap["dropped_events"], snap["dropped_block_activity"]) == (dropped, 0)
+    text = generate_latest(exporter.registry).decode()
+    assert f"pagedkv:kv_events_dropped_total {float(dropped)}" in text
+    assert "pagedkv:kv_block_activity_dropped_total 0.0" in text
+
+
 def test_vllm_metric_names_by_prefix() -> None:
     pytest.importorskip("prometheus_client")
     from pagedkv.metrics import PrometheusExporter

@@ -198,7 +198,10 @@ class KVCacheMetrics:
 
     Prefix-cache counters accumulate the stats snapshots (tokens, as vLLM counts
     them); ``blocks_evicted`` / ``blocks_stored`` / ``cache_resets`` come from the
-    manager's events; ``usage`` / ``num_free_blocks`` are the values at the last
+    manager's events; ``usage`` / ``num_free_blocks`` and the counts of KV events
+    and block activity entries dropped undrained (``dropped_events``,
+    ``dropped_block_activity``: the manager's ``num_dropped_events`` /
+    ``num_dropped_block_activity``) are the values at the last
     :meth:`MeteredKVCacheManager.make_prefix_cache_stats` (or ``record_usage``).
     """
 
@@ -213,6 +216,8 @@ class KVCacheMetrics:
     blocks_evicted: int = 0
     usage: float = 0.0
     num_free_blocks: int = 0
+    dropped_events: int = 0
+    dropped_block_activity: int = 0
     caching: CachingMetrics = field(default_factory=CachingMetrics)
     residency: KVCacheMetricsCollector | None = None
     _listeners: list[Callable[[list[KVCacheEvictionEvent]], None]] = field(default_factory=list)
@@ -273,6 +278,8 @@ class KVCacheMetrics:
                 "blocks_evicted": self.blocks_evicted,
                 "usage": self.usage,
                 "num_free_blocks": self.num_free_blocks,
+                "dropped_events": self.dropped_events,
+                "dropped_block_activity": self.dropped_block_activity,
                 "hit_rate": self.caching.hit_rate,
             }
 
@@ -312,9 +319,13 @@ class MeteredKVCacheManager(KVCacheManager):
         return self
 
     def record_usage(self) -> None:
-        """Copies ``usage`` and ``num_free_blocks`` into the metrics."""
-        self.metrics.usage = self.usage
-        self.metrics.num_free_blocks = self.num_free_blocks
+        """Copies ``usage``, ``num_free_blocks`` and the counts of undrained KV
+        events and block activity entries dropped into the metrics."""
+        with self.metrics._lock:
+            self.metrics.usage = self.usage
+            self.metrics.num_free_blocks = self.num_free_blocks
+            self.metrics.dropped_events = self.num_dropped_events
+            self.metrics.dropped_block_activity = self.num_dropped_block_activity
 
     def _observe_blocks(self) -> None:
         """Feeds the pool's block activity since the last call to the collector."""
@@ -381,7 +392,9 @@ class PrometheusExporter:
 
     Counters (``<prefix>prefix_cache_queries_total``, ``..._hits_total``,
     ``..._requests_total``, the preempted trio, ``<prefix>kv_cache_blocks_stored_total``,
-    ``<prefix>kv_cache_evictions_total``, ``<prefix>prefix_cache_resets_total``),
+    ``<prefix>kv_cache_evictions_total``, ``<prefix>prefix_cache_resets_total``,
+    ``<prefix>kv_events_dropped_total`` and ``<prefix>kv_block_activity_dropped_total``:
+    entries of the manager's capped queues dropped because nobody drained them),
     gauges (``<prefix>kv_cache_usage_perc``, ``<prefix>kv_cache_free_blocks``,
     ``<prefix>prefix_cache_hit_rate`` over the sliding window) and the residency
     histograms ``<prefix>kv_block_lifetime_seconds``,
@@ -439,6 +452,9 @@ class PrometheusExporter:
         ("prefix_cache_resets", "cache_resets", "Successful prefix-cache resets."),
         ("kv_cache_blocks_stored", "blocks_stored", "Blocks entered into the prefix cache."),
         ("kv_cache_evictions", "blocks_evicted", "Cached blocks evicted."),
+        ("kv_events_dropped", "dropped_events", "KV events dropped undrained."),
+        ("kv_block_activity_dropped", "dropped_block_activity",
+         "Block activity entries dropped undrained."),
     )  # fmt: skip
     _GAUGES = (
         ("kv_cache_usage_perc", "usage", "Fraction of KV-cache blocks in use (0-1)."),

@@ -825,6 +825,7 @@ def test_every_public_method_is_in_the_matrix() -> None:
         "take_block_activity",
         "take_reused_blocks",
         "blocks_with_extra_hashes",
+        "cached_block_hash_entries",
         # Read-only properties.
         "num_free_blocks",
         "usage",

@@ -1,4 +1,5 @@
-"""A block's keys beside its primary one (vLLM's ``cached_block_hashes_by_block``).
+"""A block's keys beside its primary one (vLLM's ``cached_block_hashes_by_block``)
+and the prefix map read whole (``cached_block_hash_to_block._cache``).
 
 vLLM's CPU-offload connectors copy a device block's prefix-cache entries to
 the host: its ``block_hash`` and the partial prompt-tail entries it carries
@@ -197,3 +198,76 @@ def test_cached_block_hashes_by_block_side_by_side_with_vllm() -> None:
     ours, ref = run(KVCacheManager), run(vllm_core.KVCacheManager)
     assert ours == ref
     assert ours[1][1] == 2  # the case exercises the map
+
+
+def entries(m: pk.KVCacheManager) -> dict[tuple[bytes, int], list[int]]:
+    return {(h, g): ids for h, g, ids in m.cached_block_hash_entries()}
+
+
+def test_the_prefix_map_read_whole() -> None:
+    # Every key with its blocks in caching order: a key cached twice (two
+    # blocks an engine filled with the same tokens) lists both; a partial
+    # entry beside a block's key is a key of its own.
+    m = engine_manager()
+    assert m.cached_block_hash_entries() == []
+    block, hashes = filled_block(m)
+    (other,) = (m.get_new_blocks(1) or [None])[:1]
+    assert other is not None
+    m.cache_detached_blocks("r", 0, [block], 0, 1)
+    m.cache_detached_blocks("r", 0, [int(other)], 0, 1)
+    m.cache_detached_partial_block("r", 0, block, 4)
+    assert entries(m) == {(hashes[1], 0): [block, int(other)], (hashes[0], 0): [block]}
+    assert len(m.cached_block_hash_entries()) == m.num_cached_block_hashes == 2
+    m.free_blocks([block, int(other)])
+    m.evict_blocks([block])
+    assert entries(m) == {(hashes[1], 0): [int(other)]}
+    m.check_invariants()
+
+
+def test_the_prefix_maps_dict_side_by_side_with_vllm() -> None:
+    # ``cached_block_hash_to_block._cache`` as vLLM's tests read it: a block
+    # per key, or a dict of blocks by id when several share the key. (vLLM
+    # keeps a dict of one block once a shared key loses a block; the view
+    # gives the block itself, so the blocks are compared, not the shape.)
+    vllm_core = pytest.importorskip("vllm.v1.core.kv_cache_manager")
+    import torch
+    from pagedkv.vllm import KVCacheManager
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256_cbor)
+    full = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    cfg = KVCacheConfig(
+        num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["f"], full)]
+    )
+
+    def shape(v: Any) -> Any:
+        return sorted(v) if isinstance(v, dict) else [v.block_id]
+
+    def run(cls: Any) -> list[Any]:
+        mgr = cls(cfg, max_model_len=256, hash_block_size=4, scheduler_block_size=4)
+        pool = mgr.block_pool
+        hasher = get_request_block_hasher(4, sha256_cbor)
+        req = Request("a", list(range(10)), SamplingParams(max_tokens=8), None, block_hasher=hasher)
+        out: list[Any] = []
+        hit, n = mgr.get_computed_blocks(req)[:2]
+        mgr.allocate_slots(req, 10 - n, n, hit)
+        out.append({k: shape(v) for k, v in pool.cached_block_hash_to_block._cache.items()})
+        copies = pool.get_new_blocks(2)
+        pool.cache_full_blocks(req, copies, 0, 2, 4, 0)
+        cache = pool.cached_block_hash_to_block._cache
+        out.append({k: shape(v) for k, v in cache.items()})
+        out.append(sorted(shape(v) for v in cache.values()))
+        out.append(len(cache))
+        pool.free_blocks(copies)
+        mgr.free(req)
+        pool.evict_blocks({copies[0].block_id})
+        out.append({k: shape(v) for k, v in pool.cached_block_hash_to_block._cache.items()})
+        return out
+
+    ours, ref = run(KVCacheManager), run(vllm_core.KVCacheManager)
+    assert ours == ref
+    assert ours[3] == 2

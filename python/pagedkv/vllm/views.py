@@ -364,6 +364,43 @@ class _CachedBlocks:
     def __len__(self) -> int:
         return self._owner._core.num_cached_block_hashes
 
+    @property
+    def _cache(self) -> Mapping[bytes, KVCacheBlock | dict[int, KVCacheBlock]]:
+        """vLLM's dict behind the map, read-only: each key's block, or a dict
+        of its blocks by id when several are cached under it (vLLM also keeps
+        a dict of one block once a shared key has lost the others)."""
+        return _CacheEntries(self._owner)
+
+
+class _CacheEntries(Mapping[bytes, "KVCacheBlock | dict[int, KVCacheBlock]"]):
+    """The prefix map read whole, shaped as vLLM's ``BlockHashToBlockMap._cache``
+    (keys in no particular order)."""
+
+    def __init__(self, owner: KVCacheManager) -> None:
+        self._owner = owner
+
+    def _shape(self, ids: Sequence[int]) -> KVCacheBlock | dict[int, KVCacheBlock]:
+        blocks = self._owner._blocks
+        if len(ids) == 1:
+            return blocks[ids[0]]
+        return {i: blocks[i] for i in ids}
+
+    def __getitem__(self, key: bytes) -> KVCacheBlock | dict[int, KVCacheBlock]:
+        ids = _CachedBlocks(self._owner)._ids(key)
+        if not ids:
+            raise KeyError(key)
+        return self._shape(ids)
+
+    def __iter__(self) -> Iterator[bytes]:
+        for digest, group, _ in self._owner._core.cached_block_hash_entries():
+            yield make_block_hash_with_group_id(digest, group)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return self._owner._core.num_cached_block_hashes
+
+    def values(self) -> Any:
+        return [self._shape(ids) for _, _, ids in self._owner._core.cached_block_hash_entries()]
+
 
 class _ExtraHashes(Mapping[int, Set[bytes]]):
     """vLLM's ``cached_block_hashes_by_block``, read-only: by block id, the

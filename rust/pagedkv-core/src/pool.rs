@@ -357,6 +357,15 @@ impl BlockPool {
         self.map.len()
     }
 
+    /// Every key of the prefix map with the blocks cached under it, in
+    /// insertion order per key (vLLM's `cached_block_hash_to_block._cache`,
+    /// read whole). Keys come in the map's own order, sorted by nothing a
+    /// caller can rely on.
+    #[must_use]
+    pub fn cached_entries(&self) -> Vec<(CacheKey, Vec<BlockId>)> {
+        self.map.iter().collect()
+    }
+
     /// Whether a block is an eviction candidate (free but still cached) or plain
     /// free: ref 0 and not the null block.
     #[must_use]

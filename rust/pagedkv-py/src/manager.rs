@@ -1465,6 +1465,17 @@ impl PyManager {
             .collect())
     }
 
+    /// Every hash in the prefix cache, with its group and the blocks cached
+    /// under it (in the order they were cached). Hashes come in no particular
+    /// order.
+    fn cached_block_hash_entries<'py>(slf: &Bound<'py, Self>) -> PkResult<Vec<HashEntry<'py>>> {
+        let entries = borrow(slf)?.inner.pool().cached_entries();
+        Ok(entries
+            .into_iter()
+            .map(|(k, ids)| (PyBytes::new(slf.py(), k.hash.as_bytes()), k.group, ids))
+            .collect())
+    }
+
     /// The blocks cached under more than one hash (those
     /// `cached_block_extra_hashes` answers for), in ascending id order.
     fn blocks_with_extra_hashes<'py>(
@@ -1474,6 +1485,9 @@ impl PyManager {
         Ok(PyArray1::from_vec(slf.py(), ids))
     }
 }
+
+/// One prefix-cache key as Python reads it: hash, group, the blocks under it.
+type HashEntry<'py> = (Bound<'py, PyBytes>, u32, Vec<u32>);
 
 impl PyManager {
     /// Block ids from any iterable of ints.

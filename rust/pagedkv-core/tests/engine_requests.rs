@@ -90,15 +90,22 @@ fn hits_follow_the_engines_hashes_not_the_tokens() {
 }
 
 #[test]
-fn hashes_may_run_ahead_of_the_tokens_and_only_known_blocks_are_cached() {
+fn hashes_never_run_ahead_of_the_tokens() {
+    // vLLM hashes a block once its tokens (and any lookahead tokens after
+    // them) exist: four hashes for 9 tokens of blocks of 4 would publish
+    // blocks of tokens that never were.
     let mut m = engine_mgr(11, 4);
-    // Four hashes for 9 tokens (lookahead hashing): two blocks are full.
-    add(
-        &mut m,
+    ok(m.add_request(
         "r0",
-        seq(0, 9),
-        &[h(1, 0), h(1, 1), h(1, 2), h(1, 3)],
-    );
+        RequestSpec {
+            prompt_token_ids: seq(0, 9),
+            ..Default::default()
+        },
+    ));
+    let e = m.extend_request("r0", (9, 0), &[], &[h(1, 0), h(1, 1), h(1, 2)]);
+    assert!(matches!(e, Err(Error::InvalidArgument(ref s)) if s.contains("only 9 tokens")));
+    assert!(ok(m.block_hashes("r0")).is_empty());
+    ok(m.extend_request("r0", (9, 0), &[], &[h(1, 0), h(1, 1)]));
     admit(&mut m, "r0");
     assert_eq!(m.pool().num_cached_keys(), 2);
     ok(m.check_invariants());

@@ -13,6 +13,7 @@ carrying the discarded token.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import pagedkv as pk
@@ -240,3 +241,54 @@ def test_bad_items_met_while_verifying_change_nothing() -> None:
     with pytest.raises(TypeError):
         m.sync_request("r", [*tokens[:8], "x", 10], chain(tokens))
     assert (m.num_tokens("r"), m.block_hashes("r")) == (9, chain(tokens))
+
+
+class _Calling(Sequence[Any]):
+    """An engine's own sequence type whose item access runs code: here, a
+    call back into the manager the first time it is read."""
+
+    def __init__(self, items: list[Any], on_read: Any) -> None:
+        self._items, self._on_read = items, on_read
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: Any) -> Any:
+        if self._on_read is not None:
+            call, self._on_read = self._on_read, None
+            call()
+        return self._items[i]
+
+
+def test_the_engines_sequences_may_call_back_into_the_manager() -> None:
+    # The manager is not held while the engine's lists are read.
+    m = manager(True)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    m.add_request("r", tokens)
+    m.sync_request("r", tokens, chain(tokens))
+    seen: list[int] = []
+    grown = [*tokens, 8]
+    m.sync_request("r", _Calling(grown, lambda: seen.append(m.num_tokens("r"))), chain(grown))
+    assert seen == [7]
+    assert m.num_tokens("r") == 8
+
+
+def test_a_request_changed_while_its_lists_are_read_is_synced_again() -> None:
+    # Another sync of the same request runs from inside the engine's sequence
+    # (as another thread could): the outer sync starts over and wins.
+    m = manager(True)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    m.add_request("r", tokens)
+    m.sync_request("r", tokens, chain(tokens))
+    other = [*tokens, 99]
+    ours = [*tokens, 8]
+
+    def inner() -> None:
+        m.sync_request("r", other, chain(other))
+
+    m.sync_request("r", _Calling(ours, inner), chain(ours))
+    assert m.block_hashes("r") == chain(ours)
+    m.allocate_slots("r", 8, num_computed_tokens=0)
+    stored = [e for e in m.take_events() if isinstance(e, pk.BlockStored)]
+    assert [list(e.token_ids) for e in stored] == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    m.check_invariants()

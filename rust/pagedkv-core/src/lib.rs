@@ -48,7 +48,7 @@ pub use events::{BlockStored, EventExtraKey, KvEvent, PLACEHOLDER_TOKEN};
 pub use hash::{BlockHash, BlockHasher, CborValue, ExtraKey, HashAlgo};
 pub use manager::{
     AllocateArgs, BatchAllocation, BatchStep, ComputedBlocks, ConnectorHit, EngineRequest,
-    KvCacheManager, PreparedRequest, RequestHandle, RequestPreparer, RequestRefs,
+    KvCacheManager, PreparedRequest, RequestHandle, RequestPreparer, RequestRefs, SyncAnchor,
 };
 pub use pool::{BlockId, BlockPool, CacheKey, NULL_BLOCK};
 pub use prefix_index::{PrefixIndex, PrefixMatch, ReplicaId};

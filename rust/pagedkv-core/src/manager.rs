@@ -11,7 +11,7 @@ pub use batch::BatchStep;
 mod connector;
 pub use connector::ConnectorHit;
 mod external;
-pub use external::EngineRequest;
+pub use external::{EngineRequest, SyncAnchor};
 mod hisparse;
 mod partial;
 mod prepared;

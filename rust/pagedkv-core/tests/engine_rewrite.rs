@@ -174,3 +174,28 @@ fn a_rewrite_below_a_cached_block_or_extra_hashes_change_nothing() {
     assert_eq!(ok(m.num_tokens("r")), 12);
     ok(m.check_invariants());
 }
+
+#[test]
+fn a_sync_applied_after_the_request_changed_is_turned_back() {
+    let mut m = mgr(true);
+    let l = Lists::new(&[1, 2, 3, 4, 5]);
+    add(&mut m, "r", &l);
+    let anchor = ok(m.sync_anchor("r"));
+    let mut ours = l.clone();
+    ours.tokens.extend([6, 7, 8]);
+    ours.rehash();
+    let keep = ok(anchor.sync_point(&ours, || m.request_lists("r")));
+    assert_eq!(keep, (5, 1));
+    // Another call appends first: the anchor no longer holds.
+    let mut other = l.clone();
+    other.tokens.push(9);
+    ok(m.sync_from_engine("r", &other, None, None));
+    let (tokens, hashes) = (ok(ours.tokens_from(5)), ok(ours.hashes_from(1)));
+    let applied = m.apply_sync("r", &anchor, keep, (&tokens, &hashes), None, None);
+    assert_eq!(ok(applied), None);
+    assert_eq!(ok(m.num_tokens("r")), 6);
+    // Taken again, the sync finds the difference and applies.
+    assert!(ok(m.sync_from_engine("r", &ours, None, None)));
+    assert_eq!(ok(m.block_hashes("r")), ours.hashes);
+    ok(m.check_invariants());
+}

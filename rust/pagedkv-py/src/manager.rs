@@ -11,6 +11,7 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyTuple};
 
+use pagedkv_core::EngineRequest;
 use pagedkv_core::pool::{BlockActivityKind, BlockPoolStats};
 use pagedkv_core::{
     AllocateArgs, BatchAllocation, BatchStep, CacheKey, ComputedBlocks, KvCacheManager, Lora,
@@ -1521,7 +1522,12 @@ impl PyManager {
     }
 
     /// `sync_request`'s work: the core reads the engine's lists where it
-    /// needs to (see `KvCacheManager::sync_from_engine`).
+    /// needs to (see `KvCacheManager::sync_from_engine`). The manager is held
+    /// only to take the anchor, to copy the request's lists when they differ,
+    /// and to apply: reading the lists may run the engine's code (a sequence
+    /// type of its own), which may call back into the manager or let another
+    /// thread run. Another call that changed the request in between makes it
+    /// start over.
     fn sync(
         slf: &Bound<'_, Self>,
         request_id: &str,
@@ -1535,9 +1541,29 @@ impl PyManager {
             .map(|n| Self::index("num_prompt_tokens", n))
             .transpose()?;
         let src = EngineLists::new(token_ids, block_hashes, limit)?;
-        borrow_mut(slf)?
-            .inner
-            .sync_from_engine(request_id, &src, Some(spb), prompt)
+        for _ in 0..SYNC_ATTEMPTS {
+            let anchor = borrow(slf)?.inner.sync_anchor(request_id)?;
+            let keep =
+                anchor.sync_point(&src, || Ok(borrow(slf)?.inner.request_lists(request_id)?))?;
+            let tokens = src.tokens_from(keep.0)?;
+            let hashes = src.hashes_from(keep.1)?;
+            let applied = borrow_mut(slf)?.inner.apply_sync(
+                request_id,
+                &anchor,
+                keep,
+                (&tokens, &hashes),
+                Some(spb),
+                prompt,
+            )?;
+            if let Some(rewound) = applied {
+                return Ok(rewound);
+            }
+        }
+        Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
+            "request {request_id:?} kept changing while it was synced (other calls on it \
+             from inside the engine's sequences or from other threads)"
+        ))
+        .into())
     }
 
     /// The core's `allocate_slots` and its result as int32 arrays per group
@@ -1567,6 +1593,10 @@ impl PyManager {
         Ok(Some(groups_tuple(py, groups)?.unbind()))
     }
 }
+
+/// Times `sync` starts over when the request changed while the engine's lists
+/// were read.
+const SYNC_ATTEMPTS: usize = 3;
 
 /// What an allocation that took no block returns.
 #[derive(Clone, Copy)]

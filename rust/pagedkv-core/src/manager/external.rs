@@ -46,6 +46,80 @@ pub trait EngineRequest {
     fn hashes_from(&self, from: usize) -> std::result::Result<Vec<BlockHash>, Self::Error>;
 }
 
+/// A request as the manager holds it, for checking an engine's copy against
+/// ([`KvCacheManager::sync_anchor`]).
+#[derive(Clone, Debug)]
+pub struct SyncAnchor {
+    uid: u64,
+    num_tokens: usize,
+    num_hashes: usize,
+    last_hash: Option<BlockHash>,
+    /// Where `tail` starts: the tokens past the last hashed block.
+    tail_start: usize,
+    /// The request's tokens from `tail_start` on, where token values are
+    /// read (empty otherwise).
+    tail: Vec<u32>,
+    values: bool,
+}
+
+impl SyncAnchor {
+    /// Where the manager's copy of the request and the engine's agree up to:
+    /// `(tokens, hashes)`, the request's own lengths when the engine's lists
+    /// only grew. On that path only the last hash held and, where token
+    /// values are read, the last block's tokens are read from `src`; a
+    /// difference or a shorter list reads `held()` (the request's whole
+    /// lists, [`KvCacheManager::request_lists`]) and finds the first token
+    /// and hash that differ.
+    ///
+    /// # Errors
+    /// What `src` or `held` refuses.
+    pub fn sync_point<S: EngineRequest>(
+        &self,
+        src: &S,
+        held: impl FnOnce() -> std::result::Result<(Vec<u32>, Vec<BlockHash>), S::Error>,
+    ) -> std::result::Result<(usize, usize), S::Error> {
+        let (nt, nh) = (self.num_tokens, self.num_hashes);
+        let (src_t, src_h) = (src.num_tokens(), src.num_hashes());
+        if src_t >= nt && src_h >= nh {
+            let hash_ok = match self.last_hash {
+                Some(h) => src.hash(nh - 1)? == h,
+                None => true,
+            };
+            let mut tokens_ok = true;
+            if hash_ok {
+                for (i, &t) in self.tail.iter().enumerate() {
+                    if src.token(self.tail_start + i)? != t {
+                        tokens_ok = false;
+                        break;
+                    }
+                }
+            }
+            if hash_ok && tokens_ok {
+                return Ok((nt, nh));
+            }
+        }
+        // Rewritten: the first hash and (where values count) token that differ.
+        let (held_tokens, held_hashes) = held()?;
+        let mut keep_h = nh.min(src_h);
+        for (j, h) in held_hashes.iter().enumerate().take(keep_h) {
+            if src.hash(j)? != *h {
+                keep_h = j;
+                break;
+            }
+        }
+        let mut keep_t = nt.min(src_t);
+        if self.values {
+            for (i, &t) in held_tokens.iter().enumerate().take(keep_t) {
+                if src.token(i)? != t {
+                    keep_t = i;
+                    break;
+                }
+            }
+        }
+        Ok((keep_t, keep_h))
+    }
+}
+
 impl KvCacheManager {
     /// Appends tokens and the engine's block hashes to a request (managers
     /// built with `external_block_hashes`), after the `at = (tokens, hashes)` the
@@ -137,11 +211,16 @@ impl KvCacheManager {
     /// whether the request was cut back. Everything is read and checked
     /// before anything changes.
     ///
+    /// The three steps, for a caller that must not hold the manager while it
+    /// reads the engine's lists (they may run the engine's code):
+    /// [`Self::sync_anchor`], [`SyncAnchor::sync_point`], [`Self::apply_sync`].
+    ///
     /// # Errors
     /// Unknown request; a manager that hashes requests itself; a boundary or
-    /// a request past `max_model_len`; a prompt longer than the request; a
-    /// rewrite of tokens whose blocks the request has already cached (their
-    /// KV was computed from the old tokens); what `src` refuses to read.
+    /// a request past `max_model_len`; a prompt longer than the request; more
+    /// block hashes than full blocks; a rewrite of tokens whose blocks the
+    /// request has already cached (their KV was computed from the old
+    /// tokens); what `src` refuses to read.
     pub fn sync_from_engine<S: EngineRequest>(
         &mut self,
         id: &str,
@@ -149,21 +228,108 @@ impl KvCacheManager {
         shared_prefix_boundary: Option<u64>,
         num_prompt_tokens: Option<usize>,
     ) -> std::result::Result<bool, S::Error> {
+        let anchor = self.sync_anchor(id)?;
+        let keep = anchor.sync_point(src, || Ok(self.request_lists(id)?))?;
+        let tokens = src.tokens_from(keep.0)?;
+        let hashes = src.hashes_from(keep.1)?;
+        let synced = self.apply_sync(
+            id,
+            &anchor,
+            keep,
+            (&tokens, &hashes),
+            shared_prefix_boundary,
+            num_prompt_tokens,
+        )?;
+        Ok(synced.unwrap_or_else(|| unreachable!("nothing ran between the steps")))
+    }
+
+    /// What an engine's copy of the request is checked against
+    /// ([`SyncAnchor::sync_point`]): the request's lengths and the items that
+    /// anchor them, owned, so the manager need not be held while the engine's
+    /// lists are read.
+    ///
+    /// # Errors
+    /// Unknown request; a manager that hashes requests itself.
+    pub fn sync_anchor(&self, id: &str) -> Result<SyncAnchor> {
+        let slot = self.table.slot(id)?;
+        self.check_engine_mode("sync_request")?;
+        let req = self.table.get(slot);
+        let (tokens, hashes) = (req.tokens(), req.hashes());
+        let (nt, nh) = (tokens.len(), hashes.len());
+        // Token values matter only where the manager reads them (events);
+        // otherwise they are placeholders and only their number counts.
+        let values = self.reads_token_values();
+        // The tokens past the last hashed block (the last block's, when
+        // hashes ran ahead): the hash chain covers the rest.
+        let hbs = self.hash_block_size;
+        let tail_start = (nh * hbs).min(nt.saturating_sub(1) / hbs * hbs);
+        Ok(SyncAnchor {
+            uid: req.uid,
+            num_tokens: nt,
+            num_hashes: nh,
+            last_hash: hashes.last().copied(),
+            tail_start,
+            tail: if values {
+                tokens[tail_start..].to_vec()
+            } else {
+                Vec::new()
+            },
+            values,
+        })
+    }
+
+    /// The request's whole token and block-hash lists, copied (where a sync
+    /// looks for the first difference).
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn request_lists(&self, id: &str) -> Result<(Vec<u32>, Vec<BlockHash>)> {
+        let req = self.table.get(self.table.slot(id)?);
+        Ok((req.tokens().to_vec(), req.hashes().to_vec()))
+    }
+
+    /// Applies a sync: cuts the request back to `keep = (tokens, hashes)`
+    /// ([`SyncAnchor::sync_point`]), appends `new` (the engine's items from
+    /// there on) and sets what is `Some`. `None`, with nothing changed, when
+    /// the request changed since `anchor` was taken (another call ran in
+    /// between: take a new anchor). Else whether it was cut back.
+    ///
+    /// # Errors
+    /// As [`Self::sync_from_engine`]; nothing changes then.
+    pub fn apply_sync(
+        &mut self,
+        id: &str,
+        anchor: &SyncAnchor,
+        (keep_tokens, keep_hashes): (usize, usize),
+        (tokens, hashes): (&[u32], &[BlockHash]),
+        shared_prefix_boundary: Option<u64>,
+        num_prompt_tokens: Option<usize>,
+    ) -> Result<Option<bool>> {
         let slot = self.table.slot(id)?;
         self.check_engine_mode("sync_request")?;
         if let Some(b) = shared_prefix_boundary {
             self.check_boundary(b)?;
         }
-        let (keep_tokens, keep_hashes) = self.sync_point(slot, src)?;
-        let tokens = src.tokens_from(keep_tokens)?;
-        let hashes = src.hashes_from(keep_hashes)?;
+        let req = self.table.get(slot);
+        if req.uid != anchor.uid
+            || (req.num_tokens(), req.hashes().len()) != (anchor.num_tokens, anchor.num_hashes)
+            || req.hashes().last() != anchor.last_hash.as_ref()
+        {
+            return Ok(None);
+        }
+        if keep_tokens > anchor.num_tokens || keep_hashes > anchor.num_hashes {
+            return Err(invalid(format!(
+                "a sync keeps {keep_tokens} tokens and {keep_hashes} block hashes of \
+                 request {id:?}, which holds {} and {}",
+                anchor.num_tokens, anchor.num_hashes
+            )));
+        }
         let total = keep_tokens + tokens.len();
         if total as u64 > self.cfg.max_model_len {
             return Err(invalid(format!(
                 "request {id:?} would have {total} tokens, more than max_model_len {}",
                 self.cfg.max_model_len
-            ))
-            .into());
+            )));
         }
         self.check_hashed_tokens(id, keep_hashes + hashes.len(), total)?;
         if let Some(p) = num_prompt_tokens
@@ -171,11 +337,9 @@ impl KvCacheManager {
         {
             return Err(invalid(format!(
                 "request {id:?} has a prompt of {p} tokens but only {total} tokens"
-            ))
-            .into());
+            )));
         }
-        let req = self.table.get(slot);
-        let rewound = (keep_tokens, keep_hashes) != (req.num_tokens(), req.hashes().len());
+        let rewound = (keep_tokens, keep_hashes) != (anchor.num_tokens, anchor.num_hashes);
         if rewound {
             self.check_rewind(slot, keep_tokens, keep_hashes)?;
             self.table
@@ -186,68 +350,14 @@ impl KvCacheManager {
             self.coord.pool_mut().invalidate_lookups();
         }
         let req = self.table.get_mut(slot);
-        req.extend_external(&tokens, &hashes);
+        req.extend_external(tokens, hashes);
         if let Some(b) = shared_prefix_boundary {
             req.set_shared_prefix_boundary(b);
         }
         if let Some(p) = num_prompt_tokens {
             req.num_prompt_tokens = p;
         }
-        Ok(rewound)
-    }
-
-    /// Where the manager's copy of a request and the engine's agree up to:
-    /// `(tokens, hashes)`, the request's own lengths when the engine's lists
-    /// only grew.
-    fn sync_point<S: EngineRequest>(
-        &self,
-        slot: u32,
-        src: &S,
-    ) -> std::result::Result<(usize, usize), S::Error> {
-        let req = self.table.get(slot);
-        let (held_tokens, held_hashes) = (req.tokens(), req.hashes());
-        let (nt, nh) = (held_tokens.len(), held_hashes.len());
-        let (src_t, src_h) = (src.num_tokens(), src.num_hashes());
-        // Token values matter only where the manager reads them (events);
-        // otherwise they are placeholders and only their number counts.
-        let values = self.reads_token_values();
-        let hbs = self.hash_block_size;
-        if src_t >= nt && src_h >= nh {
-            let hash_ok = nh == 0 || src.hash(nh - 1)? == held_hashes[nh - 1];
-            // The tokens past the last hashed block (the last block's, when
-            // hashes ran ahead): the hash chain covers the rest.
-            let tail = (nh * hbs).min(nt.saturating_sub(1) / hbs * hbs);
-            let mut tokens_ok = true;
-            if values && hash_ok {
-                for (i, &t) in held_tokens.iter().enumerate().skip(tail) {
-                    if src.token(i)? != t {
-                        tokens_ok = false;
-                        break;
-                    }
-                }
-            }
-            if hash_ok && tokens_ok {
-                return Ok((nt, nh));
-            }
-        }
-        // Rewritten: the first hash and (where values count) token that differ.
-        let mut keep_h = nh.min(src_h);
-        for (j, h) in held_hashes.iter().enumerate().take(keep_h) {
-            if src.hash(j)? != *h {
-                keep_h = j;
-                break;
-            }
-        }
-        let mut keep_t = nt.min(src_t);
-        if values {
-            for (i, &t) in held_tokens.iter().enumerate().take(keep_t) {
-                if src.token(i)? != t {
-                    keep_t = i;
-                    break;
-                }
-            }
-        }
-        Ok((keep_t, keep_h))
+        Ok(Some(rewound))
     }
 
     /// Refuses cutting a request back below a block it has cached: that

@@ -507,7 +507,10 @@ def test_config_json_on_the_command_line(capsys: pytest.CaptureFixture[str], tmp
         ("{not json", "not JSON"),
         ("[1, 2]", "one JSON object"),
         (json.dumps({"hidden_size": 8}), "missing 'num_hidden_layers'"),
-        (json.dumps({**LLAMA_8B, "num_hidden_layers": -1}), "positive integer"),
+        (
+            json.dumps({**LLAMA_8B, "num_hidden_layers": -1}),
+            r"num_hidden_layers must be in 1\.\.1024",
+        ),
         (json.dumps({**LLAMA_8B, "mamba_d_state": 16}), "Mamba"),
         (json.dumps({**LLAMA_8B, "sliding_window": 64, "layer_types": ["x"]}), "layer_types"),
         ("x" * (presets.MAX_CONFIG_BYTES + 1), "larger than"),

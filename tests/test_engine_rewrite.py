@@ -199,17 +199,27 @@ def test_a_rewrite_below_a_cached_block_is_refused_and_changes_nothing() -> None
     m.check_invariants()
 
 
-def test_more_hashes_than_full_blocks_are_refused() -> None:
-    # An engine hashes a block once its tokens exist: extra hashes would be
-    # published for tokens that never were.
+def test_a_block_is_published_only_with_all_its_tokens() -> None:
+    # vLLM's prefill-side connectors drop a prompt's last token after it was
+    # hashed: the hash of a block whose tokens are not all there is kept (as
+    # vLLM keeps it) but nothing is cached or published under it.
     m = manager(True)
-    m.add_request("r", [1, 2, 3, 4, 5])
-    extra = [*chain([1, 2, 3, 4, 5]), b"\x07" * 32]
-    with pytest.raises(InvalidArgumentError, match="2 block hashes"):
-        m.sync_request("r", [1, 2, 3, 4, 5], extra)
-    assert m.block_hashes("r") == []
-    m.sync_request("r", [1, 2, 3, 4, 5, 6, 7, 8], chain([1, 2, 3, 4, 5, 6, 7, 8]))
-    assert len(m.block_hashes("r")) == 2
+    tokens = list(range(1, 9))
+    hashes = chain(tokens)
+    m.add_request("r", tokens[:7])
+    m.sync_request("r", tokens[:7], hashes)
+    assert m.block_hashes("r") == hashes
+    m.allocate_slots("r", 7, num_computed_tokens=0)
+    stored = [e for e in m.take_events() if isinstance(e, pk.BlockStored)]
+    assert [list(e.token_ids) for e in stored] == [[1, 2, 3, 4]]
+    with pytest.raises(InvalidArgumentError, match="hashed tokens"):
+        m.cache_detached_blocks("r", 0, [5, 6], 0, 2)
+    m.check_invariants()
+    # Once the token is there, the block is cached under the hash it had.
+    m.sync_request("r", tokens, hashes)
+    m.allocate_slots("r", 1, num_computed_tokens=7)
+    stored = [e for e in m.take_events(raw_hashes=True) if isinstance(e, pk.BlockStored)]
+    assert [(list(e.token_ids), e.block_hashes) for e in stored] == [([5, 6, 7, 8], hashes[1:])]
 
 
 def test_a_lookup_taken_before_a_rewrite_is_checked_again() -> None:

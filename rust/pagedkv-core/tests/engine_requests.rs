@@ -90,24 +90,22 @@ fn hits_follow_the_engines_hashes_not_the_tokens() {
 }
 
 #[test]
-fn hashes_never_run_ahead_of_the_tokens() {
-    // vLLM hashes a block once its tokens (and any lookahead tokens after
-    // them) exist: four hashes for 9 tokens of blocks of 4 would publish
-    // blocks of tokens that never were.
+fn hashes_may_run_ahead_of_the_tokens_and_only_known_blocks_are_cached() {
     let mut m = engine_mgr(11, 4);
-    ok(m.add_request(
+    // Four hashes for 9 tokens (vLLM's prefill-side connectors drop a prompt's
+    // last token after it was hashed): two blocks are full.
+    add(
+        &mut m,
         "r0",
-        RequestSpec {
-            prompt_token_ids: seq(0, 9),
-            ..Default::default()
-        },
-    ));
-    let e = m.extend_request("r0", (9, 0), &[], &[h(1, 0), h(1, 1), h(1, 2)]);
-    assert!(matches!(e, Err(Error::InvalidArgument(ref s)) if s.contains("only 9 tokens")));
-    assert!(ok(m.block_hashes("r0")).is_empty());
-    ok(m.extend_request("r0", (9, 0), &[], &[h(1, 0), h(1, 1)]));
+        seq(0, 9),
+        &[h(1, 0), h(1, 1), h(1, 2), h(1, 3)],
+    );
     admit(&mut m, "r0");
     assert_eq!(m.pool().num_cached_keys(), 2);
+    let stored = stored_events(&mut m);
+    assert_eq!(stored.len(), 1);
+    assert_eq!(stored[0].block_hashes.len(), 2);
+    assert_eq!(stored[0].token_ids, seq(0, 8));
     ok(m.check_invariants());
 }
 

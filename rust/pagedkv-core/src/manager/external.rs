@@ -123,8 +123,9 @@ impl SyncAnchor {
 impl KvCacheManager {
     /// Appends tokens and the engine's block hashes to a request (managers
     /// built with `external_block_hashes`), after the `at = (tokens, hashes)` the
-    /// request holds. A block's hash comes with or after its tokens (lookahead
-    /// hashing hashes a block once the tokens after it exist too).
+    /// request holds. Hashes may run ahead of the tokens (vLLM's prefill-side
+    /// connectors drop a prompt's last token after it was hashed); a block is
+    /// cached only once all its tokens are there.
     ///
     /// # Errors
     /// Unknown request; a manager that hashes requests itself; `at` is not
@@ -174,26 +175,10 @@ impl KvCacheManager {
                 self.cfg.max_model_len
             )));
         }
-        let (num_tokens, num_hashes) = (req.num_tokens(), req.hashes().len());
-        self.check_hashed_tokens(id, num_hashes + hashes.len(), num_tokens + tokens.len())?;
         let req = self.table.get_mut(slot);
         req.extend_external(tokens, hashes);
         if let Some(b) = shared_prefix_boundary {
             req.set_shared_prefix_boundary(b);
-        }
-        Ok(())
-    }
-
-    /// Refuses block hashes for blocks whose tokens the request does not have
-    /// (an engine hashes a block once its tokens, and any lookahead tokens
-    /// after them, exist): they would be published for tokens that never were.
-    fn check_hashed_tokens(&self, id: &str, num_hashes: usize, num_tokens: usize) -> Result<()> {
-        if num_hashes * self.hash_block_size > num_tokens {
-            return Err(invalid(format!(
-                "request {id:?} would have {num_hashes} block hashes of {} tokens each but \
-                 only {num_tokens} tokens",
-                self.hash_block_size
-            )));
         }
         Ok(())
     }
@@ -217,8 +202,8 @@ impl KvCacheManager {
     ///
     /// # Errors
     /// Unknown request; a manager that hashes requests itself; a boundary or
-    /// a request past `max_model_len`; a prompt longer than the request; more
-    /// block hashes than full blocks; a rewrite of tokens whose blocks the
+    /// a request past `max_model_len`; a prompt longer than the request; a
+    /// rewrite of tokens whose blocks the
     /// request has already cached (their KV was computed from the old
     /// tokens); what `src` refuses to read.
     pub fn sync_from_engine<S: EngineRequest>(
@@ -331,7 +316,6 @@ impl KvCacheManager {
                 self.cfg.max_model_len
             )));
         }
-        self.check_hashed_tokens(id, keep_hashes + hashes.len(), total)?;
         if let Some(p) = num_prompt_tokens
             && p > total
         {
@@ -599,7 +583,8 @@ impl KvCacheManager {
         let gm = self.group_manager(group)?;
         let req = self.table.get(slot);
         let bs = gm.block_size() as usize;
-        let hashed = req.hashes().len() * self.hash_block_size;
+        // A block is published only with every token it holds.
+        let hashed = (req.hashes().len() * self.hash_block_size).min(req.num_tokens());
         if num_full_blocks > blocks.len() || num_full_blocks * bs > hashed {
             return Err(invalid(format!(
                 "blocks {num_cached_blocks}..{num_full_blocks} are past the {} given or the \
@@ -669,14 +654,11 @@ impl KvCacheManager {
         let group_id = self.group_manager(group)?.group_id();
         let req = self.table.get(slot);
         let hbs = self.hash_block_size;
-        if num_tokens == 0
-            || !num_tokens.is_multiple_of(hbs)
-            || num_tokens > req.hashes().len() * hbs
-        {
+        let hashed = (req.hashes().len() * hbs).min(req.num_tokens());
+        if num_tokens == 0 || !num_tokens.is_multiple_of(hbs) || num_tokens > hashed {
             return Err(invalid(format!(
-                "a partial entry ends on a hash block boundary within the {} hashed tokens \
-                 of request {id:?}, not at {num_tokens}",
-                req.hashes().len() * hbs
+                "a partial entry ends on a hash block boundary within the {hashed} hashed \
+                 tokens of request {id:?}, not at {num_tokens}"
             )));
         }
         if block == NULL_BLOCK {

@@ -440,11 +440,11 @@ class BlockPoolView:
 
     def __init__(self, owner: KVCacheManager) -> None:
         self._owner = owner
-        self.blocks = owner._blocks
-        self.free_block_queue = _FreeQueueView(owner)
         # Pins resident-page adoptions took for the touch vLLM's HiSparse
         # coordinator makes right after them (block id -> count).
         self._adoption_pins: dict[int, int] = {}
+        self.blocks = owner._blocks
+        self.free_block_queue = _FreeQueueView(owner)
         queue = self.free_block_queue
         for b in self.blocks:
             # Slots of vLLM's block and of the view's subclass.
@@ -899,12 +899,12 @@ class ResidentManagerView(_HiSparseView):
                 request_id, self.kv_cache_group_id, block_idx, block.block_id, pin=True
             )
         )
-
-    def drop_resident_page(self, request_id: str, block_idx: int) -> KVCacheBlock | None:
         if adopted:
             pins = self._owner.block_pool._adoption_pins
             pins[block.block_id] = pins.get(block.block_id, 0) + 1
         return adopted
+
+    def drop_resident_page(self, request_id: str, block_idx: int) -> KVCacheBlock | None:
         """The page is read from the host from now on; the block it was read from."""
         if request_id not in self._owner._live:
             return None

@@ -331,11 +331,11 @@ class KVCacheManager:
         has_scheduled_reqs: bool,
         num_in_flight_tokens: int,
         skip_zeroing_group_ids: Sequence[int] | None,
+        num_prompt_tokens: int | None = None,
         /,
         *,
         engine_managed_blocks: tuple[int, int] | None = None,
         split_at_group: int | None = None,
-        num_prompt_tokens: int | None = None,
     ) -> tuple[_IdArray, ...] | None: ...  # None: does not fit; (): nothing allocated
     def pop_blocks_for_free(self, request_id: str) -> _IdArray: ...
     def finish_allocation(self, request_id: str) -> tuple[_IdArray, ...]: ...

@@ -384,8 +384,8 @@ class HiSparseKVCacheManager(KVCacheManager):
             has_scheduled_reqs,
             request.num_in_flight_tokens,
             skip_zeroing_group_ids or None,
+            request.num_prompt_tokens,
             engine_managed_blocks=(step_need, full_need),
-            num_prompt_tokens=request.num_prompt_tokens,
         )
         if new is None:
             return None

@@ -367,7 +367,7 @@ class KVCacheManager:
             has_scheduled_reqs,
             request.num_in_flight_tokens,
             skip_zeroing_group_ids or None,  # nothing to convert on the common path
-            num_prompt_tokens=request.num_prompt_tokens,
+            request.num_prompt_tokens,
         )
         if not new:  # None (does not fit), or () (nothing allocated: most decode steps)
             return None if new is None else self.empty_kv_cache_blocks

@@ -4,7 +4,7 @@
 
 use pagedkv_core::{BlockHash, EngineRequest};
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyBytes, PyList};
 
 use crate::convert::{
     block_hash_item, block_hashes_from, engine_tokens, engine_tokens_from, exact_int_item,
@@ -68,6 +68,37 @@ impl EngineRequest for EngineLists<'_, '_> {
 
     fn hash(&self, j: usize) -> PkResult<BlockHash> {
         block_hash_item(&self.hashes.get_item(j)?)
+    }
+
+    fn hash_is(&self, j: usize, held: &BlockHash) -> PkResult<bool> {
+        // The bytes compared in place; anything but bytes converts (or is
+        // refused) as every hash is.
+        let item = match self.hashes.cast::<PyList>() {
+            Ok(list) => list.get_item(j)?,
+            Err(_) => self.hashes.get_item(j)?,
+        };
+        match item.cast::<PyBytes>() {
+            Ok(b) => Ok(b.as_bytes() == held.as_bytes()),
+            Err(_) => Ok(block_hash_item(&item)? == *held),
+        }
+    }
+
+    fn tokens_are(&self, from: usize, held: &[u32]) -> PkResult<bool> {
+        let list = self.tokens.cast::<PyList>().ok();
+        for (i, &t) in held.iter().enumerate() {
+            let at = from + i;
+            let v = match list {
+                Some(l) if at < l.len() => match exact_int_item(l, at) {
+                    Some(v) if (0..=0x7fff_ffff).contains(&v) => v as u32,
+                    _ => self.token(at)?,
+                },
+                _ => self.token(at)?,
+            };
+            if v != t {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     fn tokens_from(&self, from: usize) -> PkResult<Vec<u32>> {

@@ -579,16 +579,17 @@ impl PyManager {
 
     /// vLLM's `allocate_slots` for an engine that owns its requests, in one
     /// crossing: `sync_request(request_id, token_ids, block_hashes,
-    /// shared_prefix_boundary)`, then `allocate_slots` with vLLM's answers
-    /// (`vllm_lenient`). Arguments are positional, in vLLM's order. Returns
+    /// shared_prefix_boundary, num_prompt_tokens=num_prompt_tokens)`, then
+    /// `allocate_slots` with vLLM's answers (`vllm_lenient`). Arguments are
+    /// positional, in vLLM's order. Returns
     /// None when the blocks do not fit, `()` when nothing was allocated, else
     /// the new block ids per group.
     #[pyo3(signature = (request_id, token_ids, block_hashes, shared_prefix_boundary,
         num_new_tokens, num_computed_tokens, num_new_computed_tokens, new_computed_blocks,
         num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
         num_encoder_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
-        num_in_flight_tokens, skip_zeroing_group_ids, /, *, engine_managed_blocks = None,
-        split_at_group = None, num_prompt_tokens = None))]
+        num_in_flight_tokens, skip_zeroing_group_ids, num_prompt_tokens = None, /, *,
+        engine_managed_blocks = None, split_at_group = None))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
     fn allocate_slots_synced(
         slf: &Bound<'_, Self>,
@@ -609,9 +610,9 @@ impl PyManager {
         has_scheduled_reqs: bool,
         num_in_flight_tokens: i64,
         skip_zeroing_group_ids: Option<Vec<i64>>,
+        num_prompt_tokens: Option<i64>,
         engine_managed_blocks: Option<(i64, i64)>,
         split_at_group: Option<i64>,
-        num_prompt_tokens: Option<i64>,
     ) -> PkResult<Option<Py<PyTuple>>> {
         let args = Counts {
             num_new_tokens,
@@ -1536,13 +1537,15 @@ impl PyManager {
         spb: u64,
         num_prompt_tokens: Option<i64>,
     ) -> PkResult<bool> {
-        let limit = Self::token_limit(slf)?.1;
         let prompt = num_prompt_tokens
             .map(|n| Self::index("num_prompt_tokens", n))
             .transpose()?;
-        let src = EngineLists::new(token_ids, block_hashes, limit)?;
-        for _ in 0..SYNC_ATTEMPTS {
-            let anchor = borrow(slf)?.inner.sync_anchor(request_id)?;
+        let mut anchor = borrow(slf)?.inner.sync_anchor(request_id)?;
+        let src = EngineLists::new(token_ids, block_hashes, anchor.token_limit())?;
+        for attempt in 0..SYNC_ATTEMPTS {
+            if attempt > 0 {
+                anchor = borrow(slf)?.inner.sync_anchor(request_id)?;
+            }
             let keep =
                 anchor.sync_point(&src, || Ok(borrow(slf)?.inner.request_lists(request_id)?))?;
             let tokens = src.tokens_from(keep.0)?;

@@ -34,6 +34,26 @@ pub trait EngineRequest {
     /// # Errors
     /// An item that is not a block hash.
     fn hash(&self, j: usize) -> std::result::Result<BlockHash, Self::Error>;
+    /// Whether block hash `j` (below [`Self::num_hashes`]) is `held`.
+    ///
+    /// # Errors
+    /// An item that is not a block hash.
+    fn hash_is(&self, j: usize, held: &BlockHash) -> std::result::Result<bool, Self::Error> {
+        Ok(self.hash(j)? == *held)
+    }
+    /// Whether the tokens from index `from` on begin with `held` (all within
+    /// [`Self::num_tokens`]).
+    ///
+    /// # Errors
+    /// An item that is not a token id.
+    fn tokens_are(&self, from: usize, held: &[u32]) -> std::result::Result<bool, Self::Error> {
+        for (i, &t) in held.iter().enumerate() {
+            if self.token(from + i)? != t {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
     /// The tokens from index `from` on (none when `from` is past the end).
     ///
     /// # Errors
@@ -50,6 +70,7 @@ pub trait EngineRequest {
 /// ([`KvCacheManager::sync_anchor`]).
 #[derive(Clone, Debug)]
 pub struct SyncAnchor {
+    slot: u32,
     uid: u64,
     num_tokens: usize,
     num_hashes: usize,
@@ -60,9 +81,18 @@ pub struct SyncAnchor {
     /// read (empty otherwise).
     tail: Vec<u32>,
     values: bool,
+    /// `max_model_len`: the most tokens one read of the engine's lists needs.
+    token_limit: usize,
 }
 
 impl SyncAnchor {
+    /// The most tokens or hashes a read of the engine's lists may return
+    /// (`max_model_len`, which no request passes).
+    #[must_use]
+    pub fn token_limit(&self) -> usize {
+        self.token_limit
+    }
+
     /// Where the manager's copy of the request and the engine's agree up to:
     /// `(tokens, hashes)`, the request's own lengths when the engine's lists
     /// only grew. On that path only the last hash held and, where token
@@ -81,20 +111,11 @@ impl SyncAnchor {
         let (nt, nh) = (self.num_tokens, self.num_hashes);
         let (src_t, src_h) = (src.num_tokens(), src.num_hashes());
         if src_t >= nt && src_h >= nh {
-            let hash_ok = match self.last_hash {
-                Some(h) => src.hash(nh - 1)? == h,
+            let hash_ok = match &self.last_hash {
+                Some(h) => src.hash_is(nh - 1, h)?,
                 None => true,
             };
-            let mut tokens_ok = true;
-            if hash_ok {
-                for (i, &t) in self.tail.iter().enumerate() {
-                    if src.token(self.tail_start + i)? != t {
-                        tokens_ok = false;
-                        break;
-                    }
-                }
-            }
-            if hash_ok && tokens_ok {
+            if hash_ok && src.tokens_are(self.tail_start, &self.tail)? {
                 return Ok((nt, nh));
             }
         }
@@ -246,20 +267,23 @@ impl KvCacheManager {
         let values = self.reads_token_values();
         // The tokens past the last hashed block (the last block's, when
         // hashes ran ahead): the hash chain covers the rest.
-        let hbs = self.hash_block_size;
-        let tail_start = (nh * hbs).min(nt.saturating_sub(1) / hbs * hbs);
+        let (tail_start, tail) = if values {
+            let hbs = self.hash_block_size;
+            let start = (nh * hbs).min(nt.saturating_sub(1) / hbs * hbs);
+            (start, tokens[start..].to_vec())
+        } else {
+            (nt, Vec::new())
+        };
         Ok(SyncAnchor {
+            slot,
             uid: req.uid,
             num_tokens: nt,
             num_hashes: nh,
             last_hash: hashes.last().copied(),
             tail_start,
-            tail: if values {
-                tokens[tail_start..].to_vec()
-            } else {
-                Vec::new()
-            },
+            tail,
             values,
+            token_limit: usize::try_from(self.cfg.max_model_len).unwrap_or(usize::MAX),
         })
     }
 
@@ -290,15 +314,28 @@ impl KvCacheManager {
         shared_prefix_boundary: Option<u64>,
         num_prompt_tokens: Option<usize>,
     ) -> Result<Option<bool>> {
-        let slot = self.table.slot(id)?;
         self.check_engine_mode("sync_request")?;
         if let Some(b) = shared_prefix_boundary {
             self.check_boundary(b)?;
         }
-        let req = self.table.get(slot);
-        if req.uid != anchor.uid
-            || (req.num_tokens(), req.hashes().len()) != (anchor.num_tokens, anchor.num_hashes)
-            || req.hashes().last() != anchor.last_hash.as_ref()
+        let slot = anchor.slot;
+        // The anchor names its request instance (a removed request's slot may
+        // hold another one now).
+        let Some(req) = self.table.live(slot).filter(|r| r.uid == anchor.uid) else {
+            return match self.table.slot(id) {
+                Ok(_) => Ok(None),
+                Err(e) => Err(e),
+            };
+        };
+        if req.id != id {
+            return Err(invalid(format!(
+                "the sync anchor is request {:?}'s, not {id:?}'s",
+                req.id
+            )));
+        }
+        let held = req.hashes();
+        if (req.num_tokens(), held.len()) != (anchor.num_tokens, anchor.num_hashes)
+            || held.last() != anchor.last_hash.as_ref()
         {
             return Ok(None);
         }

@@ -401,16 +401,6 @@ impl KvCacheManager {
         Ok(())
     }
 
-    /// The request's token and block-hash counts (where an engine's next
-    /// [`Self::sync_request`] starts).
-    ///
-    /// # Errors
-    /// Unknown request.
-    pub fn request_lengths(&self, id: &str) -> Result<(usize, usize)> {
-        let req = self.table.get(self.table.slot(id)?);
-        Ok((req.num_tokens(), req.hashes().len()))
-    }
-
     /// Sets the request's shared-prefix boundary (vLLM's
     /// `Request.shared_prefix_boundary`, which its scheduler copies from the
     /// lookup): sparse-retention groups keep the block ending there cached.

@@ -19,12 +19,16 @@ GiB = 1 << 30
 def test_names_and_lookup() -> None:
     assert presets.names() == [
         "llama-3.1-8b",
+        "llama-3.1-70b",
         "gemma-3-27b",
         "gpt-oss-120b",
         "llama-4-scout",
         "jamba-1.5-mini",
         "deepseek-v3",
         "whisper-large-v3",
+        "llama-3.1-8b-fp8",
+        "llama-3.1-70b-fp8",
+        "llama-3.3-70b-fp8",
     ]
     assert presets.get("Gemma-3-27B") is presets.get("gemma-3-27b")
     with pytest.raises(KeyError, match=r"llama-3\.1-8b"):

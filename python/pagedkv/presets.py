@@ -13,7 +13,8 @@ and in model order (the order matters for grouping), and the model's context
 length (``max_position_embeddings``). Feed them to
 :func:`pagedkv.get_kv_cache_config`.
 
-Presets: ``llama-3.1-8b`` (dense), ``gemma-3-27b`` (5 local : 1 global),
+Presets: ``llama-3.1-8b`` and ``llama-3.1-70b`` (dense; ``-fp8``: their FP8
+checkpoints, and ``llama-3.3-70b-fp8``), ``gemma-3-27b`` (5 local : 1 global),
 ``gpt-oss-120b`` (alternating sliding / full), ``llama-4-scout`` (chunked local +
 full every 4th layer), ``jamba-1.5-mini`` (Mamba hybrid), ``deepseek-v3`` (MLA),
 ``whisper-large-v3`` (encoder-decoder with cross-attention).
@@ -24,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from .specs import (
     SlidingWindowSpec,
 )
 
-__all__ = ["ModelCompute", "ModelPreset", "from_hf_config", "get", "names"]
+__all__ = ["QUANTIZATIONS", "ModelCompute", "ModelPreset", "from_hf_config", "get", "names"]
 
 #: Smallest kernel block of a FlashAttention-style backend (kernel block sizes are
 #: multiples of 16 tokens); vLLM aligns hybrid attention block sizes to it.
@@ -88,6 +89,30 @@ class ModelCompute:
     experts_per_token: int = 0
     expert_params: float = 0.0
     compute_dtype: str = "bf16"
+
+    @property
+    def embedding_params(self) -> float:
+        """Parameters of the token embedding and the LM head (one matrix when tied)."""
+        return float(self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2))
+
+    def quantized(self, method: str) -> ModelCompute:
+        """The same model with its weights quantized by ``method``: ``"fp8"``
+        (vLLM's ``--quantization fp8``, ModelOpt and compressed-tensors FP8
+        checkpoints): every linear layer's weights in one byte, the embedding and
+        the LM head left in bfloat16, matmuls at the FP8 peak; ``"none"``: the
+        model as it is."""
+        if method == "none":
+            return self
+        if method != "fp8":
+            raise ValueError(
+                f"unknown quantization {method!r}; quantizations: {', '.join(QUANTIZATIONS)}"
+            )
+        embed = self.embedding_params
+        return replace(self, weight_bytes=(self.params - embed) + 2 * embed, compute_dtype="fp8")
+
+
+#: the weight quantizations of ``--quantization`` (``ModelCompute.quantized``)
+QUANTIZATIONS = ("none", "fp8")
 
 
 @dataclass(frozen=True)
@@ -143,6 +168,11 @@ class ModelPreset:
 def _llama_3_1_8b(o: _Options) -> dict[str, KVCacheSpec]:
     spec = FullAttentionSpec(o.block_size, 8, 128, o.dtype)
     return {f"model.layers.{i}.self_attn.attn": spec for i in range(32)}
+
+
+def _llama_3_1_70b(o: _Options) -> dict[str, KVCacheSpec]:
+    spec = FullAttentionSpec(o.block_size, 8, 128, o.dtype)
+    return {f"model.layers.{i}.self_attn.attn": spec for i in range(80)}
 
 
 def _gemma_3_27b(o: _Options) -> dict[str, KVCacheSpec]:
@@ -241,6 +271,28 @@ _PRESETS: dict[str, ModelPreset] = {
                 intermediate_size=14336,
                 vocab_size=128256,
                 weight_bytes=2 * 8.03e9,
+            ),
+        ),
+        ModelPreset(
+            name="llama-3.1-70b",
+            model="meta-llama/Llama-3.1-70B",
+            max_model_len=131072,
+            source="num_hidden_layers 80, num_key_value_heads 8, head_dim 128 (hidden_size 8192 / "
+            "64 heads), intermediate_size 28672, max_position_embeddings 131072: 80 "
+            "full-attention layers (Llama-3.3-70B has the same shape).",
+            _build=_llama_3_1_70b,
+            compute=ModelCompute(
+                params=70.55e9,
+                active_params=70.55e9,
+                hidden_size=8192,
+                num_layers=80,
+                num_attention_heads=64,
+                num_kv_heads=8,
+                qk_head_dim=128,
+                v_head_dim=128,
+                intermediate_size=28672,
+                vocab_size=128256,
+                weight_bytes=2 * 70.55e9,
             ),
         ),
         ModelPreset(
@@ -404,6 +456,33 @@ _PRESETS: dict[str, ModelPreset] = {
 }
 
 
+#: FP8 checkpoints of the presets: (preset, its base, the checkpoint). Their
+#: linear layers' weights are FP8 (one byte, the FP8 peak), the embedding and LM
+#: head bfloat16, as ModelOpt and compressed-tensors quantize them.
+FP8_CHECKPOINTS = (
+    ("llama-3.1-8b-fp8", "llama-3.1-8b", "nvidia/Llama-3.1-8B-Instruct-FP8"),
+    ("llama-3.1-70b-fp8", "llama-3.1-70b", "nvidia/Llama-3.1-70B-Instruct-FP8"),
+    ("llama-3.3-70b-fp8", "llama-3.1-70b", "nvidia/Llama-3.3-70B-Instruct-FP8"),
+)
+
+
+def _fp8_preset(name: str, base: ModelPreset, model: str) -> ModelPreset:
+    assert base.compute is not None
+    return replace(
+        base,
+        name=name,
+        model=model,
+        source=f"{base.source} FP8 weights ({model}): linear layers in one byte, "
+        "the embedding and LM head in bfloat16.",
+        compute=base.compute.quantized("fp8"),
+    )
+
+
+_PRESETS.update(
+    (name, _fp8_preset(name, _PRESETS[base], model)) for name, base, model in FP8_CHECKPOINTS
+)
+
+
 def names() -> list[str]:
     """The preset names."""
     return list(_PRESETS)
@@ -508,6 +587,27 @@ def _read_config(path: Path) -> Any:
         raise ValueError(f"{where}: not JSON ({e})") from None
 
 
+def _is_fp8(quant: Mapping[str, Any]) -> bool:
+    """Whether a ``quantization_config`` stores FP8 weights: vLLM's ``fp8``,
+    ModelOpt's ``FP8`` algorithm, or compressed-tensors groups of 8-bit float
+    weights."""
+    method = quant.get("quant_method")
+    if method == "fp8":
+        return True
+    if method == "modelopt":
+        return str(quant.get("quant_algo", "")).upper() == "FP8"
+    if method == "compressed-tensors":
+        groups = quant.get("config_groups")
+        if not isinstance(groups, Mapping) or not groups:
+            return False
+        for g in groups.values():
+            w = g.get("weights") if isinstance(g, Mapping) else None
+            if not (isinstance(w, Mapping) and w.get("num_bits") == 8 and w.get("type") == "float"):
+                return False
+        return True
+    return False
+
+
 def _layer_kinds(t: Mapping[str, Any], where: str, n: int) -> list[tuple[str, int]]:
     """Per layer: ``("full", 0)``, ``("sliding", window)`` or ``("chunked", size)``."""
     chunk = t.get("attention_chunk_size")
@@ -558,9 +658,10 @@ def from_hf_config(
     ``first_k_dense_replace``). A ``text_config`` is read in place of the top
     level. Parameter counts are computed from the shapes (embeddings, attention
     projections, gated MLPs, experts, routers); FP8 checkpoints
-    (``quantization_config.quant_method == "fp8"``) weigh 1 byte per parameter
-    and compute at the FP8 peak, others 2. Mamba / linear-attention layers are
-    refused (use a preset). Raises ValueError naming what is wrong."""
+    (``quantization_config``: ``fp8``, ModelOpt ``FP8``, compressed-tensors 8-bit
+    float weights) weigh 1 byte per linear-layer parameter (the embedding and LM
+    head 2) and compute at the FP8 peak, others 2 bytes per parameter. Mamba /
+    linear-attention layers are refused (use a preset). Raises ValueError naming what is wrong."""
     where = "config"
     if isinstance(source, Mapping):
         data: Any = source
@@ -605,7 +706,7 @@ def from_hf_config(
     quant = data.get("quantization_config")
     if quant is not None and not isinstance(quant, Mapping):
         raise ValueError(f"{where}: quantization_config must be a JSON object")
-    fp8 = isinstance(quant, Mapping) and quant.get("quant_method") == "fp8"
+    fp8 = isinstance(quant, Mapping) and _is_fp8(quant)
     mla = t.get("kv_lora_rank") is not None
     if mla:
         lora = _int_field(t, where, "kv_lora_rank")
@@ -680,13 +781,12 @@ def from_hf_config(
         v_head_dim=v_head,
         intermediate_size=inter,
         vocab_size=vocab,
-        weight_bytes=params * (1 if fp8 else 2),
+        weight_bytes=params * 2,
         tied_embeddings=tied,
         num_experts=experts,
         experts_per_token=k,
         expert_params=expert_params,
-        compute_dtype="fp8" if fp8 else "bf16",
-    )
+    ).quantized("fp8" if fp8 else "none")
 
     def build(o: _Options) -> dict[str, KVCacheSpec]:
         specs: dict[str, KVCacheSpec] = {}

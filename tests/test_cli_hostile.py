@@ -481,6 +481,10 @@ def test_workload_options_with_a_trace_are_refused(
         ["--slo-target", "nan"],
         ["--gpu-memory-utilization", "1.5"],
         ["--step-ms", "0"],
+        ["--max-concurrency", "0"],
+        ["--max-concurrency", "1000001"],
+        ["--max-concurrency", "1.5"],
+        ["--max-concurrency", "many"],
     ],
 )
 def test_bad_numbers_are_refused(capsys: pytest.CaptureFixture[str], extra: list[str]) -> None:
@@ -493,3 +497,11 @@ def test_bad_numbers_are_refused(capsys: pytest.CaptureFixture[str], extra: list
     assert code == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("pagedkv simulate: error: ")
     assert len([line for line in err.splitlines() if "error:" in line]) == 1
+
+
+@pytest.mark.parametrize("spec", ["max-concurrency=0,2", "max-concurrency=2,1e9"])
+def test_bad_max_concurrency_axis_values_are_refused(
+    capsys: pytest.CaptureFixture[str], spec: str
+) -> None:
+    line = _refused(capsys, *SMALL, "--compare", spec)
+    assert "max-concurrency=" in line and "1 to 1000000" in line

@@ -55,7 +55,7 @@ GPUs (--gpu): {gpus}
 --sweep AXIS=V1,V2,... runs one per value of one axis and draws curves.
   axes: caching (on,off), block-size, hash ({hashes}), memory (GiB per GPU),
         num-blocks, model, workload, max-num-seqs, gpu, tp, time-scale,
-        router ({routers}), replicas; '--compare caching' = on,off
+        router ({routers}), replicas, max-concurrency; '--compare caching' = on,off
 
 examples:
   pagedkv simulate
@@ -85,6 +85,7 @@ _AXES = (
     "time-scale",
     "router",
     "replicas",
+    "max-concurrency",
 )
 
 
@@ -124,6 +125,17 @@ def _replica_count(s: str) -> int:
     v: int = _number(s, int, f"must be 1 to {MAX_REPLICAS}")
     if not 0 < v <= MAX_REPLICAS:
         raise argparse.ArgumentTypeError(f"must be 1 to {MAX_REPLICAS}, got {s}")
+    return v
+
+
+#: The largest --max-concurrency.
+MAX_CONCURRENCY = 10**6
+
+
+def _concurrency(s: str) -> int:
+    v: int = _number(s, int, f"must be an integer from 1 to {MAX_CONCURRENCY}")
+    if not 0 < v <= MAX_CONCURRENCY:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to {MAX_CONCURRENCY}, got {s}")
     return v
 
 
@@ -239,6 +251,14 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
         metavar="MS",
         help="milliseconds per arrival tick of the built-in workloads and of trace "
         "records timed in steps (default 50)",
+    )
+    g.add_argument(
+        "--max-concurrency",
+        type=_concurrency,
+        metavar="N",
+        help="closed-loop clients: at most N requests in flight; a request waits "
+        "client-side for one to finish and arrives when sent (benchmark_serving's "
+        "--max-concurrency; default: no limit)",
     )
     g.add_argument("--save-trace", metavar="FILE", help="also write the workload as a JSONL trace")
     g = p.add_argument_group("model and memory")
@@ -433,6 +453,8 @@ def _apply_config(axis: str, value: str, cfg: SimConfig) -> SimConfig:
         return replace(cfg, tp=_positive_int(value))
     if axis == "replicas":
         return replace(cfg, replicas=_replica_count(value))
+    if axis == "max-concurrency":
+        return replace(cfg, max_concurrency=_concurrency(value))
     if axis == "router":
         if value not in ROUTERS:
             raise ValueError(f"routers: {', '.join(ROUTERS)}")
@@ -551,6 +573,7 @@ def _simulate(args: argparse.Namespace) -> int:
         tick_s=args.step_ms / 1000,
         slo_ttft_ms=args.slo_ttft,
         slo_tpot_ms=args.slo_tpot,
+        max_concurrency=args.max_concurrency,
     )
     variants: list[tuple[str, SimConfig, str, float]] = []
     # --sweep: every value gets a point, in order; one that is not a valid

@@ -24,7 +24,9 @@ arrives, to one replica:
 
 The simulation is a discrete-event loop: the next event is the earliest of the
 next arrival and the end of the earliest running replica's step; a replica
-with nothing to run waits for its next request.
+with nothing to run waits for its next request. A ``max_concurrency`` limit
+counts the requests in flight on all replicas together, as clients driving the
+router see them.
 """
 
 from __future__ import annotations
@@ -165,7 +167,9 @@ def run_cluster(
     reqs = workload.requests
     items = [r.fresh() for r in reqs]
     lat = Latencies()
-    tl = Timeline(items, cfg.tick_s, lat)
+    # A concurrency limit binds the clients, who send to the router: it counts
+    # the requests in flight on every replica together.
+    tl = Timeline(items, cfg.tick_s, lat, max_concurrency=cfg.max_concurrency)
 
     usage: list[float] = []
     running: list[float] = []
@@ -180,7 +184,7 @@ def run_cluster(
     while tl.ready or any(r.sched.has_unfinished for r in replicas):
         busy = [r for r in replicas if r.sched.has_unfinished]
         t_step = min((r.clock for r in busy), default=inf)
-        if tl.ready and tl.ready[0][0] <= t_step:
+        if tl.next_send() <= t_step:
             t, i = tl.pop_ready()
             req = items[i]
             rep = router.choose(req)

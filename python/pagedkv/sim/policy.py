@@ -531,21 +531,50 @@ class Timeline(Generic[R]):
         items: Sequence[R],
         tick_s: float,
         latencies: Latencies | None = None,
+        *,
+        max_concurrency: int | None = None,
     ) -> None:
         if not (tick_s > 0 and math.isfinite(tick_s)):
             raise ValueError(f"tick_s must be positive, got {tick_s}")
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.items = items
         self.tick_s = tick_s
         self.lat = latencies if latencies is not None else Latencies()
         self.successor, self.ready = sessions(items, self.arrival)
         self.finished = 0
+        #: With ``max_concurrency`` (closed-loop clients, as ``benchmark_serving
+        #: --max-concurrency`` drives a server): the times at which the free client
+        #: slots became free (a min-heap; a slot is taken when a request is sent
+        #: and given back when it finishes). None: no limit.
+        self.free_slots: list[float] | None = (
+            None if max_concurrency is None else [-math.inf] * max_concurrency
+        )
 
     def arrival(self, item: R) -> float:
         return item.arrival_s if item.arrival_s is not None else item.arrival_step * self.tick_s
 
+    def next_send(self) -> float:
+        """When the next request reaches the server: the earliest ready time, no
+        earlier than a free client slot (``inf``: none is ready, or every slot
+        is taken until a request in flight finishes)."""
+        if not self.ready:
+            return math.inf
+        if self.free_slots is None:
+            return self.ready[0][0]
+        if not self.free_slots:
+            return math.inf
+        return max(self.ready[0][0], self.free_slots[0])
+
     def pop_ready(self) -> tuple[float, int]:
-        """The earliest ready request: ``(ready time, index)``."""
-        return heapq.heappop(self.ready)
+        """Sends the earliest ready request: ``(send time, index)``. The send time
+        is its arrival at the server (TTFT and end-to-end latency count from it):
+        its ready time, or later when it waited client-side for a free slot (the
+        slot that became free first)."""
+        t, i = heapq.heappop(self.ready)
+        if self.free_slots is not None:
+            t = max(t, heapq.heappop(self.free_slots))
+        return t, i
 
     def stepped(self, sched: Scheduler[R], start: float, end: float, done: Sequence[R]) -> None:
         """Records a step of ``sched`` that ran from ``start`` to ``end``: first
@@ -559,6 +588,8 @@ class Timeline(Generic[R]):
         self.finished += len(done)
         for req in done:
             lat.finished(req.request_id, end)
+            if self.free_slots is not None:
+                heapq.heappush(self.free_slots, end)
             j = self.successor.pop(req.request_id, None)
             if j is not None:
                 nxt = self.items[j]
@@ -579,25 +610,29 @@ def drive_timed(
     make_request: Callable[[int], R] | None = None,
     on_step: Callable[[float, int], None] | None = None,
     latencies: Latencies | None = None,
+    max_concurrency: int | None = None,
 ) -> float:
     """Runs ``sched`` until every request of ``items`` has arrived and finished,
     on a clock in seconds: each step lasts what ``model`` says its shape takes.
 
-    A request arrives at ``arrival_s`` (else ``arrival_step * tick_s``); a later
+    A request is ready at ``arrival_s`` (else ``arrival_step * tick_s``); a later
     turn of a session ``pause_s`` (else ``pause * tick_s``) after the previous turn
-    finished, and no earlier than its own arrival. Requests that arrive while a
-    step runs join before the next step; when nothing is running or waiting the
-    clock jumps to the next arrival. Tokens sampled in a step exist at its end.
-    ``latencies`` receives every request's times; ``on_step(clock, finished)``
-    runs after every step. Returns the clock at the end.
+    finished, and no earlier than its own arrival. With ``max_concurrency`` N, at
+    most N requests are in flight (sent and not finished, session turns
+    included): a ready request waits client-side for one to finish, and arrives
+    when it is sent. Requests that arrive while a step runs join before the next
+    step; when nothing is running or waiting the clock jumps to the next
+    arrival. Tokens sampled in a step exist at its end. ``latencies`` receives
+    every request's times; ``on_step(clock, finished)`` runs after every step.
+    Returns the clock at the end.
     """
-    tl = Timeline(items, tick_s, latencies)
+    tl = Timeline(items, tick_s, latencies, max_concurrency=max_concurrency)
     sched.track_shape = True
     clock = 0.0
     while tl.ready or sched.has_unfinished:
         if not sched.has_unfinished:
-            clock = max(clock, tl.ready[0][0])
-        while tl.ready and tl.ready[0][0] <= clock:
+            clock = max(clock, tl.next_send())
+        while tl.next_send() <= clock:
             t, i = tl.pop_ready()
             req = items[i] if make_request is None else make_request(i)
             tl.lat.arrive(req.request_id, t, len(req.prompt))

@@ -13,6 +13,10 @@ from .runner import SimResult
 __all__ = ["print_summary", "to_json_obj"]
 
 
+#: the value of a row that is shown only when some run has it
+_OMIT = ""
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
@@ -36,6 +40,12 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
         ("GPUs", f"{c['tp']} x {c['gpu']}" if c.get("step_time") is None else "--step-time"),
         ("KV-cache memory (all GPUs)", f"{c['kv_cache_gib']:.2f} GiB"),
         ("prefix caching", f"{'on' if c['enable_caching'] else 'off'}, {c['hash_algo']}"),
+        (
+            "max concurrency",
+            f"{c['max_concurrency']:,} in flight"
+            if c.get("max_concurrency") is not None
+            else _OMIT,
+        ),
         ("requests finished", f"{r.finished:,} / {r.requests:,}"),
         ("scheduler steps", f"{r.steps:,}"),
         ("prompt tokens", f"{r.prompt_tokens:,}"),
@@ -122,7 +132,9 @@ def print_summary(
         table.add_column(r.label, justify="right")
     columns = [_rows(r) for r in results]
     for i, (name, _) in enumerate(columns[0]):
-        table.add_row(name, *(col[i][1] for col in columns))
+        values = [col[i][1] for col in columns]
+        if any(v != _OMIT for v in values):
+            table.add_row(name, *(v or "-" for v in values))
     if len({r.alloc_checksum for r in results}) > 1 and {r.engine for r in results} == {
         "pagedkv",
         "vllm",

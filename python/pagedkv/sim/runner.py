@@ -109,6 +109,10 @@ class SimConfig:
     #: prompts hashed on the manager's worker thread (as vLLM's input thread
     #: does); the manager times then show the scheduler's critical path
     background_hashing: bool = True
+    #: closed-loop clients: at most this many requests in flight (sent and not
+    #: finished) at once, as ``benchmark_serving --max-concurrency``; a ready
+    #: request waits client-side and arrives when it is sent. None: no limit
+    max_concurrency: int | None = None
 
 
 @dataclass
@@ -402,6 +406,7 @@ def run_pagedkv(
         make_request=lambda i: reqs[i].fresh(),
         on_step=on_step,
         latencies=lat,
+        max_concurrency=cfg.max_concurrency,
     )
     wall = time.perf_counter() - t0
     kv.check_invariants()
@@ -541,6 +546,7 @@ def vllm_payload(workload: Workload, cfg: SimConfig) -> dict[str, Any]:
         "clock": {
             "model": step_time_model(cfg).to_dict(),
             "tick_s": cfg.tick_s,
+            "max_concurrency": cfg.max_concurrency,
             "slo": {"slo_ttft_ms": cfg.slo_ttft_ms, "slo_tpot_ms": cfg.slo_tpot_ms},
         },
     }
@@ -723,9 +729,12 @@ def find_max_rate(
         raise ValueError("find_max_rate needs an SLO (slo_ttft_ms and/or slo_tpot_ms)")
     if not 0 < target <= 1:
         raise ValueError(f"target must be in (0, 1], got {target}")
-    # Sessions are a closed loop (a turn waits for the previous answer): their
-    # rate is what the run achieves, not what timestamps offer.
-    closed = any(r.session is not None for r in workload.requests)
+    # Sessions and concurrency-limited clients are a closed loop (a turn waits
+    # for the previous answer, a request for a free client): their rate is what
+    # the run achieves, not what timestamps offer.
+    closed = cfg.max_concurrency is not None or any(
+        r.session is not None for r in workload.requests
+    )
     base_rate = offered_rate(workload, cfg.tick_s)
     if not closed and not math.isfinite(base_rate):
         raise ValueError(

@@ -427,6 +427,7 @@ def run(
             tick_s=timed["tick_s"],
             on_step=lambda t, n: step_hook(sched.stats.steps, n),
             latencies=lat,
+            max_concurrency=timed.get("max_concurrency"),
         )
         timing = steptime.summarize(lat, **timed.get("slo", {}))
     wall = time.perf_counter() - t0

@@ -1,0 +1,135 @@
+"""What a capacity study needs: closed-loop clients (``--max-concurrency``),
+requests longer than the model rejected and counted (``--on-overlong``), the LRU
+hit rate against cache size (``trace-stats --capacity``) and the KV-cache memory
+line of the summary."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from pagedkv import cli
+from pagedkv.sim import runner
+from pagedkv.sim.backend import ManagerBackend
+from pagedkv.sim.policy import Request, Scheduler, drive_timed
+from pagedkv.sim.runner import SimConfig, run_pagedkv
+from pagedkv.sim.steptime import Latencies, LinearModel
+from pagedkv.sim.workloads import Workload
+
+# Every step lasts 10 ms, whatever it computes.
+TEN_MS = "10,0,0,0"
+CFG = SimConfig(memory_gib=1.0, max_model_len=4096, step_time=TEN_MS)
+
+
+def _req(rid: str, out: int, *, arrival: float = 0.0, **kw: Any) -> Request:
+    # 16 distinct prompt tokens: a request's first step computes its prompt and
+    # samples its first token, each later step one more token.
+    base = 1000 * (sum(map(ord, rid)) + 7 * len(rid))
+    return Request(rid, list(range(base, base + 16)), [1] * out, arrival_s=arrival, **kw)
+
+
+def _drive(items: list[Request], cfg: SimConfig = CFG) -> Latencies:
+    w = Workload("t", items)
+    config, max_model_len = runner.build_config(cfg, w)
+    kv = runner.make_manager(cfg, config, max_model_len)
+    sched = Scheduler(ManagerBackend(kv), runner.scheduler_config(cfg, config))
+    lat = Latencies()
+    drive_timed(
+        sched,
+        [r.fresh() for r in items],
+        LinearModel.parse(TEN_MS),
+        tick_s=cfg.tick_s,
+        latencies=lat,
+        max_concurrency=cfg.max_concurrency,
+    )
+    return lat
+
+
+def _ms(times: dict[str, float]) -> dict[str, float]:
+    return {k: round(v * 1000, 6) for k, v in times.items()}
+
+
+# ------------------------------------------------------------------ max concurrency
+
+
+def test_at_most_n_requests_are_in_flight_and_the_others_are_sent_when_one_finishes() -> None:
+    items = [_req(f"r{i}", 3) for i in range(4)]
+    free = _drive(items)
+    # No limit: all four run together, three steps of 10 ms.
+    assert _ms(free.arrival) == {"r0": 0, "r1": 0, "r2": 0, "r3": 0}
+    assert _ms(free.finish) == {"r0": 30, "r1": 30, "r2": 30, "r3": 30}
+    two = _drive(items, replace(CFG, max_concurrency=2))
+    # Two in flight: r2 and r3 are sent when r0 and r1 finish (30 ms), and their
+    # latency counts from then, as benchmark_serving measures it.
+    assert _ms(two.arrival) == {"r0": 0, "r1": 0, "r2": 30, "r3": 30}
+    assert _ms(two.first_token) == {"r0": 10, "r1": 10, "r2": 40, "r3": 40}
+    assert _ms(two.finish) == {"r0": 30, "r1": 30, "r2": 60, "r3": 60}
+
+
+def test_a_later_request_waits_for_its_arrival_not_just_for_a_slot() -> None:
+    items = [_req("a", 2), _req("b", 2, arrival=0.005), _req("c", 1, arrival=0.1)]
+    lat = _drive(items, replace(CFG, max_concurrency=1))
+    # b is ready at 5 ms but the one slot is a's until 20 ms; c's slot is free
+    # long before it is ready at 100 ms.
+    assert _ms(lat.arrival) == {"a": 0, "b": 20, "c": 100}
+    assert _ms(lat.finish) == {"a": 20, "b": 40, "c": 110}
+
+
+def test_session_turns_wait_for_their_answer_and_count_toward_the_limit() -> None:
+    items = [
+        _req("s0", 3, session="s"),
+        _req("x", 3),
+        _req("s1", 3, session="s"),
+    ]
+    lat = _drive(items, replace(CFG, max_concurrency=1))
+    # s0 holds the one slot until 30 ms; x was ready before s1 (ready at 30 ms,
+    # when s0 answered) and goes first; s1 is sent when x finishes.
+    assert _ms(lat.arrival) == {"s0": 0, "x": 30, "s1": 60}
+    assert _ms(lat.finish) == {"s0": 30, "x": 60, "s1": 90}
+    free = _drive(items)
+    assert _ms(free.arrival) == {"s0": 0, "x": 0, "s1": 30}
+
+
+def test_the_limit_counts_every_replica_and_the_first_freed_slot_goes_first() -> None:
+    items = [_req("long", 5), _req("short", 2), _req("waits", 4)]
+    cfg = replace(CFG, max_concurrency=2, replicas=2, router="round-robin")
+    r = run_pagedkv(Workload("t", items), cfg)
+    # long on replica 0 until 50 ms, short on replica 1 until 20 ms: the third
+    # request is sent at 20 ms (the first slot freed, on either replica) to
+    # replica 0 (its turn), and runs beside long from 20 to 60 ms.
+    assert r.timing["duration_s"] == pytest.approx(0.06)
+    assert r.timing["e2e_ms"]["mean"] == pytest.approx((50 + 20 + 40) / 3, abs=1e-3)
+    assert r.finished == 3 and [x["requests"] for x in r.extra["replicas"]] == [2, 1]
+    free = run_pagedkv(Workload("t", items), replace(cfg, max_concurrency=None))
+    # Without the limit it arrives at 0 and finishes at 40 ms.
+    assert free.timing["duration_s"] == pytest.approx(0.05)
+    assert free.timing["e2e_ms"]["mean"] == pytest.approx((50 + 20 + 40) / 3, abs=1e-3)
+
+
+def test_max_concurrency_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "-n", "12", "--arrival", "at-once", "-w", "tenants", "--memory", "1"]
+    argv += ["--max-model-len", "4096", "--step-time", TEN_MS, "-q"]
+    assert cli.main([*argv, "--max-concurrency", "3", "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["runs"][0]
+    assert run["config"]["max_concurrency"] == 3 and run["peak_running"] == 3
+    assert run["finished"] == 12
+    assert cli.main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"][0]["peak_running"] == 12
+    assert cli.main([*argv, "--max-concurrency", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "max concurrency" in out and "3 in flight" in out
+    assert cli.main(argv) == 0
+    assert "max concurrency" not in capsys.readouterr().out
+    assert cli.main([*argv, "--compare", "max-concurrency=1,4", "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert [x["config"]["max_concurrency"] for x in runs] == [1, 4]
+    assert [x["peak_running"] for x in runs] == [1, 4]
+
+
+def test_the_vllm_engine_gets_the_limit() -> None:
+    w = Workload("t", [_req("a", 2), _req("b", 2)])
+    payload = runner.vllm_payload(w, replace(CFG, max_concurrency=1))
+    assert payload["clock"]["max_concurrency"] == 1
+    json.dumps(payload)  # what the subprocess reads

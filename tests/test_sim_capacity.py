@@ -133,3 +133,56 @@ def test_the_vllm_engine_gets_the_limit() -> None:
     payload = runner.vllm_payload(w, replace(CFG, max_concurrency=1))
     assert payload["clock"]["max_concurrency"] == 1
     json.dumps(payload)  # what the subprocess reads
+
+
+# ------------------------------------------------------------------ KV-cache memory
+
+# llama-3.1-8b in bfloat16: 32 layers x 8 KV heads x 128 head dim x 2 (K, V) x 2 bytes.
+LLAMA_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
+GIB = 2**30
+
+
+def _config(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    code = cli.main(["simulate", "-n", "4", "-q", "--json", *argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    config: dict[str, Any] = json.loads(out)["runs"][0]["config"]
+    return config
+
+
+@pytest.mark.parametrize("clock", [[], ["--step-time", "1,1,1,1"]])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kv_cache_memory_of_a_fixed_block_count(
+    capsys: pytest.CaptureFixture[str], clock: list[str], tp: int
+) -> None:
+    assert LLAMA_BYTES_PER_TOKEN == 131_072
+    # 6,250,000 blocks of 16 tokens: 10^8 tokens, 12,207.03 GiB for the
+    # instance, each of two GPUs holding half of the 8 KV heads.
+    c = _config(capsys, "--num-blocks", "6250000", "--tp", str(tp), *clock)
+    total = 6_250_000 * 16 * LLAMA_BYTES_PER_TOKEN / GIB
+    assert c["kv_cache_gib"] == pytest.approx(total, abs=1e-3)
+    assert c["kv_cache_gib_per_gpu"] == pytest.approx(total / tp, abs=1e-3)
+    assert c["kv_cache_gib_per_gpu"] > c["gpu_kv_cache_gib"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kv_cache_memory_of_a_memory_budget(capsys: pytest.CaptureFixture[str], tp: int) -> None:
+    # 8 GiB per GPU: 4,096 blocks of 16 tokens x 128 KiB per token on one GPU,
+    # twice as many on two (each holds half the heads of a block).
+    c = _config(capsys, "--memory", "8", "--tp", str(tp), "--step-time", "1,1,1,1")
+    blocks = 8 * GIB * tp // (16 * LLAMA_BYTES_PER_TOKEN)
+    assert blocks == 4096 * tp
+    assert c["kv_cache_gib"] == pytest.approx(blocks * 16 * LLAMA_BYTES_PER_TOKEN / GIB)
+    assert c["kv_cache_gib_per_gpu"] == pytest.approx(8.0)
+    assert c["kv_cache_gib_per_gpu"] < c["gpu_kv_cache_gib"]
+
+
+def test_kv_cache_memory_line_of_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["simulate", "-n", "4", "-q", "--num-blocks", "6250000", "--step-time", "1,1,1,1"]
+    assert cli.main([*argv, "--tp", "2"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "KV-cache memory" in x)
+    assert "6,103.52 GiB per GPU, 12,207.03 GiB for the instance" in line
+    assert "(over the" in line
+    assert cli.main(["simulate", "-n", "4", "-q", "--memory", "8"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "KV-cache memory" in x)
+    assert "8.00 GiB" in line and "per GPU" not in line and "leaves" not in line

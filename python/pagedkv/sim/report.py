@@ -26,6 +26,17 @@ def _block_sizes(c: dict[str, Any]) -> str:
     return "/".join(f"{s:,}" for s in sizes)
 
 
+def _kv_memory(c: dict[str, Any]) -> str:
+    per_gpu = c["kv_cache_gib_per_gpu"]
+    text = f"{c['kv_cache_gib']:,.2f} GiB"
+    if c["tp"] > 1:
+        text = f"{per_gpu:,.2f} GiB per GPU, {text} for the instance"
+    leaves = c.get("gpu_kv_cache_gib")
+    if leaves is not None and per_gpu > leaves * 1.001:
+        text += f" (over the {leaves:,.2f} GiB a {c['gpu']} leaves)"
+    return text
+
+
 def _rows(r: SimResult) -> list[tuple[str, str]]:
     c = r.config
     groups: dict[str, int] = {}
@@ -37,8 +48,12 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
         ("model", c["model"]),
         ("KV-cache layers", ", ".join(f"{n} {k}" for k, n in groups.items())),
         ("KV-cache blocks", f"{r.num_blocks:,} x {_block_sizes(c)} tokens"),
-        ("GPUs", f"{c['tp']} x {c['gpu']}" if c.get("step_time") is None else "--step-time"),
-        ("KV-cache memory (all GPUs)", f"{c['kv_cache_gib']:.2f} GiB"),
+        (
+            "GPUs",
+            f"{c['tp']} x {c['gpu']}"
+            + ("" if c.get("step_time") is None else " (steps timed by --step-time)"),
+        ),
+        ("KV-cache memory", _kv_memory(c)),
         ("prefix caching", f"{'on' if c['enable_caching'] else 'off'}, {c['hash_algo']}"),
         (
             "max concurrency",

@@ -347,10 +347,38 @@ def kv_cache_bytes(config: KVCacheConfig) -> int:
     return sum(t.size for t in config.kv_cache_tensors)
 
 
+def kv_split_ways(cfg: SimConfig) -> int:
+    """How many ways the ``tp`` GPUs split the instance's KV cache (KV heads
+    divided up to one per GPU, replicated beyond; MLA's latent: 1)."""
+    compute = _preset(cfg).compute
+    return perf.kv_split(compute, cfg.tp) if compute is not None else cfg.tp
+
+
 def _config_dict(cfg: SimConfig, config: KVCacheConfig, max_model_len: int) -> dict[str, Any]:
     d = asdict(cfg)
     d["max_model_len"] = max_model_len
-    d["kv_cache_gib"] = round(kv_cache_bytes(config) / GIB, 3)
+    # The instance's cache: num_blocks x (every tensor's bytes per block), as the
+    # config builder sizes the tensors for --memory, --num-blocks or vLLM's rule
+    # alike (the clock, roofline or --step-time, plays no part); each GPU holds
+    # its share of the KV heads.
+    total = kv_cache_bytes(config)
+    d["kv_cache_gib"] = round(total / GIB, 3)
+    d["kv_cache_gib_per_gpu"] = round(total / kv_split_ways(cfg) / GIB, 3)
+    # What the GPU would leave for KV cache by vLLM's rule: --num-blocks and
+    # --memory are taken as given, but a cache past it would not fit.
+    preset = _preset(cfg)
+    try:
+        leaves = perf.kv_cache_memory(
+            preset,
+            perf.gpu(cfg.gpu),
+            tp=cfg.tp,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs,
+        )
+    except ValueError:
+        leaves = 0
+    d["gpu_kv_cache_gib"] = round(leaves / GIB, 3) if preset.compute is not None else None
     d["kv_cache_groups"] = [
         f"{type(g.kv_cache_spec).__name__}x{len(g.layer_names)}" for g in config.kv_cache_groups
     ]

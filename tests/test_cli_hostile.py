@@ -485,6 +485,7 @@ def test_workload_options_with_a_trace_are_refused(
         ["--max-concurrency", "1000001"],
         ["--max-concurrency", "1.5"],
         ["--max-concurrency", "many"],
+        ["--on-overlong", "truncate"],
     ],
 )
 def test_bad_numbers_are_refused(capsys: pytest.CaptureFixture[str], extra: list[str]) -> None:

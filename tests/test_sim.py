@@ -270,10 +270,10 @@ def test_duplicate_ids_and_empty_traces_are_rejected(tmp_path: Path) -> None:
         read_trace(path)
 
 
-def test_requests_longer_than_the_model_length_are_refused() -> None:
+def test_requests_longer_than_the_model_length_fail_the_run_on_request() -> None:
     w = generate("agentic", WorkloadOptions(num_requests=20))
     with pytest.raises(ValueError, match="longer than --max-model-len 2048"):
-        run_pagedkv(w, SimConfig(max_model_len=2048))
+        run_pagedkv(w, SimConfig(max_model_len=2048, on_overlong="fail"))
 
 
 def test_vllm_engine_unavailable_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -186,3 +186,132 @@ def test_kv_cache_memory_line_of_the_table(capsys: pytest.CaptureFixture[str]) -
     assert cli.main(["simulate", "-n", "4", "-q", "--memory", "8"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if "KV-cache memory" in x)
     assert "8.00 GiB" in line and "per GPU" not in line and "leaves" not in line
+
+
+# ------------------------------------------------------------------ overlong requests
+
+
+def _lengths(*sizes: tuple[int, int], arrivals: list[float] | None = None) -> Workload:
+    """Requests of (prompt, output) tokens, prompts of distinct tokens."""
+    reqs = []
+    start = 0
+    for i, (n, out) in enumerate(sizes):
+        t = arrivals[i] if arrivals is not None else 0.0
+        reqs.append(Request(f"q{i}", list(range(start, start + n)), [1] * out, arrival_s=t))
+        start += n
+    return Workload("lengths", reqs)
+
+
+# max_model_len 1024: 100 + 10 fits; 1020 + 5 and 1024 + 1 (a prompt of the whole
+# context) are over; 1023 + 1 = 1024 fits exactly.
+EDGE = ((100, 10), (1020, 5), (1024, 1), (1023, 1))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_requests_longer_than_the_context_are_rejected_and_counted(replicas: int) -> None:
+    cfg = replace(CFG, max_model_len=1024, replicas=replicas)
+    r = run_pagedkv(_lengths(*EDGE), cfg)
+    assert (r.rejected_requests, r.rejected_prompt_tokens) == (2, 1020 + 1024)
+    assert r.requests == r.finished == 2
+    # Only the accepted requests reach the scheduler and the figures.
+    assert r.prompt_tokens == r.query_tokens == 100 + 1023
+    assert r.output_tokens == 10 + 1
+    assert r.timing["throughput"]["input_tokens_per_s"] * r.timing["duration_s"] == (
+        pytest.approx(1123, rel=1e-3)
+    )
+    d = r.to_dict()
+    assert d["rejected_requests"] == 2 and d["rejected_prompt_tokens"] == 2044
+
+
+def test_on_overlong_fail_raises_before_running() -> None:
+    cfg = replace(CFG, max_model_len=1024, on_overlong="fail")
+    with pytest.raises(runner.OverlongRequestError, match=r"1025 tokens .* --max-model-len 1024"):
+        run_pagedkv(_lengths(*EDGE), cfg)
+    # A workload that fits runs as before.
+    assert run_pagedkv(_lengths((100, 10), (1023, 1)), cfg).rejected_requests == 0
+
+
+def test_a_workload_of_only_overlong_requests_is_refused() -> None:
+    with pytest.raises(runner.OverlongRequestError, match="all 2 requests"):
+        run_pagedkv(_lengths((1024, 1), (2000, 5)), replace(CFG, max_model_len=1024))
+
+
+def test_the_automatic_length_is_the_longest_accepted_request() -> None:
+    # llama-3.1-8b's context is 131,072 tokens: a request of 131,072 + 1 is
+    # rejected, and max_model_len is the longest other one (2,500 + 500 tokens)
+    # rounded up to 1,024.
+    w = _lengths((131_072, 1), (2_500, 500), (100, 10))
+    r = run_pagedkv(w, replace(CFG, max_model_len=None))
+    assert r.rejected_requests == 1 and r.finished == 2
+    assert r.config["max_model_len"] == 3072
+
+
+def test_a_rejected_turn_of_a_session_is_skipped() -> None:
+    p = list(range(50))
+    turns = [
+        Request("t0", p, [1] * 3, arrival_s=0.0, session="s"),
+        Request("t1", list(range(2000)), [1] * 3, session="s"),
+        Request("t2", p + [7] * 20, [1] * 3, session="s"),
+    ]
+    r = run_pagedkv(Workload("s", turns), replace(CFG, max_model_len=1024))
+    # t2 follows t0's answer (30 ms) and finds t0's three whole blocks cached.
+    assert r.rejected_requests == 1 and r.finished == 2
+    assert r.hit_tokens == 48
+    assert r.timing["duration_s"] == pytest.approx(0.06)
+
+
+def test_find_max_rate_offers_the_rate_of_the_accepted_requests() -> None:
+    # Four requests a second apart, then one over the context at 10 s: the
+    # server sees 4 requests over 3 s.
+    w = _lengths((100, 2), (100, 2), (100, 2), (100, 2), (5000, 2), arrivals=[0, 1, 2, 3, 10])
+    found = runner.find_max_rate(
+        w, replace(CFG, max_model_len=1024, slo_ttft_ms=10_000), iterations=0
+    )
+    at_one = next(p for p in found["tried"] if p["time_scale"] == 1.0)
+    assert at_one["requests_per_s"] == pytest.approx(4 / 3)
+
+
+def test_builtin_workloads_fit_the_shortest_context_of_the_runs() -> None:
+    assert cli._builtin_context([SimConfig()]) == runner.DEFAULT_MAX_CONTEXT == 16384
+    assert cli._builtin_context([SimConfig(), SimConfig(model="whisper-large-v3")]) == 448
+    assert cli._builtin_context([SimConfig(model="no-such-model")]) == 16384
+
+
+def _mooncake(path: Any, lengths: list[tuple[int, int]]) -> None:
+    # Distinct hash ids per request: no sharing.
+    lines, next_id = [], 0
+    for i, (n, out) in enumerate(lengths):
+        k = -(-n // 512)
+        ids = list(range(next_id, next_id + k))
+        next_id += k
+        rec = {"timestamp": 100 * i, "input_length": n, "output_length": out, "hash_ids": ids}
+        lines.append(json.dumps(rec))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_overlong_requests_of_a_trace_on_the_command_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    trace = tmp_path / "mc.jsonl"
+    # llama-3.1-8b's context is 131,072: the second request (131,000 + 100) is over.
+    _mooncake(trace, [(3000, 20), (131_000, 100), (2000, 10)])
+    argv = ["simulate", "--trace", str(trace), "--memory", "2", "-q", "--step-time", TEN_MS]
+    assert cli.main([*argv, "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)["runs"][0]
+    assert (run["rejected_requests"], run["rejected_prompt_tokens"]) == (1, 131_000)
+    assert run["requests"] == run["finished"] == 2 and run["prompt_tokens"] == 5000
+    assert run["config"]["max_model_len"] == 3072
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "rejected: longer than the context" in out and "1 (131,000 prompt tokens)" in out
+    csv = tmp_path / "s.csv"
+    assert cli.main([*argv, "--sweep", "max-num-seqs=4,8", "--csv", str(csv)]) == 0
+    capsys.readouterr()
+    head, *rows = csv.read_text().splitlines()
+    col = head.split(",").index("rejected_requests")
+    assert [r.split(",")[col] for r in rows] == ["1", "1"]
+    # --on-overlong fail: one line, exit 2, nothing run.
+    assert cli.main([*argv, "--on-overlong", "fail"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert "131100 tokens" in err and "llama-3.1-8b's context (131072)" in err

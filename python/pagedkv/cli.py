@@ -9,7 +9,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -299,13 +299,22 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
         help="a fixed number of blocks instead of --memory",
     )
     g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block")
+    g.add_argument(
+        "--on-overlong",
+        choices=runner.OVERLONG,
+        default="reject",
+        help="a request whose prompt + output tokens exceed --max-model-len (else the "
+        "model's context): reject and count it, as vLLM's server answers it with a 400 "
+        "(default), or fail before running",
+    )
     g.add_argument("--kv-dtype", default="bfloat16", help="KV-cache dtype (default bfloat16)")
     g.add_argument(
         "--max-model-len",
         type=_positive_int,
         metavar="N",
-        help="default: the longest request rounded up to 1024; also caps the built-in "
-        "workloads' requests (default 16384)",
+        help="default: the longest request the model's context accepts, rounded up to "
+        "1024; also caps the built-in workloads' requests (default 16384, or the model's "
+        "context if shorter)",
     )
     g = p.add_argument_group("manager and scheduler")
     g.add_argument("--no-caching", action="store_true", help="turn prefix caching off")
@@ -462,6 +471,14 @@ def _apply_config(axis: str, value: str, cfg: SimConfig) -> SimConfig:
     return replace(cfg, max_num_seqs=_positive_int(value))
 
 
+def _builtin_context(configs: Iterable[SimConfig]) -> int:
+    """The longest request the built-in workloads make without --max-model-len:
+    ``DEFAULT_MAX_CONTEXT``, or less for a model of a shorter context (the
+    shortest of the runs' models), so that they make no request a model rejects."""
+    contexts = [c for c in map(runner.model_context, configs) if c is not None]
+    return min([runner.DEFAULT_MAX_CONTEXT, *contexts])
+
+
 def _progress(console: Any, enabled: bool) -> Any:
     from rich.progress import (
         BarColumn,
@@ -574,6 +591,7 @@ def _simulate(args: argparse.Namespace) -> int:
         slo_ttft_ms=args.slo_ttft,
         slo_tpot_ms=args.slo_tpot,
         max_concurrency=args.max_concurrency,
+        on_overlong=args.on_overlong,
     )
     variants: list[tuple[str, SimConfig, str, float]] = []
     # --sweep: every value gets a point, in order; one that is not a valid
@@ -607,7 +625,7 @@ def _simulate(args: argparse.Namespace) -> int:
         num_tenants=args.tenants or 8,
         cache_salt=args.cache_salt,
         num_loras=args.loras or 0,
-        max_context=args.max_model_len or runner.DEFAULT_MAX_CONTEXT,
+        max_context=args.max_model_len or _builtin_context(v[1] for v in variants),
     )
     cache: dict[tuple[str, float], Workload] = {}
 
@@ -626,6 +644,15 @@ def _simulate(args: argparse.Namespace) -> int:
             )
         return cache[name, scale]
 
+    if args.on_overlong == "fail":
+        # Refused before anything runs, as a server that fails on them would be.
+        for _, cfg, wname, scale in variants:
+            try:
+                runner.admit(workload_for(wname, scale), cfg)
+            except runner.OverlongRequestError as e:
+                raise _UsageError(str(e)) from None
+            except ValueError:
+                pass  # another refusal (an unknown model): the run reports it
     if args.save_trace:
         write_trace(workload_for(variants[0][2], variants[0][3]), args.save_trace)
     if args.find_max_rate:

@@ -143,6 +143,9 @@ def run_cluster(
 
     if cfg.replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {cfg.replicas}")
+    # Requests longer than the context are rejected at the frontend, before routing.
+    admitted = runner.admit(workload, cfg)
+    workload = admitted.workload
     config, max_model_len = runner.build_config(cfg, workload)
     model = runner.step_time_model(cfg)
     prefix = cfg.router == "prefix-aware"
@@ -284,4 +287,6 @@ def run_cluster(
             "query_tokens": step_queries,
         },
         timing=summarize(lat, slo_ttft_ms=cfg.slo_ttft_ms, slo_tpot_ms=cfg.slo_tpot_ms),
+        rejected_requests=admitted.rejected_requests,
+        rejected_prompt_tokens=admitted.rejected_prompt_tokens,
     )

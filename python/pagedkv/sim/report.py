@@ -62,6 +62,12 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
             else _OMIT,
         ),
         ("requests finished", f"{r.finished:,} / {r.requests:,}"),
+        (
+            "rejected: longer than the context",
+            f"{r.rejected_requests:,} ({r.rejected_prompt_tokens:,} prompt tokens)"
+            if r.rejected_requests
+            else _OMIT,
+        ),
         ("scheduler steps", f"{r.steps:,}"),
         ("prompt tokens", f"{r.prompt_tokens:,}"),
         ("output tokens", f"{r.output_tokens:,}"),

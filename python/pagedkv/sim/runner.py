@@ -27,6 +27,7 @@ import numpy as np
 
 from .. import presets
 from ..config_builder import NotEnoughKVCacheMemoryError, get_kv_cache_config
+from ..errors import PagedKVError
 from ..manager import KVCacheManager
 from ..specs import (
     ChunkedLocalAttentionSpec,
@@ -44,9 +45,13 @@ from .workloads import Workload
 
 __all__ = [
     "DEFAULT_MAX_CONTEXT",
+    "OVERLONG",
+    "Admitted",
     "EngineUnavailableError",
+    "OverlongRequestError",
     "SimConfig",
     "SimResult",
+    "admit",
     "build_config",
     "find_max_rate",
     "offered_rate",
@@ -69,6 +74,17 @@ ProgressFn = Callable[[int, int], None]
 
 class EngineUnavailableError(RuntimeError):
     """The requested engine cannot run here (the message says why and what to do)."""
+
+
+class OverlongRequestError(ValueError):
+    """A request is longer than the context and ``on_overlong`` is ``"fail"``
+    (or every request is)."""
+
+
+#: What happens to a request longer than the context (``SimConfig.on_overlong``):
+#: ``reject`` it and count it, as vLLM's server answers it with a 400, or ``fail``
+#: the whole run.
+OVERLONG = ("reject", "fail")
 
 
 @dataclass(frozen=True)
@@ -113,6 +129,10 @@ class SimConfig:
     #: finished) at once, as ``benchmark_serving --max-concurrency``; a ready
     #: request waits client-side and arrives when it is sent. None: no limit
     max_concurrency: int | None = None
+    #: a request whose prompt + output tokens exceed ``max_model_len`` (else the
+    #: model's context) is rejected and counted (``"reject"``), or fails the run
+    #: (``"fail"``): :func:`admit`
+    on_overlong: str = "reject"
 
 
 @dataclass
@@ -152,6 +172,10 @@ class SimResult:
     series: dict[str, list[float]] = field(default_factory=dict)
     #: time figures (:func:`pagedkv.sim.steptime.summarize`)
     timing: dict[str, Any] = field(default_factory=dict)
+    #: requests longer than the context, rejected before the scheduler (not in
+    #: ``requests`` nor in any other figure), and their prompt tokens
+    rejected_requests: int = 0
+    rejected_prompt_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -194,21 +218,72 @@ class SimResult:
         return d
 
 
-def _max_model_len(cfg: SimConfig, workload: Workload, preset: presets.ModelPreset) -> int:
-    longest = workload.max_request_tokens
+@dataclass(frozen=True)
+class Admitted:
+    """The requests a server accepts (:func:`admit`)."""
+
+    #: the accepted requests (the same request objects), in order
+    workload: Workload
+    rejected_requests: int
+    rejected_prompt_tokens: int
+    #: the context the requests were checked against
+    context: int
+
+
+def admit(workload: Workload, cfg: SimConfig) -> Admitted:
+    """The requests a vLLM server accepts, as its OpenAI server checks them: one
+    whose prompt plus ``max_tokens`` exceed ``max_model_len`` (``cfg.max_model_len``,
+    else the model's context) is answered with a 400 ("This model's maximum
+    context length is ..."), a prompt of ``max_model_len`` tokens or more
+    included. A request's output length is its ``max_tokens``. With
+    ``on_overlong="reject"`` such requests are left out and counted; with
+    ``"fail"`` the first raises :class:`OverlongRequestError`, as does a workload
+    that has no request left."""
+    if cfg.on_overlong not in OVERLONG:
+        raise ValueError(f"on_overlong is one of {', '.join(OVERLONG)}, got {cfg.on_overlong!r}")
+    preset = _preset(cfg)
     if cfg.max_model_len is not None:
-        if longest > cfg.max_model_len:
-            raise ValueError(
-                f"the workload has a request of {longest} tokens (prompt + "
-                f"output), longer than --max-model-len {cfg.max_model_len}"
-            )
-        return cfg.max_model_len
-    if longest > preset.max_model_len:
-        raise ValueError(
-            f"the workload has a request of {longest} tokens, longer than "
-            f"{preset.name}'s context ({preset.max_model_len})"
+        context, what = cfg.max_model_len, f"--max-model-len {cfg.max_model_len}"
+    else:
+        context, what = preset.max_model_len, f"{preset.name}'s context ({preset.max_model_len})"
+    reqs = workload.requests
+    keep = [r for r in reqs if r.max_num_tokens <= context]
+    if len(keep) == len(reqs):
+        return Admitted(workload, 0, 0, context)
+    if cfg.on_overlong == "fail":
+        longest = max(reqs, key=lambda r: r.max_num_tokens)
+        raise OverlongRequestError(
+            f"the workload has a request of {longest.max_num_tokens} tokens (prompt + "
+            f"output), longer than {what} (--on-overlong reject: reject such requests)"
         )
+    if not keep:
+        raise OverlongRequestError(
+            f"all {len(reqs)} requests of the workload are longer than {what}"
+        )
+    rejected = [r for r in reqs if r.max_num_tokens > context]
+    return Admitted(
+        Workload(workload.name, keep, dict(workload.params)),
+        len(rejected),
+        sum(len(r.prompt) for r in rejected),
+        context,
+    )
+
+
+def _max_model_len(cfg: SimConfig, admitted: Workload, preset: presets.ModelPreset) -> int:
+    """``cfg.max_model_len``, else the longest accepted request rounded up to a
+    multiple of 1024, at most the model's context."""
+    if cfg.max_model_len is not None:
+        return cfg.max_model_len
+    longest = admitted.max_request_tokens
     return min(preset.max_model_len, max(1024, -(-longest // 1024) * 1024))
+
+
+def model_context(cfg: SimConfig) -> int | None:
+    """The model's context length (None: the model cannot be resolved)."""
+    try:
+        return _preset(cfg).max_model_len
+    except (ValueError, OSError, PagedKVError):
+        return None
 
 
 def _preset(cfg: SimConfig) -> presets.ModelPreset:
@@ -314,10 +389,12 @@ def make_manager(
 
 
 def build_config(cfg: SimConfig, workload: Workload) -> tuple[KVCacheConfig, int]:
-    """(KV-cache config, max_model_len) of the model preset in the memory budget.
-    Raises ValueError for unknown presets or requests longer than the model, and
+    """(KV-cache config, max_model_len) of the model preset in the memory budget,
+    for the requests :func:`admit` accepts. Raises ValueError for unknown
+    presets, :class:`OverlongRequestError` as :func:`admit` does, and
     ``NotEnoughKVCacheMemoryError`` when the memory cannot hold one request."""
     preset = _preset(cfg)
+    workload = admit(workload, cfg).workload
     max_model_len = _max_model_len(cfg, workload, preset)
     memory = 0 if cfg.num_blocks is not None else kv_memory_bytes(cfg, preset)
 
@@ -400,6 +477,8 @@ def run_pagedkv(
         from .cluster import run_cluster
 
         return run_cluster(workload, cfg, label=label, progress=progress)  # type: ignore[no-any-return]
+    admitted = admit(workload, cfg)
+    workload = admitted.workload
     config, max_model_len = build_config(cfg, workload)
     kv = make_manager(cfg, config, max_model_len)
     sched = Scheduler(ManagerBackend(kv), scheduler_config(cfg, config))
@@ -479,6 +558,8 @@ def run_pagedkv(
             "query_tokens": step_queries.tolist(),
         },
         timing=summarize(lat, slo_ttft_ms=cfg.slo_ttft_ms, slo_tpot_ms=cfg.slo_tpot_ms),
+        rejected_requests=admitted.rejected_requests,
+        rejected_prompt_tokens=admitted.rejected_prompt_tokens,
     )
 
 
@@ -533,7 +614,9 @@ def _vllm_groups(config: KVCacheConfig) -> list[dict[str, Any]]:
 
 
 def vllm_payload(workload: Workload, cfg: SimConfig) -> dict[str, Any]:
-    """The JSON-able input of :func:`pagedkv.sim.vllm_engine.run`."""
+    """The JSON-able input of :func:`pagedkv.sim.vllm_engine.run` (the requests
+    :func:`admit` accepts)."""
+    workload = admit(workload, cfg).workload
     config, max_model_len = build_config(cfg, workload)
     if cfg.hash_algo not in ("sha256_cbor", "xxhash_cbor"):
         raise EngineUnavailableError(
@@ -598,6 +681,8 @@ def run_vllm(
     """Simulates ``workload`` on vLLM's manager: in this interpreter when vLLM is
     importable here and ``vllm_python`` is None, else as a subprocess of
     ``vllm_python``. Raises :class:`EngineUnavailableError` when neither works."""
+    admitted = admit(workload, cfg)
+    workload = admitted.workload
     payload = vllm_payload(workload, cfg)
     if vllm_python is None:
         if not vllm_engine.vllm_available():
@@ -642,6 +727,8 @@ def run_vllm(
         wall_s=out["wall_s"],
         extra={"vllm_version": out["version"], "vllm_import_s": out["import_s"]},
         timing=out["timing"],
+        rejected_requests=admitted.rejected_requests,
+        rejected_prompt_tokens=admitted.rejected_prompt_tokens,
     )
 
 
@@ -757,16 +844,16 @@ def find_max_rate(
         raise ValueError("find_max_rate needs an SLO (slo_ttft_ms and/or slo_tpot_ms)")
     if not 0 < target <= 1:
         raise ValueError(f"target must be in (0, 1], got {target}")
+    # The load is what reaches the server: rejected requests are answered at once.
+    served = admit(workload, cfg).workload
     # Sessions and concurrency-limited clients are a closed loop (a turn waits
     # for the previous answer, a request for a free client): their rate is what
     # the run achieves, not what timestamps offer.
-    closed = cfg.max_concurrency is not None or any(
-        r.session is not None for r in workload.requests
-    )
-    base_rate = offered_rate(workload, cfg.tick_s)
+    closed = cfg.max_concurrency is not None or any(r.session is not None for r in served.requests)
+    base_rate = offered_rate(served, cfg.tick_s)
     if not closed and not math.isfinite(base_rate):
         raise ValueError(
-            f"all {len(workload.requests)} requests arrive at the same time: no time "
+            f"all {len(served.requests)} requests arrive at the same time: no time "
             "scale changes the load, so there is no rate to find (give arrivals spread "
             "over time)"
         )

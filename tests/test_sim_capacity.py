@@ -6,6 +6,8 @@ line of the summary."""
 from __future__ import annotations
 
 import json
+import random
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
@@ -16,7 +18,8 @@ from pagedkv.sim.backend import ManagerBackend
 from pagedkv.sim.policy import Request, Scheduler, drive_timed
 from pagedkv.sim.runner import SimConfig, run_pagedkv
 from pagedkv.sim.steptime import Latencies, LinearModel
-from pagedkv.sim.workloads import Workload
+from pagedkv.sim.tracefile import write_trace
+from pagedkv.sim.workloads import Workload, WorkloadOptions, generate
 
 # Every step lasts 10 ms, whatever it computes.
 TEN_MS = "10,0,0,0"
@@ -315,3 +318,187 @@ def test_overlong_requests_of_a_trace_on_the_command_line(
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1
     assert "131100 tokens" in err and "llama-3.1-8b's context (131072)" in err
+
+
+# ------------------------------------------------------------------ LRU hit rate by capacity
+
+MOONCAKE = "/work/shared/data/mooncake/synthetic_trace.jsonl.gz"
+
+
+def _reference_hits(reqs: list[tuple[list[Any], list[int]]], capacity_blocks: int) -> int:
+    """Hit tokens of one LRU cache of ``capacity_blocks`` blocks, from the
+    definition: each request's longest prefix of cached blocks hits, then its
+    blocks are used in order, the least recently used leaving a full cache."""
+    cache: OrderedDict[Any, None] = OrderedDict()
+    hit = 0
+    for keys, hit_tokens in reqs:
+        for key, n in zip(keys, hit_tokens, strict=False):
+            if key not in cache:
+                break
+            hit += n
+        for key in keys:
+            if key in cache:
+                cache.move_to_end(key)
+            else:
+                cache[key] = None
+                if len(cache) > capacity_blocks:
+                    cache.popitem(last=False)
+    return hit
+
+
+def _write_mooncake(path: Any, requests: list[tuple[list[int], int]]) -> None:
+    path.write_text(
+        "".join(
+            json.dumps({"timestamp": i, "input_length": n, "output_length": 1, "hash_ids": ids})
+            + "\n"
+            for i, (ids, n) in enumerate(requests)
+        )
+    )
+
+
+def _capacity_rates(
+    capsys: pytest.CaptureFixture[str], path: Any, capacities: str, *extra: str
+) -> dict[str, Any]:
+    code = cli.main(["trace-stats", str(path), "--capacity", capacities, "--json", *extra])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    doc: dict[str, Any] = json.loads(out)
+    return doc
+
+
+def test_lru_hit_rate_of_a_tiny_trace_by_hand(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    # Blocks named by their prefix: A = 1, B = 1/2, C = 1/2/3, D = 1/2/4.
+    # r0 A B C (1,500 tokens) hits nothing. r1 A B D: in the recency stack C B A,
+    # A is third: a cache of 3 blocks hits A B (1,024 tokens), one of 2 has lost
+    # A. r2 A B C (1,400 tokens): stack D B A C: 3 blocks hit A B (1,024), 4 hit
+    # all three (C is partial: 376 tokens).
+    p = tmp_path / "tiny.jsonl"
+    _write_mooncake(p, [([1, 2, 3], 1500), ([1, 2, 4], 1536), ([1, 2, 3], 1400)])
+    doc = _capacity_rates(capsys, p, "1024,1536,2047,2048,1e12")
+    total = 1500 + 1536 + 1400
+    got = [(x["capacity_tokens"], x["capacity_blocks"], x["hit_rate"]) for x in doc["lru_hit_rate"]]
+    assert got == [
+        (1024, 2, 0.0),
+        (1536, 3, round(2048 / total, 6)),
+        (2047, 3, round(2048 / total, 6)),
+        (2048, 4, round(2424 / total, 6)),
+        (1e12, 1953125000, round(2424 / total, 6)),
+    ]
+    assert doc["max_prefix_hit_rate"] == round(2424 / total, 4)
+    assert doc["block_size"] == 512
+
+
+def test_a_request_longer_than_the_cache_keeps_only_its_last_blocks(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    # Two blocks of cache: r0 (four blocks) leaves its blocks 3 and 4; r1, the
+    # same prompt, misses at its first block; r2 = blocks 1-2 then new ones
+    # also misses. Four blocks keep everything: r1 hits 2,048, r2 1,024.
+    p = tmp_path / "long.jsonl"
+    _write_mooncake(p, [([1, 2, 3, 4], 2048), ([1, 2, 3, 4], 2048), ([1, 2, 9], 1100)])
+    doc = _capacity_rates(capsys, p, "1024,2048")
+    total = 2048 + 2048 + 1100
+    assert [x["hit_rate"] for x in doc["lru_hit_rate"]] == [0.0, round((2048 + 1024) / total, 6)]
+
+
+def _random_mooncake(rng: random.Random, n: int) -> list[tuple[list[int], int]]:
+    out: list[tuple[list[int], int]] = []
+    fresh = 1000
+    for _ in range(n):
+        ids: list[int] = []
+        if out and rng.random() < 0.7:
+            base = rng.choice(out)[0]
+            ids = base[: rng.randint(0, len(base))]
+        for _ in range(rng.randint(0 if ids else 1, 6)):
+            ids.append(fresh if rng.random() < 0.6 else rng.randint(0, 5))
+            fresh += 1
+        k = len(ids)
+        out.append((ids, rng.randint((k - 1) * 512 + 1, k * 512)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_lru_hit_rate_agrees_with_a_plain_lru_on_random_traces(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any, seed: int
+) -> None:
+    rng = random.Random(seed)
+    reqs = _random_mooncake(rng, rng.randint(1, 40))
+    p = tmp_path / "r.jsonl"
+    _write_mooncake(p, reqs)
+    longest = max(len(ids) for ids, _ in reqs)
+    # Capacities from none to past the whole trace, below the longest request too.
+    caps = sorted({0.5, 511, 512, 1000, *(512 * b + rng.randint(0, 511) for b in range(1, 12))})
+    caps = [c for c in caps if c > 0]
+    doc = _capacity_rates(capsys, p, ",".join(map(str, caps)))
+    keyed = [
+        (
+            [tuple(ids[: i + 1]) for i in range(len(ids))],
+            [min(512, n - 512 * i) for i in range(len(ids))],
+        )
+        for ids, n in reqs
+    ]
+    total = sum(n for _, n in reqs)
+    assert any(c // 512 < longest for c in caps)
+    for point in doc["lru_hit_rate"]:
+        blocks = int(point["capacity_tokens"] // 512)
+        assert point["capacity_blocks"] == blocks
+        assert point["hit_rate"] == round(_reference_hits(keyed, blocks) / total, 6), point
+    unlimited = _reference_hits(keyed, 10**9)
+    assert doc["max_prefix_hit_rate"] == round(unlimited / total, 4)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lru_hit_rate_of_token_traces_agrees_with_a_plain_lru(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any, seed: int
+) -> None:
+    w = generate("chat", WorkloadOptions(num_requests=25, seed=seed, max_context=2048))
+    p = tmp_path / "chat.jsonl"
+    write_trace(w, p)
+    bs = 16
+    caps = [16, 100, 512, 2000, 4096, 10_000, 50_000]
+    doc = _capacity_rates(capsys, p, ",".join(map(str, caps)), "--block-size", str(bs))
+    keyed = []
+    for r in w.requests:
+        seq = [*map(int, r.prompt), *r.output[:-1]]
+        keys = [tuple(seq[: (i + 1) * bs]) for i in range(len(seq) // bs)]
+        keyed.append((keys, [bs] * (len(r.prompt) // bs)))
+    total = sum(len(r.prompt) for r in w.requests)
+    rates = [x["hit_rate"] for x in doc["lru_hit_rate"]]
+    assert rates == [round(_reference_hits(keyed, c // bs) / total, 6) for c in caps]
+    assert rates[-1] > 0
+
+
+def test_lru_hit_rate_of_the_mooncake_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    caps = "1e5,3e5,1e6,2e6,3e6,5e6,1e7,2e7,3e7,5e7,1e8,1000000000000"
+    doc = _capacity_rates(capsys, MOONCAKE, caps)
+    rates = [x["hit_rate"] for x in doc["lru_hit_rate"]]
+    assert len(rates) == 12 and doc["max_prefix_hit_rate"] == 0.6512
+    assert rates == sorted(rates) and 0 < rates[0] < rates[-1]
+    assert rates[-1] <= 0.6512 + 5e-5
+    assert rates[-1] == pytest.approx(0.6512, abs=1e-4)  # nothing is evicted at 10^12
+    assert cli.main(["trace-stats", MOONCAKE, "--capacity", "1e6,1e12"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "1,000,000 tokens" in lines[-3] and "1,953 blocks" in lines[-3]
+    assert lines[-1].split() == ["unlimited", "65.1", "%"]
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["0", "-1", "nan", "inf", "1e13", "1000000000001", "ten", "", "1e5,,1e6", "1e5,1e5"],
+)
+def test_bad_capacities_are_refused(capsys: pytest.CaptureFixture[str], value: str) -> None:
+    code = cli.main(["trace-stats", MOONCAKE, "--capacity", value])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("pagedkv trace-stats: error: --capacity")
+
+
+def test_at_most_64_capacities(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    p = tmp_path / "one.jsonl"
+    _write_mooncake(p, [([1], 100)])
+    many = ",".join(str(512 * (i + 1)) for i in range(64))
+    assert len(_capacity_rates(capsys, p, many)["lru_hit_rate"]) == 64
+    assert cli.main(["trace-stats", str(p), "--capacity", many + ",1e9"]) == 2
+    assert "65 values, more than 64" in capsys.readouterr().err

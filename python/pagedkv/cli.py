@@ -935,16 +935,56 @@ def build_parser() -> argparse.ArgumentParser:
         help="block of the prefix-hit ceiling for token traces (default 16; Mooncake: 512)",
     )
     ts.add_argument("--step-ms", type=_positive_float, default=50.0, help=argparse.SUPPRESS)
+    ts.add_argument(
+        "--capacity",
+        metavar="C1,C2,...",
+        help="also the hit rate of one LRU cache of each size (tokens, e.g. 1e5,1e6,1e7), "
+        "replaying the requests in order with no serving constraints (Mooncake's Figure 9)",
+    )
     ts.add_argument("--json", action="store_true", help="print the figures as JSON")
     return p
 
 
+#: The most --capacity values, and the largest.
+MAX_CAPACITIES = 64
+MAX_CAPACITY = 10**12
+
+
+def _capacities(text: str) -> list[float]:
+    """``--capacity``'s values: tokens, positive finite numbers up to 10^12
+    (integers or scientific notation), each once, at most 64."""
+    values: list[float] = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            v = float(part)
+        except ValueError:
+            v = math.nan
+        if not (math.isfinite(v) and 0 < v <= MAX_CAPACITY):
+            raise _UsageError(
+                f"--capacity: {part!r} is not a number of tokens (a positive finite number "
+                f"up to {MAX_CAPACITY:.0e})"
+            )
+        if v in values:
+            raise _UsageError(f"--capacity: {part} given twice")
+        values.append(v)
+    if len(values) > MAX_CAPACITIES:
+        raise _UsageError(f"--capacity: {len(values)} values, more than {MAX_CAPACITIES}")
+    return values
+
+
+def _tokens(c: float) -> str:
+    return f"{c:,.0f}" if c == int(c) else f"{c:,.1f}"
+
+
 def _trace_stats(args: argparse.Namespace) -> int:
+    capacities = _capacities(args.capacity) if args.capacity is not None else []
     st = trace_stats(
         args.file,
         None if args.trace_format == "auto" else args.trace_format,
         block_size=args.block_size,
         step_ms=args.step_ms,
+        capacities=capacities,
     )
     if args.json:
         sys.stdout.write(_json_text(st))
@@ -965,6 +1005,19 @@ def _trace_stats(args: argparse.Namespace) -> int:
         f"prefix-hit ceiling {100 * st['max_prefix_hit_rate']:.1f} % of "
         f"{st['total_input_tokens']:,} input tokens (unlimited cache)"
     )
+    if capacities:
+        lines.append(f"LRU prefix-hit rate by cache size ({st['block_size']}-token blocks):")
+        rows = [
+            (
+                f"{_tokens(p['capacity_tokens'])} tokens",
+                f"{p['capacity_blocks']:,} blocks",
+                f"{100 * p['hit_rate']:.1f} %",
+            )
+            for p in st["lru_hit_rate"]
+        ]
+        rows.append(("unlimited", "", f"{100 * st['max_prefix_hit_rate']:.1f} %"))
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        lines.extend(f"  {a:>{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}" for a, b, c in rows)
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 

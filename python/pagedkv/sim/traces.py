@@ -30,12 +30,13 @@ import csv
 import datetime as dt
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .capacity import BlockRequest, lru_hit_curve
 from .policy import Request
 from .tracefile import (
     MAX_REQUEST_TOKENS,
@@ -393,29 +394,59 @@ def _percentiles(values: list[int]) -> dict[str, float]:
     }
 
 
+def _token_block_requests(w: Workload, block_size: int) -> Iterator[BlockRequest]:
+    """The workload's requests as a prefix cache sees them: the whole
+    ``block_size``-token blocks a request leaves cached (its prompt and every
+    output token but the last, never computed), each named by its whole prefix;
+    the whole blocks of its prompt can hit."""
+    ids: dict[tuple[int, bytes], int] = {}
+    for r in w.requests:
+        prompt = np.asarray(r.prompt, dtype=np.int64)
+        seq = np.concatenate([prompt, np.asarray(r.output[:-1], dtype=np.int64)])
+        keys: list[int] = []
+        parent = -1
+        for i in range(len(seq) // block_size):
+            parent = ids.setdefault(
+                (parent, seq[i * block_size : (i + 1) * block_size].tobytes()), len(ids)
+            )
+            keys.append(parent)
+        yield BlockRequest(keys, [block_size] * (len(prompt) // block_size), len(prompt))
+
+
+def _mooncake_block_requests(records: Iterable[_Record]) -> Iterator[BlockRequest]:
+    """Mooncake requests as a prefix cache sees them: one block per hash id (the
+    last possibly partial, counting its tokens), each named by its whole prefix."""
+    ids: dict[tuple[int, int], int] = {}
+    for rec in records:
+        keys: list[int] = []
+        parent = -1
+        for h in rec.hash_ids:
+            parent = ids.setdefault((parent, h), len(ids))
+            keys.append(parent)
+        n = rec.input_length
+        hit = [min(MOONCAKE_BLOCK, n - k * MOONCAKE_BLOCK) for k in range(len(keys))]
+        yield BlockRequest(keys, hit, n)
+
+
+def _ceiling_hits(requests: Iterable[BlockRequest]) -> tuple[int, int]:
+    """(hit tokens, prompt tokens) with an unlimited cache: each request's longest
+    prefix of blocks that an earlier request left."""
+    seen: set[Any] = set()
+    hit = total = 0
+    for req in requests:
+        for key, n in zip(req.blocks, req.hit_tokens, strict=False):
+            if key not in seen:
+                break
+            hit += n
+        seen.update(req.blocks)
+        total += req.prompt_tokens
+    return hit, total
+
+
 def _prefix_hits(w: Workload, block_size: int) -> tuple[int, int]:
     """(tokens of each prompt's longest prefix of whole blocks that an earlier
     request computed, prompt tokens), over the workload in order."""
-    seen: set[Any] = set()
-    hit = total = 0
-    for r in w.requests:
-        prompt = np.asarray(r.prompt, dtype=np.int64)
-        # What the request leaves cached: its prompt and every output token but
-        # the last (never computed), in whole blocks.
-        seq = np.concatenate([prompt, np.asarray(r.output[:-1], dtype=np.int64)])
-        k = 0
-        chain = 0
-        matching = True
-        for i in range(len(seq) // block_size):
-            chain = hash((chain, seq[i * block_size : (i + 1) * block_size].tobytes()))
-            if matching and (i + 1) * block_size <= len(prompt) and chain in seen:
-                k += 1
-            else:
-                matching = False
-            seen.add(chain)
-        hit += k * block_size
-        total += len(prompt)
-    return hit, total
+    return _ceiling_hits(_token_block_requests(w, block_size))
 
 
 def prefix_hit_ceiling(w: Workload, block_size: int = 16) -> float:
@@ -428,51 +459,48 @@ def prefix_hit_ceiling(w: Workload, block_size: int = 16) -> float:
 
 
 def trace_stats(
-    path: str | Path, fmt: str | None = None, *, block_size: int = 16, step_ms: float = 50.0
+    path: str | Path,
+    fmt: str | None = None,
+    *,
+    block_size: int = 16,
+    step_ms: float = 50.0,
+    capacities: Sequence[float] = (),
 ) -> dict[str, Any]:
     """What a trace holds before any simulation: requests, duration and rate,
     length percentiles, and the theoretical maximum prefix-hit rate with an
     unlimited cache (each request's longest prefix already seen in earlier
     requests, in tokens: whole Mooncake blocks, or ``block_size``-token blocks
-    of the prompts for the other formats, capped at the prompt)."""
+    of the prompts for the other formats, capped at the prompt). With
+    ``capacities`` (tokens), ``lru_hit_rate``: the hit rate of one LRU cache of
+    each size (:mod:`pagedkv.sim.capacity`), in the order given."""
     fmt = fmt or detect_format(path)
-    seen: set[Any] = set()
-    hit = total = 0
     inputs: list[int] = []
     outputs: list[int] = []
+    blocks: list[BlockRequest]
     if fmt == "mooncake":
-        stamps: list[float] = []
-        for rec in _mooncake_records(path):
-            n = rec.input_length
-            k = 0
-            chain = 0
-            for h in rec.hash_ids:
-                chain = hash((chain, h))
-                if chain not in seen:
-                    break
-                k += 1
-            chain = 0
-            for h in rec.hash_ids:
-                chain = hash((chain, h))
-                seen.add(chain)
-            hit += min(k * MOONCAKE_BLOCK, n)
-            total += n
-            inputs.append(n)
-            outputs.append(rec.output_length)
-            stamps.append(rec.arrival_s)
-        if not stamps:
+        records = list(_mooncake_records(path))
+        if not records:
             raise TraceFormatError(f"{path}: no request")
+        stamps = [rec.arrival_s for rec in records]
+        inputs = [rec.input_length for rec in records]
+        outputs = [rec.output_length for rec in records]
         duration = max(stamps) - min(stamps)
+        blocks = list(_mooncake_block_requests(records))
+        del records
+        block = MOONCAKE_BLOCK
     else:
         w = load_trace(path, fmt, step_ms=step_ms)
-        hit, total = _prefix_hits(w, block_size)
         for r in w.requests:
             inputs.append(len(r.prompt))
             outputs.append(len(r.output))
         steps = [r.arrival_step for r in w.requests]
         duration = (max(steps) - min(steps)) * step_ms / 1000.0
+        blocks = list(_token_block_requests(w, block_size))
+        del w
+        block = block_size
+    hit, total = _ceiling_hits(blocks)
     n = len(inputs)
-    return {
+    out: dict[str, Any] = {
         "trace": str(path),
         "format": fmt,
         "requests": n,
@@ -483,3 +511,15 @@ def trace_stats(
         "total_input_tokens": total,
         "max_prefix_hit_rate": round(hit / total, 4) if total else 0.0,
     }
+    if capacities:
+        curve = lru_hit_curve(blocks)
+        out["block_size"] = block
+        out["lru_hit_rate"] = [
+            {
+                "capacity_tokens": int(c) if c == int(c) else c,
+                "capacity_blocks": int(c // block),
+                "hit_rate": round(curve.hit_rate(int(c // block)), 6),
+            }
+            for c in capacities
+        ]
+    return out

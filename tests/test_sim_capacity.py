@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import zlib
 from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
@@ -29,7 +30,7 @@ CFG = SimConfig(memory_gib=1.0, max_model_len=4096, step_time=TEN_MS)
 def _req(rid: str, out: int, *, arrival: float = 0.0, **kw: Any) -> Request:
     # 16 distinct prompt tokens: a request's first step computes its prompt and
     # samples its first token, each later step one more token.
-    base = 1000 * (sum(map(ord, rid)) + 7 * len(rid))
+    base = 1000 * (zlib.crc32(rid.encode()) % 1_000_000)
     return Request(rid, list(range(base, base + 16)), [1] * out, arrival_s=arrival, **kw)
 
 
@@ -109,6 +110,52 @@ def test_the_limit_counts_every_replica_and_the_first_freed_slot_goes_first() ->
     # Without the limit it arrives at 0 and finishes at 40 ms.
     assert free.timing["duration_s"] == pytest.approx(0.05)
     assert free.timing["e2e_ms"]["mean"] == pytest.approx((50 + 20 + 40) / 3, abs=1e-3)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_workloads_never_exceed_the_limit_and_waste_no_slot(seed: int) -> None:
+    rng = random.Random(seed)
+    limit = rng.randint(1, 4)
+    items: list[Request] = []
+    for i in range(rng.randint(5, 25)):
+        session = f"s{rng.randint(0, 3)}" if rng.random() < 0.4 else None
+        items.append(
+            _req(
+                f"r{i}",
+                rng.randint(1, 5),
+                arrival=round(rng.uniform(0, 0.2), 3),
+                session=session,
+                pause_s=rng.choice([0.0, 0.015]) if session else None,
+            )
+        )
+    lat = _drive(items, replace(CFG, max_concurrency=limit))
+    arrive, finish = lat.arrival, lat.finish
+    assert set(arrive) == set(finish) == {r.request_id for r in items}
+    previous: dict[str, Request] = {}
+    for r in items:
+        rid, t = r.request_id, arrive[r.request_id]
+        # Never more than the limit in flight once it is sent (a request
+        # finishing at that instant has given its slot back).
+        in_flight = sum(1 for x in items if arrive[x.request_id] <= t < finish[x.request_id])
+        assert in_flight <= limit, (rid, t)
+        # Sent no earlier than ready: its arrival, or its pause after the
+        # previous turn of its session finished.
+        prev = previous.get(r.session) if r.session else None
+        ready = r.arrival_s or 0.0
+        if prev is not None:
+            ready = max(ready, finish[prev.request_id] + (r.pause_s or 0.0))
+        assert t >= ready - 1e-12, rid
+        # Sent later only when a slot was taken until then: some request
+        # finished at that very instant.
+        if t > ready + 1e-12:
+            assert any(abs(f - t) < 1e-12 for f in finish.values()), rid
+            # ... and every slot freed while it waited was taken at once.
+            for f in finish.values():
+                if ready <= f < t - 1e-12:
+                    busy = sum(1 for x in items if arrive[x.request_id] <= f < finish[x.request_id])
+                    assert busy == limit, (rid, f)
+        if r.session:
+            previous[r.session] = r
 
 
 def test_max_concurrency_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -178,6 +178,19 @@ def test_max_concurrency_on_the_command_line(capsys: pytest.CaptureFixture[str])
     assert [x["peak_running"] for x in runs] == [1, 4]
 
 
+def test_find_max_rate_with_a_limit_reports_the_rate_achieved() -> None:
+    w = Workload("t", [_req(f"r{i}", 3, arrival=0.5 * i) for i in range(4)])
+    cfg = replace(CFG, max_concurrency=1, slo_ttft_ms=10_000)
+    found = runner.find_max_rate(w, cfg, iterations=0)
+    at_one = next(p for p in found["tried"] if p["time_scale"] == 1.0)
+    # One at a time, 30 ms each, arriving 0.5 s apart: 4 requests over 1.53 s.
+    assert at_one["requests_per_s"] == pytest.approx(4 / 1.53, rel=1e-3)
+    # Arrivals all at once: no time scale changes the load, limit or not.
+    at_once = Workload("t", [_req(f"r{i}", 3) for i in range(4)])
+    with pytest.raises(ValueError, match="arrive at the same time"):
+        runner.find_max_rate(at_once, cfg)
+
+
 def test_the_vllm_engine_gets_the_limit() -> None:
     w = Workload("t", [_req("a", 2), _req("b", 2)])
     payload = runner.vllm_payload(w, replace(CFG, max_concurrency=1))

@@ -849,9 +849,11 @@ def find_max_rate(
     # Sessions and concurrency-limited clients are a closed loop (a turn waits
     # for the previous answer, a request for a free client): their rate is what
     # the run achieves, not what timestamps offer.
-    closed = cfg.max_concurrency is not None or any(r.session is not None for r in served.requests)
+    has_sessions = any(r.session is not None for r in served.requests)
+    closed = has_sessions or cfg.max_concurrency is not None
     base_rate = offered_rate(served, cfg.tick_s)
-    if not closed and not math.isfinite(base_rate):
+    # Session pauses scale with the time; a concurrency limit alone does not.
+    if not has_sessions and not math.isfinite(base_rate):
         raise ValueError(
             f"all {len(served.requests)} requests arrive at the same time: no time "
             "scale changes the load, so there is no rate to find (give arrivals spread "

@@ -398,18 +398,17 @@ def _token_block_requests(w: Workload, block_size: int) -> Iterator[BlockRequest
     """The workload's requests as a prefix cache sees them: the whole
     ``block_size``-token blocks a request leaves cached (its prompt and every
     output token but the last, never computed), each named by its whole prefix;
-    the whole blocks of its prompt can hit."""
-    ids: dict[tuple[int, bytes], int] = {}
+    the whole blocks of its prompt can hit. A block is named by a 64-bit hash
+    chained over its prefix's token bytes (a name per block, not the bytes: a
+    large trace's blocks stay a set of integers)."""
     for r in w.requests:
         prompt = np.asarray(r.prompt, dtype=np.int64)
         seq = np.concatenate([prompt, np.asarray(r.output[:-1], dtype=np.int64)])
         keys: list[int] = []
-        parent = -1
+        chain = 0
         for i in range(len(seq) // block_size):
-            parent = ids.setdefault(
-                (parent, seq[i * block_size : (i + 1) * block_size].tobytes()), len(ids)
-            )
-            keys.append(parent)
+            chain = hash((chain, seq[i * block_size : (i + 1) * block_size].tobytes()))
+            keys.append(chain)
         yield BlockRequest(keys, [block_size] * (len(prompt) // block_size), len(prompt))
 
 
@@ -476,17 +475,18 @@ def trace_stats(
     fmt = fmt or detect_format(path)
     inputs: list[int] = []
     outputs: list[int] = []
-    blocks: list[BlockRequest]
+    stamps: list[float] = []
+    requests: Iterable[BlockRequest]
     if fmt == "mooncake":
-        records = list(_mooncake_records(path))
-        if not records:
-            raise TraceFormatError(f"{path}: no request")
-        stamps = [rec.arrival_s for rec in records]
-        inputs = [rec.input_length for rec in records]
-        outputs = [rec.output_length for rec in records]
-        duration = max(stamps) - min(stamps)
-        blocks = list(_mooncake_block_requests(records))
-        del records
+
+        def records() -> Iterator[_Record]:
+            for rec in _mooncake_records(path):
+                inputs.append(rec.input_length)
+                outputs.append(rec.output_length)
+                stamps.append(rec.arrival_s)
+                yield rec
+
+        requests = _mooncake_block_requests(records())
         block = MOONCAKE_BLOCK
     else:
         w = load_trace(path, fmt, step_ms=step_ms)
@@ -494,11 +494,17 @@ def trace_stats(
             inputs.append(len(r.prompt))
             outputs.append(len(r.output))
         steps = [r.arrival_step for r in w.requests]
-        duration = (max(steps) - min(steps)) * step_ms / 1000.0
-        blocks = list(_token_block_requests(w, block_size))
-        del w
+        stamps = [(s - min(steps)) * step_ms / 1000.0 for s in steps]
+        requests = _token_block_requests(w, block_size)
         block = block_size
-    hit, total = _ceiling_hits(blocks)
+    curve = None
+    if capacities:
+        requests = list(requests)
+        curve = lru_hit_curve(requests)
+    hit, total = _ceiling_hits(requests)
+    if not stamps:
+        raise TraceFormatError(f"{path}: no request")
+    duration = max(stamps) - min(stamps)
     n = len(inputs)
     out: dict[str, Any] = {
         "trace": str(path),
@@ -511,8 +517,7 @@ def trace_stats(
         "total_input_tokens": total,
         "max_prefix_hit_rate": round(hit / total, 4) if total else 0.0,
     }
-    if capacities:
-        curve = lru_hit_curve(blocks)
+    if curve is not None:
         out["block_size"] = block
         out["lru_hit_rate"] = [
             {

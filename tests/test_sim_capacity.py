@@ -249,6 +249,10 @@ def test_kv_cache_memory_line_of_the_table(capsys: pytest.CaptureFixture[str]) -
     assert cli.main(["simulate", "-n", "4", "-q", "--memory", "8"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if "KV-cache memory" in x)
     assert "8.00 GiB" in line and "per GPU" not in line and "leaves" not in line
+    assert "replicas" not in line
+    assert cli.main(["simulate", "-n", "4", "-q", "--memory", "8", "--replicas", "3"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "KV-cache memory" in x)
+    assert "8.00 GiB, on each of 3 replicas" in line
 
 
 # ------------------------------------------------------------------ overlong requests

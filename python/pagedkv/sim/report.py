@@ -31,6 +31,8 @@ def _kv_memory(c: dict[str, Any]) -> str:
     text = f"{c['kv_cache_gib']:,.2f} GiB"
     if c["tp"] > 1:
         text = f"{per_gpu:,.2f} GiB per GPU, {text} for the instance"
+    if c.get("replicas", 1) > 1:
+        text += f", on each of {c['replicas']} replicas"
     leaves = c.get("gpu_kv_cache_gib")
     if leaves is not None and per_gpu > leaves * 1.001:
         text += f" (over the {leaves:,.2f} GiB a {c['gpu']} leaves)"

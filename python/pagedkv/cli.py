@@ -19,7 +19,7 @@ from .manager import HASH_ALGOS
 from .sim import runner
 from .sim.cluster import ROUTERS
 from .sim.outputs import OutputPathError, check_output
-from .sim.perf import GPUS
+from .sim.perf import CLOCKS, GPUS
 from .sim.runner import EngineUnavailableError, SimConfig, SimResult
 from .sim.steptime import LinearModel
 from .sim.tracefile import TraceFormatError, write_trace
@@ -82,6 +82,7 @@ _AXES = (
     "max-num-seqs",
     "gpu",
     "tp",
+    "quantization",
     "time-scale",
     "router",
     "replicas",
@@ -278,6 +279,14 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
     )
     g.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel GPUs (default 1)")
     g.add_argument(
+        "--quantization",
+        choices=presets.QUANTIZATIONS,
+        default="none",
+        help="weight quantization, as vLLM's --quantization: fp8 stores the linear layers' "
+        "weights in one byte and runs them at the FP8 peak (default none: the checkpoint's "
+        "own; the -fp8 presets are FP8 checkpoints)",
+    )
+    g.add_argument(
         "--gpu-memory-utilization",
         type=_fraction,
         default=0.9,
@@ -360,6 +369,13 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("time and SLOs")
     g.add_argument(
+        "--clock",
+        choices=list(CLOCKS),
+        default="vllm",
+        help="the serving engine the roofline's efficiencies and overheads were calibrated "
+        "on (docs/simulate.md, 'Calibration'; default vllm)",
+    )
+    g.add_argument(
         "--step-time",
         metavar="A,B,C,D",
         help="linear step-time model instead of the roofline: ms = A + B*prefill tokens/1000 "
@@ -395,6 +411,20 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
         help="one CSV row per run (sweep point or variant): wide comparisons stay readable",
     )
     g.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    g = p.add_argument_group("sweeps")
+    g.add_argument(
+        "--jobs",
+        metavar="N",
+        help="run the --sweep points in N worker processes on this machine (default 1: "
+        "one after the other)",
+    )
+    g.add_argument(
+        "--ray-address",
+        metavar="auto|local|HOST:PORT",
+        help="run each --sweep point as a Ray task: on the cluster at HOST:PORT or the one "
+        "this machine belongs to (auto), or on a Ray instance started for the sweep (local); "
+        "pip install 'pagedkv[ray]'",
+    )
     return p
 
 
@@ -460,6 +490,10 @@ def _apply_config(axis: str, value: str, cfg: SimConfig) -> SimConfig:
         return replace(cfg, gpu=value)
     if axis == "tp":
         return replace(cfg, tp=_positive_int(value))
+    if axis == "quantization":
+        if value not in presets.QUANTIZATIONS:
+            raise ValueError(f"quantizations: {', '.join(presets.QUANTIZATIONS)}")
+        return replace(cfg, quantization=value)
     if axis == "replicas":
         return replace(cfg, replicas=_replica_count(value))
     if axis == "max-concurrency":
@@ -514,6 +548,7 @@ def _simulate(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     if args.sweep and (args.compare or args.engine == "vllm" or args.find_max_rate):
         raise _UsageError("--sweep runs alone: drop --compare, --engine vllm, --find-max-rate")
+    _check_sweep_backend(args)
     if args.plot:
         try:
             plot._format(args.plot)
@@ -583,10 +618,12 @@ def _simulate(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu=args.gpu,
         tp=args.tp,
+        quantization=args.quantization,
         replicas=args.replicas,
         router=args.router,
         gpu_memory_utilization=args.gpu_memory_utilization,
         step_time=args.step_time,
+        clock=args.clock,
         tick_s=args.step_ms / 1000,
         slo_ttft_ms=args.slo_ttft,
         slo_tpot_ms=args.slo_tpot,
@@ -790,6 +827,27 @@ def _title(workload: dict[str, Any], cfg: SimConfig, varied: Sequence[str] = ())
     return ", ".join(parts)
 
 
+def _check_sweep_backend(args: argparse.Namespace) -> None:
+    """Refuses a bad --jobs or --ray-address before anything runs; leaves
+    ``args.jobs`` an int."""
+    from .sim import parallel
+
+    given = [
+        f for f, v in (("--jobs", args.jobs), ("--ray-address", args.ray_address)) if v is not None
+    ]
+    if given and not args.sweep:
+        raise _UsageError(f"{' and '.join(given)} run the points of a --sweep: give --sweep")
+    if len(given) == 2:
+        raise _UsageError("--jobs runs the points on this machine, --ray-address on Ray: give one")
+    try:
+        args.jobs = parallel.parse_jobs(args.jobs) if args.jobs is not None else 1
+        if args.ray_address is not None:
+            parallel.check_ray_address(args.ray_address)
+            parallel.import_ray()
+    except (ValueError, ImportError) as e:
+        raise _UsageError(str(e)) from None
+
+
 def _sweep(
     args: argparse.Namespace,
     out: Any,
@@ -800,28 +858,49 @@ def _sweep(
 ) -> int:
     from rich.table import Table
 
-    from .sim import plot, sweep
+    from .sim import parallel, plot, sweep
     from .sim.traces import prefix_hit_ceiling
 
-    points = []
-    show = not args.quiet and err.is_terminal
-    first: tuple[str, SimConfig, str, float] | None = None
-    for label, variant in order:
-        value = label.partition("=")[2]
-        if isinstance(variant, str):
-            points.append(sweep.invalid_point(axis, value, variant))
-            continue
-        _, cfg, wname, scale = variant
-        first = first or variant
-        if show:
-            err.print(f"{label} ...")
-        w = workload_for(wname, scale)
-        points.append(
-            sweep.run_point(axis, value, functools.partial(runner.run_pagedkv, w, cfg, label=label))
+    runs = [(i, variant) for i, (_, variant) in enumerate(order) if not isinstance(variant, str)]
+    assert runs  # _simulate refuses a sweep without a valid value
+    # The workloads at the scale every point shares; a time-scale sweep's points
+    # scale a copy where they run.
+    scale = 1.0 if axis == "time-scale" else args.time_scale
+    workloads = parallel.SweepWorkloads(
+        {v[2]: workload_for(v[2], scale) for _, v in runs}, time_scale=scale
+    )
+    todo = [
+        parallel.SweepPoint(axis, label.partition("=")[2], label, cfg, wname, s)
+        for _, (label, cfg, wname, s) in runs
+    ]
+    lines = not args.quiet and not args.json
+    with parallel.points_progress(err, lines and err.is_terminal, f"sweep of {axis}") as bar:
+        task = bar.add_task("", total=len(todo))
+        completed = [0]
+
+        def done(i: int, p: dict[str, Any]) -> None:
+            bar.advance(task)
+            completed[0] += 1
+            if lines:
+                text = f"[{completed[0]}/{len(todo)}] {sweep.line(todo[i].label, p)}"
+                err.print(text, markup=False, highlight=False, soft_wrap=True)
+
+        records = iter(
+            parallel.run_points(
+                todo, workloads, jobs=args.jobs, ray_address=args.ray_address, on_done=done
+            )
         )
-    assert first is not None  # _simulate refuses a sweep without a valid value
-    w0 = workload_for(first[2], first[3])
+    points = [
+        sweep.invalid_point(axis, label.partition("=")[2], variant)
+        if isinstance(variant, str)
+        else next(records)
+        for label, variant in order
+    ]
+    first = runs[0][1]
+    w0 = workloads.get(first[2], first[3])
     ceiling = round(prefix_hit_ceiling(w0, first[1].block_size), 6)
+    summary = w0.summary(first[1].tick_s)
+    del w0, workloads
     outputs: list[tuple[str, str, Callable[[], None]]] = []
     if args.csv:
         outputs.append(("CSV", args.csv, lambda: sweep.write_csv(points, args.csv)))
@@ -835,20 +914,16 @@ def _sweep(
                     points,
                     args.plot,
                     ceiling=ceiling if axis != "workload" else None,
-                    title=f"pagedkv simulate: {w0.name} on {args.model}, sweep of {axis}",
+                    title=f"pagedkv simulate: {summary['name']} on {args.model}, sweep of {axis}",
                 ),
             )
         )
     if args.json:
         doc = {
             "axis": axis,
-            "workload": w0.summary(first[1].tick_s),
+            "workload": summary,
             "prefix_hit_ceiling": ceiling,
-            "points": [
-                {k: v for k, v in p.items() if k != "result"}
-                | ({"run": p["result"].to_dict()} if "result" in p else {})
-                for p in points
-            ],
+            "points": points,
         }
         sys.stdout.write(_json_text(doc))
         return _write_outputs(out, True, outputs)

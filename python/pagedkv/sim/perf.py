@@ -23,7 +23,7 @@ from ..specs import (
 )
 from .steptime import AttentionKind, RooflineModel
 
-__all__ = ["GPUS", "GpuSpec", "kv_cache_memory", "roofline"]
+__all__ = ["CLOCKS", "GPUS", "ClockProfile", "GpuSpec", "clock", "kv_cache_memory", "roofline"]
 
 GIB = 1 << 30
 
@@ -113,6 +113,73 @@ GPUS: dict[str, GpuSpec] = {
         ),
     )
 }
+
+
+@dataclass(frozen=True)
+class ClockProfile:
+    """How close a serving engine's kernels get to the GPU's datasheet, and what
+    it spends besides them: the calibrated constants of the step-time roofline
+    (:class:`~pagedkv.sim.steptime.RooflineModel` documents each). ``source``
+    says what they were fitted to."""
+
+    name: str
+    compute_efficiency: float
+    gemm_half_tokens: float
+    attention_efficiency: float
+    memory_efficiency: float
+    kv_efficiency: float
+    link_efficiency: float
+    overhead_s: float
+    seq_overhead_s: float
+    allreduce_latency_s: float
+    request_overhead_s: float
+    source: str
+
+
+CLOCKS: dict[str, ClockProfile] = {
+    c.name: c
+    for c in (
+        ClockProfile(
+            "vllm",
+            compute_efficiency=0.6,
+            gemm_half_tokens=0.0,
+            attention_efficiency=0.6,
+            memory_efficiency=0.8,
+            kv_efficiency=0.8,
+            link_efficiency=1.0,
+            overhead_s=0.001,
+            seq_overhead_s=0.0,
+            allreduce_latency_s=10e-6,
+            request_overhead_s=0.0,
+            source="uncalibrated",
+        ),
+        ClockProfile(
+            "trtllm",
+            compute_efficiency=0.6,
+            gemm_half_tokens=0.0,
+            attention_efficiency=0.6,
+            memory_efficiency=0.8,
+            kv_efficiency=0.8,
+            link_efficiency=1.0,
+            overhead_s=0.001,
+            seq_overhead_s=0.0,
+            allreduce_latency_s=10e-6,
+            request_overhead_s=0.0,
+            source="uncalibrated",
+        ),
+    )
+}
+
+#: the clock of ``--clock`` when none is named
+DEFAULT_CLOCK = "vllm"
+
+
+def clock(name: str) -> ClockProfile:
+    """The clock profile called ``name``; ValueError lists them."""
+    try:
+        return CLOCKS[name]
+    except KeyError:
+        raise ValueError(f"unknown clock {name!r}; clocks: {', '.join(CLOCKS)}") from None
 
 
 def gpu(name: str) -> GpuSpec:
@@ -233,8 +300,11 @@ def roofline(
     tp: int = 1,
     block_size: int = 16,
     kv_dtype: str = "bfloat16",
+    clock_profile: ClockProfile | None = None,
 ) -> RooflineModel:
-    """The step-time roofline of ``preset`` on ``tp`` x ``gpu_spec``."""
+    """The step-time roofline of ``preset`` on ``tp`` x ``gpu_spec``, with the
+    efficiencies and overheads of ``clock_profile`` (default: ``DEFAULT_CLOCK``)."""
+    prof = clock_profile or CLOCKS[DEFAULT_CLOCK]
     c = _compute(preset)
     specs = preset.layer_specs(block_size, dtype=kv_dtype)
     attention, state = _attention_kinds(c, specs, preset.max_num_encoder_input_tokens)
@@ -258,5 +328,16 @@ def roofline(
         link_bytes_per_s=gpu_spec.link_bytes_per_s,
         tp=tp,
         kv_split=kv_split(c, tp),
+        attention_peak_flops=gpu_spec.bf16_flops,
+        compute_efficiency=prof.compute_efficiency,
+        gemm_half_tokens=prof.gemm_half_tokens,
+        attention_efficiency=prof.attention_efficiency,
+        memory_efficiency=prof.memory_efficiency,
+        kv_efficiency=prof.kv_efficiency,
+        link_efficiency=prof.link_efficiency,
+        overhead_s=prof.overhead_s,
+        seq_overhead_s=prof.seq_overhead_s,
+        allreduce_latency_s=prof.allreduce_latency_s,
+        request_overhead_s=prof.request_overhead_s,
         gpu=gpu_spec.name,
     )

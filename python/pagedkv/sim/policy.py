@@ -627,6 +627,7 @@ def drive_timed(
     Returns the clock at the end.
     """
     tl = Timeline(items, tick_s, latencies, max_concurrency=max_concurrency)
+    tl.lat.request_overhead_s = getattr(model, "request_overhead_s", 0.0)
     sched.track_shape = True
     clock = 0.0
     while tl.ready or sched.has_unfinished:

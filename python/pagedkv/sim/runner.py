@@ -20,7 +20,7 @@ import tempfile
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -100,6 +100,12 @@ class SimConfig:
     gpu: str = "H100-SXM"
     tp: int = 1
     gpu_memory_utilization: float = 0.9
+    #: weight quantization applied to the model (``pagedkv.presets.QUANTIZATIONS``):
+    #: ``"fp8"`` as vLLM's ``--quantization fp8``; ``"none"``: the checkpoint's own
+    quantization: str = "none"
+    #: the serving engine the roofline's efficiencies and overheads were
+    #: calibrated on (``pagedkv.sim.perf.CLOCKS``)
+    clock: str = "vllm"
     #: ``"a,b,c,d"``: the linear step-time model (ms) instead of the roofline
     step_time: str | None = None
     #: seconds per arrival tick of workloads timed in steps (built-in workloads)
@@ -297,8 +303,15 @@ def _preset(cfg: SimConfig) -> presets.ModelPreset:
             f"unknown model {cfg.model!r}: give a preset ({', '.join(presets.names())}) "
             "or the path of a Hugging Face config.json"
         )
+    if cfg.quantization not in presets.QUANTIZATIONS:
+        raise ValueError(
+            f"unknown quantization {cfg.quantization!r}; quantizations: "
+            f"{', '.join(presets.QUANTIZATIONS)}"
+        )
     if preset.compute is not None:
         perf.check_tensor_parallel(preset.compute, cfg.tp, preset.name)
+        if cfg.quantization != "none":
+            preset = replace(preset, compute=preset.compute.quantized(cfg.quantization))
     return preset
 
 
@@ -336,7 +349,12 @@ def step_time_model(cfg: SimConfig) -> StepTimeModel:
     if cfg.step_time is not None:
         return LinearModel.parse(cfg.step_time)
     return perf.roofline(
-        _preset(cfg), perf.gpu(cfg.gpu), tp=cfg.tp, block_size=cfg.block_size, kv_dtype=cfg.kv_dtype
+        _preset(cfg),
+        perf.gpu(cfg.gpu),
+        tp=cfg.tp,
+        block_size=cfg.block_size,
+        kv_dtype=cfg.kv_dtype,
+        clock_profile=perf.clock(cfg.clock),
     )
 
 

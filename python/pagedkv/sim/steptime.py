@@ -224,6 +224,25 @@ class RooflineModel(StepTimeModel):
     per step; ``hidden_size``, ``num_layers``, ``act_bytes``: the all-reduced
     activations; ``kv_split``: how many ways tensor parallelism splits the KV
     cache (``min(tp, kv heads)``).
+
+    A step runs its kernels one after the other, each bound by its own roofline:
+
+    - the linear layers: ``max(FLOPs / (peak x e(tokens)), weights / (HBM x
+      memory_efficiency))``, where the matmul efficiency grows with the tokens of
+      the step, ``e(t) = compute_efficiency x t / (t + gemm_half_tokens)``
+      (small prefills and decode batches do not fill the GPU);
+    - attention, prefill and decode apart: ``max(FLOPs / (attention_peak_flops x
+      attention_efficiency), KV bytes read and written / (HBM x kv_efficiency))``;
+    - Mamba states at ``memory_efficiency``;
+    - under tensor parallelism two all-reduces of the step's hidden states per
+      layer, each ``allreduce_latency_s`` plus a ring's ``2 (tp-1) / tp`` of the
+      volume over ``link_bytes_per_s x link_efficiency``;
+    - ``overhead_s`` per step and ``seq_overhead_s`` per scheduled sequence
+      (launches, sampling, the scheduler, input preparation).
+
+    The efficiencies and overheads are the fields of a
+    :class:`~pagedkv.sim.perf.ClockProfile`, calibrated against published
+    measurements (``pagedkv.sim.calibration``).
     """
 
     matmul_flops_per_token: float
@@ -236,62 +255,97 @@ class RooflineModel(StepTimeModel):
     state_bytes_per_seq: float
     hidden_size: int
     num_layers: int
-    #: GPU: dense peak FLOP/s of the compute dtype, HBM bytes/s, interconnect bytes/s
+    #: GPU: dense peak FLOP/s of the matmuls' dtype, HBM bytes/s, interconnect bytes/s
     peak_flops: float
     hbm_bytes_per_s: float
     link_bytes_per_s: float
     tp: int = 1
     kv_split: int = 1
     act_bytes: int = 2
+    #: attention's peak FLOP/s (bfloat16; 0: ``peak_flops``)
+    attention_peak_flops: float = 0.0
     compute_efficiency: float = 0.6
+    gemm_half_tokens: float = 0.0
+    attention_efficiency: float = 0.6
     memory_efficiency: float = 0.8
+    kv_efficiency: float = 0.8
+    link_efficiency: float = 1.0
     #: per step: kernel launches, sampling, the scheduler (seconds)
     overhead_s: float = 0.001
+    #: per sequence scheduled in the step (seconds)
+    seq_overhead_s: float = 0.0
     #: per all-reduce (seconds)
     allreduce_latency_s: float = 10e-6
+    #: per request, outside the GPU: the front end's share of TTFT and end-to-end
+    #: latency (HTTP, tokenization, detokenization), seconds
+    request_overhead_s: float = 0.0
     gpu: str = ""
     name = "roofline"
 
     def parts(self, shape: StepShape) -> dict[str, float]:
-        """Seconds of compute, memory and communication of one step (per GPU)."""
+        """Seconds of each part of one step (per GPU): ``gemm_compute_s`` /
+        ``gemm_memory_s`` (the linear layers), ``prefill_attention_compute_s`` /
+        ``prefill_attention_memory_s``, ``decode_attention_compute_s`` /
+        ``decode_attention_memory_s``, ``state_s``, ``comm_s``, ``overhead_s``."""
         tokens = shape.tokens
-        flops = tokens * self.matmul_flops_per_token + shape.sampled * self.head_flops_per_sample
-        kv_read = 0.0
-        full_sum = sum(shape.decode)
-        for a in self.attention:
-            pairs = 0
-            read = 0
-            for n, c in shape.prefill:
-                pairs += a.pairs(n, c)
-                read += a.tokens_read(n, c)
-            # A decode token at position ctx attends to (and reads) the same tokens.
-            d = a.decode_tokens(shape.decode, full_sum)
-            pairs += d
-            read += d
-            flops += a.layers * a.flops_per_pair * pairs
-            kv_read += a.layers * a.kv_bytes_per_token * read
-        kv_write = tokens * sum(a.layers * a.kv_bytes_per_token for a in self.attention)
         seqs = len(shape.prefill) + len(shape.decode)
+        flops = tokens * self.matmul_flops_per_token + shape.sampled * self.head_flops_per_sample
         weights = self.dense_weight_bytes
         if self.expert_weight_bytes:
             untouched = (1.0 - self.experts_per_token / self.num_experts) ** tokens
             weights += self.expert_weight_bytes * (1.0 - untouched)
-        mem = weights / self.tp + (kv_read + kv_write) / self.kv_split
-        mem += 2 * seqs * self.state_bytes_per_seq / self.tp
+        gemm_eff = self.compute_efficiency
+        if self.gemm_half_tokens and tokens:
+            gemm_eff *= tokens / (tokens + self.gemm_half_tokens)
+        hbm = self.hbm_bytes_per_s
+        attn_peak = (self.attention_peak_flops or self.peak_flops) * self.attention_efficiency
+        kv_bw = hbm * self.kv_efficiency * self.kv_split
+        pf_flops = pf_bytes = dec_flops = dec_bytes = 0.0
+        full_sum = sum(shape.decode)
+        for a in self.attention:
+            pairs = read = 0
+            for n, c in shape.prefill:
+                pairs += a.pairs(n, c)
+                read += a.tokens_read(n, c)
+            per_token = a.layers * a.kv_bytes_per_token
+            pf_flops += a.layers * a.flops_per_pair * pairs
+            pf_bytes += per_token * (read + shape.prefill_tokens)
+            # A decode token at position ctx attends to (and reads) the same tokens.
+            d = a.decode_tokens(shape.decode, full_sum)
+            dec_flops += a.layers * a.flops_per_pair * d
+            dec_bytes += per_token * (d + len(shape.decode))
         comm = 0.0
         if self.tp > 1 and tokens:
             volume = tokens * self.hidden_size * self.act_bytes
-            per = 2 * (self.tp - 1) / self.tp * volume / self.link_bytes_per_s
+            per = 2 * (self.tp - 1) / self.tp * volume
+            per /= self.link_bytes_per_s * self.link_efficiency
             comm = 2 * self.num_layers * (per + self.allreduce_latency_s)
         return {
-            "compute_s": flops / self.tp / (self.peak_flops * self.compute_efficiency),
-            "memory_s": mem / (self.hbm_bytes_per_s * self.memory_efficiency),
+            "gemm_compute_s": flops / self.tp / (self.peak_flops * gemm_eff) if tokens else 0.0,
+            "gemm_memory_s": weights / self.tp / (hbm * self.memory_efficiency),
+            "prefill_attention_compute_s": pf_flops / self.tp / attn_peak,
+            "prefill_attention_memory_s": pf_bytes / kv_bw,
+            "decode_attention_compute_s": dec_flops / self.tp / attn_peak,
+            "decode_attention_memory_s": dec_bytes / kv_bw,
+            "state_s": 2
+            * seqs
+            * self.state_bytes_per_seq
+            / self.tp
+            / (hbm * self.memory_efficiency),
             "comm_s": comm,
+            "overhead_s": self.overhead_s + self.seq_overhead_s * seqs,
         }
 
     def step_seconds(self, shape: StepShape) -> float:
         p = self.parts(shape)
-        return max(p["compute_s"], p["memory_s"]) + p["comm_s"] + self.overhead_s
+        return (
+            max(p["gemm_compute_s"], p["gemm_memory_s"])
+            + max(p["prefill_attention_compute_s"], p["prefill_attention_memory_s"])
+            + max(p["decode_attention_compute_s"], p["decode_attention_memory_s"])
+            + p["state_s"]
+            + p["comm_s"]
+            + p["overhead_s"]
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -328,6 +382,9 @@ class Latencies:
         self.prompt_tokens: dict[str, int] = {}
         #: every gap between two consecutive output tokens of one request
         self.itl = array("d")
+        #: what the serving front end adds to each request's first token and end
+        #: (HTTP, tokenization, detokenization): the clock's ``request_overhead_s``
+        self.request_overhead_s = 0.0
 
     def arrive(self, rid: str, t: float, prompt_tokens: int) -> None:
         self.arrival[rid] = t
@@ -385,8 +442,9 @@ def summarize(
     arrival to the start of the first step that scheduled the request. The
     duration runs from the first arrival to the last finish."""
     done = [r for r in lat.finish if r in lat.first_token]
-    ttft = [lat.first_token[r] - lat.arrival[r] for r in done]
-    e2e = [lat.finish[r] - lat.arrival[r] for r in done]
+    fe = lat.request_overhead_s
+    ttft = [lat.first_token[r] - lat.arrival[r] + fe for r in done]
+    e2e = [lat.finish[r] - lat.arrival[r] + fe for r in done]
     queue = [lat.first_scheduled[r] - lat.arrival[r] for r in done]
     tpot_by: dict[str, float] = {}
     for r in done:
@@ -416,7 +474,10 @@ def summarize(
     if slo_ttft_ms is not None or slo_tpot_ms is not None:
         met = 0
         for r in done:
-            ok = slo_ttft_ms is None or (lat.first_token[r] - lat.arrival[r]) * 1000 <= slo_ttft_ms
+            ok = (
+                slo_ttft_ms is None
+                or (lat.first_token[r] - lat.arrival[r] + fe) * 1000 <= slo_ttft_ms
+            )
             if slo_tpot_ms is not None and r in tpot_by:
                 ok = ok and tpot_by[r] * 1000 <= slo_tpot_ms
             met += ok

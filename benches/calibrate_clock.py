@@ -1,0 +1,446 @@
+"""Fits the simulator's clock profiles to published measurements.
+
+``python/pagedkv/sim/data/published.csv`` holds every published figure collected
+(sources in ``published_sources.md``). This script turns the rows the simulator
+can replay (a Llama preset, a GPU preset, fixed input / output lengths, a
+concurrency, a rate or an offline run) into calibration rows with the engine's
+batch limits, simulates them, and fits each engine's
+:class:`pagedkv.sim.perf.ClockProfile` by coordinate descent on the mean squared
+log error of the ``fit`` rows. ``--write`` stores the table with each row's
+error (``python/pagedkv/sim/data/calibration.csv``).
+
+    python benches/calibrate_clock.py --evaluate          # today's profiles
+    python benches/calibrate_clock.py --fit trtllm        # fit one engine's profile
+    python benches/calibrate_clock.py --write             # store the table and errors
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import re
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pagedkv.sim import calibration as cal
+from pagedkv.sim import perf
+from pagedkv.sim.backend import ManagerBackend
+from pagedkv.sim.policy import Scheduler, drive_timed
+from pagedkv.sim.runner import build_config, make_manager, scheduler_config, step_time_model
+from pagedkv.sim.steptime import Latencies, RooflineModel, StepShape, StepTimeModel
+
+PUBLISHED = Path(cal.TABLE).parent / "published.csv"
+
+#: fitting replays recorded schedules (exact for closed-loop and offline rows)
+FAST = False
+
+#: engine -> (max_num_seqs, max_num_batched_tokens) when the source does not say
+#: (trtllm-bench's defaults: a batch of 2,048, 8,192 tokens; Triton's
+#: tensorrtllm_backend and NIM: 256 / 8,192; vLLM's server on an 80 GB GPU and
+#: SGLang: 256 / 8,192 and 1,024 / 8,192)
+ENGINE_LIMITS = {
+    "trtllm": (2048, 8192),
+    "nim-trtllm": (256, 8192),
+    "vllm": (256, 8192),
+    "sglang": (1024, 8192),
+}
+
+
+def preset_of(model: str, weights: str) -> str | None:
+    m = model.lower()
+    if "llama-2" in m or "llama2" in m:
+        return None
+    if "70b" in m:
+        base = "llama-3.1-70b"
+    elif "8b" in m:
+        base = "llama-3.1-8b"
+    else:
+        return None
+    return base + "-fp8" if weights == "fp8" else base
+
+
+def convert(rec: dict[str, str]) -> cal.Row | None:
+    """A published row as a calibration row, or None when the simulator cannot
+    replay it."""
+    preset = preset_of(rec["model"], rec["weights"])
+    if preset is None or rec["gpu"] not in perf.GPUS:
+        return None
+    if not rec["input_len"].strip() or not rec["output_len"].strip():
+        return None
+    if rec["metric"] not in cal.METRICS:
+        return None
+    engine = rec["engine"]
+    if engine not in ENGINE_LIMITS:
+        return None
+    notes = rec["notes"]
+    conc = rec["concurrency"].strip()
+    rate = 0.0
+    if not conc:
+        q = re.search(r"QPS\s*=\s*([0-9.]+)", notes) or re.search(r"request rate ([0-9.]+)", notes)
+        if q is None:
+            return None
+        rate = float(q.group(1))
+    if "static batch" in notes.lower():
+        return None
+    num_requests = int(rec["num_requests"] or 0)
+    batch = re.search(r"latency-\d+-\d+-bs(\d+)$", rec["id"])
+    if batch:  # benchmark_latency: one batch sent together, its mean end-to-end time
+        conc, num_requests = "max", int(batch.group(1))
+    seqs, tokens = ENGINE_LIMITS[engine]
+    if engine == "trtllm" and "online" in rec["id"]:
+        seqs = 256
+    tp = int(rec["tp"])
+    return cal.Row(
+        id=rec["id"],
+        source=rec["source"],
+        url=rec["url"],
+        engine=engine,
+        engine_version=rec["engine_version"],
+        model=rec["model"],
+        preset=preset,
+        weights=rec["weights"],
+        kv_dtype=rec["kv_dtype"] if rec["kv_dtype"] == "fp8" else "bf16",
+        gpu=rec["gpu"],
+        tp=tp,
+        input_len=int(rec["input_len"]),
+        output_len=int(rec["output_len"]),
+        concurrency=0 if conc in ("", "max") else int(conc),
+        rate=rate,
+        num_requests=num_requests,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=tokens,
+        metric=rec["metric"],
+        value=float(rec["value"]),
+        recorded_error=float("nan"),
+        role="fit",
+        notes=notes,
+    )
+
+
+def published_rows() -> list[cal.Row]:
+    with open(PUBLISHED, newline="", encoding="utf-8") as f:
+        rows = [convert(r) for r in csv.DictReader(f)]
+    return [r for r in rows if r is not None]
+
+
+class _Recorder(StepTimeModel):
+    """Runs a row once and keeps its steps' shapes: the schedule of a closed-loop
+    or offline run does not depend on the clock, so any profile's figures
+    follow from the shapes alone (rows with timed arrivals are run again)."""
+
+    def __init__(self, base: StepTimeModel) -> None:
+        self.base = base
+        self.shapes: list[StepShape] = []
+        self.ends: list[float] = []
+        self.clock = 0.0
+
+    def step_seconds(self, shape: StepShape) -> float:
+        self.shapes.append(StepShape(list(shape.prefill), list(shape.decode), shape.sampled))
+        d = self.base.step_seconds(shape)
+        return d
+
+
+class _Events(Latencies):
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, str, float, int]] = []
+
+    def arrive(self, rid: str, t: float, prompt_tokens: int) -> None:
+        self.log.append(("arrive", rid, t, prompt_tokens))
+
+    def scheduled(self, rid: str, t: float) -> None:
+        self.log.append(("scheduled", rid, t, 0))
+
+    def token(self, rid: str, t: float) -> None:
+        self.log.append(("token", rid, t, 0))
+
+    def finished(self, rid: str, t: float) -> None:
+        self.log.append(("finished", rid, t, 0))
+
+
+_RECORDED: dict[str, tuple[list[StepShape], list[float], list[tuple[str, str, float, int]]]] = {}
+
+
+def _record(row: cal.Row) -> tuple[list[StepShape], list[float], list[tuple[str, str, float, int]]]:
+    if row.id in _RECORDED:
+        return _RECORDED[row.id]
+    cfg = cal.row_config(row)
+    probe = cal.row_workload(row, 1)
+    kv_config, mml = build_config(cfg, probe)
+    fits = (kv_config.num_blocks - 1) * cfg.block_size // (row.input_len + row.output_len)
+    wl = cal.row_workload(row, cal._num_requests(row, max(1, min(row.max_num_seqs, fits))))
+    kv = make_manager(cfg, kv_config, mml)
+    sched = Scheduler(ManagerBackend(kv), scheduler_config(cfg, kv_config))
+    rec = _Recorder(step_time_model(cfg))
+    ev = _Events()
+    reqs = wl.requests
+    ends: list[float] = []
+
+    def on_step(clock: float, finished: int) -> None:
+        ends.append(clock)
+
+    drive_timed(
+        sched,
+        reqs,
+        rec,
+        tick_s=cfg.tick_s,
+        make_request=lambda i: reqs[i].fresh(),
+        latencies=ev,
+        max_concurrency=cfg.max_concurrency,
+        on_step=on_step,
+    )
+    _RECORDED[row.id] = (rec.shapes, ends, ev.log)
+    return _RECORDED[row.id]
+
+
+_FEATURES: dict[str, dict[str, Any]] = {}
+
+
+def _features(row: cal.Row) -> dict[str, Any]:
+    """Per-step features of a row's recorded schedule (numpy arrays)."""
+    if row.id in _FEATURES:
+        return _FEATURES[row.id]
+    shapes, _, _ = _record(row)
+    m = step_time_model(cal.row_config(row))
+    assert isinstance(m, RooflineModel) and not m.expert_weight_bytes and not m.state_bytes_per_seq
+    n = len(shapes)
+    f: dict[str, Any] = {
+        k: np.zeros(n) for k in ("T", "S", "M", "pf_flops", "pf_bytes", "dec_flops", "dec_bytes")
+    }
+    for i, sh in enumerate(shapes):
+        f["T"][i] = sh.tokens
+        f["S"][i] = len(sh.prefill) + len(sh.decode)
+        f["M"][i] = sh.sampled
+        full_sum = sum(sh.decode)
+        for a in m.attention:
+            pairs = read = 0
+            for nn, c in sh.prefill:
+                pairs += a.pairs(nn, c)
+                read += a.tokens_read(nn, c)
+            per = a.layers * a.kv_bytes_per_token
+            f["pf_flops"][i] += a.layers * a.flops_per_pair * pairs
+            f["pf_bytes"][i] += per * (read + sh.prefill_tokens)
+            d = a.decode_tokens(sh.decode, full_sum)
+            f["dec_flops"][i] += a.layers * a.flops_per_pair * d
+            f["dec_bytes"][i] += per * (d + len(sh.decode))
+    _FEATURES[row.id] = f
+    return f
+
+
+def _step_times(row: cal.Row) -> Any:
+    """RooflineModel.step_seconds over a row's recorded steps, vectorized."""
+    f = _features(row)
+    m = step_time_model(cal.row_config(row))
+    assert isinstance(m, RooflineModel)
+    T = f["T"]
+    flops = T * m.matmul_flops_per_token + f["M"] * m.head_flops_per_sample
+    eff = m.compute_efficiency * (T / (T + m.gemm_half_tokens) if m.gemm_half_tokens else 1.0)
+    gemm_c = np.where(T > 0, flops / m.tp / (m.peak_flops * np.maximum(eff, 1e-12)), 0.0)
+    gemm_m = m.dense_weight_bytes / m.tp / (m.hbm_bytes_per_s * m.memory_efficiency)
+    attn_peak = (m.attention_peak_flops or m.peak_flops) * m.attention_efficiency
+    kv_bw = m.hbm_bytes_per_s * m.kv_efficiency * m.kv_split
+    t = np.maximum(gemm_c, gemm_m)
+    t += np.maximum(f["pf_flops"] / m.tp / attn_peak, f["pf_bytes"] / kv_bw)
+    t += np.maximum(f["dec_flops"] / m.tp / attn_peak, f["dec_bytes"] / kv_bw)
+    if m.tp > 1:
+        per = 2 * (m.tp - 1) / m.tp * T * m.hidden_size * m.act_bytes
+        per = per / (m.link_bytes_per_s * m.link_efficiency)
+        t += np.where(T > 0, 2 * m.num_layers * (per + m.allreduce_latency_s), 0.0)
+    t += m.overhead_s + m.seq_overhead_s * f["S"]
+    return np.maximum(t, 1e-9)
+
+
+_TABLES: dict[str, dict[str, Any]] = {}
+
+
+def _requests(row: cal.Row) -> dict[str, Any]:
+    """Per request of a recorded run: the steps at whose end it arrived (-1: at
+    0), sampled its first and last token and finished, and its token counts."""
+    if row.id in _TABLES:
+        return _TABLES[row.id]
+    _, ends, log = _record(row)
+    index = {t: i for i, t in enumerate(ends)}
+    per: dict[str, list[int]] = {}
+    for kind, rid, t, n in log:
+        r = per.setdefault(rid, [-1, -1, -1, -1, 0, 0])
+        i = -1 if t == 0.0 else index[t]
+        if kind == "arrive":
+            r[0], r[5] = i, n
+        elif kind == "token":
+            if r[1] < 0:
+                r[1] = i
+            r[2] = i
+            r[4] += 1
+        elif kind == "finished":
+            r[3] = i
+    warm = {f"r{i}" for i in range(row.concurrency)} if row.concurrency > 1 else set()
+    keep = np.array([rid not in warm for rid in per])
+    a = np.array(list(per.values()), dtype=np.int64)
+    _TABLES[row.id] = {"a": a, "keep": keep}
+    return _TABLES[row.id]
+
+
+def replay_metric(row: cal.Row) -> float:
+    """The row's metric on today's profiles from its recorded schedule (the
+    figures ``pagedkv.sim.calibration`` reads, for rows of mean metrics)."""
+    tab = _requests(row)
+    a, keep = tab["a"], tab["keep"]
+    model = step_time_model(cal.row_config(row))
+    fe = getattr(model, "request_overhead_s", 0.0)
+    ends = np.concatenate([np.cumsum(_step_times(row)), [0.0]])  # index -1 -> 0
+    arrive, first, last, finish = (ends[a[:, k]] for k in range(4))
+    n_out = a[:, 4]
+    m = row.metric
+    if m == "itl_ms_mean":  # every request's gaps (as cal._figures keeps them)
+        return float((last - first).sum() / (n_out - 1).sum() * 1000)
+    k = keep
+    if m == "ttft_ms_mean":
+        return float((first[k] - arrive[k] + fe).mean() * 1000)
+    if m == "e2e_ms_mean":
+        return float((finish[k] - arrive[k] + fe).mean() * 1000)
+    dur = finish[k].max() - arrive[k].min()
+    out = n_out[k].sum() / dur
+    if m == "output_tokens_per_s":
+        return float(out)
+    if m == "output_tokens_per_s_per_gpu":
+        return float(out / row.tp)
+    raise ValueError(m)
+
+
+def run(
+    rows: list[cal.Row], profiles: dict[str, perf.ClockProfile], quiet: bool = False
+) -> list[float]:
+    errs = []
+    saved = dict(perf.CLOCKS)
+    perf.CLOCKS.update(profiles)
+    try:
+        for r in rows:
+            t0 = time.perf_counter()
+            try:
+                sim = cal.simulate_row(r) if (r.rate or not FAST) else replay_metric(r)
+                sim = round(sim, 3)
+                e = cal.error(r, sim)
+            except Exception as ex:  # a row that cannot run counts as far off
+                sim, e = float("nan"), float("nan")
+                if not quiet:
+                    print(f"{r.id}: {type(ex).__name__}: {ex}", file=sys.stderr)
+            errs.append(e)
+            if not quiet:
+                print(
+                    f"{r.id:<70} {r.value:>10.2f} {sim:>10.2f} {100 * e:>+7.1f}%"
+                    f"  {time.perf_counter() - t0:.1f}s",
+                    flush=True,
+                )
+    finally:
+        perf.CLOCKS.clear()
+        perf.CLOCKS.update(saved)
+    return errs
+
+
+def loss(errs: list[float]) -> float:
+    tot = 0.0
+    for e in errs:
+        if not math.isfinite(e) or e <= -1:
+            tot += 4.0
+        else:
+            tot += math.log1p(e) ** 2
+    return tot / max(1, len(errs))
+
+
+FIT_FIELDS = (
+    "compute_efficiency",
+    "gemm_half_tokens",
+    "attention_efficiency",
+    "memory_efficiency",
+    "kv_efficiency",
+    "link_efficiency",
+    "overhead_s",
+    "seq_overhead_s",
+    "allreduce_latency_s",
+    "request_overhead_s",
+)
+
+BOUNDS = {
+    "compute_efficiency": (0.2, 0.95),
+    "gemm_half_tokens": (0.0, 2048.0),
+    "attention_efficiency": (0.1, 0.9),
+    "memory_efficiency": (0.3, 0.95),
+    "kv_efficiency": (0.2, 0.95),
+    "link_efficiency": (0.1, 1.0),
+    "overhead_s": (0.0, 0.02),
+    "seq_overhead_s": (0.0, 200e-6),
+    "allreduce_latency_s": (0.0, 100e-6),
+    "request_overhead_s": (0.0, 0.05),
+}
+
+
+def fit(rows: list[cal.Row], clock: str, rounds: int) -> perf.ClockProfile:
+    prof = perf.CLOCKS.get(clock) or replace(perf.CLOCKS["vllm"], name=clock)
+    mine = [r for r in rows if r.clock == clock and r.role == "fit" and not r.rate]
+    best = loss(run(mine, {clock: prof}, quiet=True))
+    print(f"start loss {best:.5f} over {len(mine)} rows", flush=True)
+    step = 0.25
+    for _ in range(rounds):
+        improved = False
+        for f in FIT_FIELDS:
+            lo, hi = BOUNDS[f]
+            cur = getattr(prof, f)
+            for mult in (1 + step, 1 / (1 + step)):
+                v = cur * mult if cur else (hi - lo) * 0.05
+                v = min(hi, max(lo, v))
+                if v == cur:
+                    continue
+                cand = replace(prof, **{f: v})
+                lv = loss(run(mine, {clock: cand}, quiet=True))
+                if lv < best - 1e-6:
+                    prof, best, improved = cand, lv, True
+                    print(f"  {f} = {v:.6g}: loss {best:.5f}", flush=True)
+                    break
+        if not improved:
+            step /= 2
+            if step < 0.02:
+                break
+    print(asdict(prof))
+    return prof
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--evaluate", action="store_true")
+    ap.add_argument("--fit", metavar="CLOCK")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--only", help="regex on row ids")
+    ap.add_argument("--table", action="store_true", help="evaluate the stored table")
+    ap.add_argument("--write", action="store_true")
+    args = ap.parse_args()
+    rows = cal.load_rows() if args.table else published_rows()
+    if args.only:
+        rows = [r for r in rows if re.search(args.only, r.id)]
+    print(f"{len(rows)} rows", file=sys.stderr)
+    if args.fit:
+        global FAST
+        FAST = True
+        fit(rows, args.fit, args.rounds)
+        FAST = False
+    if args.evaluate or args.write:
+        errs = run(rows, {})
+        ok = [e for e in errs if math.isfinite(e)]
+        print(
+            f"rows {len(errs)}, within 15%: {sum(abs(e) <= 0.15 for e in ok)}, "
+            f"MAPE {100 * sum(abs(e) for e in ok) / max(1, len(ok)):.1f}%"
+        )
+        if args.write:
+            cal.write_rows(
+                [replace(r, recorded_error=round(e, 4)) for r, e in zip(rows, errs, strict=True)],
+                cal.TABLE,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

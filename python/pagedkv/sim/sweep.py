@@ -2,8 +2,10 @@
 
 A point that cannot run (the model does not fit the GPU, the KV cache cannot
 hold the longest request, a request can never be admitted) is marked
-``does not fit`` with the reason and the sweep goes on. :func:`write_csv` writes
-the points as one flat row each.
+``does not fit`` with the reason and the sweep goes on. A point is a compact
+record: its figures and its run's ``to_dict()`` (no per-step series), a few KB
+whatever the run's length. :func:`write_csv` writes the points as one flat row
+each; :mod:`pagedkv.sim.parallel` runs them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from ..errors import PagedKVError
 from .outputs import open_output
 from .runner import SimResult
 
-__all__ = ["CSV_COLUMNS", "invalid_point", "point", "run_point", "write_csv"]
+__all__ = [
+    "CSV_COLUMNS",
+    "failed_point",
+    "invalid_point",
+    "line",
+    "point",
+    "run_point",
+    "write_csv",
+]
 
 #: the CSV columns, in order (nested figures flattened with ``_``)
 CSV_COLUMNS = (
@@ -65,7 +75,8 @@ def _value(text: str) -> int | float | str:
 
 def point(axis: str, value: str, result: SimResult) -> dict[str, Any]:
     """The record of one run (``axis`` ``variant`` for ``--compare`` runs, whose
-    ``value`` is the variant's label)."""
+    ``value`` is the variant's label): its figures, and under ``run`` the run's
+    ``to_dict()``, which leaves the per-step series out."""
     t = result.timing
     return {
         "axis": axis,
@@ -80,7 +91,7 @@ def point(axis: str, value: str, result: SimResult) -> dict[str, Any]:
         **{k: t[k] for k in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "throughput")},
         "duration_s": t["duration_s"],
         "slo_attainment": t.get("slo_attainment"),
-        "result": result,
+        "run": result.to_dict(),
     }
 
 
@@ -93,12 +104,12 @@ def run_point(axis: str, value: str, run: Callable[[], SimResult]) -> dict[str, 
     except (PagedKVError, ValueError, RuntimeError) as e:
         return {"axis": axis, "value": _value(value), "status": "does not fit", "reason": str(e)}
     except Exception as e:
-        return {
-            "axis": axis,
-            "value": _value(value),
-            "status": "failed",
-            "reason": f"{type(e).__name__}: {e}",
-        }
+        return failed_point(axis, value, f"{type(e).__name__}: {e}")
+
+
+def failed_point(axis: str, value: str, reason: str) -> dict[str, Any]:
+    """The point of a run that failed for another reason than not fitting."""
+    return {"axis": axis, "value": _value(value), "status": "failed", "reason": reason}
 
 
 def invalid_point(axis: str, value: str, reason: str) -> dict[str, Any]:
@@ -109,7 +120,7 @@ def invalid_point(axis: str, value: str, reason: str) -> dict[str, Any]:
 def _flat(p: dict[str, Any]) -> dict[str, Any]:
     row: dict[str, Any] = {}
     for k, v in p.items():
-        if k == "result":
+        if k == "run":
             continue
         if isinstance(v, dict):
             for kk, vv in v.items():
@@ -117,6 +128,18 @@ def _flat(p: dict[str, Any]) -> dict[str, Any]:
         else:
             row[k] = v
     return row
+
+
+def line(label: str, p: dict[str, Any]) -> str:
+    """One line on a point, for a sweep's progress: the figures of the table, or
+    the status and the reason."""
+    if p["status"] != "ok":
+        return f"{label}: {p['status']}: {p['reason'].split('. ')[0]}"
+    return (
+        f"{label}: hit rate {100 * p['hit_rate']:.1f} %, {p['preemptions']:,} preemptions, "
+        f"TTFT p50 / p99 {p['ttft_ms']['p50']:,.1f} / {p['ttft_ms']['p99']:,.1f} ms, "
+        f"{p['throughput']['requests_per_s']:,.2f} req/s ({p['run']['wall_s']:,.1f} s)"
+    )
 
 
 def write_csv(points: Sequence[dict[str, Any]], path: str | Path) -> None:

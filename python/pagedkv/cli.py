@@ -994,6 +994,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"pagedkv {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     _simulate_parser(sub)
+    _calibrate_parser(sub)
     ts = sub.add_parser(
         "trace-stats",
         help="what a trace holds, and its prefix-hit ceiling",
@@ -1097,6 +1098,206 @@ def _trace_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+CALIBRATE_HELP = """\
+Fit the simulator's linear step-time model (--step-time A,B,C,D: ms = A + B x
+prefill tokens/1000 + C x decode sequences + D x context tokens/1000) to your own
+benchmark results: the JSON files vLLM's benchmark_serving.py / 'vllm bench serve
+--save-result' writes (--save-detailed ones give per-request lengths). Each file
+is replayed on the model, GPUs and scheduler limits given here, the way its client
+sent it (--max-concurrency clients, --request-rate arrivals, or all at once), and
+the coefficients are fitted to the files' mean TTFT, mean TPOT (else ITL) and
+duration by non-negative least squares, re-simulating until they settle.
+"""
+
+CALIBRATE_EPILOG = """\
+give benchmarks at two or more concurrencies and several lengths: one concurrency
+cannot tell the per-step coefficient A from the per-sequence one C.
+
+examples:
+  vllm bench serve ... --max-concurrency 1  --save-result --result-filename c1.json
+  vllm bench serve ... --max-concurrency 32 --save-result --result-filename c32.json
+  pagedkv calibrate c1.json c8.json c32.json --model llama-3.1-8b --gpu H100-SXM
+  pagedkv simulate --step-time 4.1,24,0.081,0.015 ...
+
+exit status: 0 ok, 2 bad arguments or input (or too few figures to fit).
+"""
+
+#: The most benchmark files one calibration reads.
+MAX_CALIBRATE_FILES = 256
+
+
+def _calibrate_parser(sub: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "calibrate",
+        help="fit --step-time to benchmark_serving results",
+        description=CALIBRATE_HELP,
+        epilog=CALIBRATE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "files",
+        nargs="+",
+        metavar="FILE",
+        help="benchmark_serving / vllm bench serve result JSON (one run each, or several "
+        "appended with --append-result)",
+    )
+    g = p.add_argument_group("the deployment that was benchmarked")
+    g.add_argument(
+        "--model",
+        "-m",
+        default="llama-3.1-8b",
+        metavar="PRESET|CONFIG",
+        help="model preset, or the path of a Hugging Face config.json (default llama-3.1-8b)",
+    )
+    g.add_argument(
+        "--gpu", default="H100-SXM", choices=list(GPUS), metavar="NAME", help="GPU preset"
+    )
+    g.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel GPUs (default 1)")
+    g.add_argument(
+        "--quantization",
+        choices=presets.QUANTIZATIONS,
+        default="none",
+        help="weight quantization, as vLLM's --quantization (default none)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=0.9,
+        metavar="F",
+        help="share of GPU memory vLLM may use (default 0.9)",
+    )
+    mem = g.add_mutually_exclusive_group()
+    mem.add_argument(
+        "--memory",
+        type=_positive_float,
+        metavar="GIB",
+        help="KV-cache memory per GPU, GiB (default: what the GPU leaves)",
+    )
+    mem.add_argument("--num-blocks", type=_positive_int, metavar="N", help="a fixed block count")
+    g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per block")
+    g.add_argument("--kv-dtype", default="bfloat16", help="KV-cache dtype (default bfloat16)")
+    g.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        metavar="N",
+        help="default: the longest request, rounded up to 1024",
+    )
+    g.add_argument("--max-num-seqs", type=_positive_int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
+    g = p.add_argument_group("fit and output")
+    g.add_argument(
+        "--seed", type=int, default=0, help="seed of the replayed arrival times (default 0)"
+    )
+    g.add_argument("--json", action="store_true", help="print the fit as JSON only")
+    return p
+
+
+_CALIBRATE_FIGURES = (
+    ("mean_ttft_ms", "TTFT mean (ms)"),
+    ("mean_tpot_ms", "TPOT mean (ms)"),
+    ("mean_itl_ms", "ITL mean (ms)"),
+    ("output_throughput", "output tok/s"),
+    ("duration", "duration (s)"),
+)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from .sim import stepfit
+
+    if len(args.files) > MAX_CALIBRATE_FILES:
+        raise _UsageError(f"at most {MAX_CALIBRATE_FILES} benchmark files, got {len(args.files)}")
+    cfg = SimConfig(
+        model=args.model,
+        memory_gib=args.memory,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        kv_dtype=args.kv_dtype,
+        max_model_len=args.max_model_len,
+        enable_caching=False,
+        hash_algo="xxh3_native",
+        background_hashing=False,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu=args.gpu,
+        tp=args.tp,
+        quantization=args.quantization,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        on_overlong="fail",
+    )
+    benchmarks = stepfit.load_all(args.files)
+    result = stepfit.fit(benchmarks, cfg, seed=args.seed)
+    for w in result.warnings:
+        print(f"pagedkv calibrate: warning: {w}", file=sys.stderr)
+    rows: list[dict[str, Any]] = []
+    for b, run in zip(benchmarks, result.runs, strict=True):
+        fitted = b.fitted()
+        keys = [k for k, _ in _CALIBRATE_FIGURES if k in b.measured]
+        rows.append(
+            {
+                "file": b.name,
+                "requests": b.num_requests,
+                "mean_input_tokens": sum(b.input_lens) / b.num_requests,
+                "mean_output_tokens": b.output_tokens / b.num_requests,
+                "client": b.client(),
+                "per_request_lengths": b.detailed,
+                "fitted": fitted,
+                "measured": {k: b.measured[k] for k in keys},
+                "simulated": {k: run.figures[k] for k in keys},
+                "error": {
+                    k: run.figures[k] / b.measured[k] - 1.0 for k in keys if b.measured[k] > 0
+                },
+            }
+        )
+    m = result.model
+    if args.json:
+        doc = {
+            "step_time": result.step_time,
+            "coefficients_ms": {"a": m.a, "b": m.b, "c": m.c, "d": m.d},
+            "rounds": result.rounds,
+            "settled": result.settled,
+            "warnings": result.warnings,
+            "config": {
+                "model": cfg.model,
+                "gpu": cfg.gpu,
+                "tp": cfg.tp,
+                "max_num_seqs": cfg.max_num_seqs,
+                "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                "block_size": cfg.block_size,
+                "kv_dtype": cfg.kv_dtype,
+                "seed": args.seed,
+            },
+            "benchmarks": rows,
+        }
+        sys.stdout.write(_json_text(doc))
+        return 0
+    how = "settled" if result.settled else "stopped"
+    lines = [
+        f"pagedkv calibrate: {cfg.model} on {cfg.tp} x {cfg.gpu}, {len(benchmarks)} "
+        f"benchmark(s), {how} after {result.rounds} round(s)",
+        f"--step-time {result.step_time}",
+        f"  ms = {m.a:.4g} + {m.b:.4g} x prefill tokens/1000 + {m.c:.4g} x decode sequences "
+        f"+ {m.d:.4g} x context tokens/1000",
+    ]
+    for row in rows:
+        lines.append("")
+        lines.append(
+            f"{row['file']}: {row['requests']:,} requests of {row['mean_input_tokens']:,.0f} "
+            f"in / {row['mean_output_tokens']:,.0f} out tokens (mean), {row['client']}"
+        )
+        lines.append(f"  {'figure':<16} {'measured':>12} {'simulated':>12} {'error':>9}")
+        for key, label in _CALIBRATE_FIGURES:
+            if key not in row["measured"]:
+                continue
+            err = row["error"].get(key)
+            lines.append(
+                f"  {label:<16} {row['measured'][key]:>12,.3f} {row['simulated'][key]:>12,.3f} "
+                + (f"{100 * err:>+8.1f}%" if err is not None else f"{'':>9}")
+                + ("  fitted" if key in row["fitted"] else "")
+            )
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pagedkv`` console script."""
     parser = build_parser()
@@ -1106,6 +1307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     prog = f"pagedkv {args.command}"
     try:
+        if args.command == "calibrate":
+            return _calibrate(args)
         return _trace_stats(args) if args.command == "trace-stats" else _simulate(args)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

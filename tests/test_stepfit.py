@@ -256,6 +256,39 @@ def test_without_a_roofline_the_fit_starts_from_a_default() -> None:
     assert result.settled
 
 
+def test_clock_free_benchmarks_are_replayed_once_and_then_with_the_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    benches = _benchmarks()
+    parsed = []
+    for b in benches:
+        run = stepfit.simulate(b, CFG, TRUTH, keep_tokens=True)
+        parsed.append(stepfit.parse_benchmark(stepfit.result_json(b, run, detailed=True), b.name))
+    calls: list[str] = []
+    real = stepfit.simulate
+
+    def counted(b: Benchmark, *args: Any, **kw: Any) -> stepfit.Run:
+        calls.append(b.name)
+        return real(b, *args, **kw)
+
+    monkeypatch.setattr(stepfit, "simulate", counted)
+    result = stepfit.fit(parsed, CFG, start=stepfit.DEFAULT_START)
+    assert result.model == TRUTH and result.rounds == 2
+    assert calls == ["c1", "c8", "c32"] * 2
+
+
+def test_one_token_answers_do_not_determine_the_decode_coefficient(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    benches = [
+        Benchmark("a", (256,) * 8, (1,) * 8, max_concurrency=1),
+        Benchmark("b", (1024,) * 8, (1,) * 8, max_concurrency=4),
+    ]
+    files = _files(tmp_path, benches)
+    line = _refused(capsys, *files, *ARGS)
+    assert "do not determine the coefficients C" in line
+
+
 # ------------------------------------------------------------------ real files
 
 #: ``vllm bench serve --save-result`` (no --save-detailed), Llama-3.1-8B on one

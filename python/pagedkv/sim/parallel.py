@@ -22,6 +22,7 @@ import importlib
 import logging
 import multiprocessing
 import re
+import signal
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -201,6 +202,9 @@ _worker_workloads: SweepWorkloads | None = None
 def _init_worker(workloads: SweepWorkloads) -> None:
     global _worker_workloads
     _worker_workloads = workloads
+    # Ctrl-C reaches the whole process group: the parent handles it and ends
+    # the workers (else each would go on to the points already queued to it).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _worker_point(point: SweepPoint) -> dict[str, Any]:
@@ -236,8 +240,21 @@ def _run_pool(
                         p.axis, p.value, f"its worker process died ({e or 'BrokenProcessPool'})"
                     )
                 done(i, record)
+    except BaseException:  # Ctrl-C, or on_done failed: the points left are not run
+        _terminate(pool)
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _terminate(pool: ProcessPoolExecutor) -> None:
+    """Ends the pool's worker processes at once (their points are lost)."""
+    stop = getattr(pool, "terminate_workers", None)  # Python 3.14
+    if stop is not None:
+        stop()
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.terminate()
 
 
 # ------------------------------------------------------------------------- Ray
@@ -278,6 +295,10 @@ def _run_ray(
                     p = points[i]
                     record = sweep.failed_point(p.axis, p.value, f"{type(e).__name__}: {e}")
                 done(i, record)
+    except BaseException:  # Ctrl-C, or on_done failed: a cluster drops the points left
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        raise
     finally:
         if owned:
             ray.shutdown()

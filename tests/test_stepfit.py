@@ -289,6 +289,25 @@ def test_one_token_answers_do_not_determine_the_decode_coefficient(
     assert "do not determine the coefficients C" in line
 
 
+def test_a_fit_far_from_the_figures_warns_about_the_deployment(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Benchmarks of one deployment replayed on another (a 10-token prefill
+    budget instead of 8192) cannot be fitted: the fit says so."""
+    files = _files(tmp_path, _benchmarks()[:2])
+    code, out, err = _calibrate(capsys, *files, *ARGS, "--max-num-batched-tokens", "10")
+    assert code == 0, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("pagedkv calibrate: warning: the fit leaves ")
+    assert "--max-num-batched-tokens" in line
+    assert out.startswith("pagedkv calibrate: ")
+
+
+def test_seed_must_be_non_negative(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    files = _files(tmp_path, _benchmarks()[:2])
+    assert "--seed must be" in _refused(capsys, *files, *ARGS, "--seed", "-1")
+
+
 # ------------------------------------------------------------------ real files
 
 #: ``vllm bench serve --save-result`` (no --save-detailed), Llama-3.1-8B on one

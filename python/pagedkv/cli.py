@@ -1206,6 +1206,8 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     if len(args.files) > MAX_CALIBRATE_FILES:
         raise _UsageError(f"at most {MAX_CALIBRATE_FILES} benchmark files, got {len(args.files)}")
+    if not 0 <= args.seed < 2**63:
+        raise _UsageError(f"--seed must be 0 to 2^63 - 1, got {args.seed}")
     cfg = SimConfig(
         model=args.model,
         memory_gib=args.memory,

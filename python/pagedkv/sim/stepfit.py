@@ -70,6 +70,8 @@ MAX_TOTAL_TOKENS = 200_000_000
 #: The most re-simulations of the fit, and when the coefficients have settled.
 MAX_ROUNDS = 8
 SETTLED = 0.005
+#: A fitted figure further off than this after the fit gets a warning.
+POOR_FIT = 0.10
 #: The coefficients' names, in ``--step-time`` order.
 COEFFICIENTS = ("a", "b", "c", "d")
 #: The first round's clock when the model has no roofline (no compute figures).
@@ -789,6 +791,17 @@ def fit(
     _, best = min(tried, key=lambda t: t[0])
     if best != model:
         fresh = [simulate(b, cfg, best, seed=seed) for b in benchmarks]
+    worst = max(
+        (abs(run.figures[k] / b.measured[k] - 1.0), b.name, k)
+        for b, run in zip(benchmarks, fresh, strict=True)
+        for k in b.fitted()
+    )
+    if worst[0] > POOR_FIT:
+        warnings.append(
+            f"the fit leaves {worst[2]} of {worst[1]} {100 * worst[0]:.0f} % off: the "
+            "simulated deployment may not be the benchmarked one (check --model, --gpu, "
+            "--tp, --max-num-seqs, --max-num-batched-tokens and the KV-cache memory)"
+        )
     return Fit(
         model=best,
         step_time=_text(best),

@@ -394,6 +394,19 @@ def test_calibrate_accepts_real_results(capsys: pytest.CaptureFixture[str], tmp_
     assert [r["requests"] for r in doc["benchmarks"]] == [8, 64]
 
 
+def test_infinite_rate_and_burstiness_are_read_as_written() -> None:
+    text = json.dumps(REAL | {"request_rate": 4.0, "burstiness": float("inf")})
+    assert '"burstiness": Infinity' in text  # how json.dump writes it
+    b = stepfit.parse_benchmark(json.loads(text), "r.json")
+    assert b.request_rate == 4.0 and b.burstiness == math.inf
+    text = json.dumps(REAL | {"request_rate": float("inf"), "max_concurrency": None})
+    b = stepfit.parse_benchmark(json.loads(text), "i.json")
+    assert b.request_rate == math.inf and b.client() == "all at once"
+    for bad in ({"burstiness": float("nan")}, {"request_rate": float("-inf")}):
+        with pytest.raises(stepfit.BenchmarkFormatError, match="must be a finite number"):
+            stepfit.parse_benchmark(REAL | bad, "x.json")
+
+
 def test_appended_results_are_one_benchmark_each(tmp_path: Path) -> None:
     second = REAL | {"max_concurrency": 4, "mean_ttft_ms": 40.0}
     p = tmp_path / "appended.json"

@@ -174,6 +174,10 @@ def _number(v: Any, what: str, where: str, *, positive: bool = False, hi: float 
     return x
 
 
+def _infinite(v: Any) -> bool:
+    return v == "inf" or (isinstance(v, float) and v == math.inf)
+
+
 def _lengths(doc: dict[str, Any], key: str, where: str, lo: int) -> list[int]:
     v = doc[key]
     if not isinstance(v, list) or not 0 < len(v) <= MAX_BENCHMARK_REQUESTS:
@@ -216,8 +220,10 @@ def parse_benchmark(doc: Any, name: str) -> Benchmark:
     completed = _count(doc, "completed", name, 1, MAX_BENCHMARK_REQUESTS)
     total_in = _count(doc, "total_input_tokens", name, completed, MAX_TOTAL_TOKENS)
     total_out = _count(doc, "total_output_tokens", name, completed, MAX_TOTAL_TOKENS)
+    # benchmark_serving writes an infinite rate as "inf", an infinite burstiness
+    # as JSON's Infinity (Python's json reads both)
     rate_v = doc["request_rate"]
-    if rate_v == "inf":
+    if _infinite(rate_v):
         rate = math.inf
     else:
         rate = _number(rate_v, "request_rate", name, positive=True, hi=1e9)
@@ -225,7 +231,7 @@ def parse_benchmark(doc: Any, name: str) -> Benchmark:
     if conc is not None:
         conc = _count(doc, "max_concurrency", name, 1, 10**6)
     burst_v = doc.get("burstiness", 1.0)
-    burst = math.inf if burst_v == "inf" else _number(burst_v, "burstiness", name, positive=True)
+    burst = math.inf if _infinite(burst_v) else _number(burst_v, "burstiness", name, positive=True)
     measured = {
         "duration": _number(doc["duration"], "duration", name, positive=True, hi=1e9),
         "mean_ttft_ms": _number(doc["mean_ttft_ms"], "mean_ttft_ms", name, hi=1e9),

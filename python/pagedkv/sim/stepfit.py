@@ -15,12 +15,13 @@ tokens / 1000)``, when each request arrived, got its first token and its last.
 
 With the schedule fixed, every figure is linear in the coefficients: a step
 lasts the dot product of its features with ``(A, B, C, D)``; a step starts where
-the previous one ended, or at a request's arrival when the engine sat idle;
-TTFT is the steps between a request's arrival and its first token; TPOT and ITL
-the steps between its first and last; the duration the steps up to the last
-finish. :func:`fit` solves the non-negative least squares of the relative errors
-of mean TTFT, mean TPOT (else ITL) and duration of every file, re-simulates with
-the new coefficients (the schedule moves with the clock) and repeats until the
+the previous one ended, or at a request's arrival when the engine sat idle; a
+request sent while a step ran keeps its place in that step; TTFT is the steps
+between a request's arrival and its first token; TPOT and ITL the steps between
+its first and last; the duration the steps up to the last finish. :func:`fit`
+solves the non-negative least squares of the relative errors of mean TTFT, mean
+TPOT (else ITL) and duration of every file, re-simulates with the new
+coefficients (the schedule moves with the clock) and repeats until the
 coefficients settle. ``docs/simulate.md`` ("Fitting --step-time") explains the
 method and its limits.
 """
@@ -47,17 +48,21 @@ from .workloads import Workload
 
 __all__ = [
     "COEFFICIENTS",
+    "DEFAULT_START",
     "MAX_FILE_BYTES",
     "Benchmark",
     "BenchmarkFormatError",
     "Fit",
     "Run",
+    "arrival_times",
     "fit",
+    "load_all",
     "load_benchmarks",
     "nnls",
     "parse_benchmark",
     "result_json",
     "simulate",
+    "workload",
 ]
 
 #: The most bytes read from one benchmark file.

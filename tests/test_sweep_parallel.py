@@ -9,6 +9,7 @@ import math
 import os
 import pickle
 import sys
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -208,6 +209,39 @@ def test_a_point_whose_worker_dies_is_failed_and_the_others_come_back() -> None:
     assert [r["value"] for r in records] == ["chat", "die"]
     assert records[1]["status"] == "failed"
     assert "worker process died" in records[1]["reason"]
+
+
+class _MarkedWorkloads(SweepWorkloads):
+    """Leaves a file named after each point's workload in ``marks`` as the point
+    starts; the points of ``slow...`` workloads take 20 s more."""
+
+    marks = ""
+
+    def get(self, name: str, time_scale: float) -> Any:
+        with open(os.path.join(self.marks, name), "w"):
+            pass
+        if name.startswith("slow"):
+            time.sleep(20)
+        return super().get(name, time_scale)
+
+
+def test_an_interrupted_sweep_runs_no_further_point(tmp_path: Any) -> None:
+    w = generate("chat", WorkloadOptions(num_requests=10, max_context=2048))
+    cfg = runner.SimConfig(memory_gib=0.5, max_model_len=2048)
+    names = ["fast", "slow1", "slow2", "slow3"]
+    points = [SweepPoint("workload", n, f"workload={n}", cfg, n, 1.0) for n in names]
+    workloads = _MarkedWorkloads(dict.fromkeys(names, w))
+    workloads.marks = str(tmp_path)
+
+    def interrupt(i: int, record: dict[str, Any]) -> None:
+        assert record["value"] == "fast"
+        raise KeyboardInterrupt  # Ctrl-C as the first point comes back
+
+    with pytest.raises(KeyboardInterrupt):
+        parallel.run_points(points, workloads, jobs=2, on_done=interrupt)
+    # the two workers were stopped in their slow points: the last point never began
+    started = sorted(p.name for p in tmp_path.iterdir())
+    assert "fast" in started and "slow3" not in started
 
 
 @pytest.mark.parametrize("jobs", ["0", "-1", "1025", "abc", "2.5", ""])

@@ -93,6 +93,8 @@ def _plain_run(b: Benchmark, model: LinearModel) -> dict[str, Any]:
         # Poisson arrivals slow enough for the engine to sit idle between them
         Benchmark("open", (500,) * 12, (30,) * 12, request_rate=2.0),
         Benchmark("bursty", (800,) * 20, (50,) * 20, request_rate=40.0, burstiness=0.5),
+        # arrivals at a rate, sent only while one of 3 clients is free
+        Benchmark("both", (600, 1400) * 8, (40, 25) * 8, max_concurrency=3, request_rate=20.0),
     ],
 )
 def test_linear_forms_give_the_figures_of_the_run_they_came_from(bench: Benchmark) -> None:
@@ -506,6 +508,15 @@ def test_a_file_past_the_size_limit_is_refused_unread(
         f.truncate(100 << 20)
     line = _refused(capsys, str(p))
     assert "larger than the limit of 1,000 bytes" in line
+
+
+def test_too_many_appended_results_are_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    p = tmp_path / "many.json"
+    p.write_text("\n".join(json.dumps(REAL) for _ in range(stepfit.MAX_BENCHMARKS + 1)))
+    line = _refused(capsys, str(p))
+    assert f"more than the limit of {stepfit.MAX_BENCHMARKS} benchmark results" in line
 
 
 def test_missing_files_and_directories_are_refused(

@@ -72,6 +72,8 @@ MAX_FILE_BYTES = 64 << 20
 MAX_BENCHMARK_REQUESTS = 100_000
 MAX_REQUEST_TOKENS = 10_000_000
 MAX_TOTAL_TOKENS = 200_000_000
+#: The most benchmarks one fit replays (files, and results appended in them).
+MAX_BENCHMARKS = 256
 #: The most re-simulations of the fit, and when the coefficients have settled.
 MAX_ROUNDS = 8
 SETTLED = 0.005
@@ -843,4 +845,8 @@ def load_all(paths: Sequence[str | os.PathLike[str]]) -> list[Benchmark]:
         if Path(p).is_dir():
             raise BenchmarkFormatError(f"{p}: a directory, not a benchmark result file")
         out.extend(load_benchmarks(p))
+        if len(out) > MAX_BENCHMARKS:
+            raise BenchmarkFormatError(
+                f"{p}: more than the limit of {MAX_BENCHMARKS} benchmark results in all"
+            )
     return out

@@ -270,7 +270,19 @@ def test_jobs_and_ray_go_with_a_sweep_alone(
 
 @pytest.mark.parametrize(
     "address",
-    ["", "foo", "host:0", "host:65536", "host:abc", ":6379", "a b:6379", "local:", "host:+80"],
+    [
+        "",
+        "foo",
+        "host:0",
+        "host:65536",
+        "host:abc",
+        ":6379",
+        "a b:6379",
+        "local:",
+        "host:+80",
+        "host\n:6379",
+        "ray://host:10001",
+    ],
 )
 def test_bad_ray_addresses_are_refused_before_anything_runs(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, address: str

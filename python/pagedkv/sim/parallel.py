@@ -113,8 +113,9 @@ def parse_jobs(text: str) -> int:
     return jobs
 
 
+#: a host name, an IPv4 address or a bracketed IPv6 one
 _HOST = re.compile(
-    r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9-]+)*|\[[0-9A-Fa-f:.]+\])$"
+    r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9-]+)*|\[[0-9A-Fa-f:.]+\]"
 )
 
 
@@ -125,7 +126,7 @@ def check_ray_address(text: str) -> str:
     if text in ("auto", "local"):
         return text
     host, sep, port = text.rpartition(":")
-    if not sep or not _HOST.match(host):
+    if not sep or not _HOST.fullmatch(host):
         raise ValueError(f"--ray-address is auto, local or HOST:PORT, got {text!r}")
     if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
         raise ValueError(f"--ray-address {text!r}: the port must be 1 to 65535")
@@ -190,7 +191,10 @@ def run_points(
             done(i, run_point(p, workloads))
     else:
         _run_pool(points, workloads, min(jobs, len(points)), done)
-    return [r for r in records if r is not None]
+    ran = [r for r in records if r is not None]
+    if len(ran) != len(points):  # every backend reports every point, run or failed
+        raise RuntimeError(f"{len(points) - len(ran)} of {len(points)} points did not report")
+    return ran
 
 
 # ------------------------------------------------------------- worker processes

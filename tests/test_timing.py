@@ -145,7 +145,10 @@ def test_roofline_decode_is_bound_by_weights_and_kv_reads() -> None:
     assert p["gemm_compute_s"] < p["gemm_memory_s"]
     assert p["decode_attention_compute_s"] < p["decode_attention_memory_s"]
     assert m.step_seconds(shape) == pytest.approx(
-        p["gemm_memory_s"] + p["decode_attention_memory_s"] + m.overhead_s + m.seq_overhead_s
+        p["gemm_memory_s"] + p["decode_attention_memory_s"] + p["overhead_s"]
+    )
+    assert p["overhead_s"] == pytest.approx(
+        m.overhead_s + 32 * m.layer_overhead_s + m.seq_overhead_s
     )
     # Twice the batch at the same context: the weights are read once.
     two = StepShape(decode=[1000, 1000], sampled=2)
@@ -167,7 +170,7 @@ def test_roofline_prefill_is_bound_by_flops_at_an_efficiency_growing_with_tokens
     )
     assert p["gemm_compute_s"] > p["gemm_memory_s"]
     assert m.step_seconds(shape) == pytest.approx(
-        p["gemm_compute_s"] + p["prefill_attention_compute_s"] + m.overhead_s + m.seq_overhead_s
+        p["gemm_compute_s"] + p["prefill_attention_compute_s"] + p["overhead_s"]
     )
     # Small prefills run the matmuls below the peak: per token, 64 tokens cost more
     # than 8,192 do.

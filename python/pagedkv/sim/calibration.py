@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import presets
+from . import perf
 from .backend import ManagerBackend
 from .policy import Request, Scheduler, drive_timed
 from .runner import SimConfig, build_config, make_manager, scheduler_config, step_time_model
@@ -181,10 +183,31 @@ def row_workload(row: Row, num_requests: int, *, seed: int = 0) -> Workload:
     return Workload(f"calibration:{row.id}", reqs, {"row": row.id})
 
 
+#: ``trtllm-bench``'s KV cache: this share of the memory the weights,
+#: activations and runtime leave free (``kv_cache_free_gpu_mem_fraction``, 0.95
+#: in the published runs), where vLLM takes 0.9 of the whole GPU (NIM's runs
+#: are sized as vLLM's: their KV budget is not published)
+TRTLLM_FREE_MEMORY_FRACTION = 0.95
+
+
+def _memory_utilization(row: Row) -> float:
+    """The ``gpu_memory_utilization`` that gives the row's engine its KV cache."""
+    if row.engine != "trtllm":
+        return 0.9
+    compute = presets.get(row.preset).compute
+    assert compute is not None
+    total = perf.gpu(row.gpu).memory_bytes
+    used = compute.weight_bytes / row.tp + perf.activation_reserve_bytes(
+        compute, row.tp, row.max_num_batched_tokens, row.max_num_seqs
+    )
+    return min(1.0, (used + TRTLLM_FREE_MEMORY_FRACTION * max(0.0, total - used)) / total)
+
+
 def row_config(row: Row, *, clock: str | None = None) -> SimConfig:
     """The simulation of a row: its model, GPUs, KV dtype, batch limits and
-    clients, the KV cache sized as vLLM sizes it."""
+    clients, the KV cache sized as the row's engine sizes it."""
     return SimConfig(
+        gpu_memory_utilization=_memory_utilization(row),
         model=row.preset,
         memory_gib=None,
         gpu=row.gpu,

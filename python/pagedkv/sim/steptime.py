@@ -237,8 +237,10 @@ class RooflineModel(StepTimeModel):
     - under tensor parallelism two all-reduces of the step's hidden states per
       layer, each ``allreduce_latency_s`` plus a ring's ``2 (tp-1) / tp`` of the
       volume over ``link_bytes_per_s x link_efficiency``;
-    - ``overhead_s`` per step and ``seq_overhead_s`` per scheduled sequence
-      (launches, sampling, the scheduler, input preparation).
+    - ``overhead_s`` per step, ``layer_overhead_s`` per layer (kernel launches
+      and synchronisation, which tensor parallelism does not divide) and
+      ``seq_overhead_s`` per scheduled sequence (sampling, the scheduler, input
+      preparation).
 
     The efficiencies and overheads are the fields of a
     :class:`~pagedkv.sim.perf.ClockProfile`, calibrated against published
@@ -274,6 +276,8 @@ class RooflineModel(StepTimeModel):
     overhead_s: float = 0.001
     #: per sequence scheduled in the step (seconds)
     seq_overhead_s: float = 0.0
+    #: per layer per step, whatever the GPUs (kernel launches and syncs; seconds)
+    layer_overhead_s: float = 0.0
     #: per all-reduce (seconds)
     allreduce_latency_s: float = 10e-6
     #: per request, outside the GPU: the front end's share of TTFT and end-to-end
@@ -333,7 +337,9 @@ class RooflineModel(StepTimeModel):
             / self.tp
             / (hbm * self.memory_efficiency),
             "comm_s": comm,
-            "overhead_s": self.overhead_s + self.seq_overhead_s * seqs,
+            "overhead_s": self.overhead_s
+            + self.layer_overhead_s * self.num_layers
+            + self.seq_overhead_s * seqs,
         }
 
     def step_seconds(self, shape: StepShape) -> float:

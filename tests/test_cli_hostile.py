@@ -486,6 +486,10 @@ def test_workload_options_with_a_trace_are_refused(
         ["--max-concurrency", "1.5"],
         ["--max-concurrency", "many"],
         ["--on-overlong", "truncate"],
+        ["--quantization", "int4"],
+        ["--quantization", ""],
+        ["--clock", "sglang"],
+        ["--compare", "quantization=fp8,int4"],
     ],
 )
 def test_bad_numbers_are_refused(capsys: pytest.CaptureFixture[str], extra: list[str]) -> None:

@@ -42,6 +42,10 @@ PUBLISHED = Path(cal.TABLE).parent / "published.csv"
 #: fitting replays recorded schedules (exact for closed-loop and offline rows)
 FAST = False
 
+#: seconds each row's last simulation took; rows over SLOW_S are ``slow`` in the table
+TIMES: dict[str, float] = {}
+SLOW_S = 2.5
+
 #: engine -> (max_num_seqs, max_num_batched_tokens) when the source does not say
 #: (trtllm-bench's defaults: a batch of 2,048, 8,192 tokens; Triton's
 #: tensorrtllm_backend and NIM: 256 / 8,192; vLLM's server on an 80 GB GPU and
@@ -120,7 +124,7 @@ def convert(rec: dict[str, str]) -> cal.Row | None:
         metric=rec["metric"],
         value=float(rec["value"]),
         recorded_error=float("nan"),
-        role="fit",
+        role="quick",
         notes=notes,
     )
 
@@ -340,6 +344,7 @@ def run(
                 if not quiet:
                     print(f"{r.id}: {type(ex).__name__}: {ex}", file=sys.stderr)
             errs.append(e)
+            TIMES[r.id] = time.perf_counter() - t0
             if not quiet:
                 print(
                     f"{r.id:<70} {r.value:>10.2f} {sim:>10.2f} {100 * e:>+7.1f}%"
@@ -407,7 +412,7 @@ def fit(
     rows: list[cal.Row], clock: str, rounds: int, fields: tuple[str, ...] = FIT_FIELDS
 ) -> perf.ClockProfile:
     prof = perf.CLOCKS.get(clock) or replace(perf.CLOCKS["vllm"], name=clock)
-    mine = [r for r in rows if r.clock == clock and r.role == "fit"]
+    mine = [r for r in rows if r.clock == clock]
     best = loss(run(mine, {clock: prof}, quiet=True), mine)
     print(f"start loss {best:.5f} over {len(mine)} rows", flush=True)
     step = 0.25
@@ -507,7 +512,14 @@ def main() -> int:
         )
         if args.write:
             cal.write_rows(
-                [replace(r, recorded_error=round(e, 4)) for r, e in zip(rows, errs, strict=True)],
+                [
+                    replace(
+                        r,
+                        recorded_error=round(e, 4),
+                        role="slow" if TIMES[r.id] > SLOW_S else "quick",
+                    )
+                    for r, e in zip(rows, errs, strict=True)
+                ],
                 cal.TABLE,
             )
     return 0

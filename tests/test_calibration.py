@@ -1,11 +1,11 @@
 """The clock against published measurements (``pagedkv.sim.calibration``).
 
-The rows of the shipped calibration table that replay in a few seconds (``role``
-``ci``; the others take up to half a minute each and are replayed by
-``benches/calibrate_clock.py --table --evaluate``) are run through the
-simulator: each must stay within its recorded error (the error it had when the
-clock profiles were fitted, plus half a point), so a change to the clock, the
-scheduler or the KV sizing that moves a row shows here. The goal is every row
+Every row of the shipped calibration table is run through the simulator: each
+must stay within its recorded error (the error it had when the clock profiles
+were fitted, plus half a point), so a change to the clock, the scheduler or the
+KV sizing that moves a row shows here. Rows of ``role`` ``slow`` (5 to 25 s
+each, about 7 minutes together) run under CI (``CI`` set, as ``.ci/run`` runs)
+or with ``PAGEDKV_CALIBRATION=all``; elsewhere they are skipped. The goal is every row
 within 15 % of its published value; the rows that miss it are named in
 docs/simulate.md.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -22,7 +23,8 @@ from pagedkv.sim import calibration as cal
 from pagedkv.sim import perf
 
 ROWS = cal.load_rows()
-CI_ROWS = [r for r in ROWS if r.role == "ci"]
+QUICK_ROWS = [r for r in ROWS if r.role == "quick"]
+ALL_ROWS = bool(os.environ.get("CI")) or os.environ.get("PAGEDKV_CALIBRATION") == "all"
 #: how far a row's error may drift from the recorded one (absolute, relative units)
 DRIFT = 0.005
 
@@ -44,10 +46,10 @@ def test_the_table_spans_sources_gpus_engines_and_both_regimes() -> None:
     for r in ROWS:
         assert r.gpu in perf.GPUS and r.clock in perf.CLOCKS
         assert r.url.startswith(("http://", "https://")) and r.source and r.engine
-        assert r.role in ("ci", "fit") and math.isfinite(r.recorded_error), r.id
+        assert r.role in ("quick", "slow") and math.isfinite(r.recorded_error), r.id
     within = sum(abs(r.recorded_error) <= 0.15 for r in ROWS)
     assert within >= 0.95 * len(ROWS)
-    assert len(CI_ROWS) >= 60
+    assert len(QUICK_ROWS) >= 60
 
 
 def test_every_published_row_of_the_table_is_in_the_collected_measurements() -> None:
@@ -65,8 +67,10 @@ def test_every_published_row_of_the_table_is_in_the_collected_measurements() -> 
         assert rec["gpu"] == r.gpu and rec["metric"] == r.metric
 
 
-@pytest.mark.parametrize("row", CI_ROWS, ids=[r.id for r in CI_ROWS])
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
 def test_row_stays_within_its_recorded_error(row: cal.Row) -> None:
+    if row.role == "slow" and not ALL_ROWS:
+        pytest.skip("a slow row: runs under CI or with PAGEDKV_CALIBRATION=all")
     sim = cal.simulate_row(row)
     err = cal.error(row, sim)
     assert abs(err) <= abs(row.recorded_error) + DRIFT, (

@@ -100,7 +100,7 @@ class Row:
     value: float
     #: the simulator's relative error on the row when the clock was fitted
     recorded_error: float
-    #: ``fit`` rows fitted the clock; ``check`` rows were held out
+    #: ``quick``: replayed in a few seconds; ``slow``: 5 to 25 s (tests run them under CI)
     role: str
     notes: str
 

@@ -53,7 +53,17 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
         (
             "GPUs",
             f"{c['tp']} x {c['gpu']}"
-            + ("" if c.get("step_time") is None else " (steps timed by --step-time)"),
+            + (
+                f", {c.get('clock', 'vllm')} clock"
+                if c.get("step_time") is None
+                else " (steps timed by --step-time)"
+            ),
+        ),
+        (
+            "weights",
+            f"{c['quantization']} quantization"
+            if c.get("quantization", "none") != "none"
+            else _OMIT,
         ),
         ("KV-cache memory", _kv_memory(c)),
         ("prefix caching", f"{'on' if c['enable_caching'] else 'off'}, {c['hash_algo']}"),

@@ -54,7 +54,7 @@ GPUs (--gpu): {gpus}
 --compare AXIS=V1,V2,... runs one simulation per value (repeat for a grid);
 --sweep AXIS=V1,V2,... runs one per value of one axis and draws curves.
   axes: caching (on,off), block-size, hash ({hashes}), memory (GiB per GPU),
-        num-blocks, model, workload, max-num-seqs, gpu, tp, time-scale,
+        num-blocks, model, workload, max-num-seqs, gpu, tp, quantization, clock, time-scale,
         router ({routers}), replicas, max-concurrency; '--compare caching' = on,off
 
 examples:
@@ -83,6 +83,7 @@ _AXES = (
     "gpu",
     "tp",
     "quantization",
+    "clock",
     "time-scale",
     "router",
     "replicas",
@@ -490,6 +491,10 @@ def _apply_config(axis: str, value: str, cfg: SimConfig) -> SimConfig:
         return replace(cfg, gpu=value)
     if axis == "tp":
         return replace(cfg, tp=_positive_int(value))
+    if axis == "clock":
+        if value not in CLOCKS:
+            raise ValueError(f"clocks: {', '.join(CLOCKS)}")
+        return replace(cfg, clock=value)
     if axis == "quantization":
         if value not in presets.QUANTIZATIONS:
             raise ValueError(f"quantizations: {', '.join(presets.QUANTIZATIONS)}")

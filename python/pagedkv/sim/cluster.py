@@ -170,6 +170,7 @@ def run_cluster(
     reqs = workload.requests
     items = [r.fresh() for r in reqs]
     lat = Latencies()
+    lat.request_overhead_s = getattr(model, "request_overhead_s", 0.0)
     # A concurrency limit binds the clients, who send to the router: it counts
     # the requests in flight on every replica together.
     tl = Timeline(items, cfg.tick_s, lat, max_concurrency=cfg.max_concurrency)

@@ -9,7 +9,7 @@ the activations of a profile run and what lives outside PyTorch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..presets import ModelCompute, ModelPreset
 from ..specs import (
@@ -137,48 +137,40 @@ class ClockProfile:
     source: str
 
 
-CLOCKS: dict[str, ClockProfile] = {
-    c.name: c
-    for c in (
-        ClockProfile(
-            "trtllm",
-            compute_efficiency=0.675,
-            gemm_half_tokens=54.8,
-            attention_efficiency=0.672,
-            memory_efficiency=0.76,
-            kv_efficiency=0.95,
-            link_efficiency=0.27,
-            overhead_s=0.717e-3,
-            seq_overhead_s=7.38e-6,
-            layer_overhead_s=2.14e-6,
-            allreduce_latency_s=29.1e-6,
-            request_overhead_s=7.52e-3,
-            source="fitted to 156 published TensorRT-LLM figures (trtllm-bench 0.17, 0.20 and "
-            "1.0 throughput tables; NIM 1.8.0 latency and throughput at concurrency 1-250) on "
-            "H100-SXM and H200, Llama-3.1-8B and Llama-3.1/3.3-70B FP8, TP 1-8 "
-            "(docs/simulate.md, 'Calibration')",
-        ),
-        ClockProfile(
-            "vllm",
-            # TensorRT-LLM's kernel efficiencies; vLLM's own overheads, fitted
-            # to vLLM's published batch latencies (BF16, TP 1 and 4, H100 and H200).
-            compute_efficiency=0.675,
-            gemm_half_tokens=54.8,
-            attention_efficiency=0.672,
-            memory_efficiency=0.76,
-            kv_efficiency=0.95,
-            link_efficiency=0.27,
-            overhead_s=1.65e-3,
-            seq_overhead_s=7.38e-6,
-            layer_overhead_s=1.31e-6,
-            allreduce_latency_s=24.7e-6,
-            request_overhead_s=7.52e-3,
-            source="the trtllm profile's kernel efficiencies, with per-step, per-layer and "
-            "all-reduce overheads fitted to vLLM's performance-benchmark batch latencies "
-            "(Llama-3.1-8B TP1 and Llama-3-70B TP4, BF16, H100-SXM and H200)",
-        ),
-    )
-}
+_TRTLLM = ClockProfile(
+    "trtllm",
+    compute_efficiency=0.675,
+    gemm_half_tokens=54.8,
+    attention_efficiency=0.672,
+    memory_efficiency=0.76,
+    kv_efficiency=0.95,
+    link_efficiency=0.27,
+    overhead_s=0.717e-3,
+    seq_overhead_s=7.38e-6,
+    layer_overhead_s=2.14e-6,
+    allreduce_latency_s=29.1e-6,
+    request_overhead_s=7.52e-3,
+    source="fitted to 156 published TensorRT-LLM figures (trtllm-bench 0.17, 0.20 and "
+    "1.0 throughput tables; NIM 1.8.0 latency and throughput at concurrency 1-250) on "
+    "H100-SXM and H200, Llama-3.1-8B and Llama-3.1/3.3-70B FP8, TP 1-8 "
+    "(docs/simulate.md, 'Calibration')",
+)
+
+#: vLLM: TensorRT-LLM's kernel efficiencies (the published vLLM figures with fixed
+#: lengths are too few to fit them), vLLM's own overheads, fitted to its published
+#: batch latencies (BF16, TP 1 and 4, H100 and H200)
+_VLLM = replace(
+    _TRTLLM,
+    name="vllm",
+    overhead_s=1.65e-3,
+    layer_overhead_s=1.31e-6,
+    allreduce_latency_s=24.7e-6,
+    source="the trtllm profile's kernel efficiencies, with per-step, per-layer and "
+    "all-reduce overheads fitted to vLLM's performance-benchmark batch latencies "
+    "(Llama-3.1-8B TP1 and Llama-3-70B TP4, BF16, H100-SXM and H200)",
+)
+
+CLOCKS: dict[str, ClockProfile] = {c.name: c for c in (_TRTLLM, _VLLM)}
 
 #: the clock of ``--clock`` when none is named
 DEFAULT_CLOCK = "vllm"

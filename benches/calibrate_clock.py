@@ -34,7 +34,7 @@ from pagedkv.sim import calibration as cal
 from pagedkv.sim import perf
 from pagedkv.sim.backend import ManagerBackend
 from pagedkv.sim.policy import Scheduler, drive_timed
-from pagedkv.sim.runner import build_config, make_manager, scheduler_config, step_time_model
+from pagedkv.sim.runner import make_manager, scheduler_config, step_time_model
 from pagedkv.sim.steptime import Latencies, RooflineModel, StepShape, StepTimeModel
 
 PUBLISHED = Path(cal.TABLE).parent / "published.csv"
@@ -235,10 +235,7 @@ def _record(row: cal.Row) -> tuple[dict[str, Any], dict[str, Any]]:
             _RECORDED[row.id] = pickle.load(f)
         return _RECORDED[row.id]
     cfg = cal.row_config(row)
-    probe = cal.row_workload(row, 1)
-    kv_config, mml = build_config(cfg, probe)
-    fits = (kv_config.num_blocks - 1) * cfg.block_size // (row.input_len + row.output_len)
-    wl = cal.row_workload(row, cal._num_requests(row, max(1, min(row.max_num_seqs, fits))))
+    kv_config, mml, wl = cal.row_setup(row, cfg)
     kv = make_manager(cfg, kv_config, mml)
     sched = Scheduler(ManagerBackend(kv), scheduler_config(cfg, kv_config))
     base = step_time_model(cfg)

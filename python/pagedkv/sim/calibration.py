@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .. import presets
+from ..specs import KVCacheConfig
 from . import perf
 from .backend import ManagerBackend
 from .policy import Request, Scheduler, drive_timed
@@ -255,13 +256,20 @@ def metric_of(row: Row, figures: dict[str, Any]) -> float:
     return v
 
 
+def row_setup(row: Row, config: SimConfig) -> tuple[KVCacheConfig, int, Workload]:
+    """The KV-cache config, ``max_model_len`` and requests of a row's run: as
+    many requests as :func:`_num_requests` gives for the batch the engine holds
+    (its batch limit, or the sequences its KV cache fits)."""
+    kv_config, max_model_len = build_config(config, row_workload(row, 1))
+    fits = (kv_config.num_blocks - 1) * config.block_size // (row.input_len + row.output_len)
+    workload = row_workload(row, _num_requests(row, max(1, min(row.max_num_seqs, fits))))
+    return kv_config, max_model_len, workload
+
+
 def simulate_row(row: Row, *, clock: str | None = None, cfg: SimConfig | None = None) -> float:
     """The row's metric as the simulator has it."""
     config = cfg or row_config(row, clock=clock)
-    probe = row_workload(row, 1)
-    kv_config, max_model_len = build_config(config, probe)
-    fits = (kv_config.num_blocks - 1) * config.block_size // (row.input_len + row.output_len)
-    workload = row_workload(row, _num_requests(row, max(1, min(row.max_num_seqs, fits))))
+    kv_config, max_model_len, workload = row_setup(row, config)
     kv = make_manager(config, kv_config, max_model_len)
     sched = Scheduler(ManagerBackend(kv), scheduler_config(config, kv_config))
     lat = Latencies()

@@ -322,6 +322,18 @@ def _config_preset(path: str) -> presets.ModelPreset:
     )
 
 
+def gpu_kv_memory(cfg: SimConfig, preset: presets.ModelPreset) -> int:
+    """Bytes of KV cache vLLM's rule leaves on each GPU of ``cfg`` for ``preset``."""
+    return perf.kv_cache_memory(
+        preset,
+        perf.gpu(cfg.gpu),
+        tp=cfg.tp,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs,
+    )
+
+
 def kv_memory_bytes(cfg: SimConfig, preset: presets.ModelPreset) -> int:
     """KV-cache bytes of the whole model instance: ``memory_gib`` (or what the GPU
     leaves) on each GPU, times the ways tensor parallelism splits the cache."""
@@ -332,15 +344,7 @@ def kv_memory_bytes(cfg: SimConfig, preset: presets.ModelPreset) -> int:
         if not cfg.memory_gib > 0:
             raise ValueError(f"memory must be positive, got {cfg.memory_gib} GiB")
         return int(cfg.memory_gib * GIB) * split
-    per_gpu = perf.kv_cache_memory(
-        preset,
-        perf.gpu(cfg.gpu),
-        tp=cfg.tp,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_num_seqs=cfg.max_num_seqs,
-    )
-    return per_gpu * split
+    return gpu_kv_memory(cfg, preset) * split
 
 
 def step_time_model(cfg: SimConfig) -> StepTimeModel:
@@ -463,14 +467,7 @@ def _config_dict(cfg: SimConfig, config: KVCacheConfig, max_model_len: int) -> d
     # --memory are taken as given, but a cache past it would not fit.
     preset = _preset(cfg)
     try:
-        leaves = perf.kv_cache_memory(
-            preset,
-            perf.gpu(cfg.gpu),
-            tp=cfg.tp,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs,
-        )
+        leaves = gpu_kv_memory(cfg, preset)
     except ValueError:
         leaves = 0
     d["gpu_kv_cache_gib"] = round(leaves / GIB, 3) if preset.compute is not None else None

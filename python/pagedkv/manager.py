@@ -112,11 +112,12 @@ class ManagerOptions(TypedDict, total=False):
       hashed before (a shared system prompt, the earlier turns of a
       conversation) is looked up by its whole input (parent hash and every
       token, compared in full) instead of hashed again: the same hash for a
-      fraction of the cost (16 ns a block found in the core against 97
-      hashed). The memo keeps this many recent prompt blocks (a power of two;
-      128 bytes each for 16-token blocks; at most 2**22); None: 16,384 (2 MiB,
-      allocated zeroed when first written); 0: off. The hash worker and the manager's
-      preparers share it. Blocks of sampled tokens, blocks with extra keys
+      fraction of the cost (measured in docs/perf-log.md, "Prompt blocks
+      found in a memo instead of hashed again"). The memo keeps this many
+      recent prompt blocks (a power of two; 128 bytes each for 16-token
+      blocks; at most 2**22); None: 16,384 (2 MiB, allocated zeroed when
+      first written); 0: off. The hash worker and the manager's preparers
+      share it. Blocks of sampled tokens, blocks with extra keys
       (LoRA, multimodal, the salted first block), other hash algorithms and
       truncated hashes are always hashed. A block not found costs about a
       tenth more than hashing alone: for prompts that share nothing, turn it

@@ -1,0 +1,84 @@
+"""Argument types and limits of the ``pagedkv`` command line, and its usage error.
+
+Each type turns one command-line string into a value within its limit, or
+raises ``argparse.ArgumentTypeError`` with the message argparse prints. The
+same types check the values of ``--compare`` and ``--sweep`` (``axes.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+class UsageError(Exception):
+    """A bad combination of options or values: printed as an error, exit status 2."""
+
+
+#: The most runs one --compare grid or --sweep makes.
+MAX_VARIANTS = 256
+
+#: The largest value any count or amount on the command line may take.
+MAX_ARG = 10**9
+
+#: The most replicas one simulation runs.
+MAX_REPLICAS = 256
+
+#: The largest --max-concurrency.
+MAX_CONCURRENCY = 10**6
+
+#: The most requests a built-in workload may generate.
+MAX_REQUESTS = 10_000_000
+
+
+def number(s: str, kind: type[int] | type[float], what: str) -> Any:
+    try:
+        return kind(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what}, got {s!r}") from None
+
+
+def positive_float(s: str) -> float:
+    v: float = number(s, float, f"must be a positive finite number up to {MAX_ARG}")
+    if not 0 < v <= MAX_ARG:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive finite number up to {MAX_ARG}, got {s}"
+        )
+    return v
+
+
+def replica_count(s: str) -> int:
+    v: int = number(s, int, f"must be 1 to {MAX_REPLICAS}")
+    if not 0 < v <= MAX_REPLICAS:
+        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_REPLICAS}, got {s}")
+    return v
+
+
+def concurrency(s: str) -> int:
+    v: int = number(s, int, f"must be an integer from 1 to {MAX_CONCURRENCY}")
+    if not 0 < v <= MAX_CONCURRENCY:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to {MAX_CONCURRENCY}, got {s}")
+    return v
+
+
+def fraction(s: str) -> float:
+    v: float = number(s, float, "must be in (0, 1]")
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {s}")
+    return v
+
+
+def positive_int(s: str) -> int:
+    v: int = number(s, int, f"must be a positive integer up to {MAX_ARG}")
+    if not 0 < v <= MAX_ARG:
+        raise argparse.ArgumentTypeError(f"must be a positive integer up to {MAX_ARG}, got {s}")
+    return v
+
+
+def request_count(s: str) -> int:
+    v: int = number(s, int, f"must be a positive integer up to {MAX_REQUESTS}")
+    if not 0 < v <= MAX_REQUESTS:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive integer up to {MAX_REQUESTS}, got {s}"
+        )
+    return v

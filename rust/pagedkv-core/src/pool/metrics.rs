@@ -28,7 +28,8 @@ pub struct BlockActivity {
     pub block: BlockId,
 }
 
-/// Cumulative block counters of a pool built [`BlockPool::with_metrics`].
+/// Cumulative block counters of a pool built
+/// [`BlockPool::with_metrics`](super::BlockPool::with_metrics).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BlockPoolStats {
     /// Blocks popped from the free queue for requests.
@@ -47,7 +48,7 @@ pub struct BlockPoolStats {
 #[derive(Debug, Default)]
 pub(super) struct PoolMetrics {
     pub(super) stats: BlockPoolStats,
-    /// Drained by [`BlockPool::take_block_activity`].
+    /// Drained by [`BlockPool::take_block_activity`](super::BlockPool::take_block_activity).
     pub(super) activity: Vec<BlockActivity>,
     /// The most entries `activity` keeps (0: the default).
     pub(super) cap: usize,

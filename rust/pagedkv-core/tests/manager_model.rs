@@ -148,7 +148,7 @@ fn cfg_strategy(
                 // Half the time the default (= block size), else any divisor. A
                 // hybrid (several cached groups) with a finer hash also registers
                 // partial prompt-tail entries, which this model leaves out (they
-                // are checked against vLLM in tests/test_hybrid.py).
+                // are checked against vLLM in tests/core/test_hybrid.py).
                 let hash_block_size = if hbs_pick.index(2) == 0 || (caching && num_groups > 1) {
                     None
                 } else {

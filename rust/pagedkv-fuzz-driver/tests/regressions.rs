@@ -97,7 +97,7 @@ fn multimodal_item_past_u64_is_refused_not_a_panic() {
 /// sliding-window group panicked (`single_type.rs`, `(n + 1)` in
 /// `num_skipped_tokens`); counts past the request's tokens are now refused. Python cannot reach it (counts are i64 there); the
 /// same count past the request's tokens from Python frees the blocks the window
-/// still needs (see `tests/test_bad_input.py`).
+/// still needs (see `tests/core/test_bad_input.py`).
 #[test]
 fn remove_skipped_blocks_with_a_huge_count_is_refused_not_a_panic() {
     let mut cfg = ManagerConfig::full_attention(20, 4, 4096);

@@ -1,4 +1,4 @@
-"""Bad input across the whole Python API of the manager, and calls from several threads.
+"""The bad-input contract: a refused call raises a clear exception and leaves the manager as it was.
 
 Every public method gets wrong types, NaN / infinite / negative / huge numbers,
 token ids out of range, unknown / removed / odd request ids and stale lookups.
@@ -7,6 +7,12 @@ Each call must raise a clear exception -- a ``pagedkv.PagedKVError`` subclass,
 never a Rust panic (``pyo3_runtime.PanicException``, a ``BaseException``), and
 must leave the manager exactly as it was: the full observable snapshot, no
 events, no stats, ``check_invariants``.
+
+Where vLLM has a rule (``allocate_slots`` with nothing to do is a ValueError,
+``evict_blocks`` asserts ids are in the pool, a prompt never exceeds
+``max_model_len``), the exception mirrors it; the rest is pagedkv's contract
+(DESIGN.md section 5). A request that can never fit raises ``CannotFitError``;
+one that only does not fit now gets ``None``, with nothing changed.
 
 Threads: several threads drive one manager with their own requests (no crash,
 invariants hold, no exception at all); calls made while another thread's long
@@ -101,6 +107,30 @@ def raising_tokens() -> Iterator[int]:
     yield 1
     yield 2
     raise ZeroDivisionError("the caller's own iterator failed")
+
+
+# --------------------------------------------------------------------------- the hierarchy
+
+
+def test_every_error_is_a_pagedkv_error_and_a_builtin_error() -> None:
+    assert issubclass(UnknownRequestError, KeyError)
+    for cls in (
+        DuplicateRequestError,
+        InvalidArgumentError,
+        StaleComputedBlocksError,
+        CannotFitError,
+        pk.InvalidConfigError,
+    ):
+        assert issubclass(cls, ValueError)
+    for cls in (
+        UnknownRequestError,
+        DuplicateRequestError,
+        InvalidArgumentError,
+        StaleComputedBlocksError,
+        CannotFitError,
+        pk.InvalidConfigError,
+    ):
+        assert issubclass(cls, PagedKVError)
 
 
 # --------------------------------------------------------------------------- request ids
@@ -214,9 +244,33 @@ def test_bad_request_handle(
     check_refused(mgr, lambda m: ID_METHODS[method](m, handle), expected)
 
 
+# Unknown ids in calls whose other arguments differ from ID_METHODS': a waiting
+# request's counts, and a batch whose known entry's counts are themselves wrong
+# (the unknown id is what is reported).
+UNKNOWN_CALLS = {
+    "allocate_slots": lambda m: m.allocate_slots("nope", 1, num_computed_tokens=0),
+    "batch_with_one_unknown": lambda m: m.allocate_slots_batch(["run", "nope"], 1, [55, 0]),
+}
+
+
+@pytest.mark.parametrize("call", UNKNOWN_CALLS.values(), ids=UNKNOWN_CALLS.keys())
+def test_unknown_request_id_raises_unknown_request_error(call: Callable[..., Any]) -> None:
+    check_refused(busy(), call, UnknownRequestError)
+
+
+def test_removed_request_id_is_unknown() -> None:
+    mgr = busy()
+    assert "old" not in mgr
+    check_refused(mgr, lambda m: m.get_computed_blocks("old"), UnknownRequestError)
+    check_refused(mgr, lambda m: m.remove_request("old"), UnknownRequestError)
+
+
 @pytest.mark.parametrize("request_id", [*KNOWN])
-def test_duplicate_request_id(request_id: str) -> None:
-    check_refused(busy(), lambda m: m.add_request(request_id, [5] * 20), DuplicateRequestError)
+@pytest.mark.parametrize("prompt", [[1, 2, 3], [5] * 20], ids=["less_than_a_block", "a_full_block"])
+def test_duplicate_request_id_raises_and_keeps_the_original(
+    request_id: str, prompt: list[int]
+) -> None:
+    check_refused(busy(), lambda m: m.add_request(request_id, prompt), DuplicateRequestError)
 
 
 # --------------------------------------------------------------------------- counts
@@ -428,6 +482,47 @@ def test_counts_that_are_valid_alone_but_impossible_together() -> None:
         check_refused(mgr, call, exc)
 
 
+# Negative counts in calls that differ from COUNT_PARAMS': a waiting request's
+# num_new_tokens, a running one's lookahead from its full count, a hit's count
+# of a whole block.
+NEGATIVE_CALLS = {
+    "num_new_tokens": lambda m: m.allocate_slots("wait", -1, num_computed_tokens=0),
+    "num_lookahead_tokens": lambda m: m.allocate_slots(
+        "run", 1, num_computed_tokens=55, num_lookahead_tokens=-1
+    ),
+    "num_new_computed_tokens": lambda m: m.allocate_slots(
+        "wait", 5, num_computed_tokens=0, num_new_computed_tokens=-16
+    ),
+    "batch_num_new_tokens": lambda m: m.allocate_slots_batch(["run"], -1, [55]),
+    "batch_lookahead": lambda m: m.allocate_slots_batch(["run"], 1, [55], num_lookahead_tokens=-1),
+}
+
+
+@pytest.mark.parametrize("call", NEGATIVE_CALLS.values(), ids=NEGATIVE_CALLS.keys())
+def test_negative_counts_raise_invalid_argument(call: Callable[..., Any]) -> None:
+    check_refused(busy(), call, InvalidArgumentError)
+
+
+def test_zero_new_tokens_with_nothing_to_adopt_raises_invalid_argument() -> None:
+    # vLLM 0.33: ValueError("num_new_tokens must be greater than 0 when there are
+    # no computed tokens to adopt").
+    mgr = busy()
+    check_refused(
+        mgr, lambda m: m.allocate_slots("wait", 0, num_computed_tokens=0), InvalidArgumentError
+    )
+    check_refused(
+        mgr, lambda m: m.allocate_slots("run", 0, num_computed_tokens=55), InvalidArgumentError
+    )
+
+
+def test_computed_tokens_past_the_request_raise_invalid_argument() -> None:
+    check_refused(
+        busy(),
+        lambda m: m.allocate_slots("run", 1, num_computed_tokens=1000),
+        InvalidArgumentError,
+    )
+
+
 # --------------------------------------------------------------------------- token ids
 
 TOKEN_METHODS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
@@ -483,6 +578,55 @@ def test_bad_token_ids(
     check_refused(mgr, lambda m: call(m, make()), expected)
     assert "new" not in mgr
     assert mgr.num_tokens("run") == 55
+
+
+# Values beside BAD_TOKENS', for add_request and append_token_ids.
+OUT_OF_RANGE_TOKENS = {
+    "minus_one": [1, -1],
+    "two_pow_64": [1, 2**64],
+    "numpy_minus_one": np.array([5, -1], dtype=np.int64),
+    "numpy_int32_minus_one": np.array([-1], dtype=np.int32),
+}
+NON_INT_TOKENS = {
+    "str_item": [1, "a"],
+    "float_item": [1.5],
+    "none_item": [None],
+    "bytes": b"abc",
+    "numpy_float": np.array([1.0, 2.0]),
+}
+
+
+@pytest.mark.parametrize("tokens", OUT_OF_RANGE_TOKENS.values(), ids=OUT_OF_RANGE_TOKENS.keys())
+def test_token_ids_outside_u32_raise_invalid_argument(tokens: Any) -> None:
+    mgr = busy()
+    check_refused(mgr, lambda m: m.add_request("new", tokens), InvalidArgumentError)
+    assert "new" not in mgr
+    check_refused(mgr, lambda m: m.append_token_ids("run", tokens), InvalidArgumentError)
+
+
+@pytest.mark.parametrize("tokens", NON_INT_TOKENS.values(), ids=NON_INT_TOKENS.keys())
+def test_non_int_token_ids_raise_type_error(tokens: Any) -> None:
+    mgr = busy()
+    check_refused(mgr, lambda m: m.add_request("new", tokens), TypeError)
+    assert "new" not in mgr
+    check_refused(mgr, lambda m: m.append_token_ids("run", tokens), TypeError)
+
+
+def test_token_ids_at_the_u32_limits_are_accepted() -> None:
+    mgr = busy()
+    mgr.add_request("edge", [0, 2**32 - 1] * 8)
+    mgr.add_request("np", np.array([0, 2**32 - 1] * 8, dtype=np.uint32))
+    assert mgr.block_hashes("edge") == mgr.block_hashes("np")
+    mgr.check_invariants()
+
+
+def test_prompt_longer_than_max_model_len_is_rejected() -> None:
+    mgr = make_manager(BS, NUM_BLOCKS, max_model_len=32)
+    mgr.add_request("ok", list(range(32)))
+    check_refused(
+        mgr, lambda m: m.add_request("long", list(range(33))), InvalidArgumentError, ("ok",)
+    )
+    assert "long" not in mgr
 
 
 @pytest.mark.parametrize(
@@ -642,6 +786,86 @@ def test_stale_and_foreign_lookups_are_refused() -> None:
     )
 
 
+def cached_prefix_manager() -> pk.KVCacheManager:
+    """Blocks 1-3 cached and free (ref 0); request "r1" shares that prefix."""
+    mgr = make_manager(BS, NUM_BLOCKS, log_stats=True, enable_kv_cache_events=True)
+    mgr.add_request("r0", [*COMMON, *[3] * 7])
+    admit(mgr, "r0")
+    mgr.remove_request("r0")
+    mgr.add_request("r1", [*COMMON, *[4] * 5])
+    mgr.take_events()
+    mgr.make_prefix_cache_stats()
+    return mgr
+
+
+def test_hit_invalidated_by_evict_blocks_is_stale() -> None:
+    mgr = cached_prefix_manager()
+    hit = mgr.get_computed_blocks("r1")
+    assert as_lists(hit.block_ids) == ([1, 2, 3],)
+    mgr.evict_blocks([2])
+    mgr.take_events()
+    mgr.make_prefix_cache_stats()
+    check_refused(
+        mgr,
+        lambda m: m.allocate_slots("r1", 5, num_computed_tokens=0, new_computed_blocks=hit),
+        StaleComputedBlocksError,
+        ("r1",),
+    )
+    # Looking up again sees the chain broken at block 2.
+    hit, new = admit(mgr, "r1")
+    assert as_lists(hit.block_ids) == ([1],)
+    assert new is not None
+    mgr.check_invariants()
+
+
+def test_hit_whose_blocks_were_reallocated_is_stale() -> None:
+    mgr = cached_prefix_manager()
+    hit = mgr.get_computed_blocks("r1")
+    assert as_lists(hit.block_ids) == ([1, 2, 3],)
+    # Allocation pressure: a 160-token miss takes (and evicts) every block.
+    mgr.add_request("big", [99] * 160)
+    admit(mgr, "big")
+    mgr.remove_request("big")
+    mgr.take_events()
+    mgr.make_prefix_cache_stats()
+    check_refused(
+        mgr,
+        lambda m: m.allocate_slots("r1", 5, num_computed_tokens=0, new_computed_blocks=hit),
+        StaleComputedBlocksError,
+        ("r1",),
+    )
+    hit, new = admit(mgr, "r1")
+    assert hit.num_computed_tokens == 0
+    assert new is not None
+    mgr.check_invariants()
+
+
+def test_hit_used_for_another_request_is_stale() -> None:
+    mgr = cached_prefix_manager()
+    mgr.add_request("twin", [*COMMON, *[4] * 5])  # same prompt as r1
+    hit = mgr.get_computed_blocks("r1")
+    assert hit.num_computed_tokens == 48
+    check_refused(
+        mgr,
+        lambda m: m.allocate_slots("twin", 5, num_computed_tokens=0, new_computed_blocks=hit),
+        StaleComputedBlocksError,
+        ("r1", "twin"),
+    )
+
+
+def test_hit_from_another_manager_is_stale() -> None:
+    mgr = cached_prefix_manager()
+    other = cached_prefix_manager()
+    hit = other.get_computed_blocks("r1")
+    assert hit.num_computed_tokens == 48
+    check_refused(
+        mgr,
+        lambda m: m.allocate_slots("r1", 5, num_computed_tokens=0, new_computed_blocks=hit),
+        StaleComputedBlocksError,
+        ("r1",),
+    )
+
+
 # --------------------------------------------------------------------------- block ids, hashes
 
 BAD_BLOCK_LISTS: dict[str, tuple[Callable[[], Any], type[BaseException]]] = {
@@ -663,6 +887,26 @@ def test_bad_evict_blocks(make: Callable[[], Any], expected: type[BaseException]
     check_refused(busy(), lambda m: m.evict_blocks(make()), expected)
 
 
+@pytest.mark.parametrize(
+    "block_ids",
+    [[1, 11], [2**40], [5, -3]],
+    ids=["valid_then_bad", "huge", "valid_then_negative"],
+)
+def test_out_of_range_block_ids_in_evict_blocks_raise_and_evict_nothing(
+    block_ids: list[int],
+) -> None:
+    # vLLM asserts block_id < len(blocks) (a KV-connector bug otherwise).
+    mgr = busy()
+    assert mgr.cached_block_hash(1) is not None and mgr.cached_block_hash(5) is not None
+    check_refused(mgr, lambda m: m.evict_blocks(block_ids), InvalidArgumentError)
+
+
+def test_out_of_range_block_id_in_introspection_raises_invalid_argument() -> None:
+    mgr = busy()
+    for call in (lambda m: m.block_ref_count(11), lambda m: m.cached_block_hash(-1)):
+        check_refused(mgr, call, InvalidArgumentError)
+
+
 BAD_HASH_ARGS: dict[str, tuple[Callable[[pk.KVCacheManager], Any], type[BaseException]]] = {
     "str": (lambda m: m.cached_blocks_for_hash("abc"), TypeError),
     "none": (lambda m: m.cached_blocks_for_hash(None), TypeError),
@@ -677,6 +921,30 @@ BAD_HASH_ARGS: dict[str, tuple[Callable[[pk.KVCacheManager], Any], type[BaseExce
 @pytest.mark.parametrize(("call", "expected"), BAD_HASH_ARGS.values(), ids=BAD_HASH_ARGS.keys())
 def test_bad_hash_lookup(call: Callable[..., Any], expected: type[BaseException]) -> None:
     check_refused(busy(), call, expected)
+
+
+# --------------------------------------------------------------------------- capacity
+
+
+def test_request_larger_than_the_pool_raises_cannot_fit() -> None:
+    mgr = busy()
+    mgr.add_request("huge", list(range(161)))  # 11 blocks; the pool has 10 usable
+    check_refused(mgr, lambda m: admit(m, "huge"), CannotFitError, (*KNOWN, "huge"))
+    mgr.remove_request("huge")
+    mgr.check_invariants()
+
+
+def test_request_that_fits_an_empty_pool_but_not_now_returns_none() -> None:
+    mgr = busy()  # 4 blocks held, 6 free
+    mgr.add_request("big", list(range(1000, 1000 + 160)))  # exactly the 10 usable blocks
+    before = snapshot(mgr, (*KNOWN, "big"))
+    _, new = admit(mgr, "big")
+    assert new is None
+    assert snapshot(mgr, (*KNOWN, "big")) == before
+    mgr.remove_request("run")
+    _, new = admit(mgr, "big")
+    assert new is not None and len(new[0]) == 10
+    mgr.check_invariants()
 
 
 # --------------------------------------------------------------------------- construction

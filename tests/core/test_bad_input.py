@@ -1473,14 +1473,20 @@ def test_counts_beyond_64_bits_raise_overflow_error(call: Callable[..., Any]) ->
 
 def test_calls_during_a_long_add_request_wait() -> None:
     mgr = long_prompt_manager()
+    usable = mgr.num_free_blocks
     prompt = np.arange(1_000_000, dtype=np.int64) % 1000
+    seen: set[int] = set()  # the free counts read while a prompt was hashed
+    failed: list[BaseException] = []
     # Repeated, so that some call surely lands while the prompt is being hashed.
     for i in range(20):
         started = threading.Event()
 
         def add(rid: str = f"long{i}", ev: threading.Event = started) -> None:
             ev.set()
-            mgr.add_request(rid, prompt)
+            try:
+                mgr.add_request(rid, prompt)
+            except BaseException as e:  # reported by the main thread
+                failed.append(e)
 
         t = threading.Thread(target=add)
         t.start()
@@ -1488,12 +1494,22 @@ def test_calls_during_a_long_add_request_wait() -> None:
         try:
             while t.is_alive():
                 try:
-                    mgr.num_free_blocks  # noqa: B018
+                    seen.add(mgr.num_free_blocks)
                 except PagedKVError:
                     pass
         finally:
             t.join()
+        assert failed == []
+        # The prompt went in whole, and is the only request.
+        assert mgr.num_requests == 1 and f"long{i}" in mgr
+        assert mgr.num_tokens(f"long{i}") == len(prompt)
+        assert len(mgr.block_hashes(f"long{i}")) == len(prompt) // BS
+        mgr.check_invariants()
         mgr.remove_request(f"long{i}")
+    # Adding a prompt takes no block: every count read on the way saw the whole pool.
+    assert seen <= {usable}
+    assert mgr.num_requests == 0 and mgr.num_free_blocks == usable
+    mgr.check_invariants()
 
 
 def test_reentrant_call_from_a_prompt_iterator_runs_first() -> None:

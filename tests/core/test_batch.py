@@ -123,6 +123,8 @@ def test_one_count_for_every_request_is_broadcast(one: Any) -> None:
         assert_same_state(loop_mgr, batch_mgr, ids)
     with pytest.raises(TypeError):
         batch_mgr.allocate_slots_batch(ids, 1.0, [0] * len(ids))  # type: ignore[arg-type]
+    # The refused call changed nothing: the twins are still alike.
+    assert_same_state(loop_mgr, batch_mgr, ids)
 
 
 @pytest.mark.parametrize(
@@ -314,8 +316,11 @@ def test_batch_allocation_can_take_the_computed_counts_the_manager_tracks() -> N
     h = m.add_request("fresh", list(range(20)))
     n_ok, groups = m.allocate_slots_batch([h], 20)
     assert n_ok == 1 and len(groups[0][0]) == 2
+    before = snapshot(m, ["fresh", "r0", "r1", "r2"])
     with pytest.raises(pk.PagedKVError):
         m.allocate_slots_batch(["nope"], 1)
+    assert snapshot(m, ["fresh", "r0", "r1", "r2"]) == before
+    m.check_invariants()
 
 
 def test_sampled_tokens_in_the_batch_call_equal_appending_them_first() -> None:

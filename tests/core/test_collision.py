@@ -115,7 +115,7 @@ def _churn_hybrid(seed: int, steps: int = 400) -> None:
     """Admissions, decode steps, preemptions and removals of short prompts over
     a three-token vocabulary on full attention (8-token blocks) + a sliding
     window (4-token blocks) with a one-byte hash and no verification;
-    ``check_invariants`` after every call."""
+    ``check_invariants`` after every call, every block free once all are removed."""
     rng = random.Random(seed)
     full = pk.FullAttentionSpec(block_size=8, num_kv_heads=1, head_size=1, dtype="float32")
     swa = pk.SlidingWindowSpec(
@@ -164,6 +164,11 @@ def _churn_hybrid(seed: int, steps: int = 400) -> None:
             mgr.remove_request(rid)
             del computed[rid]
         mgr.check_invariants()
+    # Removing what is left returns every block, shared or not, to the free queue.
+    for rid in computed:
+        mgr.remove_request(rid)
+    assert mgr.num_requests == 0 and mgr.num_free_blocks == mgr.num_blocks - 1
+    mgr.check_invariants()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 43, 63, 90, 128, 175])

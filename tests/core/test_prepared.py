@@ -103,8 +103,10 @@ def test_bad_prepared_requests_are_refused_and_stay_usable() -> None:
         a.add_prepared(other)
     assert snapshot(a) == before and not other.added
     b.add_prepared(other)  # its own manager takes it
+    before = snapshot(b, ["x"])
     with pytest.raises(InvalidArgumentError, match="added already"):
         b.add_prepared(other)
+    assert snapshot(b, ["x"]) == before and b.num_tokens("x") == 12
 
     a.add_request("dup", [1, 2, 3])
     dup = a.request_preparer().prepare("dup", list(range(12)))
@@ -125,6 +127,9 @@ def test_bad_prepared_requests_are_refused_and_stay_usable() -> None:
         preparer.prepare("negative", [5, -1])
     with pytest.raises(TypeError):
         preparer.prepare("floats", [1.5])
+    # Preparing, refused or not, registers nothing: "dup" is still the only request.
+    assert a.num_requests == 1 and "dup" in a
+    a.check_invariants()
 
 
 def test_an_engine_hashed_manager_has_no_preparer() -> None:

@@ -227,6 +227,11 @@ def test_bad_input_raises(model: TinyTransformer) -> None:
         engine.fork_request("a", "d", max_tokens=1)
     with pytest.raises(pk.UnknownRequestError):
         engine.fork_request("zzz", "d", max_tokens=1)
+    # Only "a" was added; the refused calls left the engine and its manager alone.
+    assert list(engine.requests) == ["a"]
+    assert engine.requests["a"].prompt == [1, 2, 3]
+    assert engine.manager.num_requests == 1
+    engine.manager.check_invariants()
     with pytest.raises(ValueError, match="preemption_mode"):
         _engine(model, preemption_mode="drop")
     with pytest.raises(ValueError, match="num_cpu_blocks"):

@@ -125,8 +125,11 @@ def test_bad_shapes_raise() -> None:
         paged_attention(step_q[:, :3], kv, meta, 1.0)
     with pytest.raises(ValueError, match="query_start_loc"):
         paged_attention(step_q[:-1], kv, meta, 1.0)
+    before = kv[0].clone()
     with pytest.raises(ValueError, match="cache"):
         write_kv(step_q[:, :2], step_q[:, :2], kv[0], meta.slot_mapping[:-1])
+    # Nothing was written (the cache is NaN-poisoned: NaN compares equal here).
+    assert torch.allclose(kv[0], before, rtol=0, atol=0, equal_nan=True)
 
 
 def test_copy_blocks_within_and_across_tensors() -> None:
@@ -138,7 +141,9 @@ def test_copy_blocks_within_and_across_tensors() -> None:
     cpu = torch.zeros(3, 3)
     copy_blocks([a], [3], [1], dst_tensors=[cpu])
     assert cpu[1].tolist() == [9, 10, 11] and cpu[0].tolist() == [0, 0, 0]
+    before = a.clone()
     with pytest.raises(ValueError, match="out of range"):
         copy_blocks([a], [5], [0])
     with pytest.raises(ValueError, match="one length"):
         copy_blocks([a], [1, 2], [0])
+    assert torch.equal(a, before)  # the refused copies wrote nothing

@@ -143,12 +143,20 @@ def test_swap_in_without_room_changes_nothing() -> None:
 def test_swap_misuse_raises() -> None:
     mgr, cache, swapper = _setup()
     computed = _run(mgr, cache, "a", list(range(1, 10)), decode=0)
+    ids = [i.tolist() for i in mgr.get_block_ids("a")]
     with pytest.raises(pk.InvalidArgumentError):
         swapper.swap_out("a", computed + 5)
+    assert [i.tolist() for i in mgr.get_block_ids("a")] == ids
+    assert swapper.num_free_cpu_blocks == 32
     swapped = swapper.swap_out("a", computed)
     assert swapped is not None
     mgr.allocate_slots("a", 4, num_computed_tokens=0)
+    ids = [i.tolist() for i in mgr.get_block_ids("a")]
     with pytest.raises(pk.InvalidArgumentError, match="already holds"):
         swapper.swap_in(swapped)
     with pytest.raises(pk.UnknownRequestError):
         swapper.swap_out("nope", 0)
+    # The swapped copy still holds its CPU blocks; "a" keeps its new ones.
+    assert swapper.num_free_cpu_blocks == 32 - swapped.num_cpu_blocks
+    assert [i.tolist() for i in mgr.get_block_ids("a")] == ids
+    mgr.check_invariants()

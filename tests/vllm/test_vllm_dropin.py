@@ -212,6 +212,10 @@ def test_a_hashing_manager_refuses_engine_hashes() -> None:
         m.sync_request("r", [1, 2, 3, 4], [b"\x01" * 32])
     with pytest.raises(InvalidArgumentError):
         m.add_request("s", [1, -1])
+    # Neither call changed anything: "r" keeps its tokens, "s" was not added.
+    assert m.num_tokens("r") == 3 and m.block_hashes("r") == []
+    assert "s" not in m and m.num_requests == 1
+    m.check_invariants()
 
 
 def test_deferred_free_keeps_blocks_until_free_blocks() -> None:

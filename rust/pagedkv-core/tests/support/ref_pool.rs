@@ -12,9 +12,6 @@
 //! manager test by (group, token prefix). Evicted keys are queued in
 //! `evicted` for the caller to turn into its own events.
 
-// Each test binary that includes this module uses a part of it.
-#![allow(dead_code)]
-
 use std::collections::{HashMap, VecDeque};
 use std::hash::Hash;
 

@@ -2,20 +2,13 @@
 //! scheduler loop ([`floor`]).
 
 use pagedkv_core::{AllocateArgs, KvCacheManager, ManagerConfig, RequestSpec};
+use pagedkv_splitmix::SplitMix64;
 
 /// Deterministic token ids (`SplitMix64`), so benches need no RNG crate.
 #[must_use]
 pub fn tokens(seed: u64, n: usize, vocab: u32) -> Vec<u32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            ((z ^ (z >> 31)) % u64::from(vocab)) as u32
-        })
-        .collect()
+    let mut rng = SplitMix64(seed);
+    (0..n).map(|_| rng.below(u64::from(vocab)) as u32).collect()
 }
 
 /// The example's `i`-th command-line argument parsed, or `default`.
@@ -66,25 +59,7 @@ pub fn admit(mgr: &mut KvCacheManager, id: &str, prompt: &[u32]) -> bool {
 /// The oracle's synthetic shared-prefix trace (format "vllm-oracle-trace" v1),
 /// generated exactly as `pagedkv._oracle.trace.generate` does.
 pub mod trace {
-    /// `SplitMix64`.
-    #[derive(Debug)]
-    pub struct Rng(u64);
-
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-        fn between(&mut self, lo: u64, hi: u64) -> u64 {
-            lo + self.below(hi - lo + 1)
-        }
-    }
+    use pagedkv_splitmix::SplitMix64 as Rng;
 
     /// One request: its prompt, the tokens it samples, its arrival step.
     #[derive(Debug)]
@@ -471,6 +446,13 @@ pub mod floor {
 #[cfg(test)]
 mod tests {
     use pagedkv_core::{KvCacheManager, ManagerConfig};
+
+    /// Token ids are `SplitMix64(seed).below(vocab)`, the draws of
+    /// `pagedkv._util.SplitMix64` in Python.
+    #[test]
+    fn tokens_are_the_splitmix64_stream() {
+        assert_eq!(crate::tokens(7, 5, 1000), [487, 804, 346, 203, 674]);
+    }
 
     /// The Rust loop makes vLLM 0.33's allocations on the oracle's default trace
     /// (the checksum vLLM's own manager produces under the reference drive loop).

@@ -4,7 +4,7 @@ logit must equal the dense reference. Also times the per-step block-table upload
 
     python tests/gpu/check_cuda.py        # exits 0 with "skipped" when CUDA is absent
 
-``tests/test_torch_cuda.py`` runs the same scenarios under pytest (skipped without
+``tests/torch/test_torch_cuda.py`` runs the same scenarios under pytest (skipped without
 CUDA).
 """
 

@@ -3,13 +3,11 @@
 //! operations, give the same hits, block ids, hashes and events.
 use pagedkv_core::{AllocateArgs, KvCacheManager, ManagerConfig, RequestSpec};
 
-#[path = "support/rng.rs"]
-mod rng;
-#[path = "support/specs.rs"]
-mod specs;
-use rng::Rng;
+mod support;
+use pagedkv_splitmix::SplitMix64;
+use support::specs;
 
-fn spec(rng: &mut Rng, prefixes: &[Vec<u32>]) -> RequestSpec {
+fn spec(rng: &mut SplitMix64, prefixes: &[Vec<u32>]) -> RequestSpec {
     let mut prompt = prefixes[rng.below(prefixes.len() as u64) as usize].clone();
     let tail = 1 + rng.below(200) as usize;
     prompt.extend((0..tail).map(|_| rng.below(32_000) as u32));
@@ -22,7 +20,7 @@ fn run(background: bool, verify: bool, seed: u64) -> Vec<String> {
     cfg.verify_cached_tokens = verify;
     cfg.background_hashing = background;
     let mut mgr = KvCacheManager::new(cfg).expect("config");
-    let mut rng = Rng(seed);
+    let mut rng = SplitMix64(seed);
     let prefixes: Vec<Vec<u32>> = (0..4)
         .map(|p| {
             (0..(64 + 48 * p))

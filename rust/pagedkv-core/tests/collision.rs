@@ -8,9 +8,7 @@ use pagedkv_core::{
     AllocateArgs, AttentionKind, GroupSpec, HashAlgo, KvCacheManager, ManagerConfig, RequestSpec,
 };
 
-#[path = "support/rng.rs"]
-mod rng;
-use rng::Rng;
+use pagedkv_splitmix::SplitMix64;
 
 fn config(groups: Vec<GroupSpec>, verify: bool, truncate: Option<u8>) -> ManagerConfig {
     let mut c = ManagerConfig::full_attention(96, 4, 4096);
@@ -27,7 +25,7 @@ fn fa(bs: u32) -> GroupSpec {
 
 /// Prompts built from a few shared stems plus random tails, so real prefix hits
 /// happen alongside the hash collisions.
-fn prompt(rng: &mut Rng) -> Vec<u32> {
+fn prompt(rng: &mut SplitMix64) -> Vec<u32> {
     let stem = rng.below(4) as u32;
     let stem_len = rng.below(24) as usize;
     let tail = 1 + rng.below(20) as usize;
@@ -48,7 +46,7 @@ struct Outcome {
 fn run(cfg: ManagerConfig, seed: u64, n: usize) -> Outcome {
     let groups = cfg.groups.clone();
     let mut m = KvCacheManager::new(cfg).expect("config");
-    let mut rng = Rng(seed);
+    let mut rng = SplitMix64(seed);
     // What each block was last computed for: (group, block) -> tokens of its span
     // and the whole prefix before it.
     let mut written: std::collections::HashMap<(usize, u32), Vec<u32>> =

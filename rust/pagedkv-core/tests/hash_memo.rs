@@ -5,11 +5,9 @@
 use pagedkv_core::hash::{BlockHasher, HashAlgo};
 use pagedkv_core::{Error, KvCacheManager, ManagerConfig, RequestSpec, hash::BlockHash};
 
-#[path = "support/rng.rs"]
-mod rng;
-#[path = "support/specs.rs"]
-mod specs;
-use rng::Rng;
+mod support;
+use pagedkv_splitmix::SplitMix64;
+use support::specs;
 
 fn manager(block_size: u32, memo: Option<u64>, algo: HashAlgo) -> KvCacheManager {
     let mut cfg = ManagerConfig::full_attention(512, block_size, 1 << 14);
@@ -21,7 +19,7 @@ fn manager(block_size: u32, memo: Option<u64>, algo: HashAlgo) -> KvCacheManager
 
 /// A prompt of a shared prefix (or none) and a fresh tail, sometimes salted,
 /// with a `LoRA` adapter or a multimodal item (blocks the memo leaves alone).
-fn spec(rng: &mut Rng, prefixes: &[Vec<u32>]) -> RequestSpec {
+fn spec(rng: &mut SplitMix64, prefixes: &[Vec<u32>]) -> RequestSpec {
     let mut prompt = match rng.below(prefixes.len() as u64 + 1) as usize {
         0 => Vec::new(),
         p => prefixes[p - 1].clone(),
@@ -38,7 +36,7 @@ fn hashes(m: &KvCacheManager, id: &str) -> Vec<BlockHash> {
 fn the_memo_changes_no_hash() {
     for block_size in [16, 7, 1] {
         for seed in [1, 2] {
-            let mut rng = Rng(seed);
+            let mut rng = SplitMix64(seed);
             let prefixes: Vec<Vec<u32>> = (0..3)
                 .map(|_| (0..150).map(|_| rng.below(50_000) as u32).collect())
                 .collect();
@@ -298,7 +296,7 @@ fn add_both(on: &mut KvCacheManager, off: &mut KvCacheManager, id: &str, prompt:
 #[test]
 fn requests_with_extra_keys_share_no_hashes() {
     let prompt: Vec<u32> = (100..100 + 16 * 6).collect();
-    let mut rng = Rng(9);
+    let mut rng = SplitMix64(9);
     for choice in 0..3 {
         let keyed = loop {
             let s = specs::with_extra_keys(&mut rng, prompt.clone(), 3, |_| 40);
@@ -343,7 +341,7 @@ fn requests_with_extra_keys_share_no_hashes() {
 #[test]
 fn shared_hashes_change_no_hash() {
     for block_size in [16, 5, 1] {
-        let mut rng = Rng(u64::from(block_size) + 40);
+        let mut rng = SplitMix64(u64::from(block_size) + 40);
         let roots: Vec<Vec<u32>> = (0..4)
             .map(|_| (0..120).map(|_| rng.below(1000) as u32).collect())
             .collect();

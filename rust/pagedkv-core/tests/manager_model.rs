@@ -26,11 +26,11 @@
 // proptest's `Index` is taken by reference as its strategies hand it out.
 #![allow(clippy::trivially_copy_pass_by_ref)]
 
-mod common;
+mod support;
 
 use std::collections::{HashMap, HashSet};
 
-use common::RefPool;
+use support::ref_pool::RefPool;
 
 use pagedkv_core::{
     AllocateArgs, AttentionKind, BatchAllocation, BatchStep, BlockHash, CacheKey, ComputedBlocks,
@@ -148,7 +148,7 @@ fn cfg_strategy(
                 // Half the time the default (= block size), else any divisor. A
                 // hybrid (several cached groups) with a finer hash also registers
                 // partial prompt-tail entries, which this model leaves out (they
-                // are checked against vLLM in tests/test_hybrid.py).
+                // are checked against vLLM in tests/core/test_hybrid.py).
                 let hash_block_size = if hbs_pick.index(2) == 0 || (caching && num_groups > 1) {
                     None
                 } else {
@@ -786,7 +786,7 @@ fn check_all(
     }
     let pool = mgr.pool();
     let n = m.n;
-    common::check_same_queue_and_refs(pool, &m.pool, ctx)?;
+    support::ref_pool::check_same_queue_and_refs(pool, &m.pool, ctx)?;
     prop_assert_eq!(
         mgr.num_free_blocks(),
         pool.num_free_blocks(),

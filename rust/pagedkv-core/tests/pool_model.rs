@@ -9,9 +9,9 @@
 // Short names (`m`, `n`, `k`, `b`) follow the model's notation.
 #![allow(clippy::many_single_char_names)]
 
-mod common;
+mod support;
 
-use common::RefPool;
+use support::ref_pool::RefPool;
 
 use pagedkv_core::{BlockHash, BlockPool, CacheKey, KvEvent};
 use proptest::prelude::*;
@@ -115,7 +115,7 @@ impl Model {
 }
 
 fn assert_same(pool: &mut BlockPool, m: &mut Model, ctx: &str) -> Result<(), TestCaseError> {
-    common::check_same_queue_and_refs(pool, &m.pool, ctx)?;
+    support::ref_pool::check_same_queue_and_refs(pool, &m.pool, ctx)?;
     for b in 1..m.pool.n as u32 {
         prop_assert_eq!(
             pool.block_key(b),

@@ -18,6 +18,7 @@ use pagedkv_core::{
     AllocateArgs, AttentionKind, Error, GroupSpec, KvCacheManager, ManagerConfig, MmFeature,
     RequestSpec,
 };
+use pagedkv_splitmix::SplitMix64;
 
 fn replay_dir(dir: &Path) -> usize {
     replay_dir_with(dir, driver::run)
@@ -54,21 +55,12 @@ fn index_fuzz_inputs_keep_every_property() {
     let n = replay_dir_with(&root.join("seeds/index"), driver::run_index)
         + replay_dir_with(&root.join("regressions/index"), driver::run_index);
     assert!(n > 0, "no index fuzz inputs found under {}", root.display());
-    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut rng = SplitMix64(SplitMix64::GAMMA);
     for _ in 0..300 {
-        let len = (next(&mut state) % 600) as usize;
-        let data: Vec<u8> = (0..len).map(|_| next(&mut state) as u8).collect();
+        let len = rng.below(600) as usize;
+        let data: Vec<u8> = (0..len).map(|_| rng.next_u64() as u8).collect();
         driver::run_index(&data);
     }
-}
-
-/// splitmix64.
-fn next(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 /// Found by the fuzzer: a multimodal item whose `offset + length` overflowed u64
@@ -97,7 +89,7 @@ fn multimodal_item_past_u64_is_refused_not_a_panic() {
 /// sliding-window group panicked (`single_type.rs`, `(n + 1)` in
 /// `num_skipped_tokens`); counts past the request's tokens are now refused. Python cannot reach it (counts are i64 there); the
 /// same count past the request's tokens from Python frees the blocks the window
-/// still needs (see `tests/test_bad_input.py`).
+/// still needs (see `tests/core/test_bad_input.py`).
 #[test]
 fn remove_skipped_blocks_with_a_huge_count_is_refused_not_a_panic() {
     let mut cfg = ManagerConfig::full_attention(20, 4, 4096);

@@ -1,10 +1,18 @@
-//! Small helpers shared by the behaviour tables (`partial_hits`,
-//! `scratch_groups`) and the batch tests (`handles`, `batch_step`): unwrap
+//! The one test-support module of the core's integration tests (`mod support;` in each).
+//!
+//! Here, the small helpers of the behaviour tables (`partial_hits`,
+//! `scratch_groups`, ...) and the batch tests (`handles`, `batch_step`): unwrap
 //! with the error's text, register a prompt, admit one, read a request's block
-//! ids.
+//! ids. Beside them, [`ref_pool`], the naive reference pool of the model tests
+//! (`pool_model`, `manager_model`), and [`specs`], requests with hash-changing
+//! extra keys drawn from `pagedkv_splitmix::SplitMix64` (`background_hashing`,
+//! `hash_memo`).
 
 // Each test binary that includes this module uses a part of it.
 #![allow(dead_code)]
+
+pub mod ref_pool;
+pub mod specs;
 
 use pagedkv_core::{AllocateArgs, Error, KvCacheManager, RequestSpec};
 

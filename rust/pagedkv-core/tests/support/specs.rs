@@ -3,16 +3,16 @@
 
 use pagedkv_core::{Lora, MmFeature, RequestSpec};
 
-use crate::rng::Rng;
+use pagedkv_splitmix::SplitMix64;
 
 /// A request of this prompt that, one time in `choices` each, has a cache
 /// salt (one of two), a `LoRA` adapter (one of two) or a multimodal item (one
 /// of three, 20 tokens at `mm_offset`), and otherwise nothing extra.
 pub fn with_extra_keys(
-    rng: &mut Rng,
+    rng: &mut SplitMix64,
     prompt: Vec<u32>,
     choices: u64,
-    mm_offset: impl FnOnce(&mut Rng) -> u64,
+    mm_offset: impl FnOnce(&mut SplitMix64) -> u64,
 ) -> RequestSpec {
     let mut s = RequestSpec {
         prompt_token_ids: prompt,

@@ -1,0 +1,1 @@
+"""Tests of the manager through the Python wrapper: specs, hashing, allocation, errors."""

@@ -1,0 +1,1 @@
+"""Tests of the manager's KV events, their wire format and their ZMQ transport."""

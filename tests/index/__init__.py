@@ -1,0 +1,1 @@
+"""Tests of the router-side prefix index (``pagedkv.index``) and its service."""

@@ -1,0 +1,1 @@
+"""Tests of the simulator (``pagedkv.sim``) and the ``pagedkv`` CLI that drives it."""

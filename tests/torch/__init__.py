@@ -1,0 +1,1 @@
+"""Tests of the torch helpers (``pagedkv.torch``): KV tensors, block tables, kernels, engine."""

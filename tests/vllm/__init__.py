@@ -1,0 +1,1 @@
+"""Tests of the vLLM drop-in (``pagedkv.vllm``) and of its scheduler against vLLM's."""

@@ -39,10 +39,10 @@ from .._util import FNV_OFFSET_BASIS, fnv1a64
 from ..index import PrefixIndex
 from ..manager import KVCacheManager
 from .config import SimConfig
-from .deployment import admit, build_config
+from .deployment import deploy
 from .perf import step_time_model
 from .policy import Request, Scheduler, Timeline
-from .result import SimResult, config_dict
+from .result import SimResult
 from .serving import ServingProcess, make_manager
 from .steptime import Latencies, summarize
 from .workloads import Workload
@@ -144,10 +144,10 @@ def run_cluster(
     if cfg.replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {cfg.replicas}")
     # Requests longer than the context are rejected at the frontend, before routing.
-    admitted = admit(workload, cfg)
-    workload = admitted.workload
-    config, max_model_len = build_config(cfg, workload)
-    model = step_time_model(cfg)
+    deployment = deploy(cfg, workload)
+    admitted, workload = deployment.admitted, deployment.workload
+    config, max_model_len = deployment.kv_config, deployment.max_model_len
+    model = step_time_model(cfg, deployment.model)
     prefix = cfg.router == "prefix-aware"
 
     replicas = []
@@ -231,7 +231,7 @@ def run_cluster(
     return SimResult(
         label=label,
         engine="pagedkv",
-        config=config_dict(cfg, config, max_model_len),
+        config=deployment.report(),
         steps=total(st.steps for st in stats),
         requests=len(items),
         finished=total(st.finished for st in stats),

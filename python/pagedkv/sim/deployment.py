@@ -13,7 +13,8 @@ into a ``KVCacheConfig`` through the config builder. The clock
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from ..config_builder import NotEnoughKVCacheMemoryError, get_kv_cache_config
 from ..presets import ModelCompute, ModelPreset
@@ -25,11 +26,14 @@ from .workloads import Workload
 __all__ = [
     "GPUS",
     "Admitted",
+    "Deployment",
     "GpuSpec",
     "OverlongRequestError",
     "activation_reserve_bytes",
     "admit",
     "build_config",
+    "config_report",
+    "deploy",
     "gpu",
     "gpu_kv_memory",
     "kv_cache_bytes",
@@ -213,9 +217,17 @@ def admit(workload: Workload, cfg: SimConfig) -> Admitted:
     ``on_overlong="reject"`` such requests are left out and counted; with
     ``"fail"`` the first raises :class:`OverlongRequestError`, as does a workload
     that has no request left."""
+    _check_on_overlong(cfg)
+    return _admit(workload, cfg, resolve(cfg))
+
+
+def _check_on_overlong(cfg: SimConfig) -> None:
     if cfg.on_overlong not in OVERLONG:
         raise ValueError(f"on_overlong is one of {', '.join(OVERLONG)}, got {cfg.on_overlong!r}")
-    preset = resolve(cfg)
+
+
+def _admit(workload: Workload, cfg: SimConfig, preset: ModelPreset) -> Admitted:
+    """:func:`admit` with the model resolved."""
     if cfg.max_model_len is not None:
         context, what = cfg.max_model_len, f"--max-model-len {cfg.max_model_len}"
     else:
@@ -269,7 +281,7 @@ def kv_memory_bytes(cfg: SimConfig, preset: ModelPreset) -> int:
     leaves) on each GPU, times the ways tensor parallelism splits the cache."""
     if cfg.tp < 1:
         raise ValueError(f"tp must be >= 1, got {cfg.tp}")
-    split = kv_split(preset.compute, cfg.tp) if preset.compute is not None else cfg.tp
+    split = _kv_split_ways(cfg, preset)
     if cfg.memory_gib is not None:
         if not cfg.memory_gib > 0:
             raise ValueError(f"memory must be positive, got {cfg.memory_gib} GiB")
@@ -293,7 +305,13 @@ def build_config(cfg: SimConfig, workload: Workload) -> tuple[KVCacheConfig, int
     presets, :class:`OverlongRequestError` as :func:`admit` does, and
     ``NotEnoughKVCacheMemoryError`` when the memory cannot hold one request."""
     preset = resolve(cfg)
-    workload = admit(workload, cfg).workload
+    return _build_config(cfg, admit(workload, cfg).workload, preset)
+
+
+def _build_config(
+    cfg: SimConfig, workload: Workload, preset: ModelPreset
+) -> tuple[KVCacheConfig, int]:
+    """:func:`build_config` for requests already admitted, the model resolved."""
     max_model_len = _max_model_len(cfg, workload, preset)
     memory = 0 if cfg.num_blocks is not None else kv_memory_bytes(cfg, preset)
 
@@ -326,5 +344,74 @@ def kv_cache_bytes(config: KVCacheConfig) -> int:
 def kv_split_ways(cfg: SimConfig) -> int:
     """How many ways the ``tp`` GPUs split the instance's KV cache (KV heads
     divided up to one per GPU, replicated beyond; MLA's latent: 1)."""
-    compute = resolve(cfg).compute
+    return _kv_split_ways(cfg, resolve(cfg))
+
+
+def _kv_split_ways(cfg: SimConfig, preset: ModelPreset) -> int:
+    compute = preset.compute
     return kv_split(compute, cfg.tp) if compute is not None else cfg.tp
+
+
+# ------------------------------------------------------------------ the deployment
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A simulation's model deployed on its GPUs (:func:`deploy`): the model
+    resolved once, the requests a server accepts and the KV cache they run on."""
+
+    cfg: SimConfig
+    #: the model (:func:`pagedkv.sim.model.resolve`), quantized as ``cfg`` says
+    model: ModelPreset
+    admitted: Admitted
+    kv_config: KVCacheConfig
+    max_model_len: int
+
+    @property
+    def workload(self) -> Workload:
+        """The accepted requests."""
+        return self.admitted.workload
+
+    def report(self) -> dict[str, Any]:
+        """The configuration a run's JSON shows (:func:`config_report`)."""
+        return config_report(self.cfg, self.model, self.kv_config, self.max_model_len)
+
+
+def deploy(cfg: SimConfig, workload: Workload) -> Deployment:
+    """``cfg``'s model resolved once, the requests of ``workload`` it accepts
+    (:func:`admit`) and the KV cache they run on (:func:`build_config`); raises as
+    those do."""
+    _check_on_overlong(cfg)
+    model = resolve(cfg)
+    admitted = _admit(workload, cfg, model)
+    kv_config, max_model_len = _build_config(cfg, admitted.workload, model)
+    return Deployment(cfg, model, admitted, kv_config, max_model_len)
+
+
+def config_report(
+    cfg: SimConfig, model: ModelPreset, config: KVCacheConfig, max_model_len: int
+) -> dict[str, Any]:
+    """The configuration a run's JSON shows: ``cfg`` with the context used and
+    the KV cache it got."""
+    d = asdict(cfg)
+    d["max_model_len"] = max_model_len
+    # The instance's cache: num_blocks x (every tensor's bytes per block), as the
+    # config builder sizes the tensors for --memory, --num-blocks or vLLM's rule
+    # alike (the clock, roofline or --step-time, plays no part); each GPU holds
+    # its share of the KV heads.
+    total = kv_cache_bytes(config)
+    d["kv_cache_gib"] = round(total / GIB, 3)
+    d["kv_cache_gib_per_gpu"] = round(total / _kv_split_ways(cfg, model) / GIB, 3)
+    # What the GPU would leave for KV cache by vLLM's rule: --num-blocks and
+    # --memory are taken as given, but a cache past it would not fit.
+    try:
+        leaves = gpu_kv_memory(cfg, model)
+    except ValueError:
+        leaves = 0
+    d["gpu_kv_cache_gib"] = round(leaves / GIB, 3) if model.compute is not None else None
+    d["kv_cache_groups"] = [
+        f"{type(g.kv_cache_spec).__name__}x{len(g.layer_names)}" for g in config.kv_cache_groups
+    ]
+    d["group_block_sizes"] = [g.kv_cache_spec.block_size for g in config.kv_cache_groups]
+    d["mamba_block_size"] = mamba_block_size(config)
+    return d

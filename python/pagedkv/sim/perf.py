@@ -208,13 +208,13 @@ def roofline(
     )
 
 
-def step_time_model(cfg: SimConfig) -> StepTimeModel:
+def step_time_model(cfg: SimConfig, model: ModelPreset | None = None) -> StepTimeModel:
     """The clock of a run: ``step_time``'s linear model, else the roofline of the
-    model on ``tp`` x ``gpu``."""
+    model (``model``: ``cfg``'s, already resolved) on ``tp`` x ``gpu``."""
     if cfg.step_time is not None:
         return LinearModel.parse(cfg.step_time)
     return roofline(
-        resolve(cfg),
+        model if model is not None else resolve(cfg),
         gpu(cfg.gpu),
         tp=cfg.tp,
         block_size=cfg.block_size,

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..specs import KVCacheConfig
 from .config import SimConfig
-from .deployment import GIB, gpu_kv_memory, kv_cache_bytes, kv_split_ways, mamba_block_size
+from .deployment import config_report
 from .model import resolve
 
 __all__ = ["ProgressFn", "SimResult", "config_dict"]
@@ -108,27 +108,5 @@ class SimResult:
 
 def config_dict(cfg: SimConfig, config: KVCacheConfig, max_model_len: int) -> dict[str, Any]:
     """The run's configuration as its JSON shows it: ``cfg`` with the context
-    used and the KV cache it got."""
-    d = asdict(cfg)
-    d["max_model_len"] = max_model_len
-    # The instance's cache: num_blocks x (every tensor's bytes per block), as the
-    # config builder sizes the tensors for --memory, --num-blocks or vLLM's rule
-    # alike (the clock, roofline or --step-time, plays no part); each GPU holds
-    # its share of the KV heads.
-    total = kv_cache_bytes(config)
-    d["kv_cache_gib"] = round(total / GIB, 3)
-    d["kv_cache_gib_per_gpu"] = round(total / kv_split_ways(cfg) / GIB, 3)
-    # What the GPU would leave for KV cache by vLLM's rule: --num-blocks and
-    # --memory are taken as given, but a cache past it would not fit.
-    preset = resolve(cfg)
-    try:
-        leaves = gpu_kv_memory(cfg, preset)
-    except ValueError:
-        leaves = 0
-    d["gpu_kv_cache_gib"] = round(leaves / GIB, 3) if preset.compute is not None else None
-    d["kv_cache_groups"] = [
-        f"{type(g.kv_cache_spec).__name__}x{len(g.layer_names)}" for g in config.kv_cache_groups
-    ]
-    d["group_block_sizes"] = [g.kv_cache_spec.block_size for g in config.kv_cache_groups]
-    d["mamba_block_size"] = mamba_block_size(config)
-    return d
+    used and the KV cache it got (:func:`~pagedkv.sim.deployment.config_report`)."""
+    return config_report(cfg, resolve(cfg), config, max_model_len)

@@ -28,6 +28,7 @@ from .deployment import (
     OverlongRequestError,
     admit,
     build_config,
+    deploy,
     gpu_kv_memory,
     kv_cache_bytes,
     kv_memory_bytes,
@@ -95,16 +96,16 @@ def run_pagedkv(
     behind ``cfg.router`` when there are several)."""
     if cfg.replicas > 1:
         return run_cluster(workload, cfg, label=label, progress=progress)
-    admitted = admit(workload, cfg)
-    workload = admitted.workload
-    config, max_model_len = build_config(cfg, workload)
-    process = ServingProcess.start(cfg, config, max_model_len)
+    deployment = deploy(cfg, workload)
+    admitted, workload = deployment.admitted, deployment.workload
+    config = deployment.kv_config
+    process = ServingProcess.start(cfg, config, deployment.max_model_len)
     kv, sched = process.kv, process.sched
     reqs = workload.requests
     usage, running, waiting, hit = array("d"), array("d"), array("d"), array("d")
     clock_s, preempt, step_hits, step_queries = array("d"), array("d"), array("d"), array("d")
     st = sched.stats
-    model = step_time_model(cfg)
+    model = step_time_model(cfg, deployment.model)
     lat = Latencies()
     last = [0, 0]
 
@@ -133,7 +134,7 @@ def run_pagedkv(
     return SimResult(
         label=label,
         engine="pagedkv",
-        config=config_dict(cfg, config, max_model_len),
+        config=deployment.report(),
         steps=st.steps,
         requests=len(reqs),
         finished=st.finished,

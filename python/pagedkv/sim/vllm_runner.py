@@ -31,9 +31,9 @@ from ..specs import (
 )
 from . import vllm_engine
 from .config import SimConfig
-from .deployment import admit, build_config
+from .deployment import Deployment, deploy
 from .perf import step_time_model
-from .result import ProgressFn, SimResult, config_dict
+from .result import ProgressFn, SimResult
 from .serving import scheduler_config
 from .workloads import Workload
 
@@ -93,9 +93,14 @@ def _vllm_groups(config: KVCacheConfig) -> list[dict[str, Any]]:
 
 def vllm_payload(workload: Workload, cfg: SimConfig) -> dict[str, Any]:
     """The JSON-able input of :func:`pagedkv.sim.vllm_engine.run` (the requests
-    :func:`admit` accepts)."""
-    workload = admit(workload, cfg).workload
-    config, max_model_len = build_config(cfg, workload)
+    :func:`~pagedkv.sim.deployment.admit` accepts)."""
+    return _payload(deploy(cfg, workload))
+
+
+def _payload(deployment: Deployment) -> dict[str, Any]:
+    """:func:`vllm_payload` of a deployment."""
+    cfg, workload = deployment.cfg, deployment.workload
+    config, max_model_len = deployment.kv_config, deployment.max_model_len
     if cfg.hash_algo not in ("sha256_cbor", "xxhash_cbor"):
         raise EngineUnavailableError(
             f"--engine vllm: vLLM has no {cfg.hash_algo!r} hash (use sha256_cbor or xxhash_cbor)"
@@ -133,7 +138,7 @@ def vllm_payload(workload: Workload, cfg: SimConfig) -> dict[str, Any]:
         "scheduler": asdict(scheduler_config(cfg, config)),
         "requests": reqs,
         "clock": {
-            "model": step_time_model(cfg).to_dict(),
+            "model": step_time_model(cfg, deployment.model).to_dict(),
             "tick_s": cfg.tick_s,
             "max_concurrency": cfg.max_concurrency,
             "slo": {"slo_ttft_ms": cfg.slo_ttft_ms, "slo_tpot_ms": cfg.slo_tpot_ms},
@@ -159,9 +164,9 @@ def run_vllm(
     """Simulates ``workload`` on vLLM's manager: in this interpreter when vLLM is
     importable here and ``vllm_python`` is None, else as a subprocess of
     ``vllm_python``. Raises :class:`EngineUnavailableError` when neither works."""
-    admitted = admit(workload, cfg)
-    workload = admitted.workload
-    payload = vllm_payload(workload, cfg)
+    deployment = deploy(cfg, workload)
+    admitted, workload = deployment.admitted, deployment.workload
+    payload = _payload(deployment)
     if vllm_python is None:
         if not vllm_engine.vllm_available():
             raise EngineUnavailableError(NOT_AVAILABLE.format(python=sys.executable))
@@ -175,12 +180,12 @@ def run_vllm(
             f"the vLLM engine's result is not what pagedkv expects "
             f"({vllm_python or sys.executable}): {e}"
         ) from None
-    config, max_model_len = build_config(cfg, workload)
+    config = deployment.kv_config
     per_api = {k: (int(v[0]), int(v[1])) for k, v in out["per_api"].items()}
     return SimResult(
         label=label,
         engine="vllm",
-        config=config_dict(cfg, config, max_model_len),
+        config=deployment.report(),
         steps=out["steps"],
         requests=len(workload.requests),
         finished=out["finished"],

@@ -30,7 +30,7 @@ class SimConfig:
     #: GiB of KV cache on each GPU (turned into blocks by the config builder);
     #: None: what ``gpu`` leaves after the weights and activations (as vLLM sizes it)
     memory_gib: float | None = 8.0
-    #: GPU preset (``pagedkv.sim.perf.GPUS``), tensor-parallel size, and the share
+    #: GPU preset (``pagedkv.sim.deployment.GPUS``), tensor-parallel size, and the share
     #: of GPU memory vLLM may use
     gpu: str = "H100-SXM"
     tp: int = 1

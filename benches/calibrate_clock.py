@@ -32,9 +32,8 @@ from typing import Any
 import numpy as np
 from pagedkv.sim import calibration as cal
 from pagedkv.sim import perf
-from pagedkv.sim.backend import ManagerBackend
-from pagedkv.sim.policy import Scheduler, drive_timed
-from pagedkv.sim.runner import make_manager, scheduler_config, step_time_model
+from pagedkv.sim.perf import step_time_model
+from pagedkv.sim.serving import ServingProcess
 from pagedkv.sim.steptime import Latencies, RooflineModel, StepShape, StepTimeModel
 
 PUBLISHED = Path(cal.TABLE).parent / "published.csv"
@@ -236,29 +235,18 @@ def _record(row: cal.Row) -> tuple[dict[str, Any], dict[str, Any]]:
         return _RECORDED[row.id]
     cfg = cal.row_config(row)
     kv_config, mml, wl = cal.row_setup(row, cfg)
-    kv = make_manager(cfg, kv_config, mml)
-    sched = Scheduler(ManagerBackend(kv), scheduler_config(cfg, kv_config))
+    process = ServingProcess.start(cfg, kv_config, mml)
     base = step_time_model(cfg)
     assert isinstance(base, RooflineModel)
     assert not base.expert_weight_bytes and not base.state_bytes_per_seq
     rec = _Recorder(base)
     ev = _Events()
-    reqs = wl.requests
     index: dict[float, int] = {0.0: -1}
 
     def on_step(clock: float, finished: int) -> None:
         index[clock] = len(index) - 1
 
-    drive_timed(
-        sched,
-        reqs,
-        rec,
-        tick_s=cfg.tick_s,
-        make_request=lambda i: reqs[i].fresh(),
-        latencies=ev,
-        max_concurrency=cfg.max_concurrency,
-        on_step=on_step,
-    )
+    process.drive(wl.requests, rec, latencies=ev, on_step=on_step)
     feats = {k: np.array(v) for k, v in zip(_FEATURE_NAMES, rec.f, strict=True)}
     rids = list(ev.per)
     a = np.array(

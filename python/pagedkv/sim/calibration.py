@@ -25,10 +25,12 @@ import numpy as np
 
 from .. import presets
 from ..specs import KVCacheConfig
-from . import perf
-from .backend import ManagerBackend
-from .policy import Request, Scheduler, drive_timed
-from .runner import SimConfig, build_config, make_manager, scheduler_config, step_time_model
+from . import deployment
+from .config import SimConfig
+from .deployment import build_config
+from .perf import step_time_model
+from .policy import Request
+from .serving import ServingProcess
 from .steptime import Latencies, summarize
 from .workloads import Workload
 
@@ -197,8 +199,8 @@ def _memory_utilization(row: Row) -> float:
         return 0.9
     compute = presets.get(row.preset).compute
     assert compute is not None
-    total = perf.gpu(row.gpu).memory_bytes
-    used = compute.weight_bytes / row.tp + perf.activation_reserve_bytes(
+    total = deployment.gpu(row.gpu).memory_bytes
+    used = compute.weight_bytes / row.tp + deployment.activation_reserve_bytes(
         compute, row.tp, row.max_num_batched_tokens, row.max_num_seqs
     )
     return min(1.0, (used + TRTLLM_FREE_MEMORY_FRACTION * max(0.0, total - used)) / total)
@@ -270,19 +272,9 @@ def simulate_row(row: Row, *, clock: str | None = None, cfg: SimConfig | None = 
     """The row's metric as the simulator has it."""
     config = cfg or row_config(row, clock=clock)
     kv_config, max_model_len, workload = row_setup(row, config)
-    kv = make_manager(config, kv_config, max_model_len)
-    sched = Scheduler(ManagerBackend(kv), scheduler_config(config, kv_config))
     lat = Latencies()
-    reqs = workload.requests
-    drive_timed(
-        sched,
-        reqs,
-        step_time_model(config),
-        tick_s=config.tick_s,
-        make_request=lambda i: reqs[i].fresh(),
-        latencies=lat,
-        max_concurrency=config.max_concurrency,
-    )
+    process = ServingProcess.start(config, kv_config, max_model_len)
+    process.drive(workload.requests, step_time_model(config), latencies=lat)
     return metric_of(row, _figures(row, lat))
 
 

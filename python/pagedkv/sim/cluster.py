@@ -34,13 +34,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from .._util import FNV_OFFSET_BASIS, fnv1a64
 from ..index import PrefixIndex
 from ..manager import KVCacheManager
-from .backend import ManagerBackend
+from .config import SimConfig
+from .deployment import deploy
+from .perf import step_time_model
 from .policy import Request, Scheduler, Timeline
+from .result import SimResult
+from .serving import ServingProcess, make_manager
 from .steptime import Latencies, summarize
 from .workloads import Workload
 
@@ -130,39 +133,30 @@ def _cumulative_rate(hits: list[float], queries: list[float]) -> list[float]:
 
 def run_cluster(
     workload: Workload,
-    cfg: Any,
+    cfg: SimConfig,
     *,
     label: str = "pagedkv",
     progress: Callable[[int, int], None] | None = None,
-) -> Any:
-    """Simulates ``workload`` on ``cfg.replicas`` replicas behind ``cfg.router``
-    (``cfg``: a :class:`~pagedkv.sim.runner.SimConfig`); returns a ``SimResult``
-    whose counts add up the replicas and whose ``extra["replicas"]`` has each
-    one's."""
-    from . import runner
-
+) -> SimResult:
+    """Simulates ``workload`` on ``cfg.replicas`` replicas behind ``cfg.router``;
+    returns a ``SimResult`` whose counts add up the replicas and whose
+    ``extra["replicas"]`` has each one's."""
     if cfg.replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {cfg.replicas}")
     # Requests longer than the context are rejected at the frontend, before routing.
-    admitted = runner.admit(workload, cfg)
-    workload = admitted.workload
-    config, max_model_len = runner.build_config(cfg, workload)
-    model = runner.step_time_model(cfg)
+    deployment = deploy(cfg, workload)
+    admitted, workload = deployment.admitted, deployment.workload
+    config, max_model_len = deployment.kv_config, deployment.max_model_len
+    model = step_time_model(cfg, deployment.model)
     prefix = cfg.router == "prefix-aware"
 
-    sched_cfg = runner.scheduler_config(cfg, config)
     replicas = []
     for i in range(cfg.replicas):
-        kv = runner.make_manager(cfg, config, max_model_len, enable_kv_cache_events=prefix)
-        sched = Scheduler(ManagerBackend(kv), sched_cfg)
-        sched.track_shape = True
-        replicas.append(_Replica(f"replica-{i}", kv, sched))
+        process = ServingProcess.start(cfg, config, max_model_len, enable_kv_cache_events=prefix)
+        process.sched.track_shape = True
+        replicas.append(_Replica(f"replica-{i}", process.kv, process.sched))
     # The router hashes a prompt and reads the hashes back at once: in place.
-    hasher = (
-        runner.make_manager(cfg, config, max_model_len, background_hashing=False)
-        if prefix
-        else None
-    )
+    hasher = make_manager(cfg, config, max_model_len, background_hashing=False) if prefix else None
     router = _Router(
         cfg.router, replicas, hasher, config.kv_cache_groups[0].kv_cache_spec.block_size
     )
@@ -234,10 +228,10 @@ def run_cluster(
     for st in stats:
         checksum = fnv1a64((st.alloc_checksum,), checksum)
     total = sum
-    return runner.SimResult(
+    return SimResult(
         label=label,
         engine="pagedkv",
-        config=runner._config_dict(cfg, config, max_model_len),
+        config=deployment.report(),
         steps=total(st.steps for st in stats),
         requests=len(items),
         finished=total(st.finished for st in stats),

@@ -1,10 +1,13 @@
-"""GPUs, and what a model on them costs: the step-time roofline and the KV memory.
+"""The clock of a simulation: how long each step of a model on its GPUs takes.
 
-:data:`GPUS` holds the vendor datasheet figures of the GPUs a planner compares;
-:func:`roofline` builds the :class:`~pagedkv.sim.steptime.RooflineModel` of a model
-preset on ``tp`` of them; :func:`kv_cache_memory` sizes the KV cache as vLLM
-does: GPU memory x ``gpu_memory_utilization``, less the weights on one GPU, less
-the activations of a profile run and what lives outside PyTorch.
+The fourth room of a simulation's setup, after its configuration
+(:mod:`pagedkv.sim.config`), its model (:mod:`pagedkv.sim.model`) and its
+deployment (:mod:`pagedkv.sim.deployment`): :data:`CLOCKS` holds the calibrated
+efficiencies and overheads of the serving engines; :func:`roofline` builds the
+:class:`~pagedkv.sim.steptime.RooflineModel` of a model preset on ``tp`` GPUs;
+:func:`step_time_model` gives a run's clock (``--step-time``'s linear model, else
+the roofline). The GPU presets and the KV memory rule live in the deployment room
+and are importable from here as before.
 """
 
 from __future__ import annotations
@@ -21,98 +24,34 @@ from ..specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from .steptime import AttentionKind, RooflineModel
+from .config import SimConfig
+from .deployment import (
+    GIB,
+    GPUS,
+    GpuSpec,
+    activation_reserve_bytes,
+    gpu,
+    kv_cache_memory,
+    kv_split,
+)
+from .model import check_tensor_parallel, require_compute, resolve
+from .steptime import AttentionKind, LinearModel, RooflineModel, StepTimeModel
 
-__all__ = ["CLOCKS", "GPUS", "ClockProfile", "GpuSpec", "clock", "kv_cache_memory", "roofline"]
-
-GIB = 1 << 30
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    """One GPU: ``memory_bytes`` (what the driver reports), dense peak FLOP/s per
-    compute dtype (no sparsity), HBM bandwidth and the per-GPU interconnect
-    bandwidth of tensor parallelism, bytes/s."""
-
-    name: str
-    memory_bytes: int
-    bf16_flops: float
-    fp8_flops: float
-    hbm_bytes_per_s: float
-    link_bytes_per_s: float
-    source: str
-
-    def peak_flops(self, dtype: str) -> float:
-        return self.fp8_flops if dtype == "fp8" else self.bf16_flops
-
-
-_MIB = 1 << 20
-
-GPUS: dict[str, GpuSpec] = {
-    g.name: g
-    for g in (
-        GpuSpec(
-            "H100-SXM",
-            81559 * _MIB,
-            989e12,
-            1979e12,
-            3.35e12,
-            900e9,
-            "NVIDIA H100 datasheet (SXM5): 80 GB HBM3, 3.35 TB/s, BF16 989 TFLOPS and FP8 "
-            "1,979 TFLOPS dense, NVLink 900 GB/s",
-        ),
-        GpuSpec(
-            "H200",
-            143771 * _MIB,
-            989e12,
-            1979e12,
-            4.8e12,
-            900e9,
-            "NVIDIA H200 datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, BF16 989 TFLOPS and FP8 "
-            "1,979 TFLOPS dense, NVLink 900 GB/s",
-        ),
-        GpuSpec(
-            "B200",
-            183359 * _MIB,
-            2.25e15,
-            4.5e15,
-            8.0e12,
-            1800e9,
-            "NVIDIA HGX B200 datasheet, per GPU: 180 GB HBM3e, 8 TB/s, BF16 2.25 PFLOPS "
-            "and FP8 4.5 PFLOPS dense, NVLink 1.8 TB/s",
-        ),
-        GpuSpec(
-            "A100-80GB",
-            81920 * _MIB,
-            312e12,
-            312e12,
-            2.039e12,
-            600e9,
-            "NVIDIA A100 datasheet (SXM 80GB): HBM2e 2,039 GB/s, BF16 312 TFLOPS dense (no "
-            "FP8: FP8 models run at the BF16 rate), NVLink 600 GB/s",
-        ),
-        GpuSpec(
-            "L40S",
-            46068 * _MIB,
-            362.05e12,
-            733e12,
-            864e9,
-            64e9,
-            "NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, BF16 362 TFLOPS and FP8 733 "
-            "TFLOPS dense, PCIe Gen4 x16 64 GB/s (no NVLink)",
-        ),
-        GpuSpec(
-            "MI300X",
-            196592 * _MIB,
-            1307.4e12,
-            2614.9e12,
-            5.3e12,
-            896e9,
-            "AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, BF16 1,307.4 TFLOPS and "
-            "FP8 2,614.9 TFLOPS dense, Infinity Fabric 896 GB/s (7 x 128 GB/s)",
-        ),
-    )
-}
+__all__ = [
+    "CLOCKS",
+    "GIB",
+    "GPUS",
+    "ClockProfile",
+    "GpuSpec",
+    "activation_reserve_bytes",
+    "check_tensor_parallel",
+    "clock",
+    "gpu",
+    "kv_cache_memory",
+    "kv_split",
+    "roofline",
+    "step_time_model",
+]
 
 
 @dataclass(frozen=True)
@@ -184,83 +123,6 @@ def clock(name: str) -> ClockProfile:
         raise ValueError(f"unknown clock {name!r}; clocks: {', '.join(CLOCKS)}") from None
 
 
-def gpu(name: str) -> GpuSpec:
-    """The GPU preset called ``name`` (case-insensitive); ValueError lists them."""
-    for k, g in GPUS.items():
-        if k.lower() == name.lower():
-            return g
-    raise ValueError(f"unknown GPU {name!r}; GPUs: {', '.join(GPUS)}")
-
-
-def _compute(preset: ModelPreset) -> ModelCompute:
-    if preset.compute is None:
-        raise ValueError(f"model {preset.name!r} has no compute shape for the step-time model")
-    return preset.compute
-
-
-def check_tensor_parallel(compute: ModelCompute, tp: int, model: str) -> None:
-    """Refuses (``ValueError``) a tensor-parallel size vLLM refuses for the model:
-    the attention heads must split evenly over the GPUs, and the KV heads either
-    split evenly (``kv_heads % tp == 0``) or replicate evenly (``tp % kv_heads
-    == 0``)."""
-    heads, kv = compute.num_attention_heads, compute.num_kv_heads
-    if tp < 1:
-        raise ValueError(f"tp must be >= 1, got {tp}")
-    if heads % tp:
-        raise ValueError(
-            f"{model}: {heads} attention heads do not split over --tp {tp} (the heads "
-            "must be a multiple of the tensor-parallel size)"
-        )
-    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
-        raise ValueError(f"{model}: {kv} KV heads do not split or replicate evenly over --tp {tp}")
-
-
-def kv_split(compute: ModelCompute, tp: int) -> int:
-    """How many ways ``tp`` GPUs split the KV cache: KV heads are divided up to
-    one per GPU and replicated beyond."""
-    return max(1, min(tp, compute.num_kv_heads))
-
-
-def activation_reserve_bytes(
-    compute: ModelCompute, tp: int, max_num_batched_tokens: int, max_num_seqs: int
-) -> int:
-    """What vLLM's memory profile finds besides weights and KV cache, estimated:
-    the activations of one layer over a full token budget (residual, attention
-    and MLP inputs and outputs: ``tokens x (4 x hidden + 2 x intermediate / tp)``
-    in bfloat16), float32 logits of ``max_num_seqs`` sampled rows, and 1 GiB of
-    CUDA graphs, NCCL buffers and the CUDA context outside PyTorch."""
-    act = max_num_batched_tokens * (4 * compute.hidden_size + 2 * compute.intermediate_size // tp)
-    logits = max_num_seqs * compute.vocab_size * 4
-    return 2 * act + logits + GIB
-
-
-def kv_cache_memory(
-    preset: ModelPreset,
-    gpu_spec: GpuSpec,
-    *,
-    tp: int = 1,
-    gpu_memory_utilization: float = 0.9,
-    max_num_batched_tokens: int = 8192,
-    max_num_seqs: int = 256,
-) -> int:
-    """Bytes of KV cache on each of the ``tp`` GPUs, as vLLM sizes it. Raises
-    ValueError (the numbers in the message) when the weights leave none."""
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    c = _compute(preset)
-    budget = gpu_spec.memory_bytes * gpu_memory_utilization
-    weights = c.weight_bytes / tp
-    reserve = activation_reserve_bytes(c, tp, max_num_batched_tokens, max_num_seqs)
-    left = int(budget - weights - reserve)
-    if left <= 0:
-        raise ValueError(
-            f"{preset.name} does not fit on {tp} x {gpu_spec.name}: "
-            f"{budget / GIB:.1f} GiB usable per GPU, weights {weights / GIB:.1f} GiB, "
-            f"activations and runtime {reserve / GIB:.1f} GiB"
-        )
-    return left
-
-
 def _attention_kinds(
     compute: ModelCompute,
     specs: dict[str, KVCacheSpec],
@@ -307,7 +169,7 @@ def roofline(
     """The step-time roofline of ``preset`` on ``tp`` x ``gpu_spec``, with the
     efficiencies and overheads of ``clock_profile`` (default: ``DEFAULT_CLOCK``)."""
     prof = clock_profile or CLOCKS[DEFAULT_CLOCK]
-    c = _compute(preset)
+    c = require_compute(preset)
     specs = preset.layer_specs(block_size, dtype=kv_dtype)
     attention, state = _attention_kinds(c, specs, preset.max_num_encoder_input_tokens)
     embed = c.vocab_size * c.hidden_size
@@ -343,4 +205,19 @@ def roofline(
         allreduce_latency_s=prof.allreduce_latency_s,
         request_overhead_s=prof.request_overhead_s,
         gpu=gpu_spec.name,
+    )
+
+
+def step_time_model(cfg: SimConfig, model: ModelPreset | None = None) -> StepTimeModel:
+    """The clock of a run: ``step_time``'s linear model, else the roofline of the
+    model (``model``: ``cfg``'s, already resolved) on ``tp`` x ``gpu``."""
+    if cfg.step_time is not None:
+        return LinearModel.parse(cfg.step_time)
+    return roofline(
+        model if model is not None else resolve(cfg),
+        gpu(cfg.gpu),
+        tp=cfg.tp,
+        block_size=cfg.block_size,
+        kv_dtype=cfg.kv_dtype,
+        clock_profile=clock(cfg.clock),
     )

@@ -45,7 +45,7 @@ from scheduler_diff.cases import CASES, Case, describe, select
 from scheduler_diff.drive import Side
 from scheduler_diff.run import Result, run_case
 
-# The harness's names a caller (tests/test_vllm_scheduler_diff.py) uses from here.
+# The harness's names a caller (tests/vllm/test_vllm_scheduler_diff.py) uses from here.
 __all__ = ["CASES", "Case", "Result", "Side", "describe", "main", "run_case", "select"]
 
 

@@ -8,7 +8,7 @@ fitted. :func:`simulate_row` replays the benchmark a row describes: requests of
 random tokens (no prefix shared) with its lengths, sent as its client sent them
 (``concurrency`` closed-loop clients, or all at once for an offline / infinite-
 rate run), on the engine's clock profile, and reads the same metric.
-``tests/test_calibration.py`` runs every row and fails when one leaves its
+``tests/sim/test_calibration.py`` runs every row and fails when one leaves its
 recorded error; ``docs/simulate.md`` shows the table.
 """
 

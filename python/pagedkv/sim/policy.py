@@ -27,7 +27,7 @@ Where callers behave differently, the difference is an explicit option:
 
 - ``SchedulerConfig.hits_count_as_computed=False``: the oracle's reference drive
   loop (``benches/drive_bench.py``, the vLLM checksum of
-  ``tests/test_scheduler.py``, and the pure-Rust floor in ``benches/src/lib.rs``)
+  ``tests/sim/test_scheduler.py``, and the pure-Rust floor in ``benches/src/lib.rs``)
   computes prefix hits again after admission;
 - ``SchedulerConfig.full_sequence_must_fit=False``: the torch engine admits a
   request once its first chunk fits, where vLLM's default waits for the whole

@@ -12,9 +12,11 @@ use pyo3::types::{
     PyBool, PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMemoryView, PyString, PyTuple,
 };
 
+use pagedkv_core::spec::{OptionValue, SpecFields, config_int};
+use pagedkv_core::sync::shorter_than_held;
 use pagedkv_core::{
-    AttentionKind, BlockHash, BlockId, CborValue, GroupSpec, HashAlgo, Lora, MambaCacheMode,
-    ManagerConfig, MmFeature, OUTPUT_ROOM, RequestRefs, RequestSpec,
+    BlockHash, BlockId, CborValue, GroupSpec, Lora, ManagerConfig, MmFeature, OUTPUT_ROOM,
+    RequestRefs, RequestSpec,
 };
 
 use crate::errors::{PkResult, PyPkError, invalid_arg, invalid_config, type_error};
@@ -376,19 +378,12 @@ fn tokens_with_room(obj: &Bound<'_, PyAny>, limit: usize, room: usize) -> PkResu
     Ok(out)
 }
 
-/// A sequence of `len` items given where the manager holds `from` already.
-fn shorter_than_held(len: usize, from: usize) -> PyPkError {
-    invalid_arg(format!(
-        "the sequence has {len} items, fewer than the {from} the manager already holds"
-    ))
-}
-
 /// The items of a sequence from index `from` on (a slice of it, so a list or
 /// any sequence that slices).
 pub fn suffix<'py>(obj: &Bound<'py, PyAny>, from: usize) -> PkResult<Option<Bound<'py, PyAny>>> {
     let len = obj.len()?;
     if len < from {
-        return Err(shorter_than_held(len, from));
+        return Err(shorter_than_held(len, from).into());
     }
     if len == from {
         return Ok(None);
@@ -488,7 +483,7 @@ pub fn block_hashes_from(
     };
     let n = list.len();
     if n < from {
-        return Err(shorter_than_held(n, from));
+        return Err(shorter_than_held(n, from).into());
     }
     if n - from > limit {
         return Err(too_many("block hashes", n - from, limit));
@@ -867,18 +862,6 @@ pub fn cbor_value(obj: &Bound<'_, PyAny>) -> PkResult<CborValue> {
 
 // ---- configuration -----------------------------------------------------------
 
-/// An integer option in the core's type (a value that does not fit it is a bad
-/// configuration; the core checks the range it accepts).
-fn config_int<T: TryFrom<i64>>(name: &str, v: i64) -> PkResult<T> {
-    T::try_from(v).map_err(|_| {
-        invalid_config(if v < 0 {
-            format!("{name} must be non-negative, got {v}")
-        } else {
-            format!("{name} {v} is too large")
-        })
-    })
-}
-
 /// Extracts one `**options` value, naming it in the error as `PyO3` names arguments.
 fn option<'py, T>(name: &str, v: &Bound<'py, PyAny>) -> PkResult<T>
 where
@@ -894,115 +877,79 @@ where
     })
 }
 
-/// An optional integer option (`None` stays unset).
-fn option_int<T: TryFrom<i64>>(name: &str, v: &Bound<'_, PyAny>) -> PkResult<Option<T>> {
-    option::<Option<i64>>(name, v)?
-        .map(|x| config_int(name, x))
-        .transpose()
+/// One `**options` entry, read as the core's [`ManagerConfig::set_option`]
+/// asks.
+struct OptionArg<'a, 'py> {
+    name: &'a str,
+    value: Bound<'py, PyAny>,
 }
 
-/// `hash_seed`: a str, or an int (its decimal form, as `PYTHONHASHSEED` reads).
-fn hash_seed(v: &Bound<'_, PyAny>) -> PkResult<Option<String>> {
-    if v.is_none() {
-        return Ok(None);
+impl OptionValue for OptionArg<'_, '_> {
+    type Error = PyPkError;
+
+    fn flag(&self) -> PkResult<bool> {
+        option(self.name, &self.value)
     }
-    if v.is_instance_of::<PyString>()
-        || (v.is_instance_of::<PyInt>() && !v.is_instance_of::<PyBool>())
-    {
-        return Ok(Some(v.str()?.to_string()));
+
+    fn float(&self) -> PkResult<f64> {
+        option(self.name, &self.value)
     }
-    Err(type_error(format!(
-        "hash_seed must be a str or an int, got {}",
-        v.repr()?
-    )))
+
+    fn int(&self) -> PkResult<Option<i64>> {
+        option(self.name, &self.value)
+    }
+
+    fn ints(&self) -> PkResult<Vec<u32>> {
+        option(self.name, &self.value)
+    }
+
+    fn text(&self) -> PkResult<String> {
+        Ok(option::<PyBackedStr>(self.name, &self.value)?.to_string())
+    }
+
+    /// A str, or an int (its decimal form, as `PYTHONHASHSEED` reads).
+    fn seed(&self) -> PkResult<Option<String>> {
+        let v = &self.value;
+        if v.is_none() {
+            return Ok(None);
+        }
+        if v.is_instance_of::<PyString>()
+            || (v.is_instance_of::<PyInt>() && !v.is_instance_of::<PyBool>())
+        {
+            return Ok(Some(v.str()?.to_string()));
+        }
+        Err(type_error(format!(
+            "hash_seed must be a str or an int, got {}",
+            v.repr()?
+        )))
+    }
 }
 
-/// One group from its spec's `core_spec()` dict (+ `tag`).
-fn group_spec(d: &Bound<'_, PyDict>) -> PkResult<GroupSpec> {
-    let get_u32 = |key: &str| -> PkResult<u32> {
-        let v: i64 = d
-            .get_item(key)?
-            .ok_or_else(|| invalid_config(format!("group spec lacks {key:?}")))?
-            .extract()?;
-        config_int(key, v)
-    };
-    let kind: String = d
-        .get_item("kind")?
-        .ok_or_else(|| invalid_config("group spec lacks \"kind\""))?
-        .extract()?;
-    let kind = match kind.as_str() {
-        "full_attention" => AttentionKind::FullAttention,
-        "mla_attention" => AttentionKind::MlaAttention,
-        "sliding_window" => {
-            let window = get_u32("sliding_window")?;
-            let bounded_replay = match d.get_item("bounded_replay")? {
-                Some(v) => v.extract::<bool>()?,
-                None => false,
-            };
-            if bounded_replay {
-                AttentionKind::ReplayedSlidingWindow { window }
-            } else {
-                AttentionKind::SlidingWindow { window }
-            }
+/// One group's spec dict (its spec's `core_spec()`, + `tag`), read as the
+/// core's [`GroupSpec::from_fields`] asks.
+struct SpecDict<'a, 'py>(&'a Bound<'py, PyDict>);
+
+impl SpecFields for SpecDict<'_, '_> {
+    type Error = PyPkError;
+
+    fn text(&self, key: &str) -> PkResult<Option<String>> {
+        Ok(self.0.get_item(key)?.map(|v| v.extract()).transpose()?)
+    }
+
+    fn int(&self, key: &str) -> PkResult<Option<i64>> {
+        Ok(self.0.get_item(key)?.map(|v| v.extract()).transpose()?)
+    }
+
+    fn int_or_null(&self, key: &str) -> PkResult<Option<i64>> {
+        match self.0.get_item(key)? {
+            Some(v) if !v.is_none() => Ok(Some(v.extract()?)),
+            _ => Ok(None),
         }
-        "circular_buffer" => AttentionKind::CircularBuffer,
-        "engine_managed" => AttentionKind::EngineManaged,
-        "hisparse_resident" => AttentionKind::HiSparseResident,
-        "hisparse_hot" => AttentionKind::HiSparseHot {
-            blocks_per_request: get_u32("blocks_per_request")?,
-        },
-        "chunked_local_attention" => AttentionKind::ChunkedLocal {
-            chunk: get_u32("attention_chunk_size")?,
-        },
-        "cross_attention" => AttentionKind::CrossAttention,
-        "sink_full_attention" => AttentionKind::SinkFullAttention {
-            sink_len: get_u32("sink_len")?,
-        },
-        "mamba" => {
-            let mode: String = match d.get_item("mamba_cache_mode")? {
-                Some(m) => m.extract()?,
-                None => "none".into(),
-            };
-            let num_speculative_blocks = match d.get_item("num_speculative_blocks")? {
-                Some(v) => config_int("num_speculative_blocks", v.extract()?)?,
-                None => 0,
-            };
-            let prefill_checkpoint_alignment = match d.get_item("prefill_checkpoint_alignment")? {
-                Some(v) if !v.is_none() => {
-                    Some(config_int("prefill_checkpoint_alignment", v.extract()?)?)
-                }
-                _ => None,
-            };
-            AttentionKind::Mamba {
-                mode: MambaCacheMode::from_name(&mode).ok_or_else(|| {
-                    invalid_config(format!(
-                        "mamba_cache_mode must be none/align/all, got {mode:?}"
-                    ))
-                })?,
-                num_speculative_blocks,
-                prefill_checkpoint_alignment,
-            }
-        }
-        other => {
-            return Err(invalid_config(format!(
-                "KV-cache spec kind {other:?} is not supported"
-            )));
-        }
-    };
-    let tag: String = match d.get_item("tag")? {
-        Some(t) => t.extract()?,
-        None => String::new(),
-    };
-    let extra_retained_tokens = match d.get_item("extra_retained_tokens")? {
-        Some(v) if !v.is_none() => config_int("extra_retained_tokens", v.extract()?)?,
-        _ => 0,
-    };
-    Ok(GroupSpec {
-        kind,
-        block_size: get_u32("block_size")?,
-        tag,
-        extra_retained_tokens,
-    })
+    }
+
+    fn flag(&self, key: &str) -> PkResult<Option<bool>> {
+        Ok(self.0.get_item(key)?.map(|v| v.extract()).transpose()?)
+    }
 }
 
 /// The manager's configuration: the pool and groups, then each `**options` entry
@@ -1022,57 +969,22 @@ pub fn manager_config(
                 "num_blocks must be below 2**31 - 1 (block ids are int32), got {num_blocks}"
             ))
         })?;
-    let groups = groups.iter().map(group_spec).collect::<PkResult<_>>()?;
+    let groups = groups
+        .iter()
+        .map(|d| GroupSpec::from_fields(&SpecDict(d)))
+        .collect::<PkResult<_>>()?;
     let mut cfg = ManagerConfig::new(
         num_blocks,
         groups,
         config_int("max_model_len", max_model_len)?,
     );
-    for (key, v) in options.into_iter().flatten() {
+    for (key, value) in options.into_iter().flatten() {
         let key = key.cast_into::<PyString>()?;
         let name = key.to_str()?;
-        match name {
-            "enable_caching" => cfg.enable_caching = option(name, &v)?,
-            "hash_algo" => cfg.hash_algo = HashAlgo::parse(&option::<PyBackedStr>(name, &v)?)?,
-            "hash_seed" => cfg.hash_seed = hash_seed(&v)?,
-            "hash_block_size" => cfg.hash_block_size = option_int(name, &v)?,
-            "use_eagle" => cfg.use_eagle = option(name, &v)?,
-            "eagle_groups" => cfg.eagle_groups = option(name, &v)?,
-            "log_stats" => cfg.log_stats = option(name, &v)?,
-            "enable_kv_cache_events" => cfg.enable_kv_cache_events = option(name, &v)?,
-            "watermark" => cfg.watermark = option(name, &v)?,
-            "max_in_flight_tokens" => cfg.max_in_flight_tokens = option_int(name, &v)?,
-            "prefix_cache_retention_interval" => {
-                cfg.prefix_cache_retention_interval = option_int(name, &v)?;
-            }
-            "verify_cached_tokens" => cfg.verify_cached_tokens = option(name, &v)?,
-            "hash_truncate_bytes" => cfg.hash_truncate_bytes = option_int(name, &v)?,
-            "kv_cache_metrics" => cfg.kv_cache_metrics = option(name, &v)?,
-            "external_block_hashes" => cfg.external_block_hashes = option(name, &v)?,
-            "record_stats_at_admission" => cfg.record_stats_at_admission = option(name, &v)?,
-            "num_hash_lookahead_tokens" => {
-                cfg.num_hash_lookahead_tokens = option_int(name, &v)?.unwrap_or(0);
-            }
-            "num_prefill_lookahead" => {
-                cfg.num_prefill_lookahead = option_int(name, &v)?.unwrap_or(0);
-            }
-            "partial_hash_hits" => cfg.partial_hash_hits = option(name, &v)?,
-            "dcp_world_size" => cfg.dcp_world_size = option_int(name, &v)?.unwrap_or(1),
-            "mamba_shared_prefix_checkpoint" => {
-                cfg.mamba_shared_prefix_checkpoint = option(name, &v)?;
-            }
-            "zero_new_blocks" => cfg.zero_new_blocks = option(name, &v)?,
-            "background_hashing" => cfg.background_hashing = option(name, &v)?,
-            "hash_memo_blocks" => cfg.hash_memo_blocks = option_int(name, &v)?,
-            "max_pending_events" => cfg.max_pending_events = option_int(name, &v)?,
-            "max_pending_block_activity" => {
-                cfg.max_pending_block_activity = option_int(name, &v)?;
-            }
-            other => {
-                return Err(type_error(format!(
-                    "KVCacheManager() got an unexpected keyword argument '{other}'"
-                )));
-            }
+        if !cfg.set_option(name, &OptionArg { name, value })? {
+            return Err(type_error(format!(
+                "KVCacheManager() got an unexpected keyword argument '{name}'"
+            )));
         }
     }
     Ok(cfg)

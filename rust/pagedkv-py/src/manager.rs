@@ -11,11 +11,12 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyTuple};
 
-use pagedkv_core::EngineRequest;
+use pagedkv_core::outcome::Allocated;
 use pagedkv_core::pool::{BlockActivityKind, BlockPoolStats};
+use pagedkv_core::sync::{EngineSync, ManagerTurns, SyncOutcome};
 use pagedkv_core::{
     AllocateArgs, BatchAllocation, BatchStep, CacheKey, ComputedBlocks, KvCacheManager, Lora,
-    RequestRefs,
+    RequestRefs, Result as CoreResult,
 };
 
 use crate::convert::{
@@ -24,7 +25,7 @@ use crate::convert::{
     tokens,
 };
 use crate::engine_request::EngineLists;
-use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg, type_error};
+use crate::errors::{PkResult, PyPkError, borrow, borrow_mut, invalid_arg, type_error};
 use crate::events;
 use crate::prepared::{PyPreparedRequest, PyRequestPreparer};
 use std::sync::OnceLock;
@@ -317,11 +318,11 @@ impl PyManager {
         } else {
             None
         };
-        // An engine's own token lists may hold vLLM's -1 placeholders.
-        let (external, limit) = Self::token_limit(slf)?;
+        // Signed token ids: an engine's own lists, with vLLM's -1 placeholders.
+        let (signed, limit) = Self::token_limit(slf)?;
         let prompt_token_ids = match counted {
             Some(_) => Vec::new(),
-            None if external => engine_tokens(prompt_token_ids, limit)?,
+            None if signed => engine_tokens(prompt_token_ids, limit)?,
             None => prompt_tokens(prompt_token_ids, limit)?,
         };
         let spec = request_spec(
@@ -382,7 +383,9 @@ impl PyManager {
     /// step one `allocate_slots_batch` of one token each at `first_computed +
     /// step` computed tokens, and one `append_token_ids_batch` of token `i` to
     /// request `i`). Returns the nanoseconds the steps took: the floor the same
-    /// calls from Python are compared with, in the same process.
+    /// calls from Python are compared with, in the same process. Built with
+    /// the `bench-core-loop` feature only.
+    #[cfg(feature = "bench-core-loop")]
     fn _core_decode_steps(
         slf: &Bound<'_, Self>,
         handles: Vec<u64>,
@@ -1366,8 +1369,8 @@ impl PyManager {
     #[pyo3(signature = (*, raw_hashes = false))]
     fn take_events<'py>(slf: &Bound<'py, Self>, raw_hashes: bool) -> PkResult<Bound<'py, PyList>> {
         let mut m = borrow_mut(slf)?;
-        // An engine's token ids are signed (see `engine_tokens`).
-        let signed = m.inner.config().external_block_hashes;
+        // Signed token ids leave as they came in (see `engine_tokens`).
+        let signed = m.inner.config().signed_token_ids();
         let evs = m.inner.take_events();
         drop(m);
         Ok(events::to_python(slf.py(), evs, raw_hashes, signed)?)
@@ -1506,14 +1509,13 @@ impl PyManager {
         usize::try_from(count(name, v)?).map_err(|_| invalid_arg(format!("{name} is too large")))
     }
 
-    /// Whether the engine hashes requests (its token ids are signed), and the
-    /// most token ids one call may carry: `max_model_len`, which no request
-    /// may pass (checked before anything is reserved for them).
+    /// Whether the manager's token ids are signed, and the most token ids
+    /// one call may carry (the core's; checked before anything is reserved
+    /// for them).
     fn token_limit(slf: &Bound<'_, Self>) -> PkResult<(bool, usize)> {
         let this = borrow(slf)?;
         let cfg = this.inner.config();
-        let limit = usize::try_from(cfg.max_model_len).unwrap_or(usize::MAX);
-        Ok((cfg.external_block_hashes, limit))
+        Ok((cfg.signed_token_ids(), cfg.token_limit()))
     }
 
     /// A lookup result as Python sees it (the shared empty tuple for no hit).
@@ -1522,13 +1524,10 @@ impl PyManager {
         Ok(PyComputedBlocks::new(py, inner, &borrow(slf)?.empty))
     }
 
-    /// `sync_request`'s work: the core reads the engine's lists where it
-    /// needs to (see `KvCacheManager::sync_from_engine`). The manager is held
-    /// only to take the anchor, to copy the request's lists when they differ,
-    /// and to apply: reading the lists may run the engine's code (a sequence
-    /// type of its own), which may call back into the manager or let another
-    /// thread run. Another call that changed the request in between makes it
-    /// start over.
+    /// `sync_request`'s work, the core's [`EngineSync::run`]: it reads the
+    /// engine's lists where it needs to, holding the manager only in short
+    /// turns (reading the lists may run the engine's code, which may call
+    /// back into the manager or let another thread run).
     fn sync(
         slf: &Bound<'_, Self>,
         request_id: &str,
@@ -1537,40 +1536,26 @@ impl PyManager {
         spb: u64,
         num_prompt_tokens: Option<i64>,
     ) -> PkResult<bool> {
-        let prompt = num_prompt_tokens
-            .map(|n| Self::index("num_prompt_tokens", n))
-            .transpose()?;
-        let mut anchor = borrow(slf)?.inner.sync_anchor(request_id)?;
-        let src = EngineLists::new(token_ids, block_hashes, anchor.token_limit())?;
-        for attempt in 0..SYNC_ATTEMPTS {
-            if attempt > 0 {
-                anchor = borrow(slf)?.inner.sync_anchor(request_id)?;
-            }
-            let keep =
-                anchor.sync_point(&src, || Ok(borrow(slf)?.inner.request_lists(request_id)?))?;
-            let tokens = src.tokens_from(keep.0)?;
-            let hashes = src.hashes_from(keep.1)?;
-            let applied = borrow_mut(slf)?.inner.apply_sync(
-                request_id,
-                &anchor,
-                keep,
-                (&tokens, &hashes),
-                Some(spb),
-                prompt,
-            )?;
-            if let Some(rewound) = applied {
-                return Ok(rewound);
-            }
+        let sync = EngineSync {
+            id: request_id,
+            shared_prefix_boundary: Some(spb),
+            num_prompt_tokens: num_prompt_tokens
+                .map(|n| Self::index("num_prompt_tokens", n))
+                .transpose()?,
+        };
+        let open = |limit| EngineLists::new(token_ids, block_hashes, limit);
+        match sync.run(&Turns(slf), open)? {
+            SyncOutcome::Synced { rewound } => Ok(rewound),
+            SyncOutcome::KeptChanging => Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
+                "request {request_id:?} kept changing while it was synced (other calls on it \
+                 from inside the engine's sequences or from other threads)"
+            ))
+            .into()),
         }
-        Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
-            "request {request_id:?} kept changing while it was synced (other calls on it \
-             from inside the engine's sequences or from other threads)"
-        ))
-        .into())
     }
 
     /// The core's `allocate_slots` and its result as int32 arrays per group
-    /// (`nothing` when nothing was allocated).
+    /// (`nothing` when the step took no new block).
     fn allocate(
         slf: &Bound<'_, Self>,
         request_id: &str,
@@ -1582,26 +1567,38 @@ impl PyManager {
         let groups = {
             let mut this = borrow_mut(slf)?;
             let this = &mut *this;
-            match this.inner.allocate_slots(request_id, args, hit)? {
-                None => return Ok(None),
-                Some(g) if g.iter().all(Vec::is_empty) => {
+            match this.inner.allocate_slots_outcome(request_id, args, hit)? {
+                Allocated::NoRoom => return Ok(None),
+                Allocated::NoNewBlocks => {
                     return Ok(Some(match nothing {
                         Nothing::EmptyGroups => this.empty.clone_ref(py),
                         Nothing::Unit => PyTuple::empty(py).unbind(),
                     }));
                 }
-                Some(g) => groups_i32(g),
+                Allocated::NewBlocks(g) => groups_i32(g),
             }
         };
         Ok(Some(groups_tuple(py, groups)?.unbind()))
     }
 }
 
-/// Times `sync` starts over when the request changed while the engine's lists
-/// were read.
-const SYNC_ATTEMPTS: usize = 3;
+/// The manager taken in turns by the core's sync ([`ManagerTurns`]).
+struct Turns<'a, 'py>(&'a Bound<'py, PyManager>);
 
-/// What an allocation that took no block returns.
+impl ManagerTurns for Turns<'_, '_> {
+    type Error = PyPkError;
+
+    fn read<T>(&self, f: impl FnOnce(&KvCacheManager) -> CoreResult<T>) -> PkResult<T> {
+        Ok(f(&borrow(self.0)?.inner)?)
+    }
+
+    fn write<T>(&self, f: impl FnOnce(&mut KvCacheManager) -> CoreResult<T>) -> PkResult<T> {
+        Ok(f(&mut borrow_mut(self.0)?.inner)?)
+    }
+}
+
+/// How `allocate_slots` and `allocate_slots_synced` show a step that took no
+/// new block (the core's [`Allocated::NoNewBlocks`]): their Python APIs differ.
 #[derive(Clone, Copy)]
 enum Nothing {
     /// The shared tuple of one empty id array per group (pagedkv's API).

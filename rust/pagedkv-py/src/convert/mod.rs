@@ -123,8 +123,8 @@ impl IntSlice<'_> {
 
 /// Arrays of at most this many items (a batch's counts or handles, a short
 /// prompt) are copied out instead of borrowed: `numpy`'s borrow tracking
-/// costs ~60 ns an array, more than such a copy; a longer array (a prompt
-/// the caller copies anyway) is read in place.
+/// costs more than such a copy (see `docs/perf-log.md`); a longer array (a
+/// prompt the caller copies anyway) is read in place.
 const SMALL_ARRAY: usize = 1024;
 
 /// `f` of the items of `obj` when it is a one-dimensional `NumPy` array of 32-

@@ -11,7 +11,7 @@ use crate::errors::{PkResult, type_error};
 
 /// A request's prompt and the rest of `add_request`'s arguments, converted.
 /// Inlined: returned through a `Result`, the spec was stored field by field and
-/// read back wide by the caller (as `Counts::args` in `manager.rs`).
+/// read back wide by the caller (as `Counts::args` in `manager/args.rs`).
 #[allow(clippy::inline_always)]
 #[inline(always)]
 pub fn request_spec(

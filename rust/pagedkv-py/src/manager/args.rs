@@ -76,8 +76,8 @@ impl Counts {
     /// (as are the two `with_` builders after it): returned through a
     /// `Result`, the arguments were stored field by field and read back 16
     /// bytes at a time, a failed store-to-load forward on every call (a
-    /// running request's `allocate_slots` in the recorded-call replay: 320–330
-    /// against 333–347 ns; see BENCHMARKS.md).
+    /// running request's `allocate_slots` in the recorded-call replay; see
+    /// `docs/perf-log.md`).
     #[allow(clippy::inline_always)]
     #[inline(always)]
     pub(super) fn args(

@@ -7,7 +7,6 @@
 //! code (`__index__`, iterators, torch and `NumPy` scalars) that releases the GIL
 //! or calls back into the manager: the manager is free then, so another thread's
 //! call waits for the GIL instead of failing, and a callback works.
-
 //!
 //! - [`vllm_api`]: vLLM's `KVCacheManager` calls (requests, lookups,
 //!   allocation, caching, events and stats);

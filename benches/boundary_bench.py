@@ -11,7 +11,9 @@ an int64 array of handles, and by an int64 array with the computed counts left
 to the manager and the sampled tokens as a uint32 array: no per-step Python
 list; and the same with the tokens in the allocation call, one crossing a step)
 and the core loop (``KVCacheManager._core_decode_steps``: the same calls
-from Rust, no Python per step) on identical managers, one after the other, so
+from Rust, no Python per step; built only with the extension's
+``bench-core-loop`` feature: ``maturin develop --release --features
+bench-core-loop``) on identical managers, one after the other, so
 both see the same machine load. Prints µs per step, min / median
 over the rounds, and the difference: the cost of crossing the boundary
 (argument conversion, the result arrays, the call itself).
@@ -29,6 +31,8 @@ import pagedkv as pk
 from pagedkv._util import SplitMix64
 
 REQS, STEPS = 256, 2000
+# Built only with the extension's `bench-core-loop` feature (not in the wheel).
+CORE_LOOP = "_core_decode_steps"
 
 
 def tokens(seed: int, n: int, vocab: int) -> list[int]:
@@ -101,13 +105,19 @@ def python_steps(form: str) -> float:
 def core_steps() -> float:
     """µs per step of the same calls made inside the core, on a fresh manager."""
     mgr, _, handles = _setup()
-    return mgr._core_decode_steps(handles, STEPS, 999) / STEPS / 1e3
+    ns: int = getattr(mgr, CORE_LOOP)(handles, STEPS, 999)
+    return ns / STEPS / 1e3
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
+    if not hasattr(pk.KVCacheManager, CORE_LOOP):
+        raise SystemExit(
+            "boundary_bench.py needs pagedkv built with the bench-core-loop feature: "
+            "maturin develop --release --features bench-core-loop"
+        )
     py: dict[str, list[float]] = {f: [] for f in FORMS}
     core: list[float] = []
     for r in range(args.rounds):

@@ -34,6 +34,7 @@ pub mod events;
 pub mod fork;
 pub mod hash;
 pub mod manager;
+pub mod outcome;
 pub mod pool;
 pub mod prefix_index;
 pub mod request;
@@ -41,6 +42,7 @@ pub mod request_table;
 pub mod single_type;
 pub mod spec;
 pub mod stats;
+pub mod sync;
 mod verify;
 
 pub use error::{Error, Result};

@@ -3,6 +3,9 @@
 use crate::error::{Error, Result};
 use crate::hash::HashAlgo;
 
+mod fields;
+pub use fields::{OptionValue, SpecFields, config_int};
+
 /// Mamba state caching mode (vLLM's `mamba_cache_mode`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum MambaCacheMode {

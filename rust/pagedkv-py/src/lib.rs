@@ -2,10 +2,15 @@
 //! only. Block ids leave as int32 `NumPy` arrays; no per-block Python objects.
 //!
 //! - [`alloc`]: the module's allocator (mimalloc for blocks below 16 KiB);
-//! - [`convert`]: Python arguments to core types, block ids back to arrays;
+//! - [`convert`]: Python arguments to core types, block ids back to arrays
+//!   (`convert/`: tokens, ids and hashes, `add_request`'s extras, the
+//!   configuration);
 //! - [`engine_request`]: an engine's request lists as the core reads them;
 //! - [`errors`]: the core's errors to the `pagedkv.errors` exceptions;
-//! - [`manager`]: the `KVCacheManager` and `ComputedBlocks` classes;
+//! - [`manager`]: the `KVCacheManager` and `ComputedBlocks` classes (`manager/`:
+//!   vLLM's API, `allocate_slots`' arguments, engine calls, HiSparse,
+//!   debugging reads, and with the `bench-core-loop` feature the core's decode
+//!   loop);
 //! - [`events`]: the KV-cache event classes;
 //! - [`fork`]: the hash workers across `os.fork`;
 //! - [`hash`]: block hashing functions;

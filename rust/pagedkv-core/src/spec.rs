@@ -466,6 +466,7 @@ impl ManagerConfig {
             .fold(1, |acc, b| acc / gcd(acc, b) * b)
     }
 
+    #[allow(clippy::too_many_lines)] // every configuration rule, checked in one place
     pub(crate) fn validate(&self) -> Result<u32> {
         let bad = |m: String| Err(Error::InvalidConfig(m));
         if self.num_blocks == 0 {

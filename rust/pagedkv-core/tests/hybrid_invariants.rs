@@ -263,6 +263,7 @@ impl Sim {
         }
     }
 
+    #[allow(clippy::too_many_lines)] // one arm per operation of the model
     fn apply(&mut self, op: &Op, bases: &[Vec<u32>]) {
         match op {
             Op::Add { base, suffix } => {

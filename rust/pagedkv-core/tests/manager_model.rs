@@ -775,6 +775,7 @@ impl Bijection {
     }
 }
 
+#[allow(clippy::too_many_lines)] // every observable against the model, in one pass
 fn check_all(
     mgr: &mut KvCacheManager,
     m: &mut Model,
@@ -1057,6 +1058,7 @@ fn compare_alloc(
     }
 }
 
+#[allow(clippy::too_many_lines)] // one arm per operation of the model
 fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
     let mut mgr = KvCacheManager::new(cfg.manager_config())
         .map_err(|e| TestCaseError::fail(format!("config: {e}")))?;
@@ -1416,6 +1418,7 @@ fn run(cfg: &Cfg, bases: &[Vec<u32>], ops: &[Op]) -> Result<(), TestCaseError> {
 }
 
 /// Performs one refused call; lookups it makes are mirrored in the model.
+#[allow(clippy::too_many_lines)] // one arm per refused call
 fn misuse(
     mgr: &mut KvCacheManager,
     m: &mut Model,

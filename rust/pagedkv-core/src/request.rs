@@ -3,15 +3,17 @@
 //!
 //! What `add_request` takes (`RequestSpec`, `Lora`, `MmFeature`) and the
 //! request's accessors and mutations are here; its block hashes and extra keys
-//! in `hashing`, the prompt-hash worker in `hash_worker`. The table of
+//! in `hashing`, the prompt-hash worker in `hash_worker`, one group's blocks
+//! (`GroupBlocks`, which the group managers change) in `group_blocks`. The table of
 //! requests is `crate::request_table`.
 
+mod group_blocks;
 mod hash_worker;
 mod hashing;
 
 use crate::error::{Result, invalid};
 use crate::hash::{BlockHash, BlockHasher, sha256_bytes};
-use crate::single_type::GroupBlocks;
+pub(crate) use group_blocks::GroupBlocks;
 use hash_worker::HashJob;
 pub(crate) use hash_worker::HashWorker;
 use std::sync::Arc;

@@ -5,8 +5,7 @@ use super::{KvCacheManager, RequestHandle};
 use crate::error::Result;
 use crate::hash::BlockHash;
 use crate::pool::{BlockId, BlockPool};
-use crate::request::Request;
-use crate::single_type::GroupBlocks;
+use crate::request::{GroupBlocks, Request};
 use crate::spec::ManagerConfig;
 
 impl KvCacheManager {

@@ -6,8 +6,8 @@
 use crate::error::{Error, Result, invalid};
 use crate::manager::{ComputedBlocks, KvCacheManager};
 use crate::pool::{BlockId, NULL_BLOCK};
-use crate::request::{Request, RequestSpec};
-use crate::single_type::{GroupBlocks, Need};
+use crate::request::{GroupBlocks, Request, RequestSpec};
+use crate::single_type::Need;
 use crate::spec::MAX_TOKENS;
 use crate::stats::PrefixCacheStats;
 

@@ -2,14 +2,15 @@
 //!
 //! It owns the request table and the coordinator, validates every call and
 //! keeps the stats. This file holds the manager's construction and vLLM's
-//! calls: `free`, `get_computed_blocks`, `allocate_slots` stage by stage (the
-//! general path), `remove_skipped_blocks`, `cache_blocks`, eviction, reset,
-//! events, stats and `check_invariants`. Around it: the argument types
-//! (`args`), read-only accessors (`accessors`), registering and growing
-//! requests (`requests`), `allocate_slots`' decode fast path and the batch's
-//! lean path (`fast_path`), the checks made before anything changes
-//! (`validate`), the batch calls (`batch`) and the calls of an engine that
-//! owns its requests (`external`).
+//! calls in vLLM's order: `get_computed_blocks`, `allocate_slots` stage by
+//! stage (the general path), `free`, `remove_skipped_blocks`, `cache_blocks`,
+//! eviction, reset, events, stats, the common prefix and `new_step_starts`.
+//! Around it: the argument types (`args`), read-only accessors (`accessors`),
+//! registering and growing requests (`requests`), `allocate_slots`' decode
+//! fast path and the batch's lean path (`fast_path`), the checks made before
+//! anything changes (`validate`), the batch calls (`batch`), the manager's
+//! own counters and `check_invariants` (`readouts`) and the calls of an
+//! engine that owns its requests (`external`).
 //!
 //! A call travels: the id or handle is resolved by the request table, the
 //! arguments are checked (`validate`), the coordinator does the block work over
@@ -29,12 +30,13 @@ mod hisparse;
 mod partial;
 mod prepared;
 pub use prepared::{PreparedRequest, RequestPreparer};
+mod readouts;
 mod requests;
 mod validate;
 mod zeroing;
 
 use crate::coordinator::Coordinator;
-use crate::error::{Error, Result, invalid};
+use crate::error::{Result, invalid};
 use crate::events::KvEvent;
 use crate::hash::{BlockHasher, DEFAULT_NONE_HASH_SEED};
 use crate::pool::BlockId;
@@ -103,7 +105,7 @@ pub struct KvCacheManager {
     /// [`SOURCES`] slots), the last request hashed in place that began with
     /// it (its slot and uid; uid 0: none). A prompt that begins like a live
     /// one takes that one's hashes for the blocks they share
-    /// ([`Request::take_shared_hashes`]), the rest through the memo.
+    /// ([`Request::take_shared_hashes`](crate::request::Request::take_shared_hashes)), the rest through the memo.
     hash_sources: Vec<(u32, u64)>,
     /// Prompt blocks whose hashes were taken that way.
     shared_hash_blocks: u64,
@@ -117,7 +119,7 @@ impl KvCacheManager {
     /// Builds a manager.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for an inconsistent configuration.
+    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) for an inconsistent configuration.
     pub fn new(cfg: ManagerConfig) -> Result<Self> {
         let hbs = cfg.validate()?;
         let seed = match &cfg.hash_seed {
@@ -157,41 +159,6 @@ impl KvCacheManager {
             shared_hash_blocks: 0,
             cfg,
         })
-    }
-
-    /// Releases the request's blocks, tail first (preemption). The request stays
-    /// known and is re-admitted through `get_computed_blocks` + `allocate_slots`;
-    /// if it held an allocation, that counts as a preemption (stats).
-    ///
-    /// # Errors
-    /// Unknown request.
-    pub fn free(&mut self, id: &str) -> Result<()> {
-        let slot = self.table.slot(id)?;
-        self.release(slot, true);
-        Ok(())
-    }
-
-    /// Releases the request's blocks and forgets it (finished or aborted).
-    ///
-    /// # Errors
-    /// Unknown request.
-    pub fn remove_request(&mut self, id: &str) -> Result<()> {
-        let slot = self.table.slot(id)?;
-        self.release(slot, false);
-        self.table.remove(id, slot);
-        Ok(())
-    }
-
-    /// Releases the request's blocks (a held allocation released by `free`
-    /// counts as a preemption).
-    fn release(&mut self, slot: u32, preempted: bool) {
-        let req = self.table.get_mut(slot);
-        let uid = req.uid;
-        self.pending_split.take_if(|p| p.uid == uid);
-        if req.release(preempted) {
-            self.num_admitted -= 1;
-        }
-        self.coord.free(req);
     }
 
     // ---- lookup -----------------------------------------------------------
@@ -478,6 +445,43 @@ impl KvCacheManager {
         Ok(true)
     }
 
+    // ---- release ----------------------------------------------------------
+
+    /// Releases the request's blocks, tail first (preemption). The request stays
+    /// known and is re-admitted through `get_computed_blocks` + `allocate_slots`;
+    /// if it held an allocation, that counts as a preemption (stats).
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn free(&mut self, id: &str) -> Result<()> {
+        let slot = self.table.slot(id)?;
+        self.release(slot, true);
+        Ok(())
+    }
+
+    /// Releases the request's blocks and forgets it (finished or aborted).
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn remove_request(&mut self, id: &str) -> Result<()> {
+        let slot = self.table.slot(id)?;
+        self.release(slot, false);
+        self.table.remove(id, slot);
+        Ok(())
+    }
+
+    /// Releases the request's blocks (a held allocation released by `free`
+    /// counts as a preemption).
+    fn release(&mut self, slot: u32, preempted: bool) {
+        let req = self.table.get_mut(slot);
+        let uid = req.uid;
+        self.pending_split.take_if(|p| p.uid == uid);
+        if req.release(preempted) {
+            self.num_admitted -= 1;
+        }
+        self.coord.free(req);
+    }
+
     /// Frees blocks that fell out of the attention window (sliding window, local
     /// chunks); a no-op for full attention.
     ///
@@ -530,24 +534,6 @@ impl KvCacheManager {
         Ok(())
     }
 
-    /// Prompt blocks whose hashes were found instead of computed (answered
-    /// by the hash memo, or taken from a live request the prompt begins like)
-    /// and prompt blocks the memo was asked for and hashed: in place, on the
-    /// hash worker and in the manager's preparers (`(0, 0)` with the memo
-    /// off).
-    #[must_use]
-    pub fn hash_memo_counts(&self) -> (u64, u64) {
-        let (found, hashed) = self.hasher.memo_counts();
-        (found + self.shared_hash_blocks, hashed)
-    }
-
-    /// Prefix hits cut short by `verify_cached_tokens` (a cached block whose
-    /// tokens or context did not match the request: a hash collision).
-    #[must_use]
-    pub fn verification_failures(&self) -> u64 {
-        self.coord.verification_failures()
-    }
-
     // ---- cache maintenance ------------------------------------------------
 
     /// Drops the given blocks from the prefix cache (their data is bad), without
@@ -580,34 +566,9 @@ impl KvCacheManager {
         true
     }
 
-    /// KV events recorded and not yet drained.
-    #[must_use]
-    pub fn num_pending_events(&self) -> usize {
-        self.coord.pool().num_pending_events()
-    }
-
     /// Drains the KV events, annotated with each group's spec kind.
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         self.coord.take_events()
-    }
-
-    /// KV events dropped, oldest first, because the queue reached
-    /// `max_pending_events` undrained.
-    #[must_use]
-    pub fn num_dropped_events(&self) -> u64 {
-        self.coord.pool().num_dropped_events()
-    }
-
-    /// Block activity entries dropped, oldest first, because the log reached
-    /// `max_pending_block_activity` undrained.
-    #[must_use]
-    pub fn num_dropped_block_activity(&self) -> u64 {
-        self.coord.pool().num_dropped_block_activity()
-    }
-
-    /// Drains the pool's block activity log (`kv_cache_metrics`; empty otherwise).
-    pub fn take_block_activity(&mut self) -> Vec<crate::pool::BlockActivity> {
-        self.coord.pool_mut().take_block_activity()
     }
 
     /// Returns the prefix-cache stats gathered since the last call and starts new
@@ -631,40 +592,5 @@ impl KvCacheManager {
     /// Per-step notification (Mamba "align" groups reset per-step state).
     pub fn new_step_starts(&mut self) {
         self.coord.new_step_starts();
-    }
-
-    /// Checks every invariant of the pool and the request table.
-    ///
-    /// # Errors
-    /// [`Error::InvariantViolation`] describing the first violation.
-    pub fn check_invariants(&self) -> Result<()> {
-        let n = self.coord.pool().num_blocks() as usize;
-        let mut refs = vec![0u32; n];
-        let mut owner_group = vec![u32::MAX; n];
-        let mut admitted = 0usize;
-        let mut live = 0usize;
-        for req in self.table.iter() {
-            live += 1;
-            admitted += usize::from(req.admitted);
-            self.coord.check_request(req, &mut refs, &mut owner_group)?;
-        }
-        self.check_resident_pages(&refs)?;
-        for (b, n) in self.coord.pool().engine_refs() {
-            refs[b as usize] += n;
-        }
-        for b in self.coord.pending_cow_refs() {
-            refs[b as usize] += 1;
-        }
-        if admitted != self.num_admitted {
-            return Err(Error::InvariantViolation(
-                "admitted-request count is off".into(),
-            ));
-        }
-        if self.table.len() != live {
-            return Err(Error::InvariantViolation(
-                "request index is out of sync".into(),
-            ));
-        }
-        self.coord.pool().check_invariants(Some(&refs))
     }
 }

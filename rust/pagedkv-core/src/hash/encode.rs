@@ -67,7 +67,7 @@ impl CborValue {
     /// are not representable without bignum tags and are rejected.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] when an integer does not fit CBOR's major types 0/1.
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) when an integer does not fit CBOR's major types 0/1.
     pub fn encode(&self, buf: &mut Vec<u8>) -> Result<()> {
         match self {
             Self::Null => buf.push(CBOR_NULL),

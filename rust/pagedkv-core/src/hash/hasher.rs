@@ -232,7 +232,7 @@ impl BlockHasher {
     /// `xxh3_native` accepts only `None` (it has no generic key form).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`]: extra keys for `xxh3_native`, or unencodable values.
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument): extra keys for `xxh3_native`, or unencodable values.
     pub fn hash_block_generic(
         &mut self,
         parent: Option<&BlockHash>,

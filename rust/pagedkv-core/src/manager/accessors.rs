@@ -32,7 +32,7 @@ impl KvCacheManager {
     /// [`BlockPool::set_num_free_blocks`].
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for more than the free queue holds.
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for more than the free queue holds.
     pub fn set_num_free_blocks(&mut self, n: u32) -> Result<()> {
         self.coord.pool_mut().set_num_free_blocks(n)
     }

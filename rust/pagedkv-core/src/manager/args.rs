@@ -4,7 +4,7 @@
 
 use crate::pool::BlockId;
 
-/// Result of [`KvCacheManager::get_computed_blocks`]: the prefix-cache hit of a
+/// Result of [`KvCacheManager::get_computed_blocks`](crate::KvCacheManager::get_computed_blocks): the prefix-cache hit of a
 /// request, valid until blocks are evicted (it is re-validated when used).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ComputedBlocks {
@@ -27,7 +27,7 @@ impl ComputedBlocks {
     }
 }
 
-/// Arguments of [`KvCacheManager::allocate_slots`] besides the request and hit
+/// Arguments of [`KvCacheManager::allocate_slots`](crate::KvCacheManager::allocate_slots) besides the request and hit
 /// (vLLM's meaning for each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AllocateArgs {
@@ -55,7 +55,7 @@ pub struct AllocateArgs {
     /// tokens: blocks they may still read are not released as skipped.
     pub num_in_flight_tokens: u64,
     /// vLLM's answers where pagedkv's own API is stricter: a request that can
-    /// never fit gets `Ok(None)` instead of [`Error::CannotFit`], and computed
+    /// never fit gets `Ok(None)` instead of [`Error::CannotFit`](crate::Error::CannotFit), and computed
     /// tokens may exceed the blocks the request holds (an engine that set them
     /// itself, e.g. a disaggregated decode worker; the blocks are allocated) or
     /// its known tokens (async scheduling counts in-flight output tokens as
@@ -75,7 +75,7 @@ pub struct AllocateArgs {
     pub engine_managed_full_blocks: u64,
     /// Allocate fresh blocks only for the groups before this one; the engine's
     /// managed groups between take theirs from the pool, then
-    /// [`KvCacheManager::finish_allocation`] allocates for the rest and caches
+    /// [`KvCacheManager::finish_allocation`](crate::KvCacheManager::finish_allocation) allocates for the rest and caches
     /// (vLLM allocates group by group, so a core group after an engine-managed
     /// one gets its blocks after that group's). `None`: every group at once.
     pub split_at_group: Option<usize>,
@@ -121,7 +121,7 @@ impl AllocateArgs {
     }
 }
 
-/// Output of [`KvCacheManager::allocate_slots_batch`]: per group, the new block
+/// Output of [`KvCacheManager::allocate_slots_batch`](crate::KvCacheManager::allocate_slots_batch): per group, the new block
 /// ids of every admitted request concatenated, with `offsets[g][i]..offsets[g][i+1]`
 /// the span of request `i`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -1,190 +1,51 @@
-//! `KvCacheManager`: the public surface (vLLM's `KVCacheManager`). It owns the
-//! request table and the coordinator, validates every call, implements vLLM
-//! 0.33's `allocate_slots` stage by stage, and keeps the stats.
+//! `KvCacheManager`, vLLM's `KVCacheManager`: what it does, in vLLM's order.
+//!
+//! It owns the request table and the coordinator, validates every call and
+//! keeps the stats. This file holds the manager's construction and vLLM's
+//! calls in vLLM's order: `get_computed_blocks`, `allocate_slots` stage by
+//! stage (the general path), `free`, `remove_skipped_blocks`, `cache_blocks`,
+//! eviction, reset, events, stats, the common prefix and `new_step_starts`.
+//! Around it: the argument types (`args`), read-only accessors (`accessors`),
+//! registering and growing requests (`requests`), `allocate_slots`' decode
+//! fast path and the batch's lean path (`fast_path`), the checks made before
+//! anything changes (`validate`), the batch calls (`batch`), the manager's
+//! own counters and `check_invariants` (`readouts`) and the calls of an
+//! engine that owns its requests (`external`).
 //!
 //! A call travels: the id or handle is resolved by the request table, the
 //! arguments are checked (`validate`), the coordinator does the block work over
 //! its group managers and the pool.
 
+mod accessors;
+mod args;
+pub use args::{AllocateArgs, BatchAllocation, ComputedBlocks};
 mod batch;
 pub use batch::BatchStep;
 mod connector;
 pub use connector::ConnectorHit;
 mod external;
 pub use external::{EngineRequest, SyncAnchor};
+mod fast_path;
 mod hisparse;
 mod partial;
 mod prepared;
 pub use prepared::{PreparedRequest, RequestPreparer};
+mod readouts;
+mod requests;
 mod validate;
 mod zeroing;
 
 use crate::coordinator::Coordinator;
-use crate::error::{Error, Result, invalid};
+use crate::error::{Result, invalid};
 use crate::events::KvEvent;
-use crate::hash::{BlockHash, BlockHasher, DEFAULT_NONE_HASH_SEED};
-use crate::pool::{BlockId, BlockPool};
+use crate::hash::{BlockHasher, DEFAULT_NONE_HASH_SEED};
+use crate::pool::BlockId;
 use crate::request::HashWorker;
-use crate::request::{Request, RequestSpec};
 use crate::request_table::RequestTable;
 pub use crate::request_table::{RequestHandle, RequestRefs};
-use crate::single_type::{GroupBlocks, Need};
+use crate::single_type::Need;
 use crate::spec::ManagerConfig;
 use crate::stats::PrefixCacheStats;
-use std::hash::{Hash, Hasher};
-
-/// Result of [`KvCacheManager::get_computed_blocks`]: the prefix-cache hit of a
-/// request, valid until blocks are evicted (it is re-validated when used).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ComputedBlocks {
-    /// Hit blocks per group (null blocks pad skipped positions).
-    pub block_ids: Vec<Vec<BlockId>>,
-    /// Tokens covered by the hit.
-    pub num_computed_tokens: u64,
-    /// vLLM's `shared_prefix_boundary` (0 unless a sparse-retention group lags).
-    pub shared_prefix_boundary: u64,
-    request_uid: u64,
-    manager_uid: u64,
-    epoch: u64,
-}
-
-impl ComputedBlocks {
-    /// Whether every group's hit is empty.
-    #[must_use]
-    pub fn is_empty(&self) -> bool {
-        self.block_ids.iter().all(Vec::is_empty)
-    }
-}
-
-/// Arguments of [`KvCacheManager::allocate_slots`] besides the request and hit
-/// (vLLM's meaning for each).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct AllocateArgs {
-    /// Tokens to compute this step (prefill chunk or decode tokens).
-    pub num_new_tokens: u64,
-    /// Tokens whose KV the request already has (held blocks).
-    pub num_computed_tokens: u64,
-    /// Tokens of the prefix hit adopted now (at most the hit's length).
-    pub num_new_computed_tokens: u64,
-    /// Speculative tokens to reserve slots for beyond the new tokens.
-    pub num_lookahead_tokens: u64,
-    /// Tokens whose KV an external connector supplies.
-    pub num_external_computed_tokens: u64,
-    /// Allocate now, publish blocks to the prefix cache later (`cache_blocks`).
-    pub delay_cache_blocks: bool,
-    /// Encoder-output tokens (cross-attention groups allocate for these).
-    pub num_encoder_tokens: u64,
-    /// Admit only if blocks for the whole request fit (vLLM's admission gate).
-    pub full_sequence_must_fit: bool,
-    /// Free blocks to leave untouched for other use.
-    pub reserved_blocks: u64,
-    /// Other requests are scheduled this step (the watermark applies).
-    pub has_scheduled_reqs: bool,
-    /// Tokens of in-flight steps (async scheduling) counted in the computed
-    /// tokens: blocks they may still read are not released as skipped.
-    pub num_in_flight_tokens: u64,
-    /// vLLM's answers where pagedkv's own API is stricter: a request that can
-    /// never fit gets `Ok(None)` instead of [`Error::CannotFit`], and computed
-    /// tokens may exceed the blocks the request holds (an engine that set them
-    /// itself, e.g. a disaggregated decode worker; the blocks are allocated) or
-    /// its known tokens (async scheduling counts in-flight output tokens as
-    /// computed before they are appended).
-    pub vllm_lenient: bool,
-    /// Groups (bit `g` for group `g`) whose blocks for external tokens an async
-    /// load writes after this step: they are not listed for zeroing, which
-    /// would race the load (vLLM's `skip_zeroing_group_ids`).
-    pub skip_zeroing_groups: u64,
-    /// Blocks the engine-managed groups ([`crate::AttentionKind::EngineManaged`])
-    /// take from the pool in this step, counted with the manager's own in the
-    /// step's capacity check (vLLM adds up every group's need before any
-    /// allocates).
-    pub engine_managed_blocks: u64,
-    /// The same for the whole request, counted in the `full_sequence_must_fit`
-    /// check.
-    pub engine_managed_full_blocks: u64,
-    /// Allocate fresh blocks only for the groups before this one; the engine's
-    /// managed groups between take theirs from the pool, then
-    /// [`KvCacheManager::finish_allocation`] allocates for the rest and caches
-    /// (vLLM allocates group by group, so a core group after an engine-managed
-    /// one gets its blocks after that group's). `None`: every group at once.
-    pub split_at_group: Option<usize>,
-}
-
-impl AllocateArgs {
-    /// Only the counts of a step (new, computed and lookahead tokens) differ
-    /// from [`Self::step`]'s defaults: nothing adopted, loaded, reserved,
-    /// delayed or in flight.
-    #[must_use]
-    pub fn is_plain_step(&self) -> bool {
-        !self.delay_cache_blocks && self.is_plain_step_if_caching()
-    }
-
-    /// [`Self::is_plain_step`], caching delayed or not: a step the decode fast
-    /// path serves publishes no block, so delaying its caching changes nothing.
-    fn is_plain_step_if_caching(&self) -> bool {
-        self.num_new_computed_tokens == 0
-            && self.num_external_computed_tokens == 0
-            && self.num_encoder_tokens == 0
-            && !self.full_sequence_must_fit
-            && self.reserved_blocks == 0
-            && self.num_in_flight_tokens == 0
-            && self.engine_managed_blocks == 0
-            && self.split_at_group.is_none()
-    }
-
-    /// The arguments of a batch entry's step: [`Self::step`]'s with a
-    /// lookahead, nothing else set.
-    fn is_batch_step(&self) -> bool {
-        *self
-            == Self {
-                num_lookahead_tokens: self.num_lookahead_tokens,
-                ..Self::step(self.num_new_tokens, self.num_computed_tokens)
-            }
-    }
-
-    /// A running request's step: `num_new_tokens` after `num_computed_tokens`.
-    #[must_use]
-    pub fn step(num_new_tokens: u64, num_computed_tokens: u64) -> Self {
-        Self {
-            num_new_tokens,
-            num_computed_tokens,
-            num_new_computed_tokens: 0,
-            num_lookahead_tokens: 0,
-            num_external_computed_tokens: 0,
-            delay_cache_blocks: false,
-            num_encoder_tokens: 0,
-            full_sequence_must_fit: false,
-            reserved_blocks: 0,
-            has_scheduled_reqs: true,
-            num_in_flight_tokens: 0,
-            vllm_lenient: false,
-            skip_zeroing_groups: 0,
-            engine_managed_blocks: 0,
-            engine_managed_full_blocks: 0,
-            split_at_group: None,
-        }
-    }
-
-    /// `num_new_computed_tokens` as given, or when the caller gave none, the
-    /// tokens of the hit it passes (0 without one): a lookup is adopted whole.
-    #[must_use]
-    pub fn num_new_computed_tokens_or_hit(given: Option<u64>, hit: Option<&ComputedBlocks>) -> u64 {
-        given.unwrap_or_else(|| hit.map_or(0, |h| h.num_computed_tokens))
-    }
-}
-
-/// Output of [`KvCacheManager::allocate_slots_batch`]: per group, the new block
-/// ids of every admitted request concatenated, with `offsets[g][i]..offsets[g][i+1]`
-/// the span of request `i`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct BatchAllocation {
-    /// Requests served (a prefix of the batch).
-    pub num_allocated: usize,
-    /// Per group, the new block ids of the served requests, concatenated.
-    pub block_ids: Vec<Vec<BlockId>>,
-    /// Per group, `num_allocated + 1` offsets into `block_ids`.
-    pub offsets: Vec<Vec<u32>>,
-}
 
 /// The rest of an allocation split at a group: what `finish_allocation` needs.
 #[derive(Debug)]
@@ -244,7 +105,7 @@ pub struct KvCacheManager {
     /// [`SOURCES`] slots), the last request hashed in place that began with
     /// it (its slot and uid; uid 0: none). A prompt that begins like a live
     /// one takes that one's hashes for the blocks they share
-    /// ([`Request::take_shared_hashes`]), the rest through the memo.
+    /// ([`Request::take_shared_hashes`](crate::request::Request::take_shared_hashes)), the rest through the memo.
     hash_sources: Vec<(u32, u64)>,
     /// Prompt blocks whose hashes were taken that way.
     shared_hash_blocks: u64,
@@ -258,7 +119,7 @@ impl KvCacheManager {
     /// Builds a manager.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for an inconsistent configuration.
+    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) for an inconsistent configuration.
     pub fn new(cfg: ManagerConfig) -> Result<Self> {
         let hbs = cfg.validate()?;
         let seed = match &cfg.hash_seed {
@@ -298,284 +159,6 @@ impl KvCacheManager {
             shared_hash_blocks: 0,
             cfg,
         })
-    }
-
-    // ---- accessors --------------------------------------------------------
-
-    /// The configuration.
-    #[must_use]
-    pub fn config(&self) -> &ManagerConfig {
-        &self.cfg
-    }
-
-    /// The block pool (read-only).
-    #[must_use]
-    pub fn pool(&self) -> &BlockPool {
-        self.coord.pool()
-    }
-
-    /// Free blocks (evictable cached blocks included).
-    #[must_use]
-    pub fn num_free_blocks(&self) -> u32 {
-        self.coord.pool().num_free_blocks()
-    }
-
-    /// Sets how many free blocks the pool counts as free (vLLM's
-    /// `free_block_queue.num_free_blocks = n`): see
-    /// [`BlockPool::set_num_free_blocks`].
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for more than the free queue holds.
-    pub fn set_num_free_blocks(&mut self, n: u32) -> Result<()> {
-        self.coord.pool_mut().set_num_free_blocks(n)
-    }
-
-    /// Block usage in `[0, 1]`, null block excluded.
-    #[must_use]
-    pub fn usage(&self) -> f64 {
-        self.coord.pool().usage()
-    }
-
-    /// Number of KV-cache groups.
-    #[must_use]
-    pub fn num_groups(&self) -> usize {
-        self.coord.groups().len()
-    }
-
-    /// Token granularity of block hashes.
-    #[must_use]
-    pub fn hash_block_size(&self) -> usize {
-        self.hash_block_size
-    }
-
-    /// The chain seed in use.
-    #[must_use]
-    pub fn none_hash(&self) -> BlockHash {
-        self.hasher.none_hash()
-    }
-
-    /// Number of known requests.
-    #[must_use]
-    pub fn num_requests(&self) -> usize {
-        self.table.len()
-    }
-
-    /// The handle of a known request (the value `add_request` returned).
-    ///
-    /// # Errors
-    /// Unknown request.
-    pub fn request_handle(&self, id: &str) -> Result<RequestHandle> {
-        Ok(self.table.handle_of(self.table.slot(id)?))
-    }
-
-    fn req(&self, id: &str) -> Result<&Request> {
-        Ok(self.table.get(self.table.slot(id)?))
-    }
-
-    /// Whether a request id is known.
-    #[must_use]
-    pub fn contains(&self, id: &str) -> bool {
-        self.table.contains(id)
-    }
-
-    /// Token count of a request.
-    ///
-    /// # Errors
-    /// Unknown request.
-    pub fn num_tokens(&self, id: &str) -> Result<usize> {
-        Ok(self.req(id)?.num_tokens())
-    }
-
-    /// Prompt length of a request.
-    ///
-    /// # Errors
-    /// Unknown request.
-    pub fn num_prompt_tokens(&self, id: &str) -> Result<usize> {
-        Ok(self.req(id)?.num_prompt_tokens)
-    }
-
-    /// The request's block hashes at `hash_block_size` granularity.
-    ///
-    /// # Errors
-    /// Unknown request.
-    pub fn block_hashes(&self, id: &str) -> Result<&[BlockHash]> {
-        Ok(self.req(id)?.hashes())
-    }
-
-    /// The request's block ids per group.
-    ///
-    /// # Errors
-    /// Unknown request.
-    pub fn block_ids(&self, id: &str) -> Result<Vec<&[BlockId]>> {
-        let r = self.req(id)?;
-        Ok(r.groups().iter().map(GroupBlocks::blocks).collect())
-    }
-
-    /// How many times the request was freed (preempted) while known.
-    ///
-    /// # Errors
-    /// Unknown request.
-    pub fn num_preemptions(&self, id: &str) -> Result<u32> {
-        Ok(self.req(id)?.num_preemptions)
-    }
-
-    /// Whether block hashes are kept up to date (caching or events need them).
-    fn hashing(&self) -> bool {
-        !self.cfg.external_block_hashes
-            && (self.cfg.enable_caching || self.coord.pool().events_enabled())
-    }
-
-    // ---- requests ---------------------------------------------------------
-
-    /// Registers a request and hashes its full prompt blocks.
-    ///
-    /// # Errors
-    /// Duplicate id; a prompt longer than `max_model_len`; inconsistent
-    /// multimodal items or embeddings.
-    pub fn add_request(&mut self, id: &str, spec: RequestSpec) -> Result<RequestHandle> {
-        if self.table.contains(id) {
-            return Err(Error::DuplicateRequest(id.to_owned()));
-        }
-        // An engine may register a request before any token (vLLM allows it).
-        if !(self.cfg.external_block_hashes && spec.prompt_token_ids.is_empty()) {
-            prepared::check_prompt(&spec, self.cfg.max_model_len)?;
-        }
-        let mut req = Request::new(
-            id.to_owned(),
-            self.table.next_uid(),
-            spec,
-            self.num_groups(),
-            self.hash_block_size,
-            self.cfg.verify_cached_tokens && self.cfg.enable_caching,
-        )?;
-        // The request's `hash_sources` slot, where it becomes the source.
-        let mut source = None;
-        if self.hashing() {
-            let full_blocks = req.num_tokens() / self.hash_block_size;
-            if full_blocks > 0 && self.start_background_worker() {
-                if let Some(worker) = &self.hash_worker {
-                    req.hash_in_background(worker, &self.hasher, self.hash_block_size);
-                }
-            } else {
-                source = self.take_shared_hashes(&mut req);
-                req.update_hashes(&mut self.hasher, self.hash_block_size);
-            }
-        }
-        let uid = req.uid;
-        let slot = self.table.insert(id, req)?;
-        if let Some(i) = source {
-            self.hash_sources[i] = (slot, uid);
-        }
-        Ok(self.table.handle_of(slot))
-    }
-
-    /// With the memo on, for a request about to be hashed in place whose
-    /// hashes follow its tokens: takes the hashes of the blocks it shares
-    /// from the start with the last live request that began like it. Returns
-    /// the request's [`Self::hash_sources`] slot (where it becomes the
-    /// source), `None` for a request that is no source. Only such requests
-    /// become sources, and what makes their hashes follow their tokens never
-    /// changes, so a live source with the recorded uid still qualifies.
-    fn take_shared_hashes(&mut self, req: &mut Request) -> Option<usize> {
-        if self.hash_sources.is_empty() || !req.hashes_follow_tokens() {
-            return None;
-        }
-        let bs = self.hash_block_size;
-        let mut h = rustc_hash::FxHasher::default();
-        req.tokens().get(..bs)?.hash(&mut h);
-        let i = h.finish() as usize % self.hash_sources.len();
-        let (slot, uid) = self.hash_sources[i];
-        if let Some(src) = self.table.live(slot)
-            && src.uid == uid
-        {
-            let n = req.take_shared_hashes(src, bs);
-            self.shared_hash_blocks += n as u64;
-        }
-        Some(i)
-    }
-
-    /// Appends generated tokens; blocks that fill get hashed.
-    ///
-    /// # Errors
-    /// Unknown request, or one that would pass `max_model_len` tokens (nothing
-    /// is appended then).
-    pub fn append_token_ids(&mut self, id: &str, tokens: &[u32]) -> Result<()> {
-        let slot = self.table.slot(id)?;
-        self.check_room(slot, tokens.len())?;
-        let hasher = self.hashing().then_some(&mut self.hasher);
-        self.table
-            .get_mut(slot)
-            .append_tokens(tokens, hasher, self.hash_block_size);
-        Ok(())
-    }
-
-    /// Whether prompts go to the hash worker: `background_hashing` is on and the
-    /// thread runs (started on first use; false, hashing in place, if it cannot
-    /// be started).
-    fn start_background_worker(&mut self) -> bool {
-        if !self.cfg.background_hashing {
-            return false;
-        }
-        if self
-            .hash_worker
-            .as_ref()
-            .is_some_and(HashWorker::left_behind)
-        {
-            // A forked child's: dropped without a join (see `crate::fork`).
-            self.hash_worker = None;
-        }
-        if self.hash_worker.is_none() {
-            self.hash_worker = HashWorker::spawn().ok();
-        }
-        self.hash_worker.is_some()
-    }
-
-    /// Refuses tokens that would take the request past `max_model_len`.
-    pub(crate) fn check_room(&self, slot: u32, n: usize) -> Result<()> {
-        let req = self.table.get(slot);
-        let total = req.num_tokens() as u64 + n as u64;
-        if total > self.cfg.max_model_len {
-            return Err(invalid(format!(
-                "request {:?} would have {total} tokens, more than max_model_len {}",
-                req.id, self.cfg.max_model_len
-            )));
-        }
-        Ok(())
-    }
-
-    /// Releases the request's blocks, tail first (preemption). The request stays
-    /// known and is re-admitted through `get_computed_blocks` + `allocate_slots`;
-    /// if it held an allocation, that counts as a preemption (stats).
-    ///
-    /// # Errors
-    /// Unknown request.
-    pub fn free(&mut self, id: &str) -> Result<()> {
-        let slot = self.table.slot(id)?;
-        self.release(slot, true);
-        Ok(())
-    }
-
-    /// Releases the request's blocks and forgets it (finished or aborted).
-    ///
-    /// # Errors
-    /// Unknown request.
-    pub fn remove_request(&mut self, id: &str) -> Result<()> {
-        let slot = self.table.slot(id)?;
-        self.release(slot, false);
-        self.table.remove(id, slot);
-        Ok(())
-    }
-
-    /// Releases the request's blocks (a held allocation released by `free`
-    /// counts as a preemption).
-    fn release(&mut self, slot: u32, preempted: bool) {
-        let req = self.table.get_mut(slot);
-        let uid = req.uid;
-        self.pending_split.take_if(|p| p.uid == uid);
-        if req.release(preempted) {
-            self.num_admitted -= 1;
-        }
-        self.coord.free(req);
     }
 
     // ---- lookup -----------------------------------------------------------
@@ -666,26 +249,6 @@ impl KvCacheManager {
         Ok(ok.then_some(self.coord.new_blocks()))
     }
 
-    /// A running request's step with a batch entry's arguments, made as the
-    /// batch makes it when its counts and step limits decide it (a step that
-    /// takes nothing, or a lean one: [`Self::batch_path`], which checks what
-    /// `validate_args` would of such a step without reading the request's
-    /// groups): `true`, done. `false`: nothing changed (the step needs the
-    /// full checks and the general path, or a lean one more blocks than are
-    /// free).
-    fn running_step(&mut self, slot: u32, a: &AllocateArgs) -> bool {
-        let step = [
-            a.num_new_tokens,
-            a.num_computed_tokens,
-            a.num_lookahead_tokens,
-        ];
-        match self.batch_path(slot, step[0], step[1], step[2], 0) {
-            Some(BatchPath::Plain { .. }) => self.decode_step_needs_nothing(slot, step),
-            Some(BatchPath::Lean { .. }) => self.allocate_lean(slot, step),
-            None => false,
-        }
-    }
-
     /// Completes an allocation split at a group (`AllocateArgs::split_at_group`):
     /// fresh blocks for the groups from the split on, then the caching the
     /// first call left (unless it delayed caching). Returns the new blocks per
@@ -729,159 +292,8 @@ impl KvCacheManager {
         }
     }
 
-    /// A validated decode step of a running request that takes no block and
-    /// publishes none (most steps), `step` being `[num_new_tokens,
-    /// num_computed_tokens, num_lookahead_tokens]`: its counts recorded as
-    /// `allocate_validated` records them, and `true`. `false`: nothing
-    /// changed, the general path decides.
-    pub(super) fn decode_step_needs_nothing(&mut self, slot: u32, step: [u64; 3]) -> bool {
-        let caching = self.cfg.enable_caching;
-        let req = self.table.get(slot);
-        if !req.admitted {
-            return false;
-        }
-        let s = self.step_counts(req.num_tokens() as u64, step);
-        if !self
-            .coord
-            .decode_step_needs_nothing(req, s.need_slot, s.to_cache as usize, caching)
-        {
-            return false;
-        }
-        let req = self.table.get_mut(slot);
-        req.num_computed_at_step = step[1];
-        req.scheduled_through = s.main_model;
-        true
-    }
-
-    /// A running request's step counts (`allocate_general`'s, without a hit
-    /// or external tokens), for a request of `num_tokens` tokens and a step of
-    /// `[num_new_tokens, num_computed_tokens, num_lookahead_tokens]`.
-    fn step_counts(
-        &self,
-        num_tokens: u64,
-        [num_new_tokens, num_computed_tokens, num_lookahead_tokens]: [u64; 3],
-    ) -> StepCounts {
-        let max_len = self.cfg.max_model_len;
-        let total_computed = num_computed_tokens.min(max_len);
-        let main_model = (total_computed + num_new_tokens).min(max_len);
-        StepCounts {
-            main_model,
-            need_slot: (main_model + num_lookahead_tokens).min(max_len),
-            to_cache: (total_computed + num_new_tokens).min(num_tokens),
-        }
-    }
-
-    /// How the batch makes a running request's step, decided for every entry
-    /// before anything changes, given `appending` (0 or 1) tokens appended
-    /// first: [`BatchPath::Plain`] for a step the full checks would accept
-    /// that needs no block and publishes none (recorded by setting the two
-    /// counts, as [`Self::decode_step_needs_nothing`] does), [`BatchPath::Lean`]
-    /// for one the full checks would accept whose layout and state make it
-    /// lean ([`Coordinator::lean_step_need`]: it takes `need` blocks, none when
-    /// it only publishes one; [`Self::allocate_lean`] makes it), `None` for
-    /// the full checks and the general path. (Holding the blocks for the
-    /// step's slots, at least one past the computed tokens or all
-    /// `max_model_len`, covers the computed tokens too.)
-    // Inlined into both callers (the batch check and a single running
-    // step), with `allocate_lean` and `Coordinator::holds_step`: once a
-    // second caller made the compiler keep them out of line, a 100-request
-    // batch call took ~7 % longer (2,000 against 1,870 ns in a loop).
-    #[allow(clippy::inline_always)]
-    #[inline(always)]
-    pub(super) fn batch_path(
-        &self,
-        slot: u32,
-        num_new_tokens: u64,
-        num_computed_tokens: u64,
-        num_lookahead_tokens: u64,
-        appending: u64,
-    ) -> Option<BatchPath> {
-        const LIMIT: u64 = 1 << 40;
-        let req = self.table.get(slot);
-        let known = req.num_tokens() as u64 + appending;
-        // What `validate_args` checks of a step with only these counts.
-        if !req.admitted
-            || num_new_tokens == 0
-            || num_new_tokens > LIMIT
-            || num_lookahead_tokens > LIMIT
-            || num_computed_tokens > known
-            || known > self.cfg.max_model_len
-        {
-            return None;
-        }
-        let s = self.step_counts(
-            known,
-            [num_new_tokens, num_computed_tokens, num_lookahead_tokens],
-        );
-        let cached_to = self.cfg.enable_caching.then_some(s.to_cache);
-        if self.coord.holds_step(req, s.need_slot, cached_to) {
-            return Some(BatchPath::Plain {
-                scheduled_through: s.main_model,
-            });
-        }
-        // `validate_args` refuses a request holding blocks for fewer tokens
-        // than it computed.
-        if num_computed_tokens > req.step_limits().0 {
-            return None;
-        }
-        self.coord
-            .lean_step_need(req, s.need_slot)
-            .map(|need| BatchPath::Lean { need })
-    }
-
-    /// A step [`Self::batch_path`] found lean (before the tokens were appended):
-    /// what `allocate_general` does for it, without its checks and counting.
-    /// `false`: fewer blocks are free than it takes, nothing changed (the
-    /// general path then decides). `step` as for
-    /// [`Self::decode_step_needs_nothing`].
-    #[allow(clippy::inline_always)] // as `batch_path`
-    #[inline(always)]
-    pub(super) fn allocate_lean(&mut self, slot: u32, step: [u64; 3]) -> bool {
-        let num_computed_tokens = step[1];
-        let req = self.table.get(slot);
-        let s = self.step_counts(req.num_tokens() as u64, step);
-        let need = self.coord.lean_step_need(req, s.need_slot);
-        debug_assert!(need.is_some(), "a lean step stays lean until it is made");
-        if need.is_none_or(|n| n > i64::from(self.num_free_blocks())) {
-            return false;
-        }
-        let req = self.table.get_mut(slot);
-        req.num_computed_at_step = num_computed_tokens;
-        self.coord
-            .allocate_new_blocks_in(req, s.need_slot, s.main_model, 0, 0..usize::MAX);
-        req.scheduled_through = s.main_model;
-        if self.cfg.enable_caching {
-            self.coord
-                .cache_blocks(req, s.to_cache as usize, num_computed_tokens);
-        }
-        req.set_step_limits(self.coord.step_limits(req));
-        true
-    }
-
-    /// `allocate_slots` once the arguments were validated.
-    fn allocate_validated(
-        &mut self,
-        slot: u32,
-        a: &AllocateArgs,
-        hit: Option<&ComputedBlocks>,
-    ) -> Result<bool> {
-        if hit.is_none()
-            && a.is_plain_step_if_caching()
-            && self.decode_step_needs_nothing(
-                slot,
-                [
-                    a.num_new_tokens,
-                    a.num_computed_tokens,
-                    a.num_lookahead_tokens,
-                ],
-            )
-        {
-            return Ok(true);
-        }
-        self.allocate_general(slot, a, hit)
-    }
-
     /// `allocate_validated` without the decode fast path (the caller tried it).
+    #[allow(clippy::too_many_lines)] // mirrors vLLM's allocate_slots stage by stage
     pub(super) fn allocate_general(
         &mut self,
         slot: u32,
@@ -1033,6 +445,43 @@ impl KvCacheManager {
         Ok(true)
     }
 
+    // ---- release ----------------------------------------------------------
+
+    /// Releases the request's blocks, tail first (preemption). The request stays
+    /// known and is re-admitted through `get_computed_blocks` + `allocate_slots`;
+    /// if it held an allocation, that counts as a preemption (stats).
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn free(&mut self, id: &str) -> Result<()> {
+        let slot = self.table.slot(id)?;
+        self.release(slot, true);
+        Ok(())
+    }
+
+    /// Releases the request's blocks and forgets it (finished or aborted).
+    ///
+    /// # Errors
+    /// Unknown request.
+    pub fn remove_request(&mut self, id: &str) -> Result<()> {
+        let slot = self.table.slot(id)?;
+        self.release(slot, false);
+        self.table.remove(id, slot);
+        Ok(())
+    }
+
+    /// Releases the request's blocks (a held allocation released by `free`
+    /// counts as a preemption).
+    fn release(&mut self, slot: u32, preempted: bool) {
+        let req = self.table.get_mut(slot);
+        let uid = req.uid;
+        self.pending_split.take_if(|p| p.uid == uid);
+        if req.release(preempted) {
+            self.num_admitted -= 1;
+        }
+        self.coord.free(req);
+    }
+
     /// Frees blocks that fell out of the attention window (sliding window, local
     /// chunks); a no-op for full attention.
     ///
@@ -1085,24 +534,6 @@ impl KvCacheManager {
         Ok(())
     }
 
-    /// Prompt blocks whose hashes were found instead of computed (answered
-    /// by the hash memo, or taken from a live request the prompt begins like)
-    /// and prompt blocks the memo was asked for and hashed: in place, on the
-    /// hash worker and in the manager's preparers (`(0, 0)` with the memo
-    /// off).
-    #[must_use]
-    pub fn hash_memo_counts(&self) -> (u64, u64) {
-        let (found, hashed) = self.hasher.memo_counts();
-        (found + self.shared_hash_blocks, hashed)
-    }
-
-    /// Prefix hits cut short by `verify_cached_tokens` (a cached block whose
-    /// tokens or context did not match the request: a hash collision).
-    #[must_use]
-    pub fn verification_failures(&self) -> u64 {
-        self.coord.verification_failures()
-    }
-
     // ---- cache maintenance ------------------------------------------------
 
     /// Drops the given blocks from the prefix cache (their data is bad), without
@@ -1135,34 +566,9 @@ impl KvCacheManager {
         true
     }
 
-    /// KV events recorded and not yet drained.
-    #[must_use]
-    pub fn num_pending_events(&self) -> usize {
-        self.coord.pool().num_pending_events()
-    }
-
     /// Drains the KV events, annotated with each group's spec kind.
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         self.coord.take_events()
-    }
-
-    /// KV events dropped, oldest first, because the queue reached
-    /// `max_pending_events` undrained.
-    #[must_use]
-    pub fn num_dropped_events(&self) -> u64 {
-        self.coord.pool().num_dropped_events()
-    }
-
-    /// Block activity entries dropped, oldest first, because the log reached
-    /// `max_pending_block_activity` undrained.
-    #[must_use]
-    pub fn num_dropped_block_activity(&self) -> u64 {
-        self.coord.pool().num_dropped_block_activity()
-    }
-
-    /// Drains the pool's block activity log (`kv_cache_metrics`; empty otherwise).
-    pub fn take_block_activity(&mut self) -> Vec<crate::pool::BlockActivity> {
-        self.coord.pool_mut().take_block_activity()
     }
 
     /// Returns the prefix-cache stats gathered since the last call and starts new
@@ -1187,60 +593,4 @@ impl KvCacheManager {
     pub fn new_step_starts(&mut self) {
         self.coord.new_step_starts();
     }
-
-    /// Checks every invariant of the pool and the request table.
-    ///
-    /// # Errors
-    /// [`Error::InvariantViolation`] describing the first violation.
-    pub fn check_invariants(&self) -> Result<()> {
-        let n = self.coord.pool().num_blocks() as usize;
-        let mut refs = vec![0u32; n];
-        let mut owner_group = vec![u32::MAX; n];
-        let mut admitted = 0usize;
-        let mut live = 0usize;
-        for req in self.table.iter() {
-            live += 1;
-            admitted += usize::from(req.admitted);
-            self.coord.check_request(req, &mut refs, &mut owner_group)?;
-        }
-        self.check_resident_pages(&refs)?;
-        for (b, n) in self.coord.pool().engine_refs() {
-            refs[b as usize] += n;
-        }
-        for b in self.coord.pending_cow_refs() {
-            refs[b as usize] += 1;
-        }
-        if admitted != self.num_admitted {
-            return Err(Error::InvariantViolation(
-                "admitted-request count is off".into(),
-            ));
-        }
-        if self.table.len() != live {
-            return Err(Error::InvariantViolation(
-                "request index is out of sync".into(),
-            ));
-        }
-        self.coord.pool().check_invariants(Some(&refs))
-    }
-}
-
-/// How the batch call makes a running request's step
-/// ([`KvCacheManager::batch_path`]).
-#[derive(Clone, Copy, Debug)]
-pub(super) enum BatchPath {
-    /// It needs no block and publishes none: only its counts are recorded.
-    Plain { scheduled_through: u64 },
-    /// It takes `need` blocks or publishes one, in a layout that allows the
-    /// lean path ([`KvCacheManager::allocate_lean`]).
-    Lean { need: i64 },
-}
-
-/// A running request's step, as [`KvCacheManager::step_counts`] gives it.
-struct StepCounts {
-    /// Tokens the step schedules through (the request's `scheduled_through`).
-    main_model: u64,
-    /// Slots the step needs (lookahead included).
-    need_slot: u64,
-    /// Tokens whose full blocks the step publishes.
-    to_cache: u64,
 }

@@ -113,7 +113,7 @@ impl KvCacheManager {
         Ok(self.group_blocks(id, g)?.checkpoint())
     }
 
-    fn group_blocks(&self, id: &str, g: usize) -> Result<&crate::single_type::GroupBlocks> {
+    fn group_blocks(&self, id: &str, g: usize) -> Result<&crate::request::GroupBlocks> {
         let r = self.req(id)?;
         r.groups().get(g).ok_or_else(|| {
             invalid(format!(

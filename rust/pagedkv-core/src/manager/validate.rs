@@ -2,7 +2,8 @@
 //! checked before anything changes, so a refused call leaves the manager as
 //! it was.
 
-use super::{AllocateArgs, BatchPath, ComputedBlocks, KvCacheManager};
+use super::fast_path::BatchPath;
+use super::{AllocateArgs, ComputedBlocks, KvCacheManager};
 use crate::error::{Error, Result, invalid};
 use crate::pool::BlockId;
 use crate::single_type::Need;

@@ -1,5 +1,6 @@
 //! vLLM's `test_single_type_kv_cache_manager.py` tables.
 use super::*;
+use crate::pool::{BlockPool, NULL_BLOCK};
 
 fn manager(kind: AttentionKind, block_size: u32) -> GroupManager {
     let spec = GroupSpec::new(kind, block_size);

@@ -3,7 +3,7 @@
 use crate::error::{Error, Result};
 use crate::hash::HashAlgo;
 
-mod fields;
+pub(crate) mod fields;
 pub use fields::{OptionValue, SpecFields, config_int};
 
 /// Mamba state caching mode (vLLM's `mamba_cache_mode`).

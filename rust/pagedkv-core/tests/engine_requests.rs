@@ -312,11 +312,11 @@ fn in_flight_tokens_keep_the_window_blocks_an_in_flight_step_reads() {
 fn blocks_to_allocate_for_a_request_holding_none() {
     let m = engine_mgr(11, 16);
     assert_eq!(
-        ok(m.num_blocks_to_allocate(None, 33, (0, 0), 33, 0, false)),
+        ok(m.num_blocks_to_allocate(None, 33, (0, None), 33, 0, false)),
         3
     );
     assert!(
-        m.num_blocks_to_allocate(Some("nope"), 1, (0, 0), 1, 0, false)
+        m.num_blocks_to_allocate(Some("nope"), 1, (0, None), 1, 0, false)
             .is_err()
     );
 }

@@ -47,7 +47,7 @@ impl PyRequestPreparer {
         skip_reading_prefix_cache: bool,
         session_id: Option<String>,
     ) -> PkResult<PyPreparedRequest> {
-        let limit = usize::try_from(self.inner.max_model_len()).unwrap_or(usize::MAX);
+        let limit = self.inner.token_limit();
         let spec = request_spec(
             prompt_tokens(prompt_token_ids, limit)?,
             Lora::from_parts(lora_name, lora_path, lora_id)?,

@@ -288,7 +288,7 @@ impl KvCacheManager {
             tail_start,
             tail,
             values,
-            token_limit: usize::try_from(self.cfg.max_model_len).unwrap_or(usize::MAX),
+            token_limit: self.cfg.token_limit(),
         })
     }
 

@@ -61,6 +61,12 @@ impl RequestPreparer {
         self.max_model_len
     }
 
+    /// The most token ids one prompt may carry ([`crate::ManagerConfig::token_limit`]).
+    #[must_use]
+    pub fn token_limit(&self) -> usize {
+        crate::spec::fields::token_limit(self.max_model_len)
+    }
+
     /// Builds the request `id` and hashes its full prompt blocks, as
     /// [`KvCacheManager::add_request`] would, without the manager.
     ///

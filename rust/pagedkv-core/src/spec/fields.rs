@@ -275,8 +275,15 @@ impl ManagerConfig {
     /// `max_model_len`, which no request may pass.
     #[must_use]
     pub fn token_limit(&self) -> usize {
-        usize::try_from(self.max_model_len).unwrap_or(usize::MAX)
+        token_limit(self.max_model_len)
     }
+}
+
+/// The most token ids (or block hashes) one call may carry under
+/// `max_model_len`: the one rule behind [`ManagerConfig::token_limit`], the
+/// engine sync's reads and a preparer's prompts.
+pub(crate) fn token_limit(max_model_len: u64) -> usize {
+    usize::try_from(max_model_len).unwrap_or(usize::MAX)
 }
 
 #[cfg(test)]

@@ -287,10 +287,9 @@ impl PyManager {
     ) -> PkResult<u64> {
         let n = count("num_tokens", num_tokens)?;
         let c = count("total_computed_tokens", total_computed_tokens)?;
-        let local = match num_local_computed_tokens {
-            Some(v) => count("num_local_computed_tokens", v)?,
-            None => c,
-        };
+        let local = num_local_computed_tokens
+            .map(|v| count("num_local_computed_tokens", v))
+            .transpose()?;
         let m = count("num_tokens_main_model", num_tokens_main_model)?;
         let e = count("num_encoder_tokens", num_encoder_tokens)?;
         Ok(borrow(slf)?.inner.num_blocks_to_allocate(

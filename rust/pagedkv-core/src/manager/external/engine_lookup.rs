@@ -133,7 +133,7 @@ impl KvCacheManager {
     /// blocks the request (or, for `None`, a request holding none) needs to
     /// hold `num_tokens` tokens after `total_computed` computed ones, of which
     /// `num_local` were computed locally (the rest a connector imports; HiSparse
-    /// groups count those apart). `apply_admission_cap` caps sliding-window,
+    /// groups count those apart; `None`: all of them). `apply_admission_cap` caps sliding-window,
     /// chunked-local and HiSparse resident groups at the in-flight admission
     /// bound, as vLLM's admission gate does.
     ///
@@ -143,7 +143,7 @@ impl KvCacheManager {
         &self,
         id: Option<&str>,
         num_tokens: u64,
-        (total_computed, num_local): (u64, u64),
+        (total_computed, num_local): (u64, Option<u64>),
         num_tokens_main_model: u64,
         num_encoder_tokens: u64,
         apply_admission_cap: bool,
@@ -160,6 +160,7 @@ impl KvCacheManager {
                 )));
             }
         }
+        let num_local = num_local.unwrap_or(total_computed);
         if num_local > total_computed {
             return Err(invalid(format!(
                 "{num_local} locally computed tokens of only {total_computed} computed"

@@ -307,74 +307,61 @@ class HiSparseKVCacheManager(KVCacheManager):
         """vLLM's ``allocate_slots`` over both pools: every group's need is
         counted before any allocates; then the core adopts and allocates for
         the device groups, vLLM's source manager for the host one, and every
-        group caches in group order."""
-        if (
-            num_new_tokens == 0
-            and num_external_computed_tokens == 0
-            and num_new_computed_tokens == 0
-        ):
-            raise ValueError(
-                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
-            )
+        group caches in group order. The counts vLLM's managers get, and
+        whether the step adopts its hit, are the core's
+        (``hisparse_allocation_step``)."""
         rid = request.request_id
         if self._live.get(rid) is not request:
             self._register(request)
         ext = num_external_computed_tokens
-        groups: tuple[Sequence[Any], ...] | None = None
+        empty = self.empty_kv_cache_blocks.blocks
+        hit_groups: tuple[Sequence[Any], ...] = empty
         if new_computed_blocks is not None:
-            groups = new_computed_blocks.blocks
+            hit_groups = new_computed_blocks.blocks
             if self.retained_hit_group_ids:
                 # Only the prefix the local and external hits cover is adopted.
                 reused = num_new_computed_tokens + ext
-                trimmed = list(groups)
+                trimmed = list(hit_groups)
                 for g in self.retained_hit_group_ids:
                     bs = self.coordinator.single_type_managers[g].block_size
                     trimmed[g] = trimmed[g][: cdiv(reused, bs)]
-                groups = tuple(trimmed)
-        hit_groups = groups if groups is not None else self.empty_kv_cache_blocks.blocks
-        local = request.num_computed_tokens + num_new_computed_tokens
-        total = min(local + ext, self.max_model_len)
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-        main = total + num_new_tokens
-        need_slot = min(main + num_lookahead_tokens, self.max_model_len)
+                hit_groups = tuple(trimmed)
         engine = self._engine_groups
+        events = self.enable_kv_cache_events
+        if events:
+            # Events recorded before this call keep their place ahead of its own.
+            self._queued_events += self._core_events()
+        sync_with_core(self._core, request)
+        local, total, main, need_slot, full, prefill_end, to_cache, adopting = (
+            self._core.hisparse_allocation_step(
+                rid,
+                num_new_tokens,
+                request.num_computed_tokens,
+                num_new_computed_tokens,
+                num_lookahead_tokens,
+                ext,
+                hit_groups is not empty,  # vLLM: a list other than its shared empty one
+                any(rid in m.num_cached_block for _, m in engine),
+            )
+        )
         full_need = 0
         if full_sequence_must_fit:
-            full = min(request.num_tokens, self.max_model_len)
             full_need = engine_groups_need(
                 engine, rid, full, hit_groups, total, local, full, True, prefill_end
             )
         step_need = engine_groups_need(
             engine, rid, need_slot, hit_groups, local + ext, local, main, False, prefill_end
         )
-        # vLLM adopts hits into a group only for a request no group tracks yet.
-        adopting = (groups is not None or ext > 0) and not (
-            any(rid in m.num_cached_block for _, m in engine)
-            or any(n is not None for n in self._core.num_cached_blocks(rid))
-        )
         hit = (
             None
             if new_computed_blocks is None
             else self._hit(rid, new_computed_blocks, num_new_computed_tokens)
         )
-        try:
-            tokens = request._all_token_ids
-        except AttributeError:
-            tokens = request.all_token_ids
-        events = self.enable_kv_cache_events
-        if events:
-            # Events recorded before this call keep their place ahead of its own.
-            self._queued_events += self._core_events()
-        cache_now = self.enable_caching and not delay_cache_blocks
-        new = self._allocate_synced(
-            rid,
-            tokens,
-            request.block_hashes,
-            request.shared_prefix_boundary,
-            num_new_tokens,
-            request.num_computed_tokens,
-            num_new_computed_tokens,
+        new = self._allocate_in_core(
+            request,
             hit,
+            num_new_tokens,
+            num_new_computed_tokens,
             num_lookahead_tokens,
             ext,
             True,  # cached below, after every group allocated (vLLM's order)
@@ -382,9 +369,7 @@ class HiSparseKVCacheManager(KVCacheManager):
             full_sequence_must_fit,
             reserved_blocks,
             has_scheduled_reqs,
-            request.num_in_flight_tokens,
-            skip_zeroing_group_ids or None,
-            request.num_prompt_tokens,
+            skip_zeroing_group_ids,
             engine_managed_blocks=(step_need, full_need),
         )
         if new is None:
@@ -411,8 +396,8 @@ class HiSparseKVCacheManager(KVCacheManager):
             for _, m in self._resident:
                 if m.coordinator is not None:
                     m.coordinator.commit_computed_blocks(rid, cdiv(local, m.block_size))
-        if cache_now:
-            self._cache_in_group_order(request, min(total + num_new_tokens, request.num_tokens))
+        if self.enable_caching and not delay_cache_blocks:
+            self._cache_in_group_order(request, to_cache)
         pool = self._blocks
         out = tuple(
             added[g] if g in added else (BlockRun(new[g], pool) if new else [])

@@ -328,14 +328,6 @@ class KVCacheManager:
     ) -> KVCacheBlocks | None:
         """Slots for the request's new tokens (vLLM 0.33's ``allocate_slots``):
         the newly allocated blocks, or None when they do not fit."""
-        if (
-            num_new_tokens == 0
-            and num_external_computed_tokens == 0
-            and num_new_computed_tokens == 0
-        ):
-            raise ValueError(
-                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
-            )
         rid = request.request_id
         if self._live.get(rid) is not request:
             self._register(request)
@@ -344,14 +336,49 @@ class KVCacheManager:
             if new_computed_blocks is None
             else self._hit(rid, new_computed_blocks, num_new_computed_tokens)
         )
-        try:  # the request's own list behind its read-only view (see _token_list)
-            tokens = request._all_token_ids
-        except AttributeError:
-            tokens = request.all_token_ids
-        # One crossing: the request's new tokens and hashes, then the allocation.
-        new = self._allocate_synced(
-            rid,
-            tokens,
+        new = self._allocate_in_core(
+            request,
+            hit,
+            num_new_tokens,
+            num_new_computed_tokens,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+            skip_zeroing_group_ids,
+        )
+        if not new:  # None (does not fit), or () (nothing allocated: most decode steps)
+            return None if new is None else self.empty_kv_cache_blocks
+        return self._wrap(new)
+
+    def _allocate_in_core(
+        self,
+        request: Request,
+        hit: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        delay_cache_blocks: bool,
+        num_encoder_tokens: int,
+        full_sequence_must_fit: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+        skip_zeroing_group_ids: tuple[int, ...],
+        engine_managed_blocks: tuple[int, int] | None = None,
+    ) -> Any:
+        """The core's ``allocate_slots_synced`` for a registered request, in
+        one crossing: the request's new tokens and hashes, then the step's
+        allocation (its checks included: vLLM's ``ValueError`` for a step
+        with nothing to compute or adopt is the core's ``InvalidArgumentError``,
+        a ``ValueError`` with vLLM's message). None (does not fit), ``()``
+        (nothing allocated), or the new block ids per group."""
+        return self._allocate_synced(
+            request.request_id,
+            token_list(request),
             request.block_hashes,
             request.shared_prefix_boundary,
             num_new_tokens,
@@ -368,10 +395,8 @@ class KVCacheManager:
             request.num_in_flight_tokens,
             skip_zeroing_group_ids or None,  # nothing to convert on the common path
             request.num_prompt_tokens,
+            engine_managed_blocks=engine_managed_blocks,
         )
-        if not new:  # None (does not fit), or () (nothing allocated: most decode steps)
-            return None if new is None else self.empty_kv_cache_blocks
-        return self._wrap(new)
 
     def _hook_allocations(self) -> None:
         """From now on each ``allocate_slots`` is followed by what watches the
@@ -679,7 +704,7 @@ def add_to_core(core: _core.KVCacheManager, request: Request, prompt_by_length: 
     if prompt_by_length:
         prompt: Any = n
     else:
-        tokens = _token_list(request)
+        tokens = token_list(request)
         prompt = tokens if len(tokens) == n else tokens[:n]
     core.add_request(
         request.request_id,
@@ -698,18 +723,20 @@ def sync_with_core(core: _core.KVCacheManager, request: Request) -> None:
     next chunk), everything from the first difference on."""
     core.sync_request(
         request.request_id,
-        _token_list(request),
+        token_list(request),
         request.block_hashes,
         request.shared_prefix_boundary,
         num_prompt_tokens=request.num_prompt_tokens,
     )
 
 
-def _token_list(request: Request) -> Any:
+def token_list(request: Request) -> Any:
     """The request's own token list behind its read-only ``all_token_ids`` view
     when it has one (a plain list converts without Python calls)."""
-    tokens = getattr(request, "_all_token_ids", None)
-    return request.all_token_ids if tokens is None else tokens
+    try:
+        return request._all_token_ids
+    except AttributeError:
+        return request.all_token_ids
 
 
 _StatsTuple = tuple[bool, int, int, int, int, int, int]

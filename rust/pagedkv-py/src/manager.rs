@@ -1032,7 +1032,11 @@ impl PyManager {
     #[pyo3(signature = (request_id, num_new_tokens, num_computed_tokens,
         num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens,
         has_hit, engine_runs))]
-    #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
+    #[allow(
+        clippy::too_many_arguments,
+        clippy::fn_params_excessive_bools,
+        clippy::type_complexity
+    )]
     fn hisparse_allocation_step(
         slf: &Bound<'_, Self>,
         request_id: &str,

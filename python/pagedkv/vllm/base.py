@@ -40,6 +40,7 @@ from pagedkv.vllm.convert import (
     add_to_core,
     core_group,
     engine_managed,
+    engine_managed_group,
     feed_collector,
     sync_with_core,
     token_list,
@@ -80,11 +81,7 @@ class PagedKVCacheManager:
     ) -> None:
         assert watermark >= 0.0, "watermark must be non-negative"
         groups = [
-            {
-                "kind": "engine_managed",
-                "block_size": g.kv_cache_spec.block_size,
-                "tag": f"engine-managed group {i}",
-            }
+            engine_managed_group(i, g.kv_cache_spec)
             if engine_managed(g)
             else core_group(g.kv_cache_spec, dcp_world_size, pcp_world_size)
             for i, g in enumerate(kv_cache_config.kv_cache_groups)

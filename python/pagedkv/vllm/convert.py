@@ -61,6 +61,16 @@ def engine_managed(group: Any) -> bool:
     return getattr(group, "role", None) == KVCacheGroupRole.HISPARSE_SOURCE
 
 
+def engine_managed_group(group: int, spec: KVCacheSpec) -> dict[str, Any]:
+    """The core's description of group ``group``, which vLLM's own manager
+    runs (an engine-managed group of ``spec``'s block size)."""
+    return {
+        "kind": "engine_managed",
+        "block_size": spec.block_size,
+        "tag": f"engine-managed group {group}",
+    }
+
+
 def _core_kind(spec: KVCacheSpec) -> dict[str, Any]:
     if isinstance(spec, UniformTypeKVCacheSpecs):
         inner = next(iter(spec.kv_cache_specs.values()))

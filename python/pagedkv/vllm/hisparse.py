@@ -48,6 +48,7 @@ from pagedkv.vllm.convert import (
     add_to_core,
     core_group,
     engine_managed,
+    engine_managed_group,
     feed_collector,
     sync_with_core,
     vllm_events,
@@ -64,19 +65,13 @@ class HostTier:
     group a core group and every other one engine-managed, so block hashes and
     events carry the source group's id. Its events join the device pool's event
     stream as they happen, with medium ``"CPU"``. It answers the calls its pool
-    view (:class:`HostBlockPool`) makes of its owner."""
+    view (:class:`HostBlockPool`) makes through its handle."""
 
     def __init__(self, device: PagedKVCacheManager, group: int, num_blocks: int) -> None:
         config = device.kv_cache_config
         spec = config.kv_cache_groups[group].kv_cache_spec
         groups = [
-            core_group(spec)
-            if g == group
-            else {
-                "kind": "engine_managed",
-                "block_size": other.kv_cache_spec.block_size,
-                "tag": f"engine-managed group {g}",
-            }
+            core_group(spec) if g == group else engine_managed_group(g, other.kv_cache_spec)
             for g, other in enumerate(config.kv_cache_groups)
         ]
         collector = device.metrics_collector

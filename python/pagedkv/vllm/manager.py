@@ -24,6 +24,10 @@ from pagedkv.vllm.hisparse import HiSparseManager
 class KVCacheManager(PagedKVCacheManager):
     """vLLM 0.33's ``KVCacheManager``, answered by pagedkv's core."""
 
+    # vLLM's constructor, on the class vLLM builds (what wraps or inspects
+    # ``KVCacheManager.__init__`` finds it here).
+    __init__ = PagedKVCacheManager.__init__
+
     def __new__(cls, *args: Any, **kwargs: Any) -> KVCacheManager:
         # A layout with HiSparse groups gets the manager that runs vLLM's own
         # managers for them on pagedkv's pool.

@@ -42,22 +42,20 @@ from vllm.v1.kv_cache_interface import HiSparseResidentSpec
 from vllm.v1.request import Request
 
 from pagedkv import _core
-from pagedkv.vllm.manager import (
-    KVCacheManager,
+from pagedkv.vllm.base import PagedKVCacheManager
+from pagedkv.vllm.blocks import BlockRun, PagedBlock
+from pagedkv.vllm.convert import (
     add_to_core,
+    core_group,
+    engine_managed,
+    engine_managed_group,
     feed_collector,
     sync_with_core,
     vllm_events,
 )
-from pagedkv.vllm.views import (
-    BlockPoolView,
-    BlockRun,
-    PagedBlock,
-    core_group,
-    engine_group_hit,
-    engine_groups_need,
-    engine_managed,
-)
+from pagedkv.vllm.engine import EngineGroups, engine_group_hit, engine_groups_need
+from pagedkv.vllm.handle import ManagerHandle
+from pagedkv.vllm.pool import BlockPoolView
 
 
 class HostTier:
@@ -67,19 +65,13 @@ class HostTier:
     group a core group and every other one engine-managed, so block hashes and
     events carry the source group's id. Its events join the device pool's event
     stream as they happen, with medium ``"CPU"``. It answers the calls its pool
-    view (:class:`HostBlockPool`) makes of its owner."""
+    view (:class:`HostBlockPool`) makes through its handle."""
 
-    def __init__(self, device: KVCacheManager, group: int, num_blocks: int) -> None:
+    def __init__(self, device: PagedKVCacheManager, group: int, num_blocks: int) -> None:
         config = device.kv_cache_config
         spec = config.kv_cache_groups[group].kv_cache_spec
         groups = [
-            core_group(spec)
-            if g == group
-            else {
-                "kind": "engine_managed",
-                "block_size": other.kv_cache_spec.block_size,
-                "tag": f"engine-managed group {g}",
-            }
+            core_group(spec) if g == group else engine_managed_group(g, other.kv_cache_spec)
             for g, other in enumerate(config.kv_cache_groups)
         ]
         collector = device.metrics_collector
@@ -102,18 +94,31 @@ class HostTier:
         self.hash_block_size = device.hash_block_size
         self.num_hash_lookahead_tokens = device.num_hash_lookahead_tokens
         self.coordinator = device.coordinator
-        self._engine_groups: tuple[tuple[int, Any], ...] = ()
+        # What the host pool's view reads and calls of the tier.
+        self.handle = ManagerHandle(
+            owner=self,
+            core=self._core,
+            blocks=self._blocks,
+            live={},
+            live_lists={},
+            engine=EngineGroups(),
+            sync=self._sync,
+            observe_blocks=self._observe_blocks,
+            hook_allocations=self._hook_allocations,
+            queue_event=device._queue_event,
+            num_queued_events=lambda: 0,
+        )
 
     def _sync(self, request: Request) -> str:
         """Registers the request (its prompt, tokens and block hashes) for one
-        caching call; :meth:`_forget` drops it after."""
+        caching call; :meth:`forget` drops it after."""
         rid = request.request_id
         if rid not in self._core:
             add_to_core(self._core, request, self._prompt_by_length)
         sync_with_core(self._core, request)
         return rid
 
-    def _forget(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> None:
         """Drops a request registered for a caching call (its cached blocks
         stay: the engine holds them)."""
         if request_id in self._core:
@@ -149,7 +154,8 @@ class HostBlockPool(BlockPoolView):
     ``SharedEventQueueBlockPool``) with medium ``"CPU"``."""
 
     def __init__(self, tier: HostTier, device_pool: BlockPoolView) -> None:
-        super().__init__(tier)  # type: ignore[arg-type]
+        super().__init__(tier.handle)
+        self._tier = tier
         self.kv_event_queue = device_pool.kv_event_queue
         self.medium = MEDIUM_CPU
 
@@ -158,20 +164,22 @@ class HostBlockPool(BlockPoolView):
         try:
             super().cache_full_blocks(request, *args, **kwargs)
         finally:
-            self._owner._forget(request.request_id)  # type: ignore[attr-defined]
+            self._tier.forget(request.request_id)
 
     def cache_partial_block(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``cache_partial_block`` on a host block the source holds."""
         try:
             return super().cache_partial_block(request, *args, **kwargs)
         finally:
-            self._owner._forget(request.request_id)  # type: ignore[attr-defined]
+            self._tier.forget(request.request_id)
 
 
-class HiSparseKVCacheManager(KVCacheManager):
-    """``KVCacheManager`` for a layout with HiSparse groups (vLLM's
+class HiSparseManager(PagedKVCacheManager):
+    """The manager of a layout with HiSparse groups (vLLM's
     ``hisparse_host_num_blocks``): vLLM's source manager on the host tier,
-    every device group (indexer, resident, hot, regular) in the core."""
+    every device group (indexer, resident, hot, regular) in the core.
+    ``pagedkv.vllm.manager.HiSparseKVCacheManager`` is this class as vLLM's
+    ``KVCacheManager``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -203,19 +211,18 @@ class HiSparseKVCacheManager(KVCacheManager):
             managers[g] = manager
             engine.append((g, manager))
         coordinator.single_type_managers = tuple(managers)
-        self._engine_groups = tuple(engine)
-        self._engine_ids = frozenset(g for g, _ in engine)
-        first_core = next(
-            (g for g in range(len(managers)) if g not in self._engine_ids), len(managers)
-        )
+        groups = self._engine
+        groups.groups = tuple(engine)
+        groups.ids = frozenset(g for g, _ in engine)
+        first_core = next((g for g in range(len(managers)) if g not in groups.ids), len(managers))
         if any(g > first_core for g, _ in engine):
             # vLLM's coordinator refuses such a layout too (the host group must
             # precede the resident ones).
             raise ValueError("HiSparse's host source group must precede every device group")
         # Engine groups looked up for hits (the host source), before the core's.
-        self._engine_lookup = tuple((g, m) for g, m in engine if m.kv_cache_spec.prefix_cacheable)
+        groups.lookup = tuple((g, m) for g, m in engine if m.kv_cache_spec.prefix_cacheable)
         self.retained_hit_group_ids = tuple(g for g, m in engine if m.retains_longer_hit)
-        self._drop_eagle = coordinator.eagle_group_ids if self.use_eagle else set()
+        groups.drop_eagle = coordinator.eagle_group_ids if self.use_eagle else set()
         # The resident groups, in the core: vLLM's coordinator lets go of the
         # pages it pins where the first one is freed.
         self._resident: tuple[tuple[int, Any], ...] = tuple(
@@ -251,19 +258,20 @@ class HiSparseKVCacheManager(KVCacheManager):
         cap = max_cache_hit_length
         longest = 0
         found: dict[int, list[Any]] = {}
-        for g, m in self._engine_lookup:
-            found[g], n = engine_group_hit(self, g, m, request.block_hashes, cap)
+        drop_eagle = self._engine.drop_eagle
+        for g, m in self._engine.lookup:
+            found[g], n = engine_group_hit(g, m, request.block_hashes, cap, g in drop_eagle)
             cap = n
             longest = max(longest, n)
         hit = self._core.get_computed_blocks(rid, cap)
         num = hit.num_computed_tokens
         longest = max(longest, hit.shared_prefix_boundary or num)
-        for g, m in self._engine_lookup:
+        for g, m in self._engine.lookup:
             if not m.retains_longer_hit:
                 del found[g][cdiv(num, m.block_size) :]
         pool = self._blocks
         merged = tuple(
-            found.get(g, []) if g in self._engine_ids else BlockRun(ids, pool)
+            found.get(g, []) if g in self._engine.ids else BlockRun(ids, pool)
             for g, ids in enumerate(hit.block_ids)
         )
         if not any(map(len, merged)):
@@ -281,7 +289,7 @@ class HiSparseKVCacheManager(KVCacheManager):
     def _hit_block_ids(self, blocks: KVCacheBlocks) -> list[list[int]]:
         """The core's groups' ids of a hit the caller built (the engine-managed
         groups' blocks are their managers')."""
-        engine = self._engine_ids
+        engine = self._engine.ids
         return [
             [] if g in engine else [b.block_id for b in group]
             for g, group in enumerate(blocks.blocks)
@@ -307,74 +315,61 @@ class HiSparseKVCacheManager(KVCacheManager):
         """vLLM's ``allocate_slots`` over both pools: every group's need is
         counted before any allocates; then the core adopts and allocates for
         the device groups, vLLM's source manager for the host one, and every
-        group caches in group order."""
-        if (
-            num_new_tokens == 0
-            and num_external_computed_tokens == 0
-            and num_new_computed_tokens == 0
-        ):
-            raise ValueError(
-                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
-            )
+        group caches in group order. The counts vLLM's managers get, and
+        whether the step adopts its hit, are the core's
+        (``hisparse_allocation_step``)."""
         rid = request.request_id
         if self._live.get(rid) is not request:
             self._register(request)
         ext = num_external_computed_tokens
-        groups: tuple[Sequence[Any], ...] | None = None
+        empty = self.empty_kv_cache_blocks.blocks
+        hit_groups: tuple[Sequence[Any], ...] = empty
         if new_computed_blocks is not None:
-            groups = new_computed_blocks.blocks
+            hit_groups = new_computed_blocks.blocks
             if self.retained_hit_group_ids:
                 # Only the prefix the local and external hits cover is adopted.
                 reused = num_new_computed_tokens + ext
-                trimmed = list(groups)
+                trimmed = list(hit_groups)
                 for g in self.retained_hit_group_ids:
                     bs = self.coordinator.single_type_managers[g].block_size
                     trimmed[g] = trimmed[g][: cdiv(reused, bs)]
-                groups = tuple(trimmed)
-        hit_groups = groups if groups is not None else self.empty_kv_cache_blocks.blocks
-        local = request.num_computed_tokens + num_new_computed_tokens
-        total = min(local + ext, self.max_model_len)
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-        main = total + num_new_tokens
-        need_slot = min(main + num_lookahead_tokens, self.max_model_len)
-        engine = self._engine_groups
+                hit_groups = tuple(trimmed)
+        engine = self._engine.groups
+        events = self.enable_kv_cache_events
+        if events:
+            # Events recorded before this call keep their place ahead of its own.
+            self._queued_events += self._core_events()
+        sync_with_core(self._core, request)
+        local, total, main, need_slot, full, prefill_end, to_cache, adopting = (
+            self._core.hisparse_allocation_step(
+                rid,
+                num_new_tokens,
+                request.num_computed_tokens,
+                num_new_computed_tokens,
+                num_lookahead_tokens,
+                ext,
+                hit_groups is not empty,  # vLLM: a list other than its shared empty one
+                any(rid in m.num_cached_block for _, m in engine),
+            )
+        )
         full_need = 0
         if full_sequence_must_fit:
-            full = min(request.num_tokens, self.max_model_len)
             full_need = engine_groups_need(
                 engine, rid, full, hit_groups, total, local, full, True, prefill_end
             )
         step_need = engine_groups_need(
             engine, rid, need_slot, hit_groups, local + ext, local, main, False, prefill_end
         )
-        # vLLM adopts hits into a group only for a request no group tracks yet.
-        adopting = (groups is not None or ext > 0) and not (
-            any(rid in m.num_cached_block for _, m in engine)
-            or any(n is not None for n in self._core.num_cached_blocks(rid))
-        )
         hit = (
             None
             if new_computed_blocks is None
             else self._hit(rid, new_computed_blocks, num_new_computed_tokens)
         )
-        try:
-            tokens = request._all_token_ids
-        except AttributeError:
-            tokens = request.all_token_ids
-        events = self.enable_kv_cache_events
-        if events:
-            # Events recorded before this call keep their place ahead of its own.
-            self._queued_events += self._core_events()
-        cache_now = self.enable_caching and not delay_cache_blocks
-        new = self._allocate_synced(
-            rid,
-            tokens,
-            request.block_hashes,
-            request.shared_prefix_boundary,
-            num_new_tokens,
-            request.num_computed_tokens,
-            num_new_computed_tokens,
+        new = self._allocate_in_core(
+            request,
             hit,
+            num_new_tokens,
+            num_new_computed_tokens,
             num_lookahead_tokens,
             ext,
             True,  # cached below, after every group allocated (vLLM's order)
@@ -382,9 +377,7 @@ class HiSparseKVCacheManager(KVCacheManager):
             full_sequence_must_fit,
             reserved_blocks,
             has_scheduled_reqs,
-            request.num_in_flight_tokens,
-            skip_zeroing_group_ids or None,
-            request.num_prompt_tokens,
+            skip_zeroing_group_ids,
             engine_managed_blocks=(step_need, full_need),
         )
         if new is None:
@@ -394,7 +387,7 @@ class HiSparseKVCacheManager(KVCacheManager):
         # source), so only the event stream tells; their events go first.
         core_events = self._core_events() if events else []
         self._observe_blocks()
-        self.block_pool._fire_reused()
+        self.block_pool.fire_reused()
         if adopting:
             for g, m in engine:
                 m.add_local_computed_blocks(rid, hit_groups[g], local, ext)
@@ -411,8 +404,8 @@ class HiSparseKVCacheManager(KVCacheManager):
             for _, m in self._resident:
                 if m.coordinator is not None:
                     m.coordinator.commit_computed_blocks(rid, cdiv(local, m.block_size))
-        if cache_now:
-            self._cache_in_group_order(request, min(total + num_new_tokens, request.num_tokens))
+        if self.enable_caching and not delay_cache_blocks:
+            self._cache_in_group_order(request, to_cache)
         pool = self._blocks
         out = tuple(
             added[g] if g in added else (BlockRun(new[g], pool) if new else [])
@@ -432,11 +425,11 @@ class HiSparseKVCacheManager(KVCacheManager):
         boundaries = replay_boundaries(
             request.num_prompt_tokens,
             self.scheduler_block_size,
-            use_eagle=bool(self._drop_eagle),
+            use_eagle=bool(self._engine.drop_eagle),
         )
         cacheable = max(0, num_tokens - coordinator.num_reprefillable_tokens)
         retention = coordinator.retention_interval
-        for _, m in self._engine_groups:
+        for _, m in self._engine.groups:
             if m.enable_caching:
                 m.cache_blocks(
                     request,
@@ -457,7 +450,7 @@ class HiSparseKVCacheManager(KVCacheManager):
     def free(self, request: Request) -> None:
         """Frees the request's blocks in every group, in vLLM's group order."""
         rid = request.request_id
-        for _, m in self._engine_groups:
+        for _, m in self._engine.groups:
             m.free(rid)
         self._release_resident(rid, self._core.free_groups_before)
         super().free(request)
@@ -468,7 +461,7 @@ class HiSparseKVCacheManager(KVCacheManager):
         the host pool)."""
         rid = request.request_id
         out: list[Any] = []
-        for _, m in self._engine_groups:
+        for _, m in self._engine.groups:
             out += m.pop_blocks_for_free(rid)
         ids = self._release_resident(rid, self._core.pop_blocks_before)
         if ids is not None:
@@ -498,7 +491,7 @@ class HiSparseKVCacheManager(KVCacheManager):
     def reset_prefix_cache(self) -> bool:
         """Resets every pool once: the host pool, then the device pool."""
         pools = dict.fromkeys(
-            m.block_pool for _, m in self._engine_groups if m.block_pool is not self.block_pool
+            m.block_pool for _, m in self._engine.groups if m.block_pool is not self.block_pool
         )
         host_ok = all([pool.reset_prefix_cache() for pool in pools])
         return super().reset_prefix_cache() and host_ok
@@ -507,7 +500,7 @@ class HiSparseKVCacheManager(KVCacheManager):
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         """The request's blocks per group (the source manager's row for the host group)."""
-        engine = dict(self._engine_groups)
+        engine = dict(self._engine.groups)
         core_ids = self._core.get_block_ids(request_id) if request_id in self._live else None
         pool = self._blocks
         out = tuple(
@@ -526,7 +519,7 @@ class HiSparseKVCacheManager(KVCacheManager):
         """Tokens of the request's prefix cached in every cacheable group (the
         host source's blocks included)."""
         cached = super().estimate_cached_tokens(request)
-        for _, m in self._engine_lookup:
+        for _, m in self._engine.lookup:
             blocks = m.req_to_blocks.get(request.request_id) or []
             cached = min(cached, max((b.block_hash_num_tokens or 0 for b in blocks), default=0))
         return cached
@@ -534,7 +527,7 @@ class HiSparseKVCacheManager(KVCacheManager):
     def new_step_starts(self) -> None:
         """Marks a step boundary for every group."""
         super().new_step_starts()
-        for _, m in self._engine_groups:
+        for _, m in self._engine.groups:
             m.new_step_starts()
 
     # ---- block lists for the worker -------------------------------------------
@@ -542,7 +535,7 @@ class HiSparseKVCacheManager(KVCacheManager):
     def take_new_block_ids(self) -> list[int]:
         """Fresh blocks to zero: the core's groups', then the source manager's."""
         ids = super().take_new_block_ids()
-        for _, m in self._engine_groups:
+        for _, m in self._engine.groups:
             ids.extend(m.take_new_block_ids())
         return ids
 
@@ -550,7 +543,7 @@ class HiSparseKVCacheManager(KVCacheManager):
         """Lists the request's blocks from ``start_token`` on for zeroing again,
         in every group that zeroes."""
         super().record_blocks_for_zeroing(request_id, start_token)
-        for _, m in self._engine_groups:
+        for _, m in self._engine.groups:
             if m.records_new_block_ids:
                 assert start_token % m.block_size == 0
                 blocks = m.req_to_blocks[request_id][start_token // m.block_size :]
@@ -559,7 +552,7 @@ class HiSparseKVCacheManager(KVCacheManager):
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
         """The core's block copies, then those the source manager queued."""
         copies, blocks = super().take_kv_cache_block_copies()
-        for _, m in self._engine_groups:
+        for _, m in self._engine.groups:
             for src, dst in m.take_pending_cow_copies():
                 copies.append(
                     KVCacheBlockCopy(src_block_id=src.block_id, dst_block_id=dst.block_id)

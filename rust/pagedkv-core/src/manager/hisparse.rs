@@ -4,15 +4,88 @@
 //! asks of those groups' managers (the residency overlay, the hot region's
 //! requirement), and a request's release stopped before a group, so the
 //! coordinator can let go of the pages it pins at that group's place in the
-//! group order.
+//! group order; and the counts an allocation step hands the engine's own
+//! managers of its engine-managed groups (vLLM's HiSparse source).
 
-use super::KvCacheManager;
+use super::{AllocateArgs, KvCacheManager};
 use crate::error::{Error, Result, invalid};
 use crate::pool::{BlockId, NULL_BLOCK};
 use crate::single_type::GroupBlocks;
 use crate::spec::AttentionKind;
 
+/// What one `allocate_slots` step hands the engine's own managers of its
+/// engine-managed groups ([`crate::AttentionKind::EngineManaged`]: vLLM's
+/// HiSparse source), as vLLM's `KVCacheManager.allocate_slots` computes it for
+/// every group's manager ([`KvCacheManager::hisparse_allocation_step`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HiSparseStep {
+    /// Computed tokens held or adopted from the local hit
+    /// (`num_computed_tokens + num_new_computed_tokens`).
+    pub num_local_computed_tokens: u64,
+    /// The local and external computed tokens, capped at `max_model_len`.
+    pub total_computed_tokens: u64,
+    /// Tokens of the main model after this step: `total_computed_tokens +
+    /// num_new_tokens`, not capped (vLLM's value, which its managers get; the
+    /// core's own groups take it capped at `max_model_len`).
+    pub num_tokens_main_model: u64,
+    /// Tokens that need a slot (the lookahead included), capped at
+    /// `max_model_len`.
+    pub num_tokens_need_slot: u64,
+    /// The whole request's tokens, capped at `max_model_len` (the
+    /// `full_sequence_must_fit` need).
+    pub full_num_tokens: u64,
+    /// The scheduler's prefill boundary (`max(num_prompt_tokens, num_tokens - 1)`).
+    pub prefill_end: u64,
+    /// Tokens to cache once every group allocated: the computed and new
+    /// tokens, at most the request's (draft tokens are not cached).
+    pub num_tokens_to_cache: u64,
+    /// Whether the step adopts its hit (or external tokens) into the groups:
+    /// only for a request no group runs yet, core or engine-managed (vLLM's
+    /// `allocate_new_computed_blocks` is a no-op otherwise).
+    pub adopts: bool,
+}
+
 impl KvCacheManager {
+    /// The counts of an `allocate_slots` step for the engine's own managers
+    /// of its engine-managed groups ([`HiSparseStep`]), for a request synced
+    /// with the engine's lists first: `a` the step's arguments (checked as
+    /// `allocate_slots` checks them), `has_hit` whether the step hands a
+    /// prefix hit (vLLM: a block list other than its shared empty one),
+    /// `engine_runs` whether an engine-managed group's manager already runs
+    /// the request (it holds a cached-block count for it).
+    ///
+    /// # Errors
+    /// Unknown request; arguments `allocate_slots` refuses (no new tokens and
+    /// nothing to adopt, counts out of range).
+    pub fn hisparse_allocation_step(
+        &self,
+        id: &str,
+        a: &AllocateArgs,
+        has_hit: bool,
+        engine_runs: bool,
+    ) -> Result<HiSparseStep> {
+        let slot = self.table.slot(id)?;
+        self.validate_args(slot, a)?;
+        let req = self.table.get(slot);
+        let max_len = self.cfg.max_model_len;
+        let local = a.num_computed_tokens + a.num_new_computed_tokens;
+        let total = (local + a.num_external_computed_tokens).min(max_len);
+        let main = total + a.num_new_tokens;
+        let num_tokens = req.num_tokens() as u64;
+        Ok(HiSparseStep {
+            num_local_computed_tokens: local,
+            total_computed_tokens: total,
+            num_tokens_main_model: main,
+            num_tokens_need_slot: (main + a.num_lookahead_tokens).min(max_len),
+            full_num_tokens: num_tokens.min(max_len),
+            prefill_end: req.prefill_end(),
+            num_tokens_to_cache: main.min(num_tokens),
+            adopts: (has_hit || a.num_external_computed_tokens > 0)
+                && !engine_runs
+                && !req.is_running(),
+        })
+    }
+
     /// The request's slot, once `group` is a HiSparse resident (or hot) group.
     fn hisparse_slot(&self, id: &str, group: usize, resident: bool) -> Result<u32> {
         let slot = self.table.slot(id)?;
@@ -351,5 +424,100 @@ impl KvCacheManager {
             return Err(invalid(format!("group {until} is past the manager's {n}")));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::BlockHash;
+    use crate::request::RequestSpec;
+    use crate::spec::{GroupSpec, ManagerConfig};
+
+    /// `[host source (engine-managed), indexer]`, `max_model_len` 32.
+    fn mgr() -> KvCacheManager {
+        let mut cfg = ManagerConfig::new(
+            16,
+            vec![
+                GroupSpec::new(AttentionKind::EngineManaged, 4),
+                GroupSpec::new(AttentionKind::FullAttention, 4),
+            ],
+            32,
+        );
+        cfg.external_block_hashes = true;
+        cfg.record_stats_at_admission = false;
+        let mut m = KvCacheManager::new(cfg).expect("config");
+        let spec = RequestSpec {
+            prompt_token_ids: (0..10).collect(),
+            ..Default::default()
+        };
+        m.add_request("r", spec).expect("added");
+        let hashes: Vec<BlockHash> = (0..2u8)
+            .map(|i| BlockHash::from_slice(&[i, 7]).unwrap_or_default())
+            .collect();
+        m.extend_request("r", (10, 0), &[], &hashes)
+            .expect("synced");
+        m
+    }
+
+    fn lenient(a: AllocateArgs) -> AllocateArgs {
+        AllocateArgs {
+            vllm_lenient: true,
+            ..a
+        }
+    }
+
+    #[test]
+    fn the_step_counts_are_vllms() {
+        let m = mgr();
+        let a = lenient(AllocateArgs {
+            num_new_computed_tokens: 4,
+            num_external_computed_tokens: 4,
+            num_lookahead_tokens: 30,
+            ..AllocateArgs::step(30, 2)
+        });
+        let s = m
+            .hisparse_allocation_step("r", &a, true, false)
+            .expect("step");
+        assert_eq!(
+            s,
+            HiSparseStep {
+                num_local_computed_tokens: 6,
+                total_computed_tokens: 10,
+                // vLLM's main-model count is not capped; the slots are.
+                num_tokens_main_model: 40,
+                num_tokens_need_slot: 32,
+                full_num_tokens: 10,
+                prefill_end: 10,
+                num_tokens_to_cache: 10,
+                adopts: true,
+            }
+        );
+        // A group that runs the request already adopts nothing.
+        let s = m
+            .hisparse_allocation_step("r", &a, true, true)
+            .expect("step");
+        assert!(!s.adopts);
+        let plain = lenient(AllocateArgs::step(3, 0));
+        assert!(
+            !m.hisparse_allocation_step("r", &plain, false, false)
+                .expect("step")
+                .adopts
+        );
+    }
+
+    #[test]
+    fn a_step_with_nothing_to_compute_or_adopt_is_refused() {
+        let m = mgr();
+        let a = lenient(AllocateArgs::step(0, 4));
+        let e = m
+            .hisparse_allocation_step("r", &a, false, false)
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("num_new_tokens must be greater than 0"),
+            "{e}"
+        );
+        assert!(m.hisparse_allocation_step("x", &a, false, false).is_err());
     }
 }

@@ -2,6 +2,7 @@
 //! `HiSparseCoordinator` behind `pagedkv.vllm`), and a release stopped at a group.
 
 use numpy::PyArray1;
+use pagedkv_core::AllocateArgs;
 use pyo3::prelude::*;
 
 use crate::convert::{count, ids_i32};
@@ -144,5 +145,60 @@ impl PyManager {
         Ok(borrow(slf)?
             .inner
             .hisparse_hot_required(request_id, group)?)
+    }
+
+    /// HiSparse allocation: what one `allocate_slots` step hands vLLM's own
+    /// managers of the engine-managed groups, for a request synced first:
+    /// `(num_local_computed_tokens, total_computed_tokens,
+    /// num_tokens_main_model, num_tokens_need_slot, full_num_tokens,
+    /// prefill_end, num_tokens_to_cache, adopts)`. `has_hit`: the step hands
+    /// a prefix hit; `engine_runs`: an engine-managed group already runs the
+    /// request. Refuses what `allocate_slots_synced` refuses of the counts.
+    #[pyo3(signature = (request_id, num_new_tokens, num_computed_tokens,
+        num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens,
+        has_hit, engine_runs))]
+    #[allow(
+        clippy::too_many_arguments,
+        clippy::fn_params_excessive_bools,
+        clippy::type_complexity
+    )]
+    fn hisparse_allocation_step(
+        slf: &Bound<'_, Self>,
+        request_id: &str,
+        num_new_tokens: i64,
+        num_computed_tokens: i64,
+        num_new_computed_tokens: i64,
+        num_lookahead_tokens: i64,
+        num_external_computed_tokens: i64,
+        has_hit: bool,
+        engine_runs: bool,
+    ) -> PkResult<(u64, u64, u64, u64, u64, u64, u64, bool)> {
+        let args = AllocateArgs {
+            num_new_computed_tokens: count("num_new_computed_tokens", num_new_computed_tokens)?,
+            num_lookahead_tokens: count("num_lookahead_tokens", num_lookahead_tokens)?,
+            num_external_computed_tokens: count(
+                "num_external_computed_tokens",
+                num_external_computed_tokens,
+            )?,
+            vllm_lenient: true,
+            ..AllocateArgs::step(
+                count("num_new_tokens", num_new_tokens)?,
+                count("num_computed_tokens", num_computed_tokens)?,
+            )
+        };
+        let s =
+            borrow(slf)?
+                .inner
+                .hisparse_allocation_step(request_id, &args, has_hit, engine_runs)?;
+        Ok((
+            s.num_local_computed_tokens,
+            s.total_computed_tokens,
+            s.num_tokens_main_model,
+            s.num_tokens_need_slot,
+            s.full_num_tokens,
+            s.prefill_end,
+            s.num_tokens_to_cache,
+            s.adopts,
+        ))
     }
 }

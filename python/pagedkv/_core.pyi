@@ -330,8 +330,8 @@ class KVCacheManager:
         skip_zeroing_group_ids: Sequence[int] | None,
         num_prompt_tokens: int | None = None,
         /,
-        *,
         engine_managed_blocks: tuple[int, int] | None = None,
+        *,
         split_at_group: int | None = None,
     ) -> tuple[_IdArray, ...] | None: ...  # None: does not fit; (): nothing allocated
     def pop_blocks_for_free(self, request_id: str) -> _IdArray: ...

@@ -325,9 +325,19 @@ class PagedKVCacheManager:
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
+        *,
+        engine_managed_blocks: tuple[int, int] | None = None,
     ) -> KVCacheBlocks | None:
         """Slots for the request's new tokens (vLLM 0.33's ``allocate_slots``):
-        the newly allocated blocks, or None when they do not fit."""
+        the newly allocated blocks, or None when they do not fit.
+
+        The one call of the core's ``allocate_slots_synced``: the request's
+        new tokens and hashes, then the step's allocation, in one crossing (its
+        checks included: vLLM's ``ValueError`` for a step with nothing to
+        compute or adopt is the core's ``InvalidArgumentError``, a
+        ``ValueError`` with vLLM's message). Beyond vLLM's arguments, for the
+        HiSparse manager: ``engine_managed_blocks``, what the engine-managed
+        groups take in this step (counted in the capacity checks)."""
         rid = request.request_id
         if self._live.get(rid) is not request:
             self._register(request)
@@ -336,48 +346,8 @@ class PagedKVCacheManager:
             if new_computed_blocks is None
             else self._hit(rid, new_computed_blocks, num_new_computed_tokens)
         )
-        new = self._allocate_in_core(
-            request,
-            hit,
-            num_new_tokens,
-            num_new_computed_tokens,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            delay_cache_blocks,
-            num_encoder_tokens,
-            full_sequence_must_fit,
-            reserved_blocks,
-            has_scheduled_reqs,
-            skip_zeroing_group_ids,
-        )
-        if not new:  # None (does not fit), or () (nothing allocated: most decode steps)
-            return None if new is None else self.empty_kv_cache_blocks
-        return self._wrap(new)
-
-    def _allocate_in_core(
-        self,
-        request: Request,
-        hit: Any,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        num_lookahead_tokens: int,
-        num_external_computed_tokens: int,
-        delay_cache_blocks: bool,
-        num_encoder_tokens: int,
-        full_sequence_must_fit: bool,
-        reserved_blocks: int,
-        has_scheduled_reqs: bool,
-        skip_zeroing_group_ids: tuple[int, ...],
-        engine_managed_blocks: tuple[int, int] | None = None,
-    ) -> Any:
-        """The core's ``allocate_slots_synced`` for a registered request, in
-        one crossing: the request's new tokens and hashes, then the step's
-        allocation (its checks included: vLLM's ``ValueError`` for a step
-        with nothing to compute or adopt is the core's ``InvalidArgumentError``,
-        a ``ValueError`` with vLLM's message). None (does not fit), ``()``
-        (nothing allocated), or the new block ids per group."""
-        return self._allocate_synced(
-            request.request_id,
+        new = self._allocate_synced(
+            rid,
             token_list(request),
             request.block_hashes,
             request.shared_prefix_boundary,
@@ -395,8 +365,11 @@ class PagedKVCacheManager:
             request.num_in_flight_tokens,
             skip_zeroing_group_ids or None,  # nothing to convert on the common path
             request.num_prompt_tokens,
-            engine_managed_blocks=engine_managed_blocks,
+            engine_managed_blocks,
         )
+        if not new:  # None (does not fit), or () (nothing allocated: most decode steps)
+            return None if new is None else self.empty_kv_cache_blocks
+        return self._wrap(new)
 
     def _hook_allocations(self) -> None:
         """From now on each ``allocate_slots`` is followed by what watches the

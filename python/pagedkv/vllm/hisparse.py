@@ -297,7 +297,9 @@ class HiSparseManager(PagedKVCacheManager):
 
     # ---- allocation ------------------------------------------------------------
 
-    def allocate_slots(
+    # vLLM's signature: what the engine-managed groups take is counted here, so
+    # the base's ``engine_managed_blocks`` is not taken from the caller.
+    def allocate_slots(  # type: ignore[override]
         self,
         request: Request,
         num_new_tokens: int,
@@ -360,16 +362,11 @@ class HiSparseManager(PagedKVCacheManager):
         step_need = engine_groups_need(
             engine, rid, need_slot, hit_groups, local + ext, local, main, False, prefill_end
         )
-        hit = (
-            None
-            if new_computed_blocks is None
-            else self._hit(rid, new_computed_blocks, num_new_computed_tokens)
-        )
-        new = self._allocate_in_core(
+        new = super().allocate_slots(
             request,
-            hit,
             num_new_tokens,
             num_new_computed_tokens,
+            new_computed_blocks,
             num_lookahead_tokens,
             ext,
             True,  # cached below, after every group allocated (vLLM's order)
@@ -406,10 +403,8 @@ class HiSparseManager(PagedKVCacheManager):
                     m.coordinator.commit_computed_blocks(rid, cdiv(local, m.block_size))
         if self.enable_caching and not delay_cache_blocks:
             self._cache_in_group_order(request, to_cache)
-        pool = self._blocks
         out = tuple(
-            added[g] if g in added else (BlockRun(new[g], pool) if new else [])
-            for g in range(self.num_kv_cache_groups)
+            added[g] if g in added else new.blocks[g] for g in range(self.num_kv_cache_groups)
         )
         return self.create_kv_cache_blocks(out)
 

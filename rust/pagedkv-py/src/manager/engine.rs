@@ -58,8 +58,8 @@ impl PyManager {
         num_new_tokens, num_computed_tokens, num_new_computed_tokens, new_computed_blocks,
         num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
         num_encoder_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
-        num_in_flight_tokens, skip_zeroing_group_ids, num_prompt_tokens = None, /, *,
-        engine_managed_blocks = None, split_at_group = None))]
+        num_in_flight_tokens, skip_zeroing_group_ids, num_prompt_tokens = None, /,
+        engine_managed_blocks = None, *, split_at_group = None))]
     #[allow(clippy::too_many_arguments, clippy::fn_params_excessive_bools)]
     fn allocate_slots_synced(
         slf: &Bound<'_, Self>,

@@ -181,6 +181,9 @@ ID_METHODS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "hisparse_allocate_new_blocks": lambda m, r: m.hisparse_allocate_new_blocks(r, 0, 16),
     "hisparse_require_hot": lambda m, r: m.hisparse_require_hot(r, 0),
     "hisparse_hot_required": lambda m, r: m.hisparse_hot_required(r, 0),
+    "hisparse_allocation_step": lambda m, r: m.hisparse_allocation_step(
+        r, 1, 54, 0, 0, 0, False, False
+    ),
 }
 # Batch calls also take the int handles add_request returns.
 HANDLE_METHODS = ("allocate_slots_batch", "append_token_ids_batch")
@@ -318,6 +321,21 @@ COUNT_PARAMS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     ),
     "allocate_slots_batch.num_lookahead_tokens": lambda m, v: m.allocate_slots_batch(
         ["run"], 1, [54], num_lookahead_tokens=v
+    ),
+    "hisparse_allocation_step.num_new_tokens": lambda m, v: m.hisparse_allocation_step(
+        "run", v, 54, 0, 0, 0, False, False
+    ),
+    "hisparse_allocation_step.num_computed_tokens": lambda m, v: m.hisparse_allocation_step(
+        "run", 1, v, 0, 0, 0, False, False
+    ),
+    "hisparse_allocation_step.num_new_computed_tokens": lambda m, v: m.hisparse_allocation_step(
+        "wait", 5, 0, v, 0, 0, False, False
+    ),
+    "hisparse_allocation_step.num_lookahead_tokens": lambda m, v: m.hisparse_allocation_step(
+        "run", 1, 54, 0, v, 0, False, False
+    ),
+    "hisparse_allocation_step.num_external_computed_tokens": lambda m, v: (
+        m.hisparse_allocation_step("wait", 5, 0, 0, 0, v, False, False)
     ),
     "cache_blocks.num_computed_tokens": lambda m, v: m.cache_blocks("run", v),
     "remove_skipped_blocks.total_computed_tokens": lambda m, v: m.remove_skipped_blocks("run", v),

@@ -7,7 +7,7 @@
 //! mimalloc's size-class pages keep the many small blocks of a hundred running
 //! requests close together and its frees cheap: a step that reads their state
 //! after the Python scheduler has left the caches cold costs less (see
-//! BENCHMARKS.md, "Prompts that begin like a live request, and the module's
+//! docs/perf-log.md, "Prompts that begin like a live request, and the module's
 //! allocator"). Larger blocks stay with the system allocator, for two
 //! reasons. mimalloc gave blocks of a freed prompt's size fresh memory more
 //! often than the system allocator, which reuses the freed chunk: page faults

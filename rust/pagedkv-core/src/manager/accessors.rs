@@ -118,6 +118,16 @@ impl KvCacheManager {
         Ok(r.groups().iter().map(GroupBlocks::blocks).collect())
     }
 
+    /// The request's block ids in one group.
+    ///
+    /// # Errors
+    /// Unknown request; `group` past the manager's groups.
+    pub fn group_block_ids(&self, id: &str, group: usize) -> Result<&[BlockId]> {
+        let r = self.req(id)?;
+        self.group_manager(group)?;
+        Ok(r.groups()[group].blocks())
+    }
+
     /// How many times the request was freed (preempted) while known.
     ///
     /// # Errors

@@ -363,13 +363,7 @@ impl PyManager {
     ) -> PkResult<Bound<'py, PyList>> {
         let group = Self::index("group", group)?;
         let this = borrow(slf)?;
-        let groups = this.inner.block_ids(request_id)?;
-        let ids = groups.get(group).ok_or_else(|| {
-            crate::errors::invalid_arg(format!(
-                "group {group} is past the manager's {}",
-                groups.len()
-            ))
-        })?;
+        let ids = this.inner.group_block_ids(request_id, group)?;
         Ok(PyList::new(slf.py(), ids.iter().copied())?)
     }
 

@@ -349,6 +349,17 @@ pub const MEMO_LIMIT_BLOCKS: u64 = 1 << 22;
 /// overflowing the `i64` arithmetic of capacity checks.
 pub const MAX_TOKENS: u64 = 1 << 40;
 
+/// Refuses the first named token count past [`MAX_TOKENS`]: the one range
+/// check of the counts a call takes.
+pub(crate) fn check_token_counts<const N: usize>(counts: [(&str, u64); N]) -> Result<()> {
+    match counts.into_iter().find(|&(_, n)| n > MAX_TOKENS) {
+        Some((name, n)) => Err(Error::InvalidArgument(format!(
+            "{name} = {n} is out of range (at most 2**40)"
+        ))),
+        None => Ok(()),
+    }
+}
+
 impl ManagerConfig {
     /// A configuration of these groups with every option at its default (vLLM's
     /// defaults: caching on, `sha256_cbor`, no stats, no events).

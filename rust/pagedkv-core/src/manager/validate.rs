@@ -7,7 +7,7 @@ use super::{AllocateArgs, ComputedBlocks, KvCacheManager};
 use crate::error::{Error, Result, invalid};
 use crate::pool::BlockId;
 use crate::single_type::Need;
-use crate::spec::{AttentionKind, MAX_TOKENS};
+use crate::spec::{AttentionKind, check_token_counts};
 
 /// An entry of a checked batch that takes the lean path
 /// ([`KvCacheManager::batch_path`]); `u64::MAX` marks one taking the general
@@ -79,7 +79,7 @@ impl KvCacheManager {
     /// before its allocation.
     fn validate_args_appending(&self, slot: u32, a: &AllocateArgs, appending: u64) -> Result<()> {
         let req = self.table.get(slot);
-        for (name, n) in [
+        check_token_counts([
             ("num_new_tokens", a.num_new_tokens),
             ("num_computed_tokens", a.num_computed_tokens),
             ("num_new_computed_tokens", a.num_new_computed_tokens),
@@ -88,13 +88,7 @@ impl KvCacheManager {
                 a.num_external_computed_tokens,
             ),
             ("num_lookahead_tokens", a.num_lookahead_tokens),
-        ] {
-            if n > MAX_TOKENS {
-                return Err(invalid(format!(
-                    "{name} = {n} is out of range (at most 2**40)"
-                )));
-            }
-        }
+        ])?;
         if a.num_new_tokens == 0
             && a.num_external_computed_tokens == 0
             && a.num_new_computed_tokens == 0

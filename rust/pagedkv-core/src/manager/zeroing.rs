@@ -4,7 +4,7 @@
 use super::KvCacheManager;
 use crate::error::{Result, invalid};
 use crate::pool::BlockId;
-use crate::spec::MAX_TOKENS;
+use crate::spec::check_token_counts;
 
 impl KvCacheManager {
     /// Whether each group's fresh blocks are listed for zeroing.
@@ -47,11 +47,7 @@ impl KvCacheManager {
     /// prefix). Nothing is listed then.
     pub fn record_blocks_for_zeroing(&mut self, id: &str, start_token: u64) -> Result<()> {
         let slot = self.table.slot(id)?;
-        if start_token > MAX_TOKENS {
-            return Err(invalid(format!(
-                "start_token {start_token} is out of range (at most 2**40)"
-            )));
-        }
+        check_token_counts([("start_token", start_token)])?;
         if let Some(gm) = self.coord.groups().iter().find(|gm| {
             gm.records_new_block_ids() && !start_token.is_multiple_of(u64::from(gm.block_size()))
         }) {

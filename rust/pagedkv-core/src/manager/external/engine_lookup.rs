@@ -8,7 +8,7 @@ use crate::manager::{ComputedBlocks, KvCacheManager};
 use crate::pool::{BlockId, NULL_BLOCK};
 use crate::request::{GroupBlocks, Request, RequestSpec};
 use crate::single_type::Need;
-use crate::spec::MAX_TOKENS;
+use crate::spec::{MAX_TOKENS, check_token_counts};
 use crate::stats::PrefixCacheStats;
 
 impl KvCacheManager {
@@ -148,18 +148,12 @@ impl KvCacheManager {
         num_encoder_tokens: u64,
         apply_admission_cap: bool,
     ) -> Result<u64> {
-        for n in [
-            num_tokens,
-            total_computed,
-            num_tokens_main_model,
-            num_encoder_tokens,
-        ] {
-            if n > MAX_TOKENS {
-                return Err(invalid(format!(
-                    "count {n} is out of range (at most 2**40)"
-                )));
-            }
-        }
+        check_token_counts([
+            ("num_tokens", num_tokens),
+            ("total_computed_tokens", total_computed),
+            ("num_tokens_main_model", num_tokens_main_model),
+            ("num_encoder_tokens", num_encoder_tokens),
+        ])?;
         let num_local = num_local.unwrap_or(total_computed);
         if num_local > total_computed {
             return Err(invalid(format!(

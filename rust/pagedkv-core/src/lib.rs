@@ -34,6 +34,7 @@ pub mod events;
 pub mod fork;
 pub mod hash;
 pub mod manager;
+pub mod offload;
 pub mod outcome;
 pub mod pool;
 pub mod prefix_index;

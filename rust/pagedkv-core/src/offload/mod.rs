@@ -1,0 +1,709 @@
+//! A tier below GPU memory: chunks of evicted KV blocks kept in host memory,
+//! with vLLM 0.33's offloading semantics (`vllm/v1/kv_offload/cpu/manager.py`
+//! and its LRU / ARC policies): the same keys stored, the same slots handed
+//! out, the same keys evicted, the same events.
+//!
+//! A chunk is `blocks_per_chunk` GPU blocks of one KV-cache group, keyed by
+//! [`OffloadKey`]. A store is prepared (slots reserved, the chunk pending),
+//! then completed (readable) or failed (slot freed, a metadata-only removal);
+//! a load pins the chunk until it completes. Calls carry a request key
+//! ([`ReqKey`], chosen by the caller) so the policy can order a request's
+//! chunks and commit their recency when the request ends.
+//!
+//! ```
+//! use pagedkv_core::offload::{LookupResult, OffloadKey, OffloadTier, TierConfig};
+//!
+//! let mut tier = OffloadTier::new(TierConfig::new(2)).unwrap();
+//! let keys: Vec<_> = [b"a", b"b", b"c"].iter().map(|h| OffloadKey::new(*h, 0).unwrap()).collect();
+//! let out = tier.prepare_store(&keys[..2], 1, &[]).unwrap().unwrap();
+//! assert_eq!(out.slots, vec![0, 1]);
+//! tier.complete_store(&keys[..2], true);
+//! assert_eq!(tier.lookup(&keys[0]), LookupResult::Hit);
+//! // a third chunk evicts the least recently used one and takes its slot
+//! let out = tier.prepare_store(&keys[2..], 1, &[]).unwrap().unwrap();
+//! assert_eq!((out.slots, out.evicted), (vec![0], vec![keys[0]]));
+//! tier.check_invariants().unwrap();
+//! ```
+
+mod arc;
+mod check;
+mod events;
+mod keys;
+mod lru;
+mod policy;
+mod readouts;
+mod requests;
+mod slots;
+#[cfg(test)]
+mod tests;
+
+use rustc_hash::{FxHashMap, FxHashSet};
+
+pub use events::{Medium, OffloadEvent};
+pub use keys::{MAX_KEY_LEN, OffloadKey};
+pub use policy::PolicyKind;
+pub use readouts::ArcLists;
+pub use slots::Chunk;
+
+use crate::error::{Result, invalid};
+use policy::Policy;
+use requests::{ReqState, Tracker};
+use slots::Slots;
+
+/// The caller's key for one request (one vLLM `ReqContext`).
+pub type ReqKey = u64;
+
+/// How a tier is built (vLLM `CPUOffloadingManager`'s arguments).
+#[derive(Clone, Debug)]
+pub struct TierConfig {
+    /// Chunk slots in the tier.
+    pub num_chunks: u64,
+    /// The eviction policy.
+    pub policy: PolicyKind,
+    /// Whether stores and removals are recorded as events.
+    pub enable_events: bool,
+    /// A new chunk is stored only once offered this many times (2 or more turns
+    /// the admission filter on).
+    pub store_threshold: u64,
+    /// Keys the admission filter tracks at most.
+    pub max_tracker_size: usize,
+    /// The medium named in events.
+    pub medium: Medium,
+}
+
+impl TierConfig {
+    /// `num_chunks` slots in host memory, LRU, no events, every chunk admitted.
+    #[must_use]
+    pub fn new(num_chunks: u64) -> Self {
+        Self {
+            num_chunks,
+            policy: PolicyKind::Lru,
+            enable_events: false,
+            store_threshold: 1,
+            max_tracker_size: 64_000,
+            medium: Medium::Cpu,
+        }
+    }
+}
+
+/// `lookup`'s answer for one key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LookupResult {
+    /// Not in the tier.
+    Miss,
+    /// In the tier and readable.
+    Hit,
+    /// In the tier, its store not yet complete.
+    HitPending,
+}
+
+/// What `prepare_store` decided.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoreOutput {
+    /// The offered keys to write, in offer order (absent ones that passed the
+    /// admission filter).
+    pub keys_to_store: Vec<OffloadKey>,
+    /// The slot of each key to write.
+    pub slots: Vec<u64>,
+    /// Keys evicted to make room, in eviction order.
+    pub evicted: Vec<OffloadKey>,
+}
+
+/// vLLM's per-step offloading metrics of the tier (`get_stats`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TierStats {
+    /// Share of slots holding a chunk that is pinned or being written.
+    pub usage: f64,
+    /// Share of slots being written.
+    pub write_usage: f64,
+    /// Share of slots pinned by loads (`usage - write_usage`, at least 0).
+    pub read_usage: f64,
+    /// The size of each allocation since the last call.
+    pub allocation_sizes: Vec<u64>,
+    /// New chunks the admission filter skipped since the last call (`None`
+    /// without the filter).
+    pub stores_skipped: Option<u64>,
+}
+
+/// Running totals of the tier, never reset (pagedkv's own read-out).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TierCounters {
+    /// `lookup` calls.
+    pub lookups: u64,
+    /// Lookups answered `Hit`.
+    pub hits: u64,
+    /// Lookups answered `HitPending`.
+    pub pending_hits: u64,
+    /// Chunks pinned for loading.
+    pub chunks_loaded: u64,
+    /// Chunks whose store was prepared.
+    pub stores_prepared: u64,
+    /// Chunks whose store completed.
+    pub stores_completed: u64,
+    /// Chunks whose store failed (slot freed).
+    pub stores_failed: u64,
+    /// Chunks evicted.
+    pub evictions: u64,
+    /// `prepare_store` calls refused for want of evictable chunks.
+    pub stores_refused: u64,
+    /// Keys in `complete_store` that had no store in flight (ignored).
+    pub ignored_completions: u64,
+}
+
+/// A host-memory tier: slots, a policy, per-request access records, events.
+#[derive(Clone, Debug)]
+pub struct OffloadTier {
+    config: TierConfig,
+    slots: Slots,
+    policy: Policy,
+    num_evictable: u64,
+    num_write_pending: u64,
+    tracker: Option<Tracker>,
+    stores_skipped: u64,
+    allocation_sizes: Vec<u64>,
+    generation: u64,
+    events: Option<Vec<OffloadEvent>>,
+    requests: FxHashMap<ReqKey, ReqState>,
+    counters: TierCounters,
+}
+
+impl OffloadTier {
+    /// A tier of `config.num_chunks` free slots.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for more than 2**40 chunks, or an admission filter
+    /// tracking no key.
+    pub fn new(config: TierConfig) -> Result<Self> {
+        if config.num_chunks > 1 << 40 {
+            return Err(invalid(format!(
+                "num_chunks {} is out of range (at most 2**40)",
+                config.num_chunks
+            )));
+        }
+        if config.store_threshold >= 2 && config.max_tracker_size == 0 {
+            return Err(invalid(
+                "max_tracker_size must be positive with a store_threshold of 2 or more",
+            ));
+        }
+        Ok(Self {
+            slots: Slots::new(config.num_chunks),
+            policy: Policy::new(config.policy, config.num_chunks),
+            num_evictable: 0,
+            num_write_pending: 0,
+            tracker: (config.store_threshold >= 2).then(|| Tracker::new(config.max_tracker_size)),
+            stores_skipped: 0,
+            allocation_sizes: Vec::new(),
+            generation: 0,
+            events: config.enable_events.then(Vec::new),
+            requests: FxHashMap::default(),
+            counters: TierCounters::default(),
+            config,
+        })
+    }
+
+    /// The configuration.
+    #[must_use]
+    pub fn config(&self) -> &TierConfig {
+        &self.config
+    }
+
+    /// Resident chunks (pending ones included).
+    #[must_use]
+    pub fn num_resident(&self) -> usize {
+        self.policy.len()
+    }
+
+    /// Resident chunks that nothing pins (eviction candidates).
+    #[must_use]
+    pub fn num_evictable(&self) -> u64 {
+        self.num_evictable
+    }
+
+    /// Chunks whose store is in flight.
+    #[must_use]
+    pub fn num_write_pending(&self) -> u64 {
+        self.num_write_pending
+    }
+
+    /// Slots that can be handed out without evicting.
+    #[must_use]
+    pub fn num_free_slots(&self) -> u64 {
+        self.slots.num_free()
+    }
+
+    /// The running totals.
+    #[must_use]
+    pub fn counters(&self) -> TierCounters {
+        self.counters
+    }
+
+    /// Requests the tier holds state for.
+    #[must_use]
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// A resident chunk's state.
+    #[must_use]
+    pub fn chunk(&self, key: &OffloadKey) -> Option<Chunk> {
+        self.policy.get(key).copied()
+    }
+
+    /// Whether `key` is in the tier and readable.
+    pub fn lookup(&mut self, key: &OffloadKey) -> LookupResult {
+        self.counters.lookups += 1;
+        match self.policy.get(key) {
+            None => LookupResult::Miss,
+            Some(c) if !c.is_ready() => {
+                self.counters.pending_hits += 1;
+                LookupResult::HitPending
+            }
+            Some(_) => {
+                self.counters.hits += 1;
+                LookupResult::Hit
+            }
+        }
+    }
+
+    /// The number of leading keys that are readable (a prefix hit, in chunks).
+    pub fn lookup_prefix(&mut self, keys: &[OffloadKey]) -> usize {
+        keys.iter()
+            .take_while(|k| self.lookup(k) == LookupResult::Hit)
+            .count()
+    }
+
+    /// `on_new_request`: the request's access record of this generation.
+    pub fn on_new_request(&mut self, req: ReqKey) {
+        let generation = self.generation;
+        self.requests
+            .entry(req)
+            .or_insert_with(ReqState::new)
+            .access(generation);
+    }
+
+    /// Drops what the tier keeps for a request (its context is gone).
+    pub fn forget_request(&mut self, req: ReqKey) {
+        self.requests.remove(&req);
+    }
+
+    /// Marks `keys` recently used (the last key of the list is the least recent).
+    pub fn touch(&mut self, keys: &[OffloadKey]) {
+        self.policy.touch(keys);
+    }
+
+    /// Pins readable chunks for loading; returns their slots.
+    ///
+    /// # Errors
+    /// `InvalidArgument` (nothing changed) when a key is absent or its store
+    /// has not completed, positions do not match the keys, or the request
+    /// already ended and a key is new to it.
+    ///
+    /// # Panics
+    /// Never: every key is checked before any changes.
+    pub fn prepare_load(
+        &mut self,
+        keys: &[OffloadKey],
+        req: ReqKey,
+        positions: &[i64],
+    ) -> Result<Vec<u64>> {
+        check_positions(keys, positions)?;
+        for key in keys {
+            match self.policy.get(key) {
+                None => return Err(invalid(format!("prepare_load: {key:?} is not in the tier"))),
+                Some(c) if !c.is_ready() => {
+                    return Err(invalid(format!(
+                        "prepare_load: {key:?} is not ready for reading"
+                    )));
+                }
+                Some(_) => {}
+            }
+        }
+        self.check_open(req, keys)?;
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys {
+            let chunk = self.policy.get_mut(key).expect("checked above");
+            chunk.ref_cnt += 1;
+            out.push(chunk.slot);
+            if chunk.ref_cnt == 1 {
+                self.num_evictable -= 1;
+                self.policy.mark_non_evictable(key);
+            }
+        }
+        self.counters.chunks_loaded += keys.len() as u64;
+        self.record_positions(req, keys, positions);
+        self.record_access(req, keys, &[], keys);
+        Ok(out)
+    }
+
+    /// Unpins chunks whose load finished.
+    ///
+    /// # Errors
+    /// `InvalidArgument` (nothing changed) for a key that is absent or has
+    /// fewer loads in flight than it appears in `keys`.
+    ///
+    /// # Panics
+    /// Never: every key is checked before any changes.
+    pub fn complete_load(&mut self, keys: &[OffloadKey]) -> Result<()> {
+        let mut pins: FxHashMap<OffloadKey, i32> = FxHashMap::default();
+        for key in keys {
+            let n = pins.entry(*key).or_insert(0);
+            *n += 1;
+            match self.policy.get(key) {
+                None => {
+                    return Err(invalid(format!(
+                        "complete_load: {key:?} is not in the tier"
+                    )));
+                }
+                Some(c) if c.ref_cnt < *n => {
+                    return Err(invalid(format!(
+                        "complete_load: {key:?} has no load in flight"
+                    )));
+                }
+                Some(_) => {}
+            }
+        }
+        for key in keys {
+            let chunk = self.policy.get_mut(key).expect("checked above");
+            chunk.ref_cnt -= 1;
+            if chunk.ref_cnt == 0 {
+                self.num_evictable += 1;
+                self.policy.mark_evictable(key);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reserves slots for the offered keys that are absent (and admitted),
+    /// evicting idle chunks not among the offered keys when the free slots fall
+    /// short. `Ok(None)`: the shortfall cannot be evicted (the offer's access is
+    /// still recorded, as vLLM does).
+    ///
+    /// # Errors
+    /// `InvalidArgument` (nothing changed) for a key offered twice, positions
+    /// that do not match the keys, or new keys after the request ended.
+    ///
+    /// # Panics
+    /// Never: the request's record is created before it is read.
+    pub fn prepare_store(
+        &mut self,
+        keys: &[OffloadKey],
+        req: ReqKey,
+        positions: &[i64],
+    ) -> Result<Option<StoreOutput>> {
+        check_positions(keys, positions)?;
+        let offered: FxHashSet<OffloadKey> = keys.iter().copied().collect();
+        if offered.len() != keys.len() {
+            return Err(invalid("prepare_store: a key is offered twice"));
+        }
+        let recorded: Vec<OffloadKey> = keys
+            .iter()
+            .filter(|k| self.would_record(k))
+            .copied()
+            .collect();
+        self.check_open(req, &recorded)?;
+
+        self.record_positions(req, keys, positions);
+        if let Some(t) = &mut self.tracker {
+            t.record(keys);
+        }
+        let mut to_store = Vec::new();
+        let mut ready_existing = Vec::new();
+        for key in keys {
+            match self.policy.get(key) {
+                None => to_store.push(*key),
+                Some(c) if c.is_ready() => ready_existing.push(*key),
+                Some(_) => {}
+            }
+        }
+        if let Some(t) = &self.tracker {
+            let before = to_store.len();
+            to_store.retain(|k| t.count(k) >= self.config.store_threshold);
+            self.stores_skipped += (before - to_store.len()) as u64;
+        }
+        let generation = self.generation;
+        let state = self.requests.entry(req).or_insert_with(ReqState::new);
+        let access = state.access(generation);
+        let misses: Vec<OffloadKey> = to_store
+            .iter()
+            .filter(|k| !access.store_miss.contains(k))
+            .copied()
+            .collect();
+        if !misses.is_empty() {
+            access.store_miss.extend(misses.iter().copied());
+            self.policy.on_store_miss(&misses);
+        }
+        debug_assert_eq!(recorded.len(), to_store.len() + ready_existing.len());
+        self.record_access(req, &recorded, &[], &ready_existing);
+
+        if to_store.is_empty() {
+            return Ok(Some(StoreOutput::default()));
+        }
+        self.allocation_sizes.push(to_store.len() as u64);
+        let shortfall = (to_store.len() as u64).saturating_sub(self.slots.num_free());
+        let mut evicted = Vec::new();
+        if shortfall > 0 {
+            let victims = if shortfall > self.num_evictable {
+                None
+            } else {
+                self.policy.evict(shortfall as usize, &offered)
+            };
+            let Some(victims) = victims else {
+                self.counters.stores_refused += 1;
+                return Ok(None);
+            };
+            self.num_evictable -= victims.len() as u64;
+            self.counters.evictions += victims.len() as u64;
+            for (key, chunk) in victims {
+                self.slots.free(chunk.slot);
+                evicted.push(key);
+            }
+            self.push_event(evicted.clone(), true, false);
+        }
+        let slots = self.slots.allocate(to_store.len());
+        let state = self.requests.get_mut(&req).expect("created above");
+        let slot = state.rank_slot(generation);
+        let mut rank = *slot;
+        for (key, &s) in to_store.iter().zip(&slots) {
+            let position = state.positions.get(key).copied();
+            self.policy
+                .insert(*key, Chunk::pending(s), position, &mut rank);
+        }
+        state.rank = rank;
+        self.num_write_pending += to_store.len() as u64;
+        self.counters.stores_prepared += to_store.len() as u64;
+        state
+            .access(generation)
+            .inserted
+            .extend(to_store.iter().copied());
+        Ok(Some(StoreOutput {
+            keys_to_store: to_store,
+            slots,
+            evicted,
+        }))
+    }
+
+    /// Completes stores: on success the pending chunks become readable; on
+    /// failure they are removed and their slots freed. Keys with no store in
+    /// flight are ignored (and counted).
+    pub fn complete_store(&mut self, keys: &[OffloadKey], success: bool) {
+        let mut done = Vec::new();
+        for key in keys {
+            let Some(chunk) = self.policy.get_mut(key).filter(|c| !c.is_ready()) else {
+                self.counters.ignored_completions += 1;
+                continue;
+            };
+            self.num_write_pending -= 1;
+            if success {
+                chunk.ref_cnt = 0;
+                self.num_evictable += 1;
+                self.policy.mark_evictable(key);
+            } else {
+                let slot = chunk.slot;
+                self.policy.remove(key);
+                self.slots.free(slot);
+            }
+            done.push(*key);
+        }
+        if success {
+            self.counters.stores_completed += done.len() as u64;
+            self.push_event(done, false, false);
+        } else {
+            self.counters.stores_failed += done.len() as u64;
+            self.push_event(done, true, true);
+        }
+    }
+
+    /// The request ended: its access commits to the policy (recency, ARC's
+    /// T1 → T2). `keys` / `positions`: every position the scheduler recorded
+    /// for the request (they order its chunks head to tail).
+    ///
+    /// # Errors
+    /// `InvalidArgument` when positions do not match the keys.
+    pub fn on_request_finished(
+        &mut self,
+        req: ReqKey,
+        keys: &[OffloadKey],
+        positions: &[i64],
+    ) -> Result<()> {
+        check_positions(keys, positions)?;
+        let generation = self.generation;
+        let Some(state) = self.requests.get_mut(&req) else {
+            return Ok(());
+        };
+        if !state.access_is_current(generation) || state.access(generation).finished {
+            return Ok(());
+        }
+        state.record_positions(keys, positions);
+        let access = state.access(generation);
+        access.finished = true;
+        let mut groups: Vec<Vec<OffloadKey>> = access.key_groups.values().cloned().collect();
+        let insertion_only: FxHashSet<OffloadKey> = access
+            .inserted
+            .difference(&access.reused)
+            .copied()
+            .collect();
+        let reused = access.reused.clone();
+        for g in &mut groups {
+            state.order_by_position(g);
+        }
+        let mut ordered: Vec<OffloadKey> = groups.concat();
+        state.order_by_position(&mut ordered);
+        self.policy
+            .on_request_finished(&ordered, &insertion_only, &reused);
+        Ok(())
+    }
+
+    /// Empties the tier (every chunk, pinned or not), without events; request
+    /// records become stale. The admission tracker is kept.
+    pub fn reset_cache(&mut self) {
+        self.policy.clear();
+        self.generation += 1;
+        self.num_evictable = 0;
+        self.num_write_pending = 0;
+        self.slots.reset();
+    }
+
+    /// The events since the last call; a failed store's removal is dropped for
+    /// keys stored again since.
+    pub fn take_events(&mut self) -> Vec<OffloadEvent> {
+        let Some(events) = self.events.as_mut() else {
+            return Vec::new();
+        };
+        let events = std::mem::take(events);
+        events
+            .into_iter()
+            .filter_map(|mut e| {
+                if e.metadata_only {
+                    e.keys.retain(|k| self.policy.get(k).is_none());
+                    if e.keys.is_empty() {
+                        return None;
+                    }
+                }
+                Some(e)
+            })
+            .collect()
+    }
+
+    /// vLLM's metrics of the step; drains the allocation sizes and skip count.
+    pub fn stats(&mut self) -> TierStats {
+        let cap = self.slots.capacity();
+        let used = self.slots.num_allocated() - self.slots.num_freed() as u64 - self.num_evictable;
+        let share = |n: u64| if cap > 0 { n as f64 / cap as f64 } else { 0.0 };
+        let usage = share(used);
+        let write_usage = share(self.num_write_pending);
+        let stores_skipped = self
+            .tracker
+            .is_some()
+            .then(|| std::mem::take(&mut self.stores_skipped));
+        TierStats {
+            usage,
+            write_usage,
+            read_usage: (usage - write_usage).max(0.0),
+            allocation_sizes: std::mem::take(&mut self.allocation_sizes),
+            stores_skipped,
+        }
+    }
+
+    /// Whether `prepare_store` would record `key` in the request's access
+    /// (absent and admitted, or resident and ready).
+    fn would_record(&self, key: &OffloadKey) -> bool {
+        match self.policy.get(key) {
+            Some(c) => c.is_ready(),
+            None => match &self.tracker {
+                None => true,
+                // a tracked key's count grows by one; a new one starts at 1 < threshold
+                Some(t) => {
+                    let n = t.count(key);
+                    n > 0 && n + 1 >= self.config.store_threshold
+                }
+            },
+        }
+    }
+
+    /// Refuses new keys for a request whose end was already committed.
+    fn check_open(&self, req: ReqKey, keys: &[OffloadKey]) -> Result<()> {
+        let Some(state) = self.requests.get(&req) else {
+            return Ok(());
+        };
+        if !state.access_is_current(self.generation) {
+            return Ok(());
+        }
+        let access = state.access_ref();
+        if access.finished && keys.iter().any(|k| !access.seen.contains(k)) {
+            return Err(invalid(
+                "new cache keys observed after the request finished",
+            ));
+        }
+        Ok(())
+    }
+
+    fn record_positions(&mut self, req: ReqKey, keys: &[OffloadKey], positions: &[i64]) {
+        if !positions.is_empty() {
+            self.requests
+                .entry(req)
+                .or_insert_with(ReqState::new)
+                .record_positions(keys, positions);
+        }
+    }
+
+    /// Records keys the request read or offered, first sightings in order.
+    fn record_access(
+        &mut self,
+        req: ReqKey,
+        keys: &[OffloadKey],
+        inserted: &[OffloadKey],
+        reused: &[OffloadKey],
+    ) {
+        let generation = self.generation;
+        let state = self.requests.entry(req).or_insert_with(ReqState::new);
+        let access = state.access(generation);
+        let mut new_keys = Vec::new();
+        for key in keys {
+            if access.seen.insert(*key) {
+                access
+                    .key_groups
+                    .entry(key.group_idx())
+                    .or_default()
+                    .push(*key);
+                new_keys.push(*key);
+            }
+        }
+        access.inserted.extend(inserted.iter().copied());
+        for key in reused {
+            if !access.inserted.contains(key) {
+                access.reused.insert(*key);
+            }
+        }
+        if !new_keys.is_empty() {
+            let mut slot = *state.rank_slot(generation);
+            self.policy
+                .on_request_access(&new_keys, &state.positions, &mut slot);
+            state.rank = slot;
+        }
+    }
+
+    fn push_event(&mut self, keys: Vec<OffloadKey>, removed: bool, metadata_only: bool) {
+        if keys.is_empty() {
+            return;
+        }
+        if let Some(events) = &mut self.events {
+            events.push(OffloadEvent {
+                keys,
+                medium: self.config.medium,
+                removed,
+                metadata_only,
+            });
+        }
+    }
+}
+
+fn check_positions(keys: &[OffloadKey], positions: &[i64]) -> Result<()> {
+    if !positions.is_empty() && positions.len() != keys.len() {
+        return Err(invalid(format!(
+            "{} positions for {} keys: give one per key (negative: unknown) or none",
+            positions.len(),
+            keys.len()
+        )));
+    }
+    Ok(())
+}

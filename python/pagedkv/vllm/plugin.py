@@ -1,4 +1,4 @@
-"""Putting pagedkv's manager where vLLM builds its own.
+"""Putting pagedkv's manager (and CPU offloading manager) where vLLM builds its own.
 
 vLLM's scheduler binds ``KVCacheManager`` from ``vllm.v1.core.kv_cache_manager``
 at import time, so both that module and every loaded module that imported the
@@ -12,14 +12,33 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 _ORIGINAL: dict[str, Any] = {}
 
-# Modules that bind the name ``KVCacheManager`` from vLLM's manager module.
-_BINDERS = (
-    "vllm.v1.core.kv_cache_manager",
-    "vllm.v1.core.sched.scheduler",
+
+class _Target(NamedTuple):
+    """One vLLM class pagedkv replaces."""
+
+    #: the class's name where vLLM defines it
+    name: str
+    #: the module defining it
+    home: str
+    #: modules imported at install that bind the name too
+    binders: tuple[str, ...]
+    #: pagedkv's module holding the replacement (same name)
+    ours: str
+
+
+_TARGETS = (
+    _Target(
+        "KVCacheManager",
+        "vllm.v1.core.kv_cache_manager",
+        ("vllm.v1.core.sched.scheduler",),
+        "pagedkv.vllm.manager",
+    ),
+    # behind the OffloadingConnector's CPU spec and the tiering manager
+    _Target("CPUOffloadingManager", "vllm.v1.kv_offload.cpu.manager", (), "pagedkv.vllm.offload"),
 )
 
 
@@ -43,15 +62,25 @@ def _bindings(cls: type) -> tuple[list[tuple[Any, str]], list[str]]:
     return ours, others
 
 
+def _replacement(target: _Target) -> type:
+    import importlib
+
+    cls: type = getattr(importlib.import_module(target.ours), target.name)
+    return cls
+
+
 def install() -> None:
-    """Makes vLLM build ``pagedkv.vllm.KVCacheManager`` in place of its own.
+    """Makes vLLM build pagedkv's classes in place of its own:
+    ``pagedkv.vllm.KVCacheManager`` for its KV-cache manager and
+    ``pagedkv.vllm.offload.CPUOffloadingManager`` for the CPU offloading
+    manager (LRU and ARC) of its ``OffloadingConnector``.
 
     Every vLLM module that bound vLLM's class, under any name, gets pagedkv's;
-    modules imported later find it in ``vllm.v1.core.kv_cache_manager``. A
-    module outside vLLM that imported vLLM's class before this call keeps it
-    (it may hold it on purpose, to compare the two): a ``RuntimeWarning``
-    names each such binding. Idempotent; all or nothing; ``uninstall()``
-    restores vLLM's class. Raises ``ImportError`` when vLLM is not installed.
+    modules imported later find it where vLLM defines it. A module outside
+    vLLM that imported vLLM's class before this call keeps it (it may hold it
+    on purpose, to compare the two): a ``RuntimeWarning`` names each such
+    binding. Idempotent; all or nothing; ``uninstall()`` restores vLLM's
+    classes. Raises ``ImportError`` when vLLM is not installed.
     """
     import importlib
 
@@ -61,57 +90,56 @@ def install() -> None:
         raise ImportError(
             "pagedkv.vllm.install() needs vLLM 0.33 (pip install 'pagedkv[vllm]')"
         ) from e
-    from pagedkv.vllm.manager import KVCacheManager
-
-    for name in _BINDERS:
-        importlib.import_module(name)
-    vllm_manager = sys.modules["vllm.v1.core.kv_cache_manager"]
-    original = _ORIGINAL.get("cls", vars(vllm_manager)["KVCacheManager"])
-    if original is KVCacheManager:  # pragma: no cover - installed twice by hand
-        return
-    ours, others = _bindings(original)
-    done: list[tuple[Any, str]] = []
+    done: list[tuple[Any, str, type]] = []
+    others: list[str] = []
+    originals: dict[str, type] = {}
     try:
-        for mod, name in ours:
-            setattr(mod, name, KVCacheManager)
-            done.append((mod, name))
+        for target in _TARGETS:
+            for name in (target.home, *target.binders):
+                importlib.import_module(name)
+            ours = _replacement(target)
+            home = sys.modules[target.home]
+            original = _ORIGINAL.get(target.name, vars(home)[target.name])
+            if original is ours:  # pragma: no cover - installed twice by hand
+                continue
+            bound, elsewhere = _bindings(original)
+            for mod, name in bound:
+                setattr(mod, name, ours)
+                done.append((mod, name, original))
+            originals[target.name] = original
+            others += elsewhere
     except BaseException:
-        for mod, name in done:
+        for mod, name, original in done:
             setattr(mod, name, original)
         raise
-    _ORIGINAL["cls"] = original
+    _ORIGINAL.update(originals)
     if others:
-        import warnings
-
         warnings.warn(
             "pagedkv.vllm.install(): imported before install(), these keep vLLM's own "
-            f"KVCacheManager: {', '.join(sorted(others))}",
+            f"classes: {', '.join(sorted(others))}",
             RuntimeWarning,
             stacklevel=2,
         )
 
 
 def uninstall() -> None:
-    """Restores vLLM's own manager class wherever a vLLM module holds
-    pagedkv's (what ``install()`` replaced, and modules imported since)."""
-    original = _ORIGINAL.get("cls")
-    if original is None:
-        return
-    from pagedkv.vllm.manager import KVCacheManager
-
-    for mod, name in _bindings(KVCacheManager)[0]:
-        setattr(mod, name, original)
-    del _ORIGINAL["cls"]
+    """Restores vLLM's own classes wherever a vLLM module holds pagedkv's
+    (what ``install()`` replaced, and modules imported since)."""
+    for target in _TARGETS:
+        original = _ORIGINAL.pop(target.name, None)
+        if original is None:
+            continue
+        for mod, name in _bindings(_replacement(target))[0]:
+            setattr(mod, name, original)
 
 
 def installed() -> bool:
-    """Whether vLLM currently builds pagedkv's manager."""
-    mod = sys.modules.get("vllm.v1.core.kv_cache_manager")
-    if mod is None:
-        return False
-    from pagedkv.vllm.manager import KVCacheManager
-
-    return vars(mod).get("KVCacheManager") is KVCacheManager
+    """Whether vLLM currently builds pagedkv's manager (and offloading manager)."""
+    for target in _TARGETS:
+        mod = sys.modules.get(target.home)
+        if mod is None or vars(mod).get(target.name) is not _replacement(target):
+            return False
+    return True
 
 
 #: ``PAGEDKV_VLLM`` values (case-insensitive) that install, and that do not.

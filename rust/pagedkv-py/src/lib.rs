@@ -15,6 +15,7 @@
 //! - [`fork`]: the hash workers across `os.fork`;
 //! - [`hash`]: block hashing functions;
 //! - [`index`]: the router-side `PrefixIndex`;
+//! - [`offload`]: the host-memory offload tier (`OffloadTier`);
 //! - [`prepared`]: requests built and hashed off the scheduler's thread.
 
 // PyO3 extracts arguments as owned values (`Vec<Bound<..>>`, `PyRef<..>`).
@@ -31,6 +32,7 @@ mod fork;
 mod hash;
 mod index;
 mod manager;
+mod offload;
 mod prepared;
 
 #[pymodule]
@@ -40,6 +42,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     hash::register(m)?;
     index::register(m)?;
     prepared::register(m)?;
+    offload::register(m)?;
     fork::register(m)?;
     alloc::keep_freed_pages();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

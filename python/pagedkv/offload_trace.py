@@ -1,0 +1,192 @@
+"""Replaying a recorded run of vLLM's CPU offloading manager on pagedkv's tier.
+
+A trace (``format: pagedkv-offload-trace-1``, written by
+``benches/offload_record_vllm.py`` in a vLLM environment) holds every call made
+to vLLM 0.33's ``CPUOffloadingManager`` and what it answered: keys stored,
+slots handed out, keys evicted, events, metrics and, every few calls, the
+policy's internal order (LRU's eviction order, ARC's four lists and target).
+:func:`replay` makes the same calls on an :class:`~pagedkv.offload.OffloadTier`
+and lists every answer that differs.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pagedkv._core import OffloadTier
+
+__all__ = ["FORMAT", "Mismatch", "load_trace", "replay"]
+
+FORMAT = "pagedkv-offload-trace-1"
+#: Largest trace file read (bytes, after decompression).
+MAX_TRACE_BYTES = 1 << 30
+
+_LOOKUP_NAMES = ("MISS", "HIT", "HIT_PENDING")
+_OPS = frozenset(
+    {
+        "new_request",
+        "set_positions",
+        "lookup",
+        "prepare_load",
+        "complete_load",
+        "touch",
+        "prepare_store",
+        "complete_store",
+        "finish",
+        "reset",
+        "events",
+        "stats",
+        "state",
+    }
+)
+
+
+class Mismatch(tuple[int, str, Any, Any]):
+    """``(op index, op name, expected, got)``."""
+
+    __slots__ = ()
+
+
+def load_trace(path: str | Path) -> dict[str, Any]:
+    """Reads a trace (``.json`` or ``.json.gz``), checking its format and size."""
+    p = Path(path)
+    raw = p.read_bytes()
+    if p.suffix == ".gz":
+        with gzip.GzipFile(fileobj=io.BytesIO(raw)) as f:
+            raw = f.read(MAX_TRACE_BYTES + 1)
+    if len(raw) > MAX_TRACE_BYTES:
+        raise ValueError(f"{p}: larger than {MAX_TRACE_BYTES} bytes")
+    trace = json.loads(raw)
+    if not isinstance(trace, dict) or trace.get("format") != FORMAT:
+        raise ValueError(f"{p}: not a {FORMAT} trace")
+    config = trace.get("config")
+    if not isinstance(config, dict) or not isinstance(trace.get("ops"), list):
+        raise ValueError(f"{p}: a trace needs 'config' and 'ops'")
+    for i, op in enumerate(trace["ops"]):
+        if not isinstance(op, dict) or op.get("op") not in _OPS:
+            raise ValueError(f"{p}: op {i} is not one of {sorted(_OPS)}")
+    return trace
+
+
+def _keys(hexes: list[str]) -> list[bytes]:
+    return [bytes.fromhex(h) for h in hexes]
+
+
+def _hexes(keys: list[bytes]) -> list[str]:
+    return [k.hex() for k in keys]
+
+
+def _state(tier: OffloadTier) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "evictable": tier.num_evictable,
+        "write_pending": tier.num_write_pending,
+    }
+    tracked = tier.tracked_offers()
+    out["tracker"] = None if tracked is None else [[k.hex(), n] for k, n in tracked]
+    order = tier.lru_eviction_order()
+    if order is not None:
+        out["lru_order"] = _hexes(order)
+    arc = tier.arc_lists()
+    if arc is not None:
+        target, t1, t2, b1, b2 = arc
+        out["target"] = target
+        out["t1"] = [[k.hex(), r, s] for k, r, s in t1]
+        out["t2"] = [[k.hex(), r, s] for k, r, s in t2]
+        out["b1"] = _hexes(b1)
+        out["b2"] = _hexes(b2)
+    return out
+
+
+def _same(expected: Any, got: Any) -> bool:
+    if isinstance(expected, float) or isinstance(got, float):
+        return isinstance(got, (int, float)) and math.isclose(expected, got, abs_tol=1e-12)
+    if isinstance(expected, dict) and isinstance(got, dict):
+        return expected.keys() == got.keys() and all(_same(expected[k], got[k]) for k in expected)
+    if isinstance(expected, list) and isinstance(got, list):
+        return len(expected) == len(got) and all(map(_same, expected, got))
+    return bool(expected == got)
+
+
+def replay(
+    trace: dict[str, Any],
+    *,
+    check_invariants: bool = True,
+    on_op: Callable[[int], None] | None = None,
+) -> tuple[OffloadTier, list[Mismatch]]:
+    """Makes the trace's calls on a fresh tier; every answer that differs."""
+    c = trace["config"]
+    tier = OffloadTier(
+        c["num_chunks"],
+        c["policy"],
+        enable_events=c.get("enable_events", False),
+        store_threshold=c.get("store_threshold", 1),
+        max_tracker_size=c.get("max_tracker_size", 64_000),
+    )
+    positions: dict[int, dict[bytes, int]] = {}
+    mismatches: list[Mismatch] = []
+
+    def pos_of(req: int, keys: list[bytes]) -> list[int | None] | None:
+        known = positions.get(req)
+        return [known.get(k) for k in keys] if known else None
+
+    for i, op in enumerate(trace["ops"]):
+        name = op["op"]
+        req = op.get("req", 0)
+        keys = _keys(op["keys"]) if "keys" in op else []
+        got: Any = None
+        if name == "new_request":
+            tier.on_new_request(req)
+        elif name == "set_positions":
+            positions.setdefault(req, {}).update(zip(keys, op["positions"], strict=True))
+        elif name == "lookup":
+            got = _LOOKUP_NAMES[tier.lookup(bytes.fromhex(op["key"]))]
+        elif name == "prepare_load":
+            got = tier.prepare_load(keys, req, pos_of(req, keys))
+        elif name == "complete_load":
+            tier.complete_load(keys)
+        elif name == "touch":
+            tier.touch(keys)
+        elif name == "prepare_store":
+            out = tier.prepare_store(keys, req, pos_of(req, keys))
+            if out is not None:
+                got = {
+                    "keys_to_store": _hexes(out[0]),
+                    "chunk_ids": out[1],
+                    "evicted": _hexes(out[2]),
+                }
+        elif name == "complete_store":
+            tier.complete_store(keys, op.get("success", True))
+        elif name == "finish":
+            known = positions.get(req, {})
+            tier.on_request_finished(req, list(known), list(known.values()))
+        elif name == "reset":
+            tier.reset_cache()
+        elif name == "events":
+            got = [
+                {"keys": _hexes(k), "medium": m, "removed": r, "metadata_only": md}
+                for k, m, r, md in tier.take_events()
+            ]
+        elif name == "stats":
+            usage, write, read, sizes, skipped = tier.stats()
+            got = {
+                "usage": usage,
+                "write_usage": write,
+                "read_usage": read,
+                "allocation_sizes": sizes,
+                "stores_skipped": skipped,
+            }
+        elif name == "state":
+            got = _state(tier)
+        if "out" in op and not _same(op["out"], got):
+            mismatches.append(Mismatch((i, name, op["out"], got)))
+        if check_invariants:
+            tier.check_invariants()
+        if on_op is not None:
+            on_op(i)
+    return tier, mismatches

@@ -1,0 +1,151 @@
+"""The offload tier's Python surface: conversion, answers' shapes, bad input.
+
+The tier's semantics are checked in the core (``offload/tests.rs``) and against
+vLLM's own recorded answers (``test_vllm_traces.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pagedkv.errors import InvalidArgumentError, InvariantViolationError, PagedKVError
+from pagedkv.offload import (
+    Lookup,
+    OffloadTier,
+    offload_key,
+    offload_key_group,
+    offload_key_hash,
+)
+
+
+def k(i: int, group: int = 0) -> bytes:
+    return offload_key(str(i).encode(), group)
+
+
+def ks(ids: list[int]) -> list[bytes]:
+    return [k(i) for i in ids]
+
+
+def test_key_layout_is_vllms() -> None:
+    key = offload_key(b"\x01" * 32, 258)
+    assert key == b"\x01" * 32 + b"\x00\x00\x01\x02"
+    assert offload_key_hash(key) == b"\x01" * 32
+    assert offload_key_group(key) == 258
+
+
+def test_a_store_load_cycle_through_python() -> None:
+    # vLLM's test_cpu_manager, first steps: fresh slots, eviction of the LRU chunk
+    tier = OffloadTier(4, "lru", enable_events=True)
+    assert tier.prepare_store(ks([1, 2]), 0) == (ks([1, 2]), [0, 1], [])
+    assert tier.lookup(k(1)) == Lookup.HIT_PENDING
+    tier.complete_store(ks([1, 2]))
+    assert tier.take_events() == [(ks([1, 2]), "CPU", False, False)]
+    assert tier.lookup_prefix(ks([1, 2, 3])) == 2
+    assert tier.prepare_store(ks([2, 3, 4, 5]), 0) == (ks([3, 4, 5]), [2, 3, 0], ks([1]))
+    assert tier.take_events() == [(ks([1]), "CPU", True, False)]
+    tier.complete_store(ks([3, 4, 5]), success=False)
+    assert tier.take_events() == [(ks([3, 4, 5]), "CPU", True, True)]
+    assert tier.prepare_load(ks([2]), 9, positions=[16]) == [1]
+    assert tier.chunk(k(2)) == (1, 1)
+    assert tier.num_evictable == 0
+    tier.complete_load(ks([2]))
+    tier.on_request_finished(9, ks([2]), [16])
+    usage, write, read, sizes, skipped = tier.stats()
+    assert (usage, write, read, sizes, skipped) == (0.0, 0.0, 0.0, [2, 3], None)
+    assert tier.counters()["stores_failed"] == 3
+    assert tier.lru_eviction_order() == ks([2]) and tier.arc_lists() is None
+    tier.check_invariants()
+
+
+def test_arc_lists_and_tracker_read_outs() -> None:
+    tier = OffloadTier(2, "arc", store_threshold=2, max_tracker_size=8)
+    assert tier.prepare_store(ks([1]), 0) == ([], [], [])
+    assert tier.tracked_offers() == [(k(1), 1)]
+    assert tier.prepare_store(ks([1]), 0) == (ks([1]), [0], [])
+    tier.complete_store(ks([1]))
+    tier.touch(ks([1]))
+    arc = tier.arc_lists()
+    assert arc == (0.0, [], [(k(1), 0, 0)], [], [])
+    assert tier.stats()[4] == 1
+
+
+def test_any_iterable_of_keys_is_accepted() -> None:
+    tier = OffloadTier(4)
+    assert tier.prepare_store(iter(ks([1, 2])), 0) == (ks([1, 2]), [0, 1], [])
+    tier.complete_store(tuple(ks([1, 2])))
+    assert tier.lookup_prefix(k for k in ks([1, 2])) == 2
+
+
+BAD: list[tuple[str, Any, type[BaseException]]] = [
+    ("key not bytes", lambda t: t.lookup("abc"), TypeError),
+    ("key too long", lambda t: t.lookup(b"x" * 64), InvalidArgumentError),
+    ("keys one bytes", lambda t: t.touch(b"abc"), TypeError),
+    ("keys not bytes", lambda t: t.prepare_store([1, 2], 0), TypeError),
+    ("duplicate keys", lambda t: t.prepare_store(ks([3, 3]), 0), InvalidArgumentError),
+    ("positions short", lambda t: t.prepare_store(ks([3]), 0, []), InvalidArgumentError),
+    ("positions long", lambda t: t.prepare_store(ks([3]), 0, [1, 2]), InvalidArgumentError),
+    ("position negative", lambda t: t.prepare_load(ks([1]), 0, [-5]), InvalidArgumentError),
+    ("position not int", lambda t: t.prepare_load(ks([1]), 0, ["a"]), TypeError),
+    ("req negative", lambda t: t.prepare_store(ks([3]), -1), OverflowError),
+    ("load absent", lambda t: t.prepare_load(ks([1, 9]), 0), InvalidArgumentError),
+    ("load pending", lambda t: t.prepare_load(ks([2]), 0), InvalidArgumentError),
+    ("double complete_load", lambda t: t.complete_load(ks([1])), InvalidArgumentError),
+    ("finish positions", lambda t: t.on_request_finished(0, ks([1]), []), InvalidArgumentError),
+]
+
+
+@pytest.mark.parametrize(("case", "call", "expected"), BAD, ids=[b[0] for b in BAD])
+def test_bad_input_raises_and_changes_nothing(
+    case: str, call: Any, expected: type[BaseException]
+) -> None:
+    tier = OffloadTier(4, "lru", enable_events=True)
+    tier.prepare_store(ks([1, 2]), 0)
+    tier.complete_store(ks([1]))
+    tier.take_events()
+    before = (sorted(tier.resident()), tier.num_evictable, tier.num_write_pending)
+    before_order = tier.lru_eviction_order()
+    with pytest.raises(expected):
+        call(tier)
+    assert (sorted(tier.resident()), tier.num_evictable, tier.num_write_pending) == before
+    assert tier.lru_eviction_order() == before_order
+    assert tier.take_events() == []
+    tier.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_chunks": -1}, "non-negative"),
+        ({"num_chunks": 2**41}, "out of range"),
+        ({"num_chunks": 4, "policy": "fifo"}, "unknown cache policy"),
+        ({"num_chunks": 4, "store_threshold": 2, "max_tracker_size": 0}, "max_tracker_size"),
+    ],
+)
+def test_bad_configuration_is_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=match):
+        OffloadTier(**kwargs)
+
+
+def test_new_keys_after_the_request_ended_are_refused() -> None:
+    tier = OffloadTier(4)
+    tier.prepare_store(ks([1]), 5)
+    tier.on_request_finished(5)
+    with pytest.raises(InvalidArgumentError, match="after the request finished"):
+        tier.prepare_store(ks([2]), 5)
+    assert tier.lookup(k(2)) == Lookup.MISS
+    tier.prepare_store(ks([2]), 6)  # another request may
+
+
+def test_errors_are_pagedkv_errors() -> None:
+    assert issubclass(InvalidArgumentError, PagedKVError)
+    assert issubclass(InvariantViolationError, PagedKVError)
+
+
+def test_an_empty_tier_refuses_every_store_and_counts_it() -> None:
+    tier = OffloadTier(0)
+    assert tier.prepare_store(ks([1]), 0) is None
+    assert tier.counters()["stores_refused"] == 1
+    assert tier.stats()[:3] == (0.0, 0.0, 0.0)
+    tier.check_invariants()

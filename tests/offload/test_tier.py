@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from pagedkv.errors import InvalidArgumentError, InvariantViolationError, PagedKVError
 from pagedkv.offload import (
     Lookup,

@@ -7,6 +7,10 @@ it builds its own manager; with the ``pagedkv`` general plugin registered (the
 package's ``vllm.general_plugins`` entry point), ``PAGEDKV_VLLM=1 vllm serve
 MODEL`` does the same. ``KVCacheManager`` imports vLLM (``pagedkv[vllm]``) when
 first used; the plugin functions import it only when they install.
+
+``pagedkv.vllm.CPUOffloadingManager`` is vLLM's CPU offloading manager (LRU
+and ARC, behind the ``OffloadingConnector``) on pagedkv's host tier;
+``install()`` puts it in vLLM's place too.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -15,21 +19,36 @@ from pagedkv.vllm.plugin import install, installed, register, uninstall
 
 if TYPE_CHECKING:
     from pagedkv.vllm.manager import KVCacheManager
+    from pagedkv.vllm.offload import CPUOffloadingManager
 
-__all__ = ["KVCacheManager", "install", "installed", "register", "uninstall"]
+__all__ = [
+    "CPUOffloadingManager",
+    "KVCacheManager",
+    "install",
+    "installed",
+    "register",
+    "uninstall",
+]
+
+_LAZY = {
+    "KVCacheManager": "pagedkv.vllm.manager",
+    "CPUOffloadingManager": "pagedkv.vllm.offload",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "KVCacheManager":
+    if name in _LAZY:
+        import importlib
+
         try:
-            from pagedkv.vllm.manager import KVCacheManager
+            module = importlib.import_module(_LAZY[name])
         except ModuleNotFoundError as e:
             if e.name is None or e.name.split(".")[0] != "vllm":
                 raise
             raise ImportError(
-                f'pagedkv.vllm.KVCacheManager needs vLLM 0.33: pip install "pagedkv[vllm]" '
+                f'pagedkv.vllm.{name} needs vLLM 0.33: pip install "pagedkv[vllm]" '
                 f"(no module named {e.name!r})",
                 name="vllm",
             ) from e
-        return KVCacheManager
+        return getattr(module, name)
     raise AttributeError(f"module 'pagedkv.vllm' has no attribute {name!r}")

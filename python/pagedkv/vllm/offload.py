@@ -39,6 +39,7 @@ from vllm.v1.kv_offload.cpu.common import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pagedkv._core import OffloadTier
+from pagedkv.vllm.offload_views import ARCPolicyView, LRUPolicyView, TrackerView, policy_view
 
 __all__ = ["VLLM_CPU_OFFLOADING_MANAGER", "CPUOffloadingManager"]
 
@@ -86,6 +87,8 @@ class CPUOffloadingManager(OffloadingManager):
             store_threshold=store_threshold,
             max_tracker_size=max_tracker_size,
         )
+        self._policy: ARCPolicyView | LRUPolicyView = policy_view(self._tier)
+        self.counts: TrackerView | None = TrackerView(self._tier) if store_threshold >= 2 else None
         self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
         self._num_chunks = num_chunks
         self.store_threshold = store_threshold
@@ -114,10 +117,10 @@ class CPUOffloadingManager(OffloadingManager):
 
     @staticmethod
     def _positions(keys: Sequence[OffloadKey], ctx: ReqContext) -> list[int | None] | None:
-        known = ctx._offload_key_positions
-        if not known:
+        if not ctx._offload_key_positions:
             return None
-        return [known.get(k) for k in keys]
+        position = ctx.get_offload_key_position
+        return [position(k) for k in keys]
 
     # --- OffloadingManager ---
 
@@ -198,6 +201,14 @@ class CPUOffloadingManager(OffloadingManager):
     def tier(self) -> OffloadTier:
         """The core tier behind this manager."""
         return self._tier
+
+    @property
+    def stores_skipped_in_current_batch(self) -> int:
+        return self._tier.stores_skipped_in_current_batch
+
+    @property
+    def allocation_sizes_in_current_batch(self) -> list[int]:
+        return self._tier.allocation_sizes_in_current_batch
 
     @property
     def _num_evictable_cache_chunks(self) -> int:

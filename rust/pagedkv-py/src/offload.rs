@@ -119,6 +119,18 @@ impl PyOffloadTier {
         self.inner.num_requests()
     }
 
+    /// New chunks the admission filter skipped since the last `stats()`.
+    #[getter]
+    fn stores_skipped_in_current_batch(&self) -> u64 {
+        self.inner.pending_stores_skipped()
+    }
+
+    /// Allocation sizes since the last `stats()`.
+    #[getter]
+    fn allocation_sizes_in_current_batch(&self) -> Vec<u64> {
+        self.inner.pending_allocation_sizes().to_vec()
+    }
+
     /// 0: miss, 1: hit, 2: stored but not yet readable.
     fn lookup(slf: &Bound<'_, Self>, key: &Bound<'_, PyAny>) -> PkResult<u8> {
         let key = offload_key(key)?;
@@ -296,6 +308,10 @@ impl PyOffloadTier {
             key_list(py, &a.b1)?,
             key_list(py, &a.b2)?,
         )))
+    }
+
+    fn set_arc_target_t1_size(&mut self, target: f64) -> PkResult<()> {
+        Ok(self.inner.set_arc_target_t1_size(target)?)
     }
 
     /// LRU: evictable keys in eviction order; `None` under ARC.

@@ -584,6 +584,18 @@ impl OffloadTier {
             .collect()
     }
 
+    /// New chunks the admission filter skipped since the last [`Self::stats`].
+    #[must_use]
+    pub fn pending_stores_skipped(&self) -> u64 {
+        self.stores_skipped
+    }
+
+    /// Allocation sizes since the last [`Self::stats`].
+    #[must_use]
+    pub fn pending_allocation_sizes(&self) -> &[u64] {
+        &self.allocation_sizes
+    }
+
     /// vLLM's metrics of the step; drains the allocation sizes and skip count.
     pub fn stats(&mut self) -> TierStats {
         let cap = self.slots.capacity();

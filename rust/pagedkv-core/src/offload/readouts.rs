@@ -5,6 +5,7 @@ use super::OffloadTier;
 use super::keys::OffloadKey;
 use super::policy::Policy;
 use super::slots::Chunk;
+use crate::error::{Result, invalid};
 
 /// ARC's lists, each least recently used first.
 #[derive(Clone, Debug, PartialEq)]
@@ -35,6 +36,26 @@ impl OffloadTier {
             b1: a.b1.keys().copied().collect(),
             b2: a.b2.keys().copied().collect(),
         })
+    }
+
+    /// Sets ARC's adaptive target size of T1 (a warm start, or a test's setup).
+    ///
+    /// # Errors
+    /// `InvalidArgument` under LRU or for a value outside `0..=num_chunks`.
+    pub fn set_arc_target_t1_size(&mut self, target: f64) -> Result<()> {
+        let cap = self.config.num_chunks as f64;
+        let Policy::Arc(a) = &mut self.policy else {
+            return Err(invalid(
+                "the target size of T1 is ARC's; this tier evicts by LRU",
+            ));
+        };
+        if !(0.0..=cap).contains(&target) {
+            return Err(invalid(format!(
+                "target_t1_size {target} outside 0..={cap}"
+            )));
+        }
+        a.target_t1_size = target;
+        Ok(())
     }
 
     /// LRU: the evictable chunks in the order they would be evicted (`None`

@@ -58,6 +58,111 @@ pub fn admit(mgr: &mut KvCacheManager, id: &str, prompt: &[u32]) -> bool {
 
 /// The oracle's synthetic shared-prefix trace (format "vllm-oracle-trace" v1),
 /// generated exactly as `pagedkv._oracle.trace.generate` does.
+/// A steady serving workload on a full host offload tier ([`pagedkv_core::offload`]).
+pub mod offload {
+    use pagedkv_core::offload::{OffloadKey, OffloadTier, PolicyKind, TierConfig};
+    use pagedkv_splitmix::SplitMix64;
+
+    /// Chunks a request finds in the tier (its shared prefix).
+    pub const PREFIX: usize = 8;
+    /// Chunks a request stores (its new tail).
+    pub const TAIL: usize = 4;
+    /// Tier calls one request makes.
+    pub const CALLS_PER_REQUEST: u64 = 7;
+
+    fn key(n: u64) -> OffloadKey {
+        let mut h = [0u8; 32];
+        let mut rng = SplitMix64(n);
+        for c in h.chunks_mut(8) {
+            c.copy_from_slice(&rng.next_u64().to_le_bytes());
+        }
+        OffloadKey::new(&h, 0).expect("32-byte hash")
+    }
+
+    /// A tier of `num_chunks` slots filled with completed chunks, and the
+    /// request stream's state.
+    #[derive(Debug)]
+    pub struct Workload {
+        /// The tier.
+        pub tier: OffloadTier,
+        rng: SplitMix64,
+        next_key: u64,
+        next_req: u64,
+        recent: Vec<Vec<OffloadKey>>,
+    }
+
+    impl Workload {
+        /// A full tier under `policy`.
+        ///
+        /// # Panics
+        /// If the tier refuses the configuration or a store (a bench bug).
+        #[must_use]
+        pub fn new(num_chunks: u64, policy: PolicyKind) -> Self {
+            let cfg = TierConfig {
+                policy,
+                ..TierConfig::new(num_chunks)
+            };
+            let mut tier = OffloadTier::new(cfg).expect("tier");
+            let mut recent = Vec::new();
+            let mut next_key = 0;
+            while next_key < num_chunks {
+                let keys: Vec<OffloadKey> = (next_key..(next_key + PREFIX as u64).min(num_chunks))
+                    .map(key)
+                    .collect();
+                next_key += keys.len() as u64;
+                tier.prepare_store(&keys, 0, &[])
+                    .expect("fill")
+                    .expect("room");
+                tier.complete_store(&keys, true);
+                recent.push(keys);
+            }
+            let tail = recent.len().saturating_sub(1024);
+            recent.drain(..tail);
+            Self {
+                tier,
+                rng: SplitMix64(7),
+                next_key,
+                next_req: 1,
+                recent,
+            }
+        }
+
+        /// One request: finds a recent prefix, loads what hits, stores a new
+        /// tail (evicting), ends. Returns the chunks it loaded.
+        ///
+        /// # Panics
+        /// If the tier refuses a call (a bench bug).
+        pub fn request(&mut self) -> usize {
+            let req = self.next_req;
+            self.next_req += 1;
+            let pick = self.rng.below(self.recent.len() as u64) as usize;
+            let prefix = self.recent[pick].clone();
+            let tail: Vec<OffloadKey> = (self.next_key..self.next_key + TAIL as u64)
+                .map(key)
+                .collect();
+            self.next_key += TAIL as u64;
+            let positions: Vec<i64> = (1..=(prefix.len() + TAIL) as i64).map(|i| i * 16).collect();
+            let t = &mut self.tier;
+            t.on_new_request(req);
+            let hit = t.lookup_prefix(&prefix);
+            t.prepare_load(&prefix[..hit], req, &positions[..hit])
+                .expect("load");
+            t.complete_load(&prefix[..hit]).expect("complete load");
+            let tail_pos = &positions[prefix.len()..];
+            if t.prepare_store(&tail, req, tail_pos)
+                .expect("store")
+                .is_some()
+            {
+                t.complete_store(&tail, true);
+            }
+            t.on_request_finished(req, &[], &[]).expect("finish");
+            t.forget_request(req);
+            self.recent[pick] = tail;
+            hit
+        }
+    }
+}
+
 pub mod trace {
     use pagedkv_splitmix::SplitMix64 as Rng;
 

@@ -5,10 +5,13 @@
 //! positions gets a fresh major rank; a request shares one major rank across its
 //! batches and orders its chunks by `-position`, so a request's tail is evicted
 //! before its head; `touch` and the request's end commit recency, the last key
-//! of the list first. vLLM keeps the evictable chunks in a lazily invalidated
-//! heap; an ordered set gives the same order without stale entries.
+//! of the list first. The evictable chunks sit in a min-heap invalidated
+//! lazily, as vLLM keeps them: a new rank pushes a new entry, an entry whose
+//! rank is no longer its chunk's (or whose chunk is pinned) is skipped, and the
+//! heap is rebuilt once stale entries outnumber live ones.
 
-use std::collections::BTreeSet;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
@@ -25,11 +28,15 @@ struct Entry {
     evictable: bool,
 }
 
+type HeapEntry = Reverse<(Rank, OffloadKey)>;
+
 /// The LRU policy's state.
 #[derive(Clone, Debug, Default)]
 pub struct Lru {
     chunks: FxHashMap<OffloadKey, Entry>,
-    evictable: BTreeSet<(Rank, OffloadKey)>,
+    /// Evictable chunks (and stale entries) by rank, then key bytes.
+    heap: BinaryHeap<HeapEntry>,
+    num_evictable: usize,
     next_rank: u64,
 }
 
@@ -63,11 +70,38 @@ impl Lru {
 
     fn set_rank(&mut self, key: OffloadKey, rank: Rank) {
         let entry = self.chunks.get_mut(&key).expect("resident key");
-        if entry.evictable {
-            self.evictable.remove(&(entry.rank, key));
-            self.evictable.insert((rank, key));
-        }
         entry.rank = rank;
+        if entry.evictable {
+            self.push(rank, key);
+        }
+    }
+
+    fn push(&mut self, rank: Rank, key: OffloadKey) {
+        self.heap.push(Reverse((rank, key)));
+        self.maybe_compact();
+    }
+
+    /// Rebuilds the heap from the live entries once it holds more stale ones
+    /// than live ones (and at least as many entries as resident chunks, so a
+    /// rebuild's cost is spread over as many pushes).
+    fn maybe_compact(&mut self) {
+        let limit = 64.max(2 * self.num_evictable).max(self.chunks.len());
+        if self.heap.len() < limit {
+            return;
+        }
+        let live: Vec<HeapEntry> = self
+            .chunks
+            .iter()
+            .filter(|(_, e)| e.evictable)
+            .map(|(k, e)| Reverse((e.rank, *k)))
+            .collect();
+        self.heap = BinaryHeap::from(live);
+    }
+
+    fn is_current(&self, rank: Rank, key: &OffloadKey) -> bool {
+        self.chunks
+            .get(key)
+            .is_some_and(|e| e.evictable && e.rank == rank)
     }
 
     pub(super) fn insert(
@@ -82,9 +116,6 @@ impl Lru {
             Some(p) => (self.request_rank(slot), -p),
         };
         let evictable = chunk.ref_cnt == 0;
-        if evictable {
-            self.evictable.insert((rank, key));
-        }
         self.chunks.insert(
             key,
             Entry {
@@ -93,13 +124,17 @@ impl Lru {
                 evictable,
             },
         );
+        if evictable {
+            self.num_evictable += 1;
+            self.push(rank, key);
+        }
     }
 
     pub(super) fn remove(&mut self, key: &OffloadKey) {
         if let Some(e) = self.chunks.remove(key)
             && e.evictable
         {
-            self.evictable.remove(&(e.rank, *key));
+            self.num_evictable -= 1;
         }
     }
 
@@ -145,10 +180,13 @@ impl Lru {
 
     pub(super) fn clear(&mut self) {
         self.chunks.clear();
-        self.evictable.clear();
+        self.heap.clear();
+        self.num_evictable = 0;
         self.next_rank = 0;
     }
 
+    /// The `n` first idle chunks not in `protected`, all or none (vLLM's pops
+    /// with protected entries deferred and the selection undone on shortfall).
     pub(super) fn evict(
         &mut self,
         n: usize,
@@ -157,38 +195,52 @@ impl Lru {
         if n == 0 {
             return Some(Vec::new());
         }
-        let picked: Vec<(Rank, OffloadKey)> = self
-            .evictable
-            .iter()
-            .filter(|(_, k)| !protected.contains(k))
-            .take(n)
-            .copied()
-            .collect();
-        if picked.len() < n {
+        let mut selected: Vec<HeapEntry> = Vec::with_capacity(n);
+        let mut picked: FxHashSet<OffloadKey> = FxHashSet::default();
+        let mut deferred: Vec<HeapEntry> = Vec::new();
+        while selected.len() < n {
+            let Some(entry) = self.heap.pop() else { break };
+            let Reverse((rank, key)) = entry;
+            if !self.is_current(rank, &key) || picked.contains(&key) {
+                continue;
+            }
+            if protected.contains(&key) {
+                deferred.push(entry);
+                continue;
+            }
+            picked.insert(key);
+            selected.push(entry);
+        }
+        self.heap.extend(deferred);
+        if selected.len() < n {
+            self.heap.extend(selected);
             return None;
         }
         let mut out = Vec::with_capacity(n);
-        for item in picked {
-            self.evictable.remove(&item);
+        for Reverse((_, key)) in selected {
             let e = self
                 .chunks
-                .remove(&item.1)
-                .expect("evictable keys are resident");
-            out.push((item.1, e.chunk));
+                .remove(&key)
+                .expect("current entries are resident");
+            self.num_evictable -= 1;
+            out.push((key, e.chunk));
         }
+        self.maybe_compact();
         Some(out)
     }
 
     pub(super) fn mark_evictable(&mut self, key: &OffloadKey) {
         let entry = self.chunks.get_mut(key).expect("resident key");
         entry.evictable = true;
-        self.evictable.insert((entry.rank, *key));
+        let rank = entry.rank;
+        self.num_evictable += 1;
+        self.push(rank, *key);
     }
 
     pub(super) fn mark_non_evictable(&mut self, key: &OffloadKey) {
         let entry = self.chunks.get_mut(key).expect("resident key");
         entry.evictable = false;
-        self.evictable.remove(&(entry.rank, *key));
+        self.num_evictable -= 1;
     }
 
     /// Resident keys with their chunks, in no order.
@@ -197,28 +249,47 @@ impl Lru {
     }
 
     /// Evictable keys in eviction order.
-    pub(super) fn eviction_order(&self) -> impl Iterator<Item = &OffloadKey> {
-        self.evictable.iter().map(|(_, k)| k)
+    pub(super) fn eviction_order(&self) -> Vec<OffloadKey> {
+        let mut live: Vec<(Rank, OffloadKey)> = self
+            .chunks
+            .iter()
+            .filter(|(_, e)| e.evictable)
+            .map(|(k, e)| (e.rank, *k))
+            .collect();
+        live.sort_unstable();
+        live.into_iter().map(|(_, k)| k).collect()
     }
 
-    /// Whether the evictable set is exactly the resident chunks with no reader.
+    /// Whether the evictable chunks are exactly the idle ones, each with a
+    /// live heap entry.
     pub(super) fn check(&self) -> Result<(), String> {
-        let idle = self
-            .chunks
-            .values()
-            .filter(|e| e.chunk.ref_cnt == 0)
-            .count();
-        if idle != self.evictable.len() {
+        let mut idle = 0;
+        for (key, e) in &self.chunks {
+            if e.evictable != (e.chunk.ref_cnt == 0) {
+                return Err(format!(
+                    "LRU: {key:?} evictable={} with ref_cnt {}",
+                    e.evictable, e.chunk.ref_cnt
+                ));
+            }
+            idle += usize::from(e.evictable);
+        }
+        if idle != self.num_evictable {
             return Err(format!(
-                "LRU: {idle} idle chunks but {} in the evictable set",
-                self.evictable.len()
+                "LRU: {idle} idle chunks, {} counted",
+                self.num_evictable
             ));
         }
-        for (rank, key) in &self.evictable {
-            match self.chunks.get(key) {
-                Some(e) if e.evictable && e.rank == *rank && e.chunk.ref_cnt == 0 => {}
-                _ => return Err(format!("LRU: stale evictable entry {key:?}")),
-            }
+        let live: FxHashSet<OffloadKey> = self
+            .heap
+            .iter()
+            .filter(|Reverse((rank, key))| self.is_current(*rank, key))
+            .map(|Reverse((_, key))| *key)
+            .collect();
+        if live.len() != idle {
+            return Err(format!(
+                "LRU: {} idle chunks have a live heap entry of {idle}",
+                live.len()
+            ));
         }
         Ok(())
     }

@@ -65,7 +65,7 @@ impl OffloadTier {
         let Policy::Lru(l) = &self.policy else {
             return None;
         };
-        Some(l.eviction_order().copied().collect())
+        Some(l.eviction_order())
     }
 
     /// The admission filter's counts, least recently offered first (`None`

@@ -1,0 +1,212 @@
+"""The per-call cost of the host offload tier against vLLM 0.33's own
+``CPUOffloadingManager``, on the same recorded calls, interleaved in one process.
+
+A trace written by ``offload_record_vllm.py`` (vLLM's answers to a long random
+serving workload) is replayed on three sides, each round in rotating order,
+each side on a fresh manager:
+
+- ``vllm``: vLLM's Python ``CPUOffloadingManager`` (its LRU or ARC policy);
+- ``dropin``: ``pagedkv.vllm.CPUOffloadingManager``, the same calls with vLLM's
+  request contexts and answer types (what vLLM's connector sees after
+  ``pagedkv.vllm.install()``);
+- ``native``: ``pagedkv.offload.OffloadTier`` called directly (int requests,
+  position lists the caller already holds; the trace's ``set_positions`` are
+  folded into the calls);
+- ``floor``: the native side's calls made to a function that does nothing (the
+  loop's own cost, in every side's figure).
+
+Prints µs per manager call (min / median over the rounds) and vLLM's time over
+each side's. Needs vLLM for the first two sides (run it with the vLLM
+environment's python); without vLLM only ``native`` runs.
+
+    python benches/offload_bench.py TRACE.json[.gz] [TRACE2 ...] --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pagedkv.offload import OffloadTier
+from pagedkv.offload_trace import load_trace
+
+Call = tuple[Callable[..., Any], tuple[Any, ...]]
+SKIP = ("state",)
+
+
+def _vllm_calls(trace: dict[str, Any], cls: type) -> tuple[Callable[[], list[Call]], int]:
+    """A builder of (manager, calls) for a class with vLLM's API."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    c = trace["config"]
+    ops = [o for o in trace["ops"] if o["op"] not in SKIP]
+
+    def setpos(ctx: Any, keys: list[bytes], positions: list[int]) -> None:
+        for k, p in zip(keys, positions, strict=True):
+            ctx.set_offload_key_position(k, p)
+
+    def drain(mgr: Any) -> None:
+        list(mgr.take_events())
+
+    def build() -> list[Call]:
+        mgr = cls(
+            num_chunks=c["num_chunks"],
+            cache_policy=c["policy"],
+            enable_events=c["enable_events"],
+            store_threshold=c["store_threshold"],
+            max_tracker_size=c["max_tracker_size"],
+        )
+        ctxs: dict[int, Any] = {}
+        calls: list[Call] = []
+        for o in ops:
+            req = o.get("req", 0)
+            ctx = ctxs.get(req) or ctxs.setdefault(req, ReqContext(req_id=str(req)))
+            keys = [bytes.fromhex(h) for h in o.get("keys", ())]
+            name = o["op"]
+            if name == "new_request":
+                calls.append((mgr.on_new_request, (ctx,)))
+            elif name == "set_positions":
+                calls.append((setpos, (ctx, keys, o["positions"])))
+            elif name == "lookup":
+                calls.append((mgr.lookup, (bytes.fromhex(o["key"]), ctx)))
+            elif name in ("prepare_load", "complete_load", "touch", "prepare_store"):
+                calls.append((getattr(mgr, name), (keys, ctx)))
+            elif name == "complete_store":
+                calls.append((mgr.complete_store, (keys, ctx, o.get("success", True))))
+            elif name == "finish":
+                calls.append((mgr.on_request_finished, (ctx,)))
+            elif name == "reset":
+                calls.append((mgr.reset_cache, ()))
+            elif name == "events":
+                calls.append((drain, (mgr,)))
+            elif name == "stats":
+                calls.append((mgr.get_stats, ()))
+        return calls
+
+    return build, sum(o["op"] != "set_positions" for o in ops)
+
+
+def _native_calls(trace: dict[str, Any]) -> tuple[Callable[[], list[Call]], int]:
+    c = trace["config"]
+    ops = [o for o in trace["ops"] if o["op"] not in SKIP]
+
+    def build() -> list[Call]:
+        tier = OffloadTier(
+            c["num_chunks"],
+            c["policy"],
+            enable_events=c["enable_events"],
+            store_threshold=c["store_threshold"],
+            max_tracker_size=c["max_tracker_size"],
+        )
+        known: dict[int, dict[bytes, int]] = {}
+        calls: list[Call] = []
+        for o in ops:
+            req = o.get("req", 0)
+            keys = [bytes.fromhex(h) for h in o.get("keys", ())]
+            pos = known.get(req)
+            positions = [pos.get(k) for k in keys] if pos else None
+            name = o["op"]
+            if name == "set_positions":
+                known.setdefault(req, {}).update(zip(keys, o["positions"], strict=True))
+            elif name == "new_request":
+                calls.append((tier.on_new_request, (req,)))
+            elif name == "lookup":
+                calls.append((tier.lookup, (bytes.fromhex(o["key"]),)))
+            elif name in ("prepare_load", "prepare_store"):
+                calls.append((getattr(tier, name), (keys, req, positions)))
+            elif name in ("complete_load", "touch"):
+                calls.append((getattr(tier, name), (keys,)))
+            elif name == "complete_store":
+                calls.append((tier.complete_store, (keys, o.get("success", True))))
+            elif name == "finish":
+                p = known.get(req, {})
+                calls.append((tier.on_request_finished, (req, list(p), list(p.values()))))
+            elif name == "reset":
+                calls.append((tier.reset_cache, ()))
+            elif name == "events":
+                calls.append((tier.take_events, ()))
+            elif name == "stats":
+                calls.append((tier.stats, ()))
+        return calls
+
+    return build, sum(o["op"] != "set_positions" for o in ops)
+
+
+def _noop(*args: Any) -> None:
+    return None
+
+
+def _floor(build: Callable[[], list[Call]]) -> Callable[[], list[Call]]:
+    """The same calls, each to a function that does nothing: the harness's own cost."""
+    return lambda: [(_noop, args) for _, args in build()]
+
+
+def _run(calls: list[Call]) -> int:
+    # The prebuilt calls hold many objects: a collection would walk them all
+    # and charge the call it lands in; the sides run without one.
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter_ns()
+        for fn, args in calls:
+            fn(*args)
+        return time.perf_counter_ns() - t0
+    finally:
+        gc.enable()
+
+
+def bench(path: str, rounds: int) -> None:
+    trace = load_trace(path)
+    sides: dict[str, tuple[Callable[[], list[Call]], int]] = {}
+    try:
+        from pagedkv.vllm.offload import VLLM_CPU_OFFLOADING_MANAGER, CPUOffloadingManager
+
+        sides["vllm"] = _vllm_calls(trace, VLLM_CPU_OFFLOADING_MANAGER)
+        sides["dropin"] = _vllm_calls(trace, CPUOffloadingManager)
+    except ImportError:
+        pass
+    sides["native"] = _native_calls(trace)
+    sides["floor"] = (_floor(sides["native"][0]), sides["native"][1])
+    names = list(sides)
+    per_call: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            build, n = sides[name]
+            calls = build()
+            per_call[name].append(_run(calls) / 1000 / n)
+    c = trace["config"]
+    print(
+        f"{path}: {c['policy']}, {c['num_chunks']} chunks, store_threshold "
+        f"{c['store_threshold']}, {sides['native'][1]} calls, {rounds} rounds"
+    )
+    base = per_call.get("vllm")
+    for name in names:
+        v = per_call[name]
+        line = f"  {name:7} {min(v):7.3f} / {statistics.median(v):7.3f} µs per call"
+        if base is not None and name not in ("vllm", "floor"):
+            line += (
+                f"   vLLM / this: {min(base) / min(v):5.1f}x (min) "
+                f"{statistics.median(base) / statistics.median(v):5.1f}x (median)"
+            )
+        print(line)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("traces", nargs="+")
+    ap.add_argument("--rounds", type=int, default=5, choices=range(1, 101), metavar="1..100")
+    args = ap.parse_args()
+    print(f"{platform.processor() or platform.machine()}, Python {platform.python_version()}")
+    for path in args.traces:
+        bench(path, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

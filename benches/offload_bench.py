@@ -20,6 +20,8 @@ each side's. Needs vLLM for the first two sides (run it with the vLLM
 environment's python); without vLLM only ``native`` runs.
 
     python benches/offload_bench.py TRACE.json[.gz] [TRACE2 ...] --rounds 5
+    python benches/offload_bench.py TRACE --core-ops OUT.txt   # the calls for the
+        # core's replay: PAGEDKV_OFFLOAD_OPS=OUT.txt cargo bench --bench offload
 """
 
 from __future__ import annotations
@@ -202,7 +204,14 @@ def main() -> None:
     )
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--rounds", type=int, default=5, choices=range(1, 101), metavar="1..100")
+    ap.add_argument("--core-ops", help="write the (first) trace's calls for the core's replay")
     args = ap.parse_args()
+    if args.core_ops:
+        from pagedkv.offload_trace import core_ops
+
+        with open(args.core_ops, "x") as f:
+            f.write(core_ops(load_trace(args.traces[0])))
+        return
     print(f"{platform.processor() or platform.machine()}, Python {platform.python_version()}")
     for path in args.traces:
         bench(path, args.rounds)

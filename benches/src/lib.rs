@@ -163,6 +163,127 @@ pub mod offload {
     }
 }
 
+/// Replaying recorded calls of vLLM's CPU offloading manager on the core's tier
+/// (the text `benches/offload_bench.py --core-ops` writes).
+pub mod offload_replay {
+    use pagedkv_core::offload::{OffloadKey, OffloadTier, PolicyKind, TierConfig};
+
+    /// One call.
+    #[derive(Clone, Debug)]
+    pub struct Call {
+        op: String,
+        req: u64,
+        flag: bool,
+        keys: Vec<OffloadKey>,
+        positions: Vec<i64>,
+    }
+
+    /// A tier's configuration and the calls made on it.
+    #[derive(Clone, Debug)]
+    pub struct Calls {
+        /// The tier the calls were made on.
+        pub config: TierConfig,
+        /// The calls, in order.
+        pub calls: Vec<Call>,
+    }
+
+    fn parse_list<T>(
+        field: &str,
+        item: impl Fn(&str) -> Result<T, String>,
+    ) -> Result<Vec<T>, String> {
+        if field == "-" {
+            return Ok(Vec::new());
+        }
+        field.split(',').map(item).collect()
+    }
+
+    fn hex_key(h: &str) -> Result<OffloadKey, String> {
+        let bytes = (0..h.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(h.get(i..i + 2).unwrap_or("zz"), 16))
+            .collect::<Result<Vec<u8>, _>>()
+            .map_err(|e| format!("key {h}: {e}"))?;
+        OffloadKey::from_bytes(&bytes).map_err(|e| e.to_string())
+    }
+
+    /// Reads the text form.
+    ///
+    /// # Errors
+    /// A line that does not parse, with its number.
+    pub fn parse(text: &str) -> Result<Calls, String> {
+        let mut lines = text.lines();
+        let head: Vec<&str> = lines.next().ok_or("empty")?.split(' ').collect();
+        let [_, n, policy, events, threshold, tracker] = head[..] else {
+            return Err("bad config line".into());
+        };
+        let num = |s: &str| s.parse::<u64>().map_err(|e| format!("{s}: {e}"));
+        let config = TierConfig {
+            policy: PolicyKind::from_name(policy).map_err(|e| e.to_string())?,
+            enable_events: events == "1",
+            store_threshold: num(threshold)?,
+            max_tracker_size: num(tracker)? as usize,
+            ..TierConfig::new(num(n)?)
+        };
+        let mut calls = Vec::new();
+        for (i, line) in lines.enumerate() {
+            let f: Vec<&str> = line.split(' ').collect();
+            let [op, req, flag, keys, positions] = f[..] else {
+                return Err(format!("line {}: {line}", i + 2));
+            };
+            calls.push(Call {
+                op: op.to_owned(),
+                req: num(req)?,
+                flag: flag == "1",
+                keys: parse_list(keys, hex_key)?,
+                positions: parse_list(positions, |p| {
+                    if p == "_" {
+                        Ok(-1)
+                    } else {
+                        p.parse().map_err(|e| format!("{p}: {e}"))
+                    }
+                })?,
+            });
+        }
+        Ok(Calls { config, calls })
+    }
+
+    /// Makes every call on a fresh tier; returns a count of what it answered
+    /// (so the work is not optimised away).
+    ///
+    /// # Panics
+    /// If the tier refuses a call the recording made (a broken recording).
+    #[must_use]
+    pub fn run(recorded: &Calls) -> u64 {
+        let mut tier = OffloadTier::new(recorded.config.clone()).expect("recorded config");
+        let mut answered = 0u64;
+        for call in &recorded.calls {
+            let (keys, pos, req) = (&call.keys[..], &call.positions[..], call.req);
+            match call.op.as_str() {
+                "new_request" => tier.on_new_request(req),
+                "lookup" => answered += tier.lookup(&keys[0]) as u64,
+                "prepare_load" => {
+                    answered += tier.prepare_load(keys, req, pos).expect("load").len() as u64;
+                }
+                "complete_load" => tier.complete_load(keys).expect("complete load"),
+                "touch" => tier.touch(keys),
+                "prepare_store" => {
+                    answered += tier
+                        .prepare_store(keys, req, pos)
+                        .expect("store")
+                        .map_or(0, |o| o.slots.len() as u64);
+                }
+                "complete_store" => tier.complete_store(keys, call.flag),
+                "finish" => tier.on_request_finished(req, keys, pos).expect("finish"),
+                "reset" => tier.reset_cache(),
+                "events" => answered += tier.take_events().len() as u64,
+                "stats" => answered += tier.stats().allocation_sizes.len() as u64,
+                other => panic!("unknown call {other}"),
+            }
+        }
+        answered
+    }
+}
+
 pub mod trace {
     use pagedkv_splitmix::SplitMix64 as Rng;
 

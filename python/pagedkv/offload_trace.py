@@ -21,7 +21,7 @@ from typing import Any
 
 from pagedkv._core import OffloadTier
 
-__all__ = ["FORMAT", "Mismatch", "load_trace", "replay"]
+__all__ = ["FORMAT", "Mismatch", "core_ops", "load_trace", "replay"]
 
 FORMAT = "pagedkv-offload-trace-1"
 #: Largest trace file read (bytes, after decompression).
@@ -190,3 +190,36 @@ def replay(
         if on_op is not None:
             on_op(i)
     return tier, mismatches
+
+
+def core_ops(trace: dict[str, Any]) -> str:
+    """The trace's calls as the core's replay reads them (``benches/benches/
+    offload.rs``): the config line, then one call per line, ``op req flag keys
+    positions`` (keys as hex joined by ``,``; positions the caller holds at
+    the call, ``_`` unknown; ``-`` for none). Positions are folded in as a
+    caller holds them; ``state`` reads are left out."""
+    c = trace["config"]
+    lines = [
+        f"config {c['num_chunks']} {c['policy']} {int(c.get('enable_events', False))} "
+        f"{c.get('store_threshold', 1)} {c.get('max_tracker_size', 64_000)}"
+    ]
+    known: dict[int, dict[str, int]] = {}
+
+    def join(items: list[str]) -> str:
+        return ",".join(items) if items else "-"
+
+    for op in trace["ops"]:
+        name, req = op["op"], op.get("req", 0)
+        keys: list[str] = op.get("keys", [op["key"]] if "key" in op else [])
+        if name == "set_positions":
+            known.setdefault(req, {}).update(zip(keys, op["positions"], strict=True))
+            continue
+        if name == "state":
+            continue
+        pos = known.get(req, {})
+        if name == "finish":
+            keys = list(pos)
+        positions = [str(pos[k]) if k in pos else "_" for k in keys] if pos else []
+        flag = int(op.get("success", True))
+        lines.append(f"{name} {req} {flag} {join(keys)} {join(positions)}")
+    return "\n".join(lines) + "\n"

@@ -10,6 +10,7 @@ use hashlink::LinkedHashMap;
 use rustc_hash::{FxBuildHasher, FxHashSet};
 
 use super::keys::OffloadKey;
+use super::requests::{INSERTED, REUSED, ReqState};
 use super::slots::Chunk;
 
 type List<V> = LinkedHashMap<OffloadKey, V, FxBuildHasher>;
@@ -100,14 +101,11 @@ impl Arc {
         }
     }
 
-    pub(super) fn on_request_finished(
-        &mut self,
-        ordered: &[OffloadKey],
-        insertion_only: &FxHashSet<OffloadKey>,
-        reused: &FxHashSet<OffloadKey>,
-    ) {
+    pub(super) fn on_request_finished(&mut self, ordered: &[OffloadKey], req: &ReqState) {
         for key in ordered.iter().rev() {
-            if insertion_only.contains(key) {
+            let reused = req.has(key, REUSED);
+            // a store is not a frequency hit: T1 membership kept, recency restored
+            if req.has(key, INSERTED) && !reused {
                 if self.t1.contains_key(key) {
                     self.t1.to_back(key);
                 } else if self.t2.contains_key(key) {
@@ -115,7 +113,7 @@ impl Arc {
                 }
                 continue;
             }
-            if reused.contains(key) {
+            if reused {
                 if let Some(chunk) = self.t1.remove(key) {
                     self.t2.insert(*key, chunk);
                 } else if self.t2.contains_key(key) {

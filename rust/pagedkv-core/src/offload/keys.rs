@@ -5,15 +5,19 @@ use std::cmp::Ordering;
 use std::fmt;
 use std::hash::{Hash, Hasher};
 
+use xxhash_rust::xxh3::xxh3_64;
+
 use crate::error::{Result, invalid};
 
 /// The longest key held: a 32-byte digest plus the 4-byte group index fits with room.
-pub const MAX_KEY_LEN: usize = 63;
+pub const MAX_KEY_LEN: usize = 55;
 
-/// One offloaded chunk's key. Compared, hashed and ordered as its bytes
-/// (Python `bytes` order: lexicographic, a prefix first).
+/// One offloaded chunk's key. Compared and ordered as its bytes (Python `bytes`
+/// order: lexicographic, a prefix first); its 64-bit digest (XXH3 of the bytes)
+/// is computed once, and maps hash that.
 #[derive(Clone, Copy)]
 pub struct OffloadKey {
+    digest: u64,
     len: u8,
     bytes: [u8; MAX_KEY_LEN],
 }
@@ -33,6 +37,7 @@ impl OffloadKey {
         let mut bytes = [0u8; MAX_KEY_LEN];
         bytes[..raw.len()].copy_from_slice(raw);
         Ok(Self {
+            digest: xxh3_64(raw),
             len: raw.len() as u8,
             bytes,
         })
@@ -55,6 +60,7 @@ impl OffloadKey {
         bytes[..n].copy_from_slice(block_hash);
         bytes[n..n + 4].copy_from_slice(&group_idx.to_be_bytes());
         Ok(Self {
+            digest: xxh3_64(&bytes[..n + 4]),
             len: (n + 4) as u8,
             bytes,
         })
@@ -85,7 +91,7 @@ impl OffloadKey {
 
 impl PartialEq for OffloadKey {
     fn eq(&self, other: &Self) -> bool {
-        self.as_bytes() == other.as_bytes()
+        self.digest == other.digest && self.as_bytes() == other.as_bytes()
     }
 }
 
@@ -93,7 +99,7 @@ impl Eq for OffloadKey {}
 
 impl Hash for OffloadKey {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        state.write(self.as_bytes());
+        state.write_u64(self.digest);
     }
 }
 
@@ -133,8 +139,8 @@ mod tests {
             OffloadKey::from_bytes(b"\x01\x02").unwrap().group_idx(),
             0x0102
         );
-        assert!(OffloadKey::from_bytes(&[0; 64]).is_err());
-        assert!(OffloadKey::new(&[0; 60], 0).is_err());
+        assert!(OffloadKey::from_bytes(&[0; 56]).is_err());
+        assert!(OffloadKey::new(&[0; 52], 0).is_err());
     }
 
     #[test]

@@ -16,7 +16,7 @@ use std::collections::BinaryHeap;
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::keys::OffloadKey;
-use super::requests::RankSlot;
+use super::requests::{RankSlot, ReqState};
 use super::slots::Chunk;
 
 type Rank = (u64, i64);
@@ -155,12 +155,12 @@ impl Lru {
     pub(super) fn on_request_access(
         &mut self,
         keys: &[OffloadKey],
-        positions: &FxHashMap<OffloadKey, i64>,
+        req: &ReqState,
         slot: &mut RankSlot,
     ) {
         let major = self.request_rank(slot);
         for key in keys {
-            let Some(&p) = positions.get(key) else {
+            let Some(p) = req.position(key) else {
                 continue;
             };
             let Some(entry) = self.chunks.get(key) else {

@@ -47,7 +47,7 @@ pub use slots::Chunk;
 
 use crate::error::{Result, invalid};
 use policy::Policy;
-use requests::{ReqState, Tracker};
+use requests::{INSERTED, REUSED, ReqState, SEEN, STORE_MISS, Tracker};
 use slots::Slots;
 
 /// The caller's key for one request (one vLLM `ReqContext`).
@@ -278,7 +278,7 @@ impl OffloadTier {
         self.requests
             .entry(req)
             .or_insert_with(ReqState::new)
-            .access(generation);
+            .refresh(generation);
     }
 
     /// Drops what the tier keeps for a request (its context is gone).
@@ -422,14 +422,13 @@ impl OffloadTier {
         }
         let generation = self.generation;
         let state = self.requests.entry(req).or_insert_with(ReqState::new);
-        let access = state.access(generation);
+        state.refresh(generation);
         let misses: Vec<OffloadKey> = to_store
             .iter()
-            .filter(|k| !access.store_miss.contains(k))
+            .filter(|k| state.mark(**k, STORE_MISS))
             .copied()
             .collect();
         if !misses.is_empty() {
-            access.store_miss.extend(misses.iter().copied());
             self.policy.on_store_miss(&misses);
         }
         debug_assert_eq!(recorded.len(), to_store.len() + ready_existing.len());
@@ -464,17 +463,16 @@ impl OffloadTier {
         let slot = state.rank_slot(generation);
         let mut rank = *slot;
         for (key, &s) in to_store.iter().zip(&slots) {
-            let position = state.positions.get(key).copied();
+            let position = state.position(key);
             self.policy
                 .insert(*key, Chunk::pending(s), position, &mut rank);
         }
         state.rank = rank;
         self.num_write_pending += to_store.len() as u64;
         self.counters.stores_prepared += to_store.len() as u64;
-        state
-            .access(generation)
-            .inserted
-            .extend(to_store.iter().copied());
+        for key in &to_store {
+            state.mark(*key, INSERTED);
+        }
         Ok(Some(StoreOutput {
             keys_to_store: to_store,
             slots,
@@ -530,26 +528,13 @@ impl OffloadTier {
         let Some(state) = self.requests.get_mut(&req) else {
             return Ok(());
         };
-        if !state.access_is_current(generation) || state.access(generation).finished {
+        if !state.is_current(generation) || state.finished() {
             return Ok(());
         }
         state.record_positions(keys, positions);
-        let access = state.access(generation);
-        access.finished = true;
-        let mut groups: Vec<Vec<OffloadKey>> = access.key_groups.values().cloned().collect();
-        let insertion_only: FxHashSet<OffloadKey> = access
-            .inserted
-            .difference(&access.reused)
-            .copied()
-            .collect();
-        let reused = access.reused.clone();
-        for g in &mut groups {
-            state.order_by_position(g);
-        }
-        let mut ordered: Vec<OffloadKey> = groups.concat();
-        state.order_by_position(&mut ordered);
-        self.policy
-            .on_request_finished(&ordered, &insertion_only, &reused);
+        state.set_finished();
+        let ordered = state.ordered_keys();
+        self.policy.on_request_finished(&ordered, state);
         Ok(())
     }
 
@@ -637,11 +622,10 @@ impl OffloadTier {
         let Some(state) = self.requests.get(&req) else {
             return Ok(());
         };
-        if !state.access_is_current(self.generation) {
+        if !state.is_current(self.generation) {
             return Ok(());
         }
-        let access = state.access_ref();
-        if access.finished && keys.iter().any(|k| !access.seen.contains(k)) {
+        if state.finished() && keys.iter().any(|k| !state.has(k, SEEN)) {
             return Err(invalid(
                 "new cache keys observed after the request finished",
             ));
@@ -668,28 +652,24 @@ impl OffloadTier {
     ) {
         let generation = self.generation;
         let state = self.requests.entry(req).or_insert_with(ReqState::new);
-        let access = state.access(generation);
+        state.refresh(generation);
         let mut new_keys = Vec::new();
         for key in keys {
-            if access.seen.insert(*key) {
-                access
-                    .key_groups
-                    .entry(key.group_idx())
-                    .or_default()
-                    .push(*key);
+            if state.mark(*key, SEEN) {
                 new_keys.push(*key);
             }
         }
-        access.inserted.extend(inserted.iter().copied());
+        for key in inserted {
+            state.mark(*key, INSERTED);
+        }
         for key in reused {
-            if !access.inserted.contains(key) {
-                access.reused.insert(*key);
+            if !state.has(key, INSERTED) {
+                state.mark(*key, REUSED);
             }
         }
         if !new_keys.is_empty() {
             let mut slot = *state.rank_slot(generation);
-            self.policy
-                .on_request_access(&new_keys, &state.positions, &mut slot);
+            self.policy.on_request_access(&new_keys, state, &mut slot);
             state.rank = slot;
         }
     }

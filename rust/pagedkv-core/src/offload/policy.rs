@@ -1,11 +1,11 @@
 //! The eviction policy of a tier, by name: `"lru"` or `"arc"`.
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashSet;
 
 use super::arc::Arc;
 use super::keys::OffloadKey;
 use super::lru::Lru;
-use super::requests::RankSlot;
+use super::requests::{RankSlot, ReqState};
 use super::slots::Chunk;
 use crate::error::{Result, invalid};
 
@@ -113,23 +113,18 @@ impl Policy {
     pub(super) fn on_request_access(
         &mut self,
         keys: &[OffloadKey],
-        positions: &FxHashMap<OffloadKey, i64>,
+        req: &ReqState,
         slot: &mut RankSlot,
     ) {
         if let Self::Lru(p) = self {
-            p.on_request_access(keys, positions, slot);
+            p.on_request_access(keys, req, slot);
         }
     }
 
-    pub(super) fn on_request_finished(
-        &mut self,
-        ordered: &[OffloadKey],
-        insertion_only: &FxHashSet<OffloadKey>,
-        reused: &FxHashSet<OffloadKey>,
-    ) {
+    pub(super) fn on_request_finished(&mut self, ordered: &[OffloadKey], req: &ReqState) {
         match self {
             Self::Lru(p) => p.on_request_finished(ordered),
-            Self::Arc(p) => p.on_request_finished(ordered, insertion_only, reused),
+            Self::Arc(p) => p.on_request_finished(ordered, req),
         }
     }
 

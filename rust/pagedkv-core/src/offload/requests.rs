@@ -4,10 +4,8 @@
 //! A request's state belongs to the tier's current generation: after
 //! `reset_cache` it reads as fresh, as vLLM's generation check makes it.
 
-use std::collections::BTreeMap;
-
 use hashlink::LinkedHashMap;
-use rustc_hash::{FxBuildHasher, FxHashMap, FxHashSet};
+use rustc_hash::{FxBuildHasher, FxHashMap};
 
 use super::keys::OffloadKey;
 
@@ -34,55 +32,113 @@ impl RankSlot {
     }
 }
 
-/// The keys one request offered or read, by group in first-seen order, and how.
-#[derive(Clone, Debug, Default)]
-pub struct Access {
-    pub(super) key_groups: BTreeMap<u32, Vec<OffloadKey>>,
-    pub(super) seen: FxHashSet<OffloadKey>,
-    pub(super) inserted: FxHashSet<OffloadKey>,
-    pub(super) reused: FxHashSet<OffloadKey>,
-    pub(super) store_miss: FxHashSet<OffloadKey>,
-    pub(super) finished: bool,
+/// What a request did with a key (bits of [`KeyInfo::flags`]).
+pub(super) const SEEN: u8 = 1;
+/// The request's store created the chunk.
+pub(super) const INSERTED: u8 = 2;
+/// The request read (or re-offered) a ready chunk it did not create.
+pub(super) const REUSED: u8 = 4;
+/// The key was a store miss the policy already observed for this request.
+pub(super) const STORE_MISS: u8 = 8;
+
+/// One key of a request: its access flags (this generation) and its end-token
+/// position (`-1`: not known), which outlives generations as the scheduler's
+/// record does.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct KeyInfo {
+    flags: u8,
+    position: i64,
 }
 
-/// One request's state in the tier.
+/// One request's state in the tier (vLLM's `_RequestCacheAccess`, the
+/// scheduler's key positions and the LRU's request rank), in one map.
 #[derive(Clone, Debug)]
 pub struct ReqState {
-    access_generation: u64,
-    access: Access,
+    generation: u64,
+    finished: bool,
+    keys: FxHashMap<OffloadKey, KeyInfo>,
+    /// Keys in the order the request first accessed them.
+    order: Vec<OffloadKey>,
     pub(super) rank: RankSlot,
-    /// End-token position of each key, as the scheduler recorded it.
-    pub(super) positions: FxHashMap<OffloadKey, i64>,
 }
 
 impl ReqState {
     /// A request with no access record yet.
     pub(super) fn new() -> Self {
+        let mut keys = FxHashMap::default();
+        keys.reserve(32);
         Self {
-            access_generation: u64::MAX,
-            access: Access::default(),
+            generation: u64::MAX,
+            finished: false,
+            keys,
+            order: Vec::with_capacity(32),
             rank: RankSlot::default(),
-            positions: FxHashMap::default(),
         }
     }
 
-    /// The access record as it stands (current or not).
-    pub(super) fn access_ref(&self) -> &Access {
-        &self.access
-    }
-
-    /// The access record of the current generation (a stale one starts over).
-    pub(super) fn access(&mut self, generation: u64) -> &mut Access {
-        if self.access_generation != generation {
-            self.access_generation = generation;
-            self.access = Access::default();
+    /// Starts this generation's access record (a stale one is dropped; the
+    /// positions stay).
+    pub(super) fn refresh(&mut self, generation: u64) {
+        if self.generation != generation {
+            self.generation = generation;
+            self.finished = false;
+            self.order.clear();
+            for info in self.keys.values_mut() {
+                info.flags = 0;
+            }
         }
-        &mut self.access
     }
 
     /// Whether the access record is of the current generation.
-    pub(super) fn access_is_current(&self, generation: u64) -> bool {
-        self.access_generation == generation
+    pub(super) fn is_current(&self, generation: u64) -> bool {
+        self.generation == generation
+    }
+
+    pub(super) fn finished(&self) -> bool {
+        self.finished
+    }
+
+    pub(super) fn set_finished(&mut self) {
+        self.finished = true;
+    }
+
+    /// Whether `key` carries `flag` (in the current record).
+    pub(super) fn has(&self, key: &OffloadKey, flag: u8) -> bool {
+        self.keys.get(key).is_some_and(|i| i.flags & flag != 0)
+    }
+
+    /// Sets `flag` on `key`; whether it was not set.
+    pub(super) fn mark(&mut self, key: OffloadKey, flag: u8) -> bool {
+        let info = self.keys.entry(key).or_insert(KeyInfo {
+            flags: 0,
+            position: -1,
+        });
+        let new = info.flags & flag == 0;
+        info.flags |= flag;
+        if new && flag == SEEN {
+            self.order.push(key);
+        }
+        new
+    }
+
+    /// The key's recorded end-token position.
+    pub(super) fn position(&self, key: &OffloadKey) -> Option<i64> {
+        self.keys.get(key).map(|i| i.position).filter(|&p| p >= 0)
+    }
+
+    /// Records positions (negative: not known) for `keys`.
+    pub(super) fn record_positions(&mut self, keys: &[OffloadKey], positions: &[i64]) {
+        for (k, &p) in keys.iter().zip(positions) {
+            if p >= 0 {
+                self.keys
+                    .entry(*k)
+                    .or_insert(KeyInfo {
+                        flags: 0,
+                        position: -1,
+                    })
+                    .position = p;
+            }
+        }
     }
 
     /// Points the rank slot at the current generation.
@@ -91,19 +147,31 @@ impl ReqState {
         &mut self.rank
     }
 
-    /// Records positions (negative: not known) for `keys`.
-    pub(super) fn record_positions(&mut self, keys: &[OffloadKey], positions: &[i64]) {
-        for (k, &p) in keys.iter().zip(positions) {
-            if p >= 0 {
-                self.positions.insert(*k, p);
-            }
+    /// The request's keys head to tail (vLLM's order at a request's end):
+    /// grouped by KV-cache group in group order, each group in position order
+    /// when all its keys have one (else first-seen order), then all of them in
+    /// position order when every key has one.
+    pub(super) fn ordered_keys(&self) -> Vec<OffloadKey> {
+        let mut keys = self.order.clone();
+        keys.sort_by_key(OffloadKey::group_idx);
+        let mut start = 0;
+        while start < keys.len() {
+            let g = keys[start].group_idx();
+            let end = start
+                + keys[start..]
+                    .iter()
+                    .take_while(|k| k.group_idx() == g)
+                    .count();
+            self.order_by_position(&mut keys[start..end]);
+            start = end;
         }
+        self.order_by_position(&mut keys);
+        keys
     }
 
-    /// Keys in position order when every key has one, else as given (stable).
-    pub(super) fn order_by_position(&self, keys: &mut [OffloadKey]) {
-        if keys.iter().all(|k| self.positions.contains_key(k)) {
-            keys.sort_by_key(|k| self.positions[k]);
+    fn order_by_position(&self, keys: &mut [OffloadKey]) {
+        if keys.iter().all(|k| self.position(k).is_some()) {
+            keys.sort_by_key(|k| self.position(k));
         }
     }
 }

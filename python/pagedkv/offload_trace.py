@@ -147,7 +147,7 @@ def replay(
         elif name == "lookup":
             got = _LOOKUP_NAMES[tier.lookup(bytes.fromhex(op["key"]))]
         elif name == "prepare_load":
-            got = tier.prepare_load(keys, req, pos_of(req, keys))
+            got = tier.prepare_load(keys, req, pos_of(req, keys)).tolist()
         elif name == "complete_load":
             tier.complete_load(keys)
         elif name == "touch":
@@ -157,7 +157,7 @@ def replay(
             if out is not None:
                 got = {
                     "keys_to_store": _hexes(out[0]),
-                    "chunk_ids": out[1],
+                    "chunk_ids": out[1].tolist(),
                     "evicted": _hexes(out[2]),
                 }
         elif name == "complete_store":

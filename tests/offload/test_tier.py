@@ -27,6 +27,12 @@ def ks(ids: list[int]) -> list[bytes]:
     return [k(i) for i in ids]
 
 
+def store(tier: OffloadTier, keys: Any, req: int = 0, positions: Any = None) -> Any:
+    """``prepare_store`` with its slot array as a list."""
+    out = tier.prepare_store(keys, req, positions)
+    return None if out is None else (out[0], out[1].tolist(), out[2])
+
+
 def test_key_layout_is_vllms() -> None:
     key = offload_key(b"\x01" * 32, 258)
     assert key == b"\x01" * 32 + b"\x00\x00\x01\x02"
@@ -37,16 +43,16 @@ def test_key_layout_is_vllms() -> None:
 def test_a_store_load_cycle_through_python() -> None:
     # vLLM's test_cpu_manager, first steps: fresh slots, eviction of the LRU chunk
     tier = OffloadTier(4, "lru", enable_events=True)
-    assert tier.prepare_store(ks([1, 2]), 0) == (ks([1, 2]), [0, 1], [])
+    assert store(tier, ks([1, 2])) == (ks([1, 2]), [0, 1], [])
     assert tier.lookup(k(1)) == Lookup.HIT_PENDING
     tier.complete_store(ks([1, 2]))
     assert tier.take_events() == [(ks([1, 2]), "CPU", False, False)]
     assert tier.lookup_prefix(ks([1, 2, 3])) == 2
-    assert tier.prepare_store(ks([2, 3, 4, 5]), 0) == (ks([3, 4, 5]), [2, 3, 0], ks([1]))
+    assert store(tier, ks([2, 3, 4, 5])) == (ks([3, 4, 5]), [2, 3, 0], ks([1]))
     assert tier.take_events() == [(ks([1]), "CPU", True, False)]
     tier.complete_store(ks([3, 4, 5]), success=False)
     assert tier.take_events() == [(ks([3, 4, 5]), "CPU", True, True)]
-    assert tier.prepare_load(ks([2]), 9, positions=[16]) == [1]
+    assert tier.prepare_load(ks([2]), 9, positions=[16]).tolist() == [1]
     assert tier.chunk(k(2)) == (1, 1)
     assert tier.num_evictable == 0
     tier.complete_load(ks([2]))
@@ -60,9 +66,9 @@ def test_a_store_load_cycle_through_python() -> None:
 
 def test_arc_lists_and_tracker_read_outs() -> None:
     tier = OffloadTier(2, "arc", store_threshold=2, max_tracker_size=8)
-    assert tier.prepare_store(ks([1]), 0) == ([], [], [])
+    assert store(tier, ks([1])) == ([], [], [])
     assert tier.tracked_offers() == [(k(1), 1)]
-    assert tier.prepare_store(ks([1]), 0) == (ks([1]), [0], [])
+    assert store(tier, ks([1])) == (ks([1]), [0], [])
     tier.complete_store(ks([1]))
     tier.touch(ks([1]))
     arc = tier.arc_lists()
@@ -72,7 +78,7 @@ def test_arc_lists_and_tracker_read_outs() -> None:
 
 def test_any_iterable_of_keys_is_accepted() -> None:
     tier = OffloadTier(4)
-    assert tier.prepare_store(iter(ks([1, 2])), 0) == (ks([1, 2]), [0, 1], [])
+    assert store(tier, iter(ks([1, 2]))) == (ks([1, 2]), [0, 1], [])
     tier.complete_store(tuple(ks([1, 2])))
     assert tier.lookup_prefix(k for k in ks([1, 2])) == 2
 
@@ -125,6 +131,25 @@ def test_bad_input_raises_and_changes_nothing(
 def test_bad_configuration_is_refused(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(InvalidArgumentError, match=match):
         OffloadTier(**kwargs)
+
+
+def test_positions_from_a_dict_or_a_list_give_the_same_order() -> None:
+    # LRU ranks a request's chunks tail first: positions decide which goes first
+    for positions in ({k(1): 16, k(2): 32, k(3): 48}, [16, 32, 48]):
+        tier = OffloadTier(3)
+        tier.prepare_store(ks([1, 2, 3]), 7, positions)
+        tier.complete_store(ks([1, 2, 3]))
+        assert tier.lru_eviction_order() == ks([3, 2, 1])
+    tier = OffloadTier(3)
+    tier.prepare_store(ks([1, 2, 3]), 7)
+    tier.complete_store(ks([1, 2, 3]))
+    tier.touch(ks([1, 2, 3]))
+    assert tier.lru_eviction_order() == ks([3, 2, 1])
+    # at the end, the recorded positions put 3 at the head: it is evicted last
+    tier.on_request_finished(7, None, {k(1): 48, k(2): 32, k(3): 16})
+    assert tier.lru_eviction_order() == ks([1, 2, 3])
+    with pytest.raises(TypeError, match="list or tuple"):
+        tier.prepare_store(iter(ks([4])), 8, {k(4): 16})
 
 
 def test_new_keys_after_the_request_ended_are_refused() -> None:

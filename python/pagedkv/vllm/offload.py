@@ -15,6 +15,8 @@ import weakref
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -46,8 +48,17 @@ __all__ = ["VLLM_CPU_OFFLOADING_MANAGER", "CPUOffloadingManager"]
 #: vLLM's own class, kept before ``install()`` replaces the name.
 VLLM_CPU_OFFLOADING_MANAGER: type = _vllm_cpu_manager.CPUOffloadingManager
 
+_RECORDED_POSITION = ReqContext.get_offload_key_position
 _LOOKUP = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
 _MEDIA = {"CPU": Medium.CPU}
+
+
+def _spec(slots: npt.NDArray[np.int64]) -> CPULoadStoreSpec:
+    """vLLM's ``CPULoadStoreSpec`` of the slots (its constructor takes a list and
+    keeps it as an int32 array; the slots are one already)."""
+    spec = CPULoadStoreSpec.__new__(CPULoadStoreSpec)
+    spec.block_ids = slots.astype(np.int32)
+    return spec
 
 
 class _TierRequest:
@@ -116,9 +127,14 @@ class CPUOffloadingManager(OffloadingManager):
             self._tier.forget_request(req)
 
     @staticmethod
-    def _positions(keys: Sequence[OffloadKey], ctx: ReqContext) -> list[int | None] | None:
-        if not ctx._offload_key_positions:
+    def _positions(
+        keys: Sequence[OffloadKey], ctx: ReqContext
+    ) -> dict[OffloadKey, int] | list[int | None] | None:
+        known = ctx._offload_key_positions
+        if not known:
             return None
+        if type(ctx).get_offload_key_position is _RECORDED_POSITION:
+            return known  # the tier reads the context's own record
         position = ctx.get_offload_key_position
         return [position(k) for k in keys]
 
@@ -137,8 +153,16 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
         req = self._req(req_context)
-        slots = self._tier.prepare_load(keys, req, self._positions(keys, req_context))
-        return CPULoadStoreSpec(slots)
+        return _spec(self._tier.prepare_load(keys, req, self._positions(keys, req_context)))
+
+    def _prepare_load(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, *, record_access: bool
+    ) -> LoadStoreSpec:
+        """vLLM's pin with or without a request access (its tiering manager's
+        ``prepare_read`` pins without one)."""
+        if record_access:
+            return self.prepare_load(keys, req_context)
+        return _spec(self._tier.prepare_read(list(keys)))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._tier.touch(list(keys))
@@ -156,7 +180,7 @@ class CPUOffloadingManager(OffloadingManager):
             return None
         to_store, slots, evicted = out
         return PrepareStoreOutput(
-            keys_to_store=to_store, store_spec=CPULoadStoreSpec(slots), evicted_keys=evicted
+            keys_to_store=to_store, store_spec=_spec(slots), evicted_keys=evicted
         )
 
     def complete_store(
@@ -168,8 +192,7 @@ class CPUOffloadingManager(OffloadingManager):
         state = req_context.get_state(_TierRequest)
         if state is None or state.owner is not self:
             return
-        known = req_context._offload_key_positions
-        self._tier.on_request_finished(state.req, list(known), list(known.values()))
+        self._tier.on_request_finished(state.req, None, req_context._offload_key_positions)
 
     def reset_cache(self) -> None:
         self._tier.reset_cache()
@@ -213,6 +236,14 @@ class CPUOffloadingManager(OffloadingManager):
     @property
     def _num_evictable_cache_chunks(self) -> int:
         return self._tier.num_evictable
+
+    @property
+    def _num_allocated_chunks(self) -> int:
+        return self._tier.num_slots_used
+
+    @property
+    def _free_list(self) -> list[int]:
+        return self._tier.freed_slots
 
     @property
     def _num_write_pending_chunks(self) -> int:

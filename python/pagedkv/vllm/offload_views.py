@@ -25,33 +25,44 @@ __all__ = ["ARCPolicyView", "ChunkView", "LRUPolicyView", "TrackerView", "policy
 
 
 class ChunkView:
-    """One resident chunk as vLLM's ``ChunkStatus`` reads: ``ref_cnt`` (-1
-    while its store is in flight), ``chunk_id``, ``is_ready``."""
+    """One chunk as vLLM's ``ChunkStatus`` reads, live: ``ref_cnt`` (-1 while
+    its store is in flight), ``chunk_id``, ``is_ready``; once the chunk has left
+    the tier, the values it last had."""
 
-    __slots__ = ("chunk_id", "ref_cnt")
+    __slots__ = ("_chunk_id", "_key", "_ref_cnt", "_tier")
 
-    def __init__(self, ref_cnt: int, chunk_id: int) -> None:
-        self.ref_cnt = ref_cnt
-        self.chunk_id = chunk_id
+    def __init__(self, tier: OffloadTier, key: bytes, ref_cnt: int, chunk_id: int) -> None:
+        self._tier = tier
+        self._key = key
+        self._ref_cnt = ref_cnt
+        self._chunk_id = chunk_id
+
+    def _read(self) -> None:
+        now = self._tier.chunk(self._key)
+        if now is not None and now[1] == self._chunk_id:
+            self._ref_cnt = now[0]
+
+    @property
+    def ref_cnt(self) -> int:
+        self._read()
+        return self._ref_cnt
+
+    @property
+    def chunk_id(self) -> int:
+        return self._chunk_id
 
     @property
     def is_ready(self) -> bool:
         return self.ref_cnt >= 0
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ChunkView) and (self.ref_cnt, self.chunk_id) == (
-            other.ref_cnt,
-            other.chunk_id,
-        )
-
-    __hash__ = None  # type: ignore[assignment]
-
     def __repr__(self) -> str:
         return f"ChunkView(ref_cnt={self.ref_cnt}, chunk_id={self.chunk_id})"
 
 
-def _chunks(entries: Iterable[tuple[bytes, int, int]]) -> OrderedDict[OffloadKey, ChunkView]:
-    return OrderedDict((OffloadKey(k), ChunkView(r, s)) for k, r, s in entries)
+def _chunks(
+    tier: OffloadTier, entries: Iterable[tuple[bytes, int, int]]
+) -> OrderedDict[OffloadKey, ChunkView]:
+    return OrderedDict((OffloadKey(k), ChunkView(tier, k, r, s)) for k, r, s in entries)
 
 
 def _read_only(what: str) -> NoReturn:
@@ -67,7 +78,7 @@ class _PolicyCalls:
 
     def get(self, key: OffloadKey) -> ChunkView | None:
         chunk = self._tier.chunk(key)
-        return None if chunk is None else ChunkView(*chunk)
+        return None if chunk is None else ChunkView(self._tier, key, *chunk)
 
     def insert(self, key: OffloadKey, chunk: Any, req_context: ReqContext) -> None:
         _read_only("insert")
@@ -119,11 +130,11 @@ class ARCPolicyView(_PolicyCalls, ARCCachePolicy):
 
     @property  # type: ignore[override]
     def t1(self) -> OrderedDict[OffloadKey, ChunkView]:
-        return _chunks(self._lists()[1])
+        return _chunks(self._tier, self._lists()[1])
 
     @property  # type: ignore[override]
     def t2(self) -> OrderedDict[OffloadKey, ChunkView]:
-        return _chunks(self._lists()[2])
+        return _chunks(self._tier, self._lists()[2])
 
     @property  # type: ignore[override]
     def b1(self) -> OrderedDict[OffloadKey, None]:
@@ -146,7 +157,7 @@ class LRUPolicyView(_PolicyCalls, LRUCachePolicy):
 
     @property  # type: ignore[override]
     def chunks(self) -> dict[OffloadKey, ChunkView]:
-        return dict(_chunks(self._tier.resident()))
+        return dict(_chunks(self._tier, self._tier.resident()))
 
     def eviction_order(self) -> list[OffloadKey]:
         """The idle chunks, first to be evicted first."""

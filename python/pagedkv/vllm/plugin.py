@@ -57,7 +57,7 @@ def _bindings(cls: type) -> tuple[list[tuple[Any, str]], list[str]]:
             continue
         if key == "vllm" or key.startswith("vllm."):
             ours += [(mod, n) for n in names]
-        else:
+        elif not key.startswith("pagedkv."):  # pagedkv keeps vLLM's classes on purpose
             others += [f"{key}.{n}" for n in names]
     return ours, others
 

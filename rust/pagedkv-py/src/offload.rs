@@ -1,16 +1,21 @@
 //! Binding of the host offload tier (`pagedkv_core::offload`): conversion only.
 //! Keys are `bytes`; requests are ints the caller chooses; slots are ints.
 
+use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use pagedkv_core::offload::{Chunk, LookupResult, OffloadKey, OffloadTier, PolicyKind, TierConfig};
 
-use crate::convert::{count, offload_key, offload_keys, positions};
+use crate::convert::{count, offload_key, offload_keys, position_items, positions};
 use crate::errors::{PkResult, borrow, borrow_mut};
 
 /// `prepare_store`'s answer: `(keys_to_store, slots, evicted_keys)`.
-type StoreAnswer<'py> = (Bound<'py, PyList>, Vec<u64>, Bound<'py, PyList>);
+type StoreAnswer<'py> = (
+    Bound<'py, PyList>,
+    Bound<'py, PyArray1<i64>>,
+    Bound<'py, PyList>,
+);
 /// One event: `(keys, medium, removed, metadata_only)`.
 type EventTuple<'py> = (Bound<'py, PyList>, &'static str, bool, bool);
 /// ARC's `(target_t1_size, t1, t2, b1, b2)`.
@@ -21,6 +26,11 @@ type ArcTuple<'py> = (
     Bound<'py, PyList>,
     Bound<'py, PyList>,
 );
+
+fn slot_array(py: Python<'_>, slots: Vec<u64>) -> Bound<'_, PyArray1<i64>> {
+    // slots are below 2**40 (the tier's bound)
+    PyArray1::from_vec(py, slots.into_iter().map(|s| s as i64).collect())
+}
 
 fn key_list<'py>(py: Python<'py>, keys: &[OffloadKey]) -> PyResult<Bound<'py, PyList>> {
     PyList::new(py, keys.iter().map(|k| PyBytes::new(py, k.as_bytes())))
@@ -110,6 +120,17 @@ impl PyOffloadTier {
     }
 
     #[getter]
+    fn num_slots_used(&self) -> u64 {
+        self.inner.num_slots_used()
+    }
+
+    /// Freed slots waiting for reuse, the next one last.
+    #[getter]
+    fn freed_slots(&self) -> Vec<u64> {
+        self.inner.freed_slots().to_vec()
+    }
+
+    #[getter]
     fn num_free_slots(&self) -> u64 {
         self.inner.num_free_slots()
     }
@@ -163,15 +184,27 @@ impl PyOffloadTier {
 
     /// Pins readable chunks for loading; their slots.
     #[pyo3(signature = (keys, req, positions = None))]
-    fn prepare_load(
-        slf: &Bound<'_, Self>,
-        keys: &Bound<'_, PyAny>,
+    fn prepare_load<'py>(
+        slf: &Bound<'py, Self>,
+        keys: &Bound<'py, PyAny>,
         req: u64,
-        positions: Option<&Bound<'_, PyAny>>,
-    ) -> PkResult<Vec<u64>> {
+        positions: Option<&Bound<'py, PyAny>>,
+    ) -> PkResult<Bound<'py, PyArray1<i64>>> {
+        let keys_v = offload_keys(keys)?;
+        let pos = self::positions(positions, keys, keys_v.len())?;
+        let slots = borrow_mut(slf)?.inner.prepare_load(&keys_v, req, &pos)?;
+        Ok(slot_array(slf.py(), slots))
+    }
+
+    /// Pins readable chunks for a copy that is not a request's access (a lower
+    /// tier reading this one); their slots.
+    fn prepare_read<'py>(
+        slf: &Bound<'py, Self>,
+        keys: &Bound<'py, PyAny>,
+    ) -> PkResult<Bound<'py, PyArray1<i64>>> {
         let keys = offload_keys(keys)?;
-        let pos = self::positions(positions, keys.len())?;
-        Ok(borrow_mut(slf)?.inner.prepare_load(&keys, req, &pos)?)
+        let slots = borrow_mut(slf)?.inner.prepare_read(&keys)?;
+        Ok(slot_array(slf.py(), slots))
     }
 
     fn complete_load(slf: &Bound<'_, Self>, keys: &Bound<'_, PyAny>) -> PkResult<()> {
@@ -189,13 +222,13 @@ impl PyOffloadTier {
         positions: Option<&Bound<'py, PyAny>>,
     ) -> PkResult<Option<StoreAnswer<'py>>> {
         let py = slf.py();
-        let keys = offload_keys(keys)?;
-        let pos = self::positions(positions, keys.len())?;
-        let out = borrow_mut(slf)?.inner.prepare_store(&keys, req, &pos)?;
+        let keys_v = offload_keys(keys)?;
+        let pos = self::positions(positions, keys, keys_v.len())?;
+        let out = borrow_mut(slf)?.inner.prepare_store(&keys_v, req, &pos)?;
         let Some(out) = out else { return Ok(None) };
         Ok(Some((
             key_list(py, &out.keys_to_store)?,
-            out.slots,
+            slot_array(py, out.slots),
             key_list(py, &out.evicted)?,
         )))
     }
@@ -211,7 +244,8 @@ impl PyOffloadTier {
         Ok(())
     }
 
-    /// The request ended; `keys` / `positions`: every position recorded for it.
+    /// The request ended; `keys` / `positions`: every position recorded for
+    /// it (or `positions` alone as a dict of key → position).
     #[pyo3(signature = (req, keys = None, positions = None))]
     fn on_request_finished(
         slf: &Bound<'_, Self>,
@@ -219,14 +253,20 @@ impl PyOffloadTier {
         keys: Option<&Bound<'_, PyAny>>,
         positions: Option<&Bound<'_, PyAny>>,
     ) -> PkResult<()> {
-        let keys = match keys {
-            Some(k) if !k.is_none() => offload_keys(k)?,
-            _ => Vec::new(),
+        let keys = keys.filter(|k| !k.is_none());
+        let known = positions.and_then(|p| p.cast::<PyDict>().ok());
+        let (keys_v, pos) = match (keys, known) {
+            (None, Some(known)) => position_items(known)?,
+            (None, None) => (Vec::new(), self::positions(positions, slf.as_any(), 0)?),
+            (Some(k), _) => {
+                let keys_v = offload_keys(k)?;
+                let pos = self::positions(positions, k, keys_v.len())?;
+                (keys_v, pos)
+            }
         };
-        let pos = self::positions(positions, keys.len())?;
         Ok(borrow_mut(slf)?
             .inner
-            .on_request_finished(req, &keys, &pos)?)
+            .on_request_finished(req, &keys_v, &pos)?)
     }
 
     fn reset_cache(&mut self) {

@@ -165,6 +165,8 @@ pub struct OffloadTier {
     events: Option<Vec<OffloadEvent>>,
     requests: FxHashMap<ReqKey, ReqState>,
     counters: TierCounters,
+    /// `prepare_store`'s set of offered keys, kept for its capacity.
+    offered: FxHashSet<OffloadKey>,
 }
 
 impl OffloadTier {
@@ -197,6 +199,7 @@ impl OffloadTier {
             events: config.enable_events.then(Vec::new),
             requests: FxHashMap::default(),
             counters: TierCounters::default(),
+            offered: FxHashSet::default(),
             config,
         })
     }
@@ -223,6 +226,19 @@ impl OffloadTier {
     #[must_use]
     pub fn num_write_pending(&self) -> u64 {
         self.num_write_pending
+    }
+
+    /// Slots handed out fresh since the last reset (vLLM's
+    /// `_num_allocated_chunks`; freed ones count until the reset).
+    #[must_use]
+    pub fn num_slots_used(&self) -> u64 {
+        self.slots.num_allocated()
+    }
+
+    /// Freed slots waiting for reuse, the next one last (vLLM's `_free_list`).
+    #[must_use]
+    pub fn freed_slots(&self) -> &[u64] {
+        self.slots.freed()
     }
 
     /// Slots that can be handed out without evicting.
@@ -298,8 +314,6 @@ impl OffloadTier {
     /// has not completed, positions do not match the keys, or the request
     /// already ended and a key is new to it.
     ///
-    /// # Panics
-    /// Never: every key is checked before any changes.
     pub fn prepare_load(
         &mut self,
         keys: &[OffloadKey],
@@ -307,21 +321,44 @@ impl OffloadTier {
         positions: &[i64],
     ) -> Result<Vec<u64>> {
         check_positions(keys, positions)?;
+        self.check_readable(keys)?;
+        self.check_open(req, keys)?;
+        let out = self.pin(keys);
+        self.record_positions(req, keys, positions);
+        self.record_access(req, keys, &[], keys);
+        Ok(out)
+    }
+
+    /// Pins readable chunks for a copy that is not a request's access (a lower
+    /// tier reading this one, vLLM's `prepare_read`): no recency, no access
+    /// record. Released by [`Self::complete_load`].
+    ///
+    /// # Errors
+    /// `InvalidArgument` (nothing changed) when a key is absent or its store
+    /// has not completed.
+    pub fn prepare_read(&mut self, keys: &[OffloadKey]) -> Result<Vec<u64>> {
+        self.check_readable(keys)?;
+        Ok(self.pin(keys))
+    }
+
+    fn check_readable(&self, keys: &[OffloadKey]) -> Result<()> {
         for key in keys {
             match self.policy.get(key) {
-                None => return Err(invalid(format!("prepare_load: {key:?} is not in the tier"))),
+                None => return Err(invalid(format!("{key:?} is not in the tier"))),
                 Some(c) if !c.is_ready() => {
-                    return Err(invalid(format!(
-                        "prepare_load: {key:?} is not ready for reading"
-                    )));
+                    return Err(invalid(format!("{key:?} is not ready for reading")));
                 }
                 Some(_) => {}
             }
         }
-        self.check_open(req, keys)?;
+        Ok(())
+    }
+
+    /// Takes a reader on each chunk (checked readable); their slots.
+    fn pin(&mut self, keys: &[OffloadKey]) -> Vec<u64> {
         let mut out = Vec::with_capacity(keys.len());
         for key in keys {
-            let chunk = self.policy.get_mut(key).expect("checked above");
+            let chunk = self.policy.get_mut(key).expect("checked readable");
             chunk.ref_cnt += 1;
             out.push(chunk.slot);
             if chunk.ref_cnt == 1 {
@@ -330,9 +367,7 @@ impl OffloadTier {
             }
         }
         self.counters.chunks_loaded += keys.len() as u64;
-        self.record_positions(req, keys, positions);
-        self.record_access(req, keys, &[], keys);
-        Ok(out)
+        out
     }
 
     /// Unpins chunks whose load finished.
@@ -391,7 +426,21 @@ impl OffloadTier {
         positions: &[i64],
     ) -> Result<Option<StoreOutput>> {
         check_positions(keys, positions)?;
-        let offered: FxHashSet<OffloadKey> = keys.iter().copied().collect();
+        let mut offered = std::mem::take(&mut self.offered);
+        offered.clear();
+        offered.extend(keys.iter().copied());
+        let result = self.prepare_store_offer(keys, req, positions, &offered);
+        self.offered = offered;
+        result
+    }
+
+    fn prepare_store_offer(
+        &mut self,
+        keys: &[OffloadKey],
+        req: ReqKey,
+        positions: &[i64],
+        offered: &FxHashSet<OffloadKey>,
+    ) -> Result<Option<StoreOutput>> {
         if offered.len() != keys.len() {
             return Err(invalid("prepare_store: a key is offered twice"));
         }
@@ -444,7 +493,7 @@ impl OffloadTier {
             let victims = if shortfall > self.num_evictable {
                 None
             } else {
-                self.policy.evict(shortfall as usize, &offered)
+                self.policy.evict(shortfall as usize, offered)
             };
             let Some(victims) = victims else {
                 self.counters.stores_refused += 1;

@@ -216,3 +216,22 @@ fn stats_split_write_and_read_usage() {
     assert_eq!((s.usage, s.write_usage, s.read_usage), (0.25, 0.0, 0.25));
     assert!(s.allocation_sizes.is_empty() && s.stores_skipped.is_none());
 }
+
+#[test]
+fn a_read_for_a_lower_tier_pins_without_an_access() {
+    // vLLM's prepare_read (`_prepare_load(record_access=False)`): reused-by-read
+    // is not reuse, so ARC keeps the chunk in T1 when the request ends
+    let mut t = tier(4, PolicyKind::Arc);
+    store(&mut t, &[1], 3).unwrap();
+    t.complete_store(&ks(&[1]), true);
+    assert_eq!(t.prepare_read(&ks(&[1])).unwrap(), vec![0]);
+    assert_eq!(t.num_evictable(), 0);
+    t.complete_load(&ks(&[1])).unwrap();
+    t.on_request_finished(3, &[], &[]).unwrap();
+    let Policy::Arc(arc) = &t.policy else {
+        unreachable!()
+    };
+    assert!(arc.t1.contains_key(&k(1)));
+    assert!(t.prepare_read(&ks(&[2])).is_err());
+    t.check_invariants().unwrap();
+}

@@ -14,7 +14,7 @@ pub use ids::{
     BatchIds, block_hash, block_hash_item, block_hash_list, block_hashes_from, block_id, block_ids,
     counts, counts_or_one, groups_i32, groups_tuple, ids_i32,
 };
-pub use keys::{offload_key, offload_keys, positions};
+pub use keys::{offload_key, offload_keys, position_items, positions};
 pub use request::{cbor_value, request_spec};
 pub use tokens::{appended_tokens, engine_tokens, engine_tokens_from, prompt_tokens, tokens};
 

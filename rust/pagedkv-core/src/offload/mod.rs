@@ -10,6 +10,12 @@
 //! ([`ReqKey`], chosen by the caller) so the policy can order a request's
 //! chunks and commit their recency when the request ends.
 //!
+//! Rooms: `keys` (the key and its digest), `slots` (slot allocation, a
+//! chunk's state), `lru` / `arc` / `policy` (the policies and their dispatch),
+//! `requests` (per-request access records, the admission tracker), `load` /
+//! `store` (the calls that read and write the tier), `events`, `readouts`
+//! (accessors, metrics, views of the policy), `check` (invariants).
+//!
 //! ```
 //! use pagedkv_core::offload::{LookupResult, OffloadKey, OffloadTier, TierConfig};
 //!
@@ -29,11 +35,13 @@ mod arc;
 mod check;
 mod events;
 mod keys;
+mod load;
 mod lru;
 mod policy;
 mod readouts;
 mod requests;
 mod slots;
+mod store;
 #[cfg(test)]
 mod tests;
 
@@ -47,7 +55,7 @@ pub use slots::Chunk;
 
 use crate::error::{Result, invalid};
 use policy::Policy;
-use requests::{INSERTED, REUSED, ReqState, SEEN, STORE_MISS, Tracker};
+use requests::{INSERTED, REUSED, ReqState, SEEN, Tracker};
 use slots::Slots;
 
 /// The caller's key for one request (one vLLM `ReqContext`).
@@ -204,67 +212,6 @@ impl OffloadTier {
         })
     }
 
-    /// The configuration.
-    #[must_use]
-    pub fn config(&self) -> &TierConfig {
-        &self.config
-    }
-
-    /// Resident chunks (pending ones included).
-    #[must_use]
-    pub fn num_resident(&self) -> usize {
-        self.policy.len()
-    }
-
-    /// Resident chunks that nothing pins (eviction candidates).
-    #[must_use]
-    pub fn num_evictable(&self) -> u64 {
-        self.num_evictable
-    }
-
-    /// Chunks whose store is in flight.
-    #[must_use]
-    pub fn num_write_pending(&self) -> u64 {
-        self.num_write_pending
-    }
-
-    /// Slots handed out fresh since the last reset (vLLM's
-    /// `_num_allocated_chunks`; freed ones count until the reset).
-    #[must_use]
-    pub fn num_slots_used(&self) -> u64 {
-        self.slots.num_allocated()
-    }
-
-    /// Freed slots waiting for reuse, the next one last (vLLM's `_free_list`).
-    #[must_use]
-    pub fn freed_slots(&self) -> &[u64] {
-        self.slots.freed()
-    }
-
-    /// Slots that can be handed out without evicting.
-    #[must_use]
-    pub fn num_free_slots(&self) -> u64 {
-        self.slots.num_free()
-    }
-
-    /// The running totals.
-    #[must_use]
-    pub fn counters(&self) -> TierCounters {
-        self.counters
-    }
-
-    /// Requests the tier holds state for.
-    #[must_use]
-    pub fn num_requests(&self) -> usize {
-        self.requests.len()
-    }
-
-    /// A resident chunk's state.
-    #[must_use]
-    pub fn chunk(&self, key: &OffloadKey) -> Option<Chunk> {
-        self.policy.get(key).copied()
-    }
-
     /// Whether `key` is in the tier and readable.
     pub fn lookup(&mut self, key: &OffloadKey) -> LookupResult {
         self.counters.lookups += 1;
@@ -300,264 +247,6 @@ impl OffloadTier {
     /// Drops what the tier keeps for a request (its context is gone).
     pub fn forget_request(&mut self, req: ReqKey) {
         self.requests.remove(&req);
-    }
-
-    /// Marks `keys` recently used (the last key of the list is the least recent).
-    pub fn touch(&mut self, keys: &[OffloadKey]) {
-        self.policy.touch(keys);
-    }
-
-    /// Pins readable chunks for loading; returns their slots.
-    ///
-    /// # Errors
-    /// `InvalidArgument` (nothing changed) when a key is absent or its store
-    /// has not completed, positions do not match the keys, or the request
-    /// already ended and a key is new to it.
-    ///
-    pub fn prepare_load(
-        &mut self,
-        keys: &[OffloadKey],
-        req: ReqKey,
-        positions: &[i64],
-    ) -> Result<Vec<u64>> {
-        check_positions(keys, positions)?;
-        self.check_readable(keys)?;
-        self.check_open(req, keys)?;
-        let out = self.pin(keys);
-        self.record_positions(req, keys, positions);
-        self.record_access(req, keys, &[], keys);
-        Ok(out)
-    }
-
-    /// Pins readable chunks for a copy that is not a request's access (a lower
-    /// tier reading this one, vLLM's `prepare_read`): no recency, no access
-    /// record. Released by [`Self::complete_load`].
-    ///
-    /// # Errors
-    /// `InvalidArgument` (nothing changed) when a key is absent or its store
-    /// has not completed.
-    pub fn prepare_read(&mut self, keys: &[OffloadKey]) -> Result<Vec<u64>> {
-        self.check_readable(keys)?;
-        Ok(self.pin(keys))
-    }
-
-    fn check_readable(&self, keys: &[OffloadKey]) -> Result<()> {
-        for key in keys {
-            match self.policy.get(key) {
-                None => return Err(invalid(format!("{key:?} is not in the tier"))),
-                Some(c) if !c.is_ready() => {
-                    return Err(invalid(format!("{key:?} is not ready for reading")));
-                }
-                Some(_) => {}
-            }
-        }
-        Ok(())
-    }
-
-    /// Takes a reader on each chunk (checked readable); their slots.
-    fn pin(&mut self, keys: &[OffloadKey]) -> Vec<u64> {
-        let mut out = Vec::with_capacity(keys.len());
-        for key in keys {
-            let chunk = self.policy.get_mut(key).expect("checked readable");
-            chunk.ref_cnt += 1;
-            out.push(chunk.slot);
-            if chunk.ref_cnt == 1 {
-                self.num_evictable -= 1;
-                self.policy.mark_non_evictable(key);
-            }
-        }
-        self.counters.chunks_loaded += keys.len() as u64;
-        out
-    }
-
-    /// Unpins chunks whose load finished.
-    ///
-    /// # Errors
-    /// `InvalidArgument` (nothing changed) for a key that is absent or has
-    /// fewer loads in flight than it appears in `keys`.
-    ///
-    /// # Panics
-    /// Never: every key is checked before any changes.
-    pub fn complete_load(&mut self, keys: &[OffloadKey]) -> Result<()> {
-        let mut pins: FxHashMap<OffloadKey, i32> = FxHashMap::default();
-        for key in keys {
-            let n = pins.entry(*key).or_insert(0);
-            *n += 1;
-            match self.policy.get(key) {
-                None => {
-                    return Err(invalid(format!(
-                        "complete_load: {key:?} is not in the tier"
-                    )));
-                }
-                Some(c) if c.ref_cnt < *n => {
-                    return Err(invalid(format!(
-                        "complete_load: {key:?} has no load in flight"
-                    )));
-                }
-                Some(_) => {}
-            }
-        }
-        for key in keys {
-            let chunk = self.policy.get_mut(key).expect("checked above");
-            chunk.ref_cnt -= 1;
-            if chunk.ref_cnt == 0 {
-                self.num_evictable += 1;
-                self.policy.mark_evictable(key);
-            }
-        }
-        Ok(())
-    }
-
-    /// Reserves slots for the offered keys that are absent (and admitted),
-    /// evicting idle chunks not among the offered keys when the free slots fall
-    /// short. `Ok(None)`: the shortfall cannot be evicted (the offer's access is
-    /// still recorded, as vLLM does).
-    ///
-    /// # Errors
-    /// `InvalidArgument` (nothing changed) for a key offered twice, positions
-    /// that do not match the keys, or new keys after the request ended.
-    ///
-    /// # Panics
-    /// Never: the request's record is created before it is read.
-    pub fn prepare_store(
-        &mut self,
-        keys: &[OffloadKey],
-        req: ReqKey,
-        positions: &[i64],
-    ) -> Result<Option<StoreOutput>> {
-        check_positions(keys, positions)?;
-        let mut offered = std::mem::take(&mut self.offered);
-        offered.clear();
-        offered.extend(keys.iter().copied());
-        let result = self.prepare_store_offer(keys, req, positions, &offered);
-        self.offered = offered;
-        result
-    }
-
-    fn prepare_store_offer(
-        &mut self,
-        keys: &[OffloadKey],
-        req: ReqKey,
-        positions: &[i64],
-        offered: &FxHashSet<OffloadKey>,
-    ) -> Result<Option<StoreOutput>> {
-        if offered.len() != keys.len() {
-            return Err(invalid("prepare_store: a key is offered twice"));
-        }
-        let recorded: Vec<OffloadKey> = keys
-            .iter()
-            .filter(|k| self.would_record(k))
-            .copied()
-            .collect();
-        self.check_open(req, &recorded)?;
-
-        self.record_positions(req, keys, positions);
-        if let Some(t) = &mut self.tracker {
-            t.record(keys);
-        }
-        let mut to_store = Vec::new();
-        let mut ready_existing = Vec::new();
-        for key in keys {
-            match self.policy.get(key) {
-                None => to_store.push(*key),
-                Some(c) if c.is_ready() => ready_existing.push(*key),
-                Some(_) => {}
-            }
-        }
-        if let Some(t) = &self.tracker {
-            let before = to_store.len();
-            to_store.retain(|k| t.count(k) >= self.config.store_threshold);
-            self.stores_skipped += (before - to_store.len()) as u64;
-        }
-        let generation = self.generation;
-        let state = self.requests.entry(req).or_insert_with(ReqState::new);
-        state.refresh(generation);
-        let misses: Vec<OffloadKey> = to_store
-            .iter()
-            .filter(|k| state.mark(**k, STORE_MISS))
-            .copied()
-            .collect();
-        if !misses.is_empty() {
-            self.policy.on_store_miss(&misses);
-        }
-        debug_assert_eq!(recorded.len(), to_store.len() + ready_existing.len());
-        self.record_access(req, &recorded, &[], &ready_existing);
-
-        if to_store.is_empty() {
-            return Ok(Some(StoreOutput::default()));
-        }
-        self.allocation_sizes.push(to_store.len() as u64);
-        let shortfall = (to_store.len() as u64).saturating_sub(self.slots.num_free());
-        let mut evicted = Vec::new();
-        if shortfall > 0 {
-            let victims = if shortfall > self.num_evictable {
-                None
-            } else {
-                self.policy.evict(shortfall as usize, offered)
-            };
-            let Some(victims) = victims else {
-                self.counters.stores_refused += 1;
-                return Ok(None);
-            };
-            self.num_evictable -= victims.len() as u64;
-            self.counters.evictions += victims.len() as u64;
-            for (key, chunk) in victims {
-                self.slots.free(chunk.slot);
-                evicted.push(key);
-            }
-            self.push_event(evicted.clone(), true, false);
-        }
-        let slots = self.slots.allocate(to_store.len());
-        let state = self.requests.get_mut(&req).expect("created above");
-        let slot = state.rank_slot(generation);
-        let mut rank = *slot;
-        for (key, &s) in to_store.iter().zip(&slots) {
-            let position = state.position(key);
-            self.policy
-                .insert(*key, Chunk::pending(s), position, &mut rank);
-        }
-        state.rank = rank;
-        self.num_write_pending += to_store.len() as u64;
-        self.counters.stores_prepared += to_store.len() as u64;
-        for key in &to_store {
-            state.mark(*key, INSERTED);
-        }
-        Ok(Some(StoreOutput {
-            keys_to_store: to_store,
-            slots,
-            evicted,
-        }))
-    }
-
-    /// Completes stores: on success the pending chunks become readable; on
-    /// failure they are removed and their slots freed. Keys with no store in
-    /// flight are ignored (and counted).
-    pub fn complete_store(&mut self, keys: &[OffloadKey], success: bool) {
-        let mut done = Vec::new();
-        for key in keys {
-            let Some(chunk) = self.policy.get_mut(key).filter(|c| !c.is_ready()) else {
-                self.counters.ignored_completions += 1;
-                continue;
-            };
-            self.num_write_pending -= 1;
-            if success {
-                chunk.ref_cnt = 0;
-                self.num_evictable += 1;
-                self.policy.mark_evictable(key);
-            } else {
-                let slot = chunk.slot;
-                self.policy.remove(key);
-                self.slots.free(slot);
-            }
-            done.push(*key);
-        }
-        if success {
-            self.counters.stores_completed += done.len() as u64;
-            self.push_event(done, false, false);
-        } else {
-            self.counters.stores_failed += done.len() as u64;
-            self.push_event(done, true, true);
-        }
     }
 
     /// The request ended: its access commits to the policy (recency, ARC's
@@ -616,54 +305,6 @@ impl OffloadTier {
                 Some(e)
             })
             .collect()
-    }
-
-    /// New chunks the admission filter skipped since the last [`Self::stats`].
-    #[must_use]
-    pub fn pending_stores_skipped(&self) -> u64 {
-        self.stores_skipped
-    }
-
-    /// Allocation sizes since the last [`Self::stats`].
-    #[must_use]
-    pub fn pending_allocation_sizes(&self) -> &[u64] {
-        &self.allocation_sizes
-    }
-
-    /// vLLM's metrics of the step; drains the allocation sizes and skip count.
-    pub fn stats(&mut self) -> TierStats {
-        let cap = self.slots.capacity();
-        let used = self.slots.num_allocated() - self.slots.num_freed() as u64 - self.num_evictable;
-        let share = |n: u64| if cap > 0 { n as f64 / cap as f64 } else { 0.0 };
-        let usage = share(used);
-        let write_usage = share(self.num_write_pending);
-        let stores_skipped = self
-            .tracker
-            .is_some()
-            .then(|| std::mem::take(&mut self.stores_skipped));
-        TierStats {
-            usage,
-            write_usage,
-            read_usage: (usage - write_usage).max(0.0),
-            allocation_sizes: std::mem::take(&mut self.allocation_sizes),
-            stores_skipped,
-        }
-    }
-
-    /// Whether `prepare_store` would record `key` in the request's access
-    /// (absent and admitted, or resident and ready).
-    fn would_record(&self, key: &OffloadKey) -> bool {
-        match self.policy.get(key) {
-            Some(c) => c.is_ready(),
-            None => match &self.tracker {
-                None => true,
-                // a tracked key's count grows by one; a new one starts at 1 < threshold
-                Some(t) => {
-                    let n = t.count(key);
-                    n > 0 && n + 1 >= self.config.store_threshold
-                }
-            },
-        }
     }
 
     /// Refuses new keys for a request whose end was already committed.

@@ -1,10 +1,10 @@
 //! Read-only views of the tier's structure, for debugging, drop-in views and
 //! parity checks against vLLM's policy objects.
 
-use super::OffloadTier;
 use super::keys::OffloadKey;
 use super::policy::Policy;
 use super::slots::Chunk;
+use super::{OffloadTier, TierConfig, TierCounters, TierStats};
 use crate::error::{Result, invalid};
 
 /// ARC's lists, each least recently used first.
@@ -23,6 +23,99 @@ pub struct ArcLists {
 }
 
 impl OffloadTier {
+    /// The configuration.
+    #[must_use]
+    pub fn config(&self) -> &TierConfig {
+        &self.config
+    }
+
+    /// Resident chunks (pending ones included).
+    #[must_use]
+    pub fn num_resident(&self) -> usize {
+        self.policy.len()
+    }
+
+    /// Resident chunks that nothing pins (eviction candidates).
+    #[must_use]
+    pub fn num_evictable(&self) -> u64 {
+        self.num_evictable
+    }
+
+    /// Chunks whose store is in flight.
+    #[must_use]
+    pub fn num_write_pending(&self) -> u64 {
+        self.num_write_pending
+    }
+
+    /// Slots handed out fresh since the last reset (vLLM's
+    /// `_num_allocated_chunks`; freed ones count until the reset).
+    #[must_use]
+    pub fn num_slots_used(&self) -> u64 {
+        self.slots.num_allocated()
+    }
+
+    /// Freed slots waiting for reuse, the next one last (vLLM's `_free_list`).
+    #[must_use]
+    pub fn freed_slots(&self) -> &[u64] {
+        self.slots.freed()
+    }
+
+    /// Slots that can be handed out without evicting.
+    #[must_use]
+    pub fn num_free_slots(&self) -> u64 {
+        self.slots.num_free()
+    }
+
+    /// The running totals.
+    #[must_use]
+    pub fn counters(&self) -> TierCounters {
+        self.counters
+    }
+
+    /// Requests the tier holds state for.
+    #[must_use]
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// A resident chunk's state.
+    #[must_use]
+    pub fn chunk(&self, key: &OffloadKey) -> Option<Chunk> {
+        self.policy.get(key).copied()
+    }
+
+    /// New chunks the admission filter skipped since the last [`Self::stats`].
+    #[must_use]
+    pub fn pending_stores_skipped(&self) -> u64 {
+        self.stores_skipped
+    }
+
+    /// Allocation sizes since the last [`Self::stats`].
+    #[must_use]
+    pub fn pending_allocation_sizes(&self) -> &[u64] {
+        &self.allocation_sizes
+    }
+
+    /// vLLM's metrics of the step; drains the allocation sizes and skip count.
+    pub fn stats(&mut self) -> TierStats {
+        let cap = self.slots.capacity();
+        let used = self.slots.num_allocated() - self.slots.num_freed() as u64 - self.num_evictable;
+        let share = |n: u64| if cap > 0 { n as f64 / cap as f64 } else { 0.0 };
+        let usage = share(used);
+        let write_usage = share(self.num_write_pending);
+        let stores_skipped = self
+            .tracker
+            .is_some()
+            .then(|| std::mem::take(&mut self.stores_skipped));
+        TierStats {
+            usage,
+            write_usage,
+            read_usage: (usage - write_usage).max(0.0),
+            allocation_sizes: std::mem::take(&mut self.allocation_sizes),
+            stores_skipped,
+        }
+    }
+
     /// ARC's lists (`None` under LRU).
     #[must_use]
     pub fn arc_lists(&self) -> Option<ArcLists> {

@@ -173,3 +173,17 @@ def test_an_empty_tier_refuses_every_store_and_counts_it() -> None:
     assert tier.counters()["stores_refused"] == 1
     assert tier.stats()[:3] == (0.0, 0.0, 0.0)
     tier.check_invariants()
+
+
+def test_the_readme_example_runs_as_written() -> None:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Host offload tier", 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match is not None
+    scope: dict[str, Any] = {"chunk_hashes": [bytes([i]) * 32 for i in range(3)], "group_idx": 1}
+    exec(compile(match.group(1), "README.md", "exec"), scope)
+    assert scope["n"] == 3 and scope["slots"].tolist() == [0, 1, 2]
+    assert scope["tier"].lookup(scope["keys"][0]) == Lookup.HIT

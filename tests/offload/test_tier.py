@@ -83,27 +83,56 @@ def test_any_iterable_of_keys_is_accepted() -> None:
     assert tier.lookup_prefix(k for k in ks([1, 2])) == 2
 
 
+# (the method, a bad call of it, the exception): every method taking an argument
 BAD: list[tuple[str, Any, type[BaseException]]] = [
-    ("key not bytes", lambda t: t.lookup("abc"), TypeError),
-    ("key too long", lambda t: t.lookup(b"x" * 64), InvalidArgumentError),
-    ("keys one bytes", lambda t: t.touch(b"abc"), TypeError),
-    ("keys not bytes", lambda t: t.prepare_store([1, 2], 0), TypeError),
-    ("duplicate keys", lambda t: t.prepare_store(ks([3, 3]), 0), InvalidArgumentError),
-    ("positions short", lambda t: t.prepare_store(ks([3]), 0, []), InvalidArgumentError),
-    ("positions long", lambda t: t.prepare_store(ks([3]), 0, [1, 2]), InvalidArgumentError),
-    ("position negative", lambda t: t.prepare_load(ks([1]), 0, [-5]), InvalidArgumentError),
-    ("position not int", lambda t: t.prepare_load(ks([1]), 0, ["a"]), TypeError),
-    ("req negative", lambda t: t.prepare_store(ks([3]), -1), OverflowError),
-    ("load absent", lambda t: t.prepare_load(ks([1, 9]), 0), InvalidArgumentError),
-    ("load pending", lambda t: t.prepare_load(ks([2]), 0), InvalidArgumentError),
-    ("double complete_load", lambda t: t.complete_load(ks([1])), InvalidArgumentError),
-    ("finish positions", lambda t: t.on_request_finished(0, ks([1]), []), InvalidArgumentError),
+    ("lookup", lambda t: t.lookup("abc"), TypeError),
+    ("lookup", lambda t: t.lookup(b"x" * 56), InvalidArgumentError),
+    ("lookup_prefix", lambda t: t.lookup_prefix([b"1", None]), TypeError),
+    ("touch", lambda t: t.touch(b"abc"), TypeError),
+    ("prepare_store", lambda t: t.prepare_store([1, 2], 0), TypeError),
+    ("prepare_store", lambda t: t.prepare_store(ks([3, 3]), 0), InvalidArgumentError),
+    ("prepare_store", lambda t: t.prepare_store(ks([3]), 0, []), InvalidArgumentError),
+    ("prepare_store", lambda t: t.prepare_store(ks([3]), 0, [1, 2]), InvalidArgumentError),
+    ("prepare_store", lambda t: t.prepare_store(ks([3]), -1), OverflowError),
+    ("prepare_store", lambda t: t.prepare_store(ks([3]), 0, {k(3): -2}), InvalidArgumentError),
+    ("prepare_load", lambda t: t.prepare_load(ks([1]), 0, [-5]), InvalidArgumentError),
+    ("prepare_load", lambda t: t.prepare_load(ks([1]), 0, ["a"]), TypeError),
+    ("prepare_load", lambda t: t.prepare_load(ks([1, 9]), 0), InvalidArgumentError),
+    ("prepare_load", lambda t: t.prepare_load(ks([2]), 0), InvalidArgumentError),
+    ("prepare_read", lambda t: t.prepare_read(ks([1, 9])), InvalidArgumentError),
+    ("complete_load", lambda t: t.complete_load(ks([1])), InvalidArgumentError),
+    ("complete_store", lambda t: t.complete_store(["1"]), TypeError),
+    ("on_request_finished", lambda t: t.on_request_finished(0, ks([1]), []), InvalidArgumentError),
+    ("on_request_finished", lambda t: t.on_request_finished(0, None, {1: 2}), TypeError),
+    ("on_new_request", lambda t: t.on_new_request(-1), OverflowError),
+    ("forget_request", lambda t: t.forget_request(2**64), OverflowError),
+    ("chunk", lambda t: t.chunk(3), TypeError),
+    ("set_arc_target_t1_size", lambda t: t.set_arc_target_t1_size(1.0), InvalidArgumentError),
 ]
+#: methods with no argument that can be wrong
+NO_BAD_INPUT = {
+    "reset_cache",
+    "take_events",
+    "stats",
+    "counters",
+    "resident",
+    "arc_lists",
+    "lru_eviction_order",
+    "tracked_offers",
+    "check_invariants",
+}
 
 
-@pytest.mark.parametrize(("case", "call", "expected"), BAD, ids=[b[0] for b in BAD])
+def test_every_method_is_in_the_bad_input_matrix() -> None:
+    methods = {
+        n for n in dir(OffloadTier) if not n.startswith("_") and callable(getattr(OffloadTier, n))
+    }
+    assert methods == {b[0] for b in BAD} | NO_BAD_INPUT
+
+
+@pytest.mark.parametrize(("method", "call", "expected"), BAD, ids=[b[0] for b in BAD])
 def test_bad_input_raises_and_changes_nothing(
-    case: str, call: Any, expected: type[BaseException]
+    method: str, call: Any, expected: type[BaseException]
 ) -> None:
     tier = OffloadTier(4, "lru", enable_events=True)
     tier.prepare_store(ks([1, 2]), 0)
@@ -111,8 +140,10 @@ def test_bad_input_raises_and_changes_nothing(
     tier.take_events()
     before = (sorted(tier.resident()), tier.num_evictable, tier.num_write_pending)
     before_order = tier.lru_eviction_order()
+    before_requests = tier.num_requests
     with pytest.raises(expected):
         call(tier)
+    assert tier.num_requests == before_requests
     assert (sorted(tier.resident()), tier.num_evictable, tier.num_write_pending) == before
     assert tier.lru_eviction_order() == before_order
     assert tier.take_events() == []

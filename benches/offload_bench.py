@@ -20,6 +20,9 @@ each side's. Needs vLLM for the first two sides (run it with the vLLM
 environment's python); without vLLM only ``native`` runs.
 
     python benches/offload_bench.py TRACE.json[.gz] [TRACE2 ...] --rounds 5
+    python benches/offload_bench.py --scale 1000,10000,100000,1000000 --rounds 3
+        # the cost per call on a full tier of each size (native API; the same
+        # request cycle as the core's bench `offload_{lru,arc}/request/N`)
     python benches/offload_bench.py TRACE --core-ops OUT.txt   # the calls for the
         # core's replay: PAGEDKV_OFFLOAD_OPS=OUT.txt cargo bench --bench offload
 """
@@ -162,6 +165,65 @@ def _run(calls: list[Call]) -> int:
         gc.enable()
 
 
+PREFIX, TAIL, CALLS = 8, 4, 7
+
+
+def _key(n: int) -> bytes:
+    return n.to_bytes(32, "little") + b"\x00\x00\x00\x00"
+
+
+def scale(sizes: list[int], rounds: int, requests: int) -> None:
+    """A steady cycle on a full tier: a request finds a recent prefix, loads its
+    hits, stores a new tail (evicting), ends; seven calls a request."""
+    import random
+
+    print(f"{CALLS} calls a request ({PREFIX} chunks found, {TAIL} stored), {requests} requests")
+    for policy in ("lru", "arc"):
+        base = None
+        for n in sizes:
+            tier = OffloadTier(n, policy)
+            recent = []
+            for start in range(0, n, PREFIX):
+                keys = [_key(i) for i in range(start, min(start + PREFIX, n))]
+                tier.prepare_store(keys, 0)
+                tier.complete_store(keys)
+                recent.append(keys)
+            recent = recent[-1024:]
+            rng = random.Random(7)
+            next_key, req = n, 1
+            figures = []
+            for _ in range(rounds):
+                work = []
+                for _ in range(requests):
+                    pick = rng.randrange(len(recent))
+                    tail = [_key(i) for i in range(next_key, next_key + TAIL)]
+                    next_key += TAIL
+                    positions = [16 * (PREFIX + i + 1) for i in range(TAIL)]
+                    work.append((req, recent[pick], tail, positions))
+                    recent[pick] = tail
+                    req += 1
+                gc.collect()
+                gc.disable()
+                t0 = time.perf_counter_ns()
+                for r, prefix, tail, positions in work:
+                    tier.on_new_request(r)
+                    hit = tier.lookup_prefix(prefix)
+                    tier.prepare_load(prefix[:hit], r)
+                    tier.complete_load(prefix[:hit])
+                    if tier.prepare_store(tail, r, positions) is not None:
+                        tier.complete_store(tail)
+                    tier.on_request_finished(r)
+                    tier.forget_request(r)
+                figures.append((time.perf_counter_ns() - t0) / 1000 / requests / CALLS)
+                gc.enable()
+            lo, med = min(figures), statistics.median(figures)
+            base = base or med
+            print(
+                f"  {policy} {n:>9,} chunks: {lo:6.3f} / {med:6.3f} µs per call"
+                f"  (x{med / base:4.2f} of the smallest, median)"
+            )
+
+
 def bench(path: str, rounds: int) -> None:
     trace = load_trace(path)
     sides: dict[str, tuple[Callable[[], list[Call]], int]] = {}
@@ -202,7 +264,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("traces", nargs="+")
+    ap.add_argument("traces", nargs="*")
+    ap.add_argument("--scale", help="tier sizes in chunks, comma-separated (no trace needed)")
+    ap.add_argument("--requests", type=int, default=20_000, help="requests a round (--scale)")
     ap.add_argument("--rounds", type=int, default=5, choices=range(1, 101), metavar="1..100")
     ap.add_argument("--core-ops", help="write the (first) trace's calls for the core's replay")
     args = ap.parse_args()
@@ -213,6 +277,11 @@ def main() -> None:
             f.write(core_ops(load_trace(args.traces[0])))
         return
     print(f"{platform.processor() or platform.machine()}, Python {platform.python_version()}")
+    if args.scale:
+        sizes = [int(float(x)) for x in args.scale.split(",")]
+        if not all(0 < n <= 1 << 26 for n in sizes) or not 0 < args.requests <= 10**7:
+            ap.error("--scale sizes must be in 1..2**26, --requests in 1..10**7")
+        scale(sizes, args.rounds, args.requests)
     for path in args.traces:
         bench(path, args.rounds)
 

@@ -15,15 +15,29 @@ until it completes::
     ...                                             # copy device -> host slots
     tier.complete_store(keys)
     tier.lookup(keys[0]) == Lookup.HIT
+
+``DiskTier(path, capacity_bytes, chunk_bytes)`` is the tier below: one file of
+fixed-size slots created in the directory ``path`` (removed with the tier),
+bounded in bytes, least recently used out first; ``put(key, data)`` writes a
+chunk through from host memory, ``get(key)`` / ``get_into(key, out)`` read it
+back after checking its slot (a corrupt or truncated slot is a counted miss,
+never wrong KV).
 """
 
 from __future__ import annotations
 
 import enum
 
-from pagedkv._core import OffloadTier
+from pagedkv._core import DiskTier, OffloadTier
 
-__all__ = ["Lookup", "OffloadTier", "offload_key", "offload_key_group", "offload_key_hash"]
+__all__ = [
+    "DiskTier",
+    "Lookup",
+    "OffloadTier",
+    "offload_key",
+    "offload_key_group",
+    "offload_key_hash",
+]
 
 
 class Lookup(enum.IntEnum):

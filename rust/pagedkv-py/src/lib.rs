@@ -15,7 +15,8 @@
 //! - [`fork`]: the hash workers across `os.fork`;
 //! - [`hash`]: block hashing functions;
 //! - [`index`]: the router-side `PrefixIndex`;
-//! - [`offload`]: the host-memory offload tier (`OffloadTier`);
+//! - [`offload`]: the host-memory offload tier (`OffloadTier`); [`offload_disk`]:
+//!   the disk tier below it (`DiskTier`);
 //! - [`prepared`]: requests built and hashed off the scheduler's thread.
 
 // PyO3 extracts arguments as owned values (`Vec<Bound<..>>`, `PyRef<..>`).
@@ -33,6 +34,7 @@ mod hash;
 mod index;
 mod manager;
 mod offload;
+mod offload_disk;
 mod prepared;
 
 #[pymodule]
@@ -43,6 +45,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     index::register(m)?;
     prepared::register(m)?;
     offload::register(m)?;
+    offload_disk::register(m)?;
     fork::register(m)?;
     alloc::keep_freed_pages();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

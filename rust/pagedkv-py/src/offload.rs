@@ -5,7 +5,9 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use pagedkv_core::offload::{Chunk, LookupResult, OffloadKey, OffloadTier, PolicyKind, TierConfig};
+use pagedkv_core::offload::{
+    Chunk, LookupResult, OffloadEvent, OffloadKey, OffloadTier, PolicyKind, TierConfig,
+};
 
 use crate::convert::{count, offload_key, offload_keys, position_items, positions};
 use crate::errors::{PkResult, borrow, borrow_mut};
@@ -26,6 +28,22 @@ type ArcTuple<'py> = (
     Bound<'py, PyList>,
     Bound<'py, PyList>,
 );
+
+/// Events as `[(keys, medium, removed, metadata_only), ...]`.
+pub fn event_tuples<'py>(py: Python<'py>, events: &[OffloadEvent]) -> PyResult<Bound<'py, PyList>> {
+    let items = events
+        .iter()
+        .map(|e| {
+            Ok((
+                key_list(py, &e.keys)?,
+                e.medium.name(),
+                e.removed,
+                e.metadata_only,
+            ))
+        })
+        .collect::<PyResult<Vec<EventTuple<'py>>>>()?;
+    PyList::new(py, items)
+}
 
 fn slot_array(py: Python<'_>, slots: Vec<u64>) -> Bound<'_, PyArray1<i64>> {
     // slots are below 2**40 (the tier's bound)
@@ -274,20 +292,9 @@ impl PyOffloadTier {
     }
 
     /// `[(keys, medium, removed, metadata_only), ...]` since the last call.
-    fn take_events<'py>(slf: &Bound<'py, Self>) -> PkResult<Vec<EventTuple<'py>>> {
-        let py = slf.py();
+    fn take_events<'py>(slf: &Bound<'py, Self>) -> PkResult<Bound<'py, PyList>> {
         let events = borrow_mut(slf)?.inner.take_events();
-        Ok(events
-            .iter()
-            .map(|e| {
-                Ok((
-                    key_list(py, &e.keys)?,
-                    e.medium.name(),
-                    e.removed,
-                    e.metadata_only,
-                ))
-            })
-            .collect::<PyResult<_>>()?)
+        Ok(event_tuples(slf.py(), &events)?)
     }
 
     /// `(usage, write_usage, read_usage, allocation_sizes, stores_skipped)`;

@@ -13,7 +13,8 @@
 //! Rooms: `keys` (the key and its digest), `slots` (slot allocation, a
 //! chunk's state), `lru` / `arc` / `policy` (the policies and their dispatch),
 //! `requests` (per-request access records, the admission tracker), `load` /
-//! `store` (the calls that read and write the tier), `events`, `readouts`
+//! `store` (the calls that read and write the tier), `disk` (the disk tier
+//! below), `events`, `readouts`
 //! (accessors, metrics, views of the policy), `check` (invariants).
 //!
 //! ```
@@ -33,6 +34,7 @@
 
 mod arc;
 mod check;
+mod disk;
 mod events;
 mod keys;
 mod load;
@@ -47,6 +49,7 @@ mod tests;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
+pub use disk::{DiskConfig, DiskCounters, DiskRead, DiskTier};
 pub use events::{Medium, OffloadEvent};
 pub use keys::{MAX_KEY_LEN, OffloadKey};
 pub use policy::PolicyKind;

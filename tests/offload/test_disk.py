@@ -34,9 +34,9 @@ def test_chunks_round_trip_and_the_least_recently_used_goes_first(tmp_path: Path
     assert tier.get_into(k(3), out) == "hit" and (out == 3).all()
     assert tier.get_into(k(1), out) == "miss"
     assert tier.take_events() == [
-        ([k(0), k(1), k(2)], "DISK", False, False),
-        ([k(1)], "DISK", True, False),
-        ([k(3)], "DISK", False, False),
+        ([k(0), k(1), k(2)], "STORAGE", False, False),
+        ([k(1)], "STORAGE", True, False),
+        ([k(3)], "STORAGE", False, False),
     ]
     c = tier.counters()
     assert (c["writes"], c["hits"], c["misses"], c["evictions"]) == (4, 2, 1, 1)
@@ -110,3 +110,17 @@ def test_a_full_disk_refuses_the_write_and_keeps_serving(tmp_path: Path) -> None
         [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True
     )
     assert out.stdout.split() == ["True", "False", "1", "False", "True"]
+
+
+def test_disk_kv_events_use_vllms_storage_medium(tmp_path: Path) -> None:
+    from pagedkv.events import BlockRemoved, BlockStored
+
+    tier = DiskTier(tmp_path, HEADER + CHUNK, CHUNK, enable_events=True)
+    tier.put(k(1), b"a" * CHUNK)
+    tier.put(k(2), b"b" * CHUNK)
+    h = [int.from_bytes(key[:-4][-8:], "big") for key in (k(1), k(2))]
+    assert tier.take_kv_events() == [
+        BlockStored([h[0]], None, [], 0, None, medium="STORAGE", group_idx=0),
+        BlockRemoved([h[0]], medium="STORAGE", group_idx=0),
+        BlockStored([h[1]], None, [], 0, None, medium="STORAGE", group_idx=0),
+    ]

@@ -108,6 +108,7 @@ BAD: list[tuple[str, Any, type[BaseException]]] = [
     ("forget_request", lambda t: t.forget_request(2**64), OverflowError),
     ("chunk", lambda t: t.chunk(3), TypeError),
     ("set_arc_target_t1_size", lambda t: t.set_arc_target_t1_size(1.0), InvalidArgumentError),
+    ("take_kv_events", lambda t: t.take_kv_events("yes"), TypeError),
 ]
 #: methods with no argument that can be wrong
 NO_BAD_INPUT = {
@@ -218,3 +219,31 @@ def test_the_readme_example_runs_as_written() -> None:
     exec(compile(match.group(1), "README.md", "exec"), scope)
     assert scope["n"] == 3 and scope["slots"].tolist() == [0, 1, 2]
     assert scope["tier"].lookup(scope["keys"][0]) == Lookup.HIT
+
+
+def test_kv_events_carry_the_tier_medium_as_vllms_connector_publishes() -> None:
+    from pagedkv.events import BlockRemoved, BlockStored
+
+    tier = OffloadTier(2, enable_events=True)
+    g1 = offload_key(b"\x09" * 8, 1)
+    tier.prepare_store([k(1), g1], 0)
+    tier.complete_store([k(1), g1])
+    tier.prepare_store(ks([2, 3]), 0)  # evicts both
+    tier.complete_store(ks([2, 3]), success=False)  # a failed store is not published
+
+    def h(key: bytes) -> int:
+        return int.from_bytes(key[:-4][-8:], "big")
+
+    def stored(key: bytes, group: int) -> BlockStored:
+        return BlockStored([h(key)], None, [], 0, None, medium="CPU", group_idx=group)
+
+    assert tier.take_kv_events() == [
+        stored(k(1), 0),
+        stored(g1, 1),
+        BlockRemoved([h(k(1))], medium="CPU", group_idx=0),
+        BlockRemoved([h(g1)], medium="CPU", group_idx=1),
+    ]
+    tier.prepare_store(ks([4]), 0)
+    tier.complete_store(ks([4]))
+    (event,) = tier.take_kv_events(raw_hashes=True)
+    assert event.block_hashes == [k(4)[:-4]] and event.medium == "CPU"

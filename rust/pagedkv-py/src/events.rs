@@ -9,6 +9,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple, PyType};
 use pyo3::{Borrowed, intern};
 
+use pagedkv_core::hash::event_int;
+use pagedkv_core::offload::{OffloadEvent, TierKvEvent, kv_events};
 use pagedkv_core::{BlockHash, EventExtraKey, KvEvent};
 
 /// Field tuple, repr, equality, hash and pickling of an event class, from its
@@ -373,6 +375,75 @@ pub fn to_python(
             )?
             .into_any(),
             KvEvent::AllBlocksCleared => Bound::new(py, PyAllBlocksCleared {})?.into_any(),
+        };
+        out.push(obj);
+    }
+    PyList::new(py, out)
+}
+
+fn digest_obj<'py>(py: Python<'py>, digest: &[u8], raw: bool) -> PyResult<Bound<'py, PyAny>> {
+    if raw {
+        Ok(PyBytes::new(py, digest).into_any())
+    } else {
+        Ok(event_int(digest).into_pyobject(py)?.into_any())
+    }
+}
+
+/// An offload tier's events as the KV events vLLM's offloading connector
+/// publishes (`BlockStored` per stored chunk, `BlockRemoved` per group), with
+/// the tier's medium; hashes as vLLM's 64-bit ints, or raw with `raw_hashes`.
+pub fn tier_to_python<'py>(
+    py: Python<'py>,
+    events: &[OffloadEvent],
+    raw_hashes: bool,
+) -> PyResult<Bound<'py, PyList>> {
+    let mut out = Vec::new();
+    for ev in kv_events(events) {
+        let obj = match ev {
+            TierKvEvent::Stored {
+                hash,
+                group_idx,
+                medium,
+            } => Bound::new(
+                py,
+                PyBlockStored {
+                    block_hashes: PyList::new(py, [digest_obj(py, hash, raw_hashes)?])?
+                        .into_any()
+                        .unbind(),
+                    parent_block_hash: py.None(),
+                    token_ids: PyList::empty(py).into_any().unbind(),
+                    block_size: 0u32.into_pyobject(py)?.into_any().unbind(),
+                    lora_id: py.None(),
+                    medium: PyString::new(py, medium.name()).into_any().unbind(),
+                    lora_name: py.None(),
+                    extra_keys: py.None(),
+                    group_idx: group_idx.into_pyobject(py)?.into_any().unbind(),
+                    kv_cache_spec_kind: py.None(),
+                    kv_cache_spec_sliding_window: py.None(),
+                    session_id: py.None(),
+                    lookahead_token_ids: py.None(),
+                },
+            )?
+            .into_any(),
+            TierKvEvent::Removed {
+                hashes,
+                group_idx,
+                medium,
+            } => {
+                let hashes = hashes
+                    .iter()
+                    .map(|h| digest_obj(py, h, raw_hashes))
+                    .collect::<PyResult<Vec<_>>>()?;
+                Bound::new(
+                    py,
+                    PyBlockRemoved {
+                        block_hashes: PyList::new(py, hashes)?.into_any().unbind(),
+                        medium: PyString::new(py, medium.name()).into_any().unbind(),
+                        group_idx: group_idx.into_pyobject(py)?.into_any().unbind(),
+                    },
+                )?
+                .into_any()
+            }
         };
         out.push(obj);
     }

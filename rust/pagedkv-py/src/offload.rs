@@ -291,6 +291,22 @@ impl PyOffloadTier {
         self.inner.reset_cache();
     }
 
+    /// The events since the last call as the KV events vLLM's offloading
+    /// connector publishes (`BlockStored` / `BlockRemoved` with this tier's
+    /// medium; a failed store's removal is not published).
+    #[pyo3(signature = (raw_hashes = false))]
+    fn take_kv_events<'py>(
+        slf: &Bound<'py, Self>,
+        raw_hashes: bool,
+    ) -> PkResult<Bound<'py, PyList>> {
+        let events = borrow_mut(slf)?.inner.take_events();
+        Ok(crate::events::tier_to_python(
+            slf.py(),
+            &events,
+            raw_hashes,
+        )?)
+    }
+
     /// `[(keys, medium, removed, metadata_only), ...]` since the last call.
     fn take_events<'py>(slf: &Bound<'py, Self>) -> PkResult<Bound<'py, PyList>> {
         let events = borrow_mut(slf)?.inner.take_events();

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use numpy::{PyReadonlyArray1, PyReadwriteArray1};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 use pagedkv_core::offload::{DiskConfig, DiskRead, DiskTier};
 
@@ -119,8 +119,24 @@ impl PyDiskTier {
         Ok(borrow_mut(slf)?.inner.remove(&key))
     }
 
-    /// `[(keys, "DISK", removed, metadata_only), ...]` since the last call.
-    fn take_events<'py>(slf: &Bound<'py, Self>) -> PkResult<Bound<'py, pyo3::types::PyList>> {
+    /// The events since the last call as the KV events vLLM's offloading
+    /// connector publishes (`BlockStored` / `BlockRemoved` with this tier's
+    /// medium; a failed store's removal is not published).
+    #[pyo3(signature = (raw_hashes = false))]
+    fn take_kv_events<'py>(
+        slf: &Bound<'py, Self>,
+        raw_hashes: bool,
+    ) -> PkResult<Bound<'py, PyList>> {
+        let events = borrow_mut(slf)?.inner.take_events();
+        Ok(crate::events::tier_to_python(
+            slf.py(),
+            &events,
+            raw_hashes,
+        )?)
+    }
+
+    /// `[(keys, "STORAGE", removed, metadata_only), ...]` since the last call.
+    fn take_events<'py>(slf: &Bound<'py, Self>) -> PkResult<Bound<'py, PyList>> {
         let events = borrow_mut(slf)?.inner.take_events();
         Ok(event_tuples(slf.py(), &events)?)
     }

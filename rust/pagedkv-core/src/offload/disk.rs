@@ -37,7 +37,7 @@ pub struct DiskConfig {
     pub capacity_bytes: u64,
     /// Bytes of one chunk's KV data.
     pub chunk_bytes: u64,
-    /// Whether stores and removals are recorded as events (medium `DISK`).
+    /// Whether stores and removals are recorded as events (medium `STORAGE`).
     pub enable_events: bool,
 }
 
@@ -317,7 +317,7 @@ impl DiskTier {
                 Some(e) if e.removed == removed => e.keys.push(key),
                 _ => events.push(OffloadEvent {
                     keys: vec![key],
-                    medium: Medium::Disk,
+                    medium: Medium::Storage,
                     removed,
                     metadata_only: false,
                 }),

@@ -50,7 +50,7 @@ mod tests;
 use rustc_hash::{FxHashMap, FxHashSet};
 
 pub use disk::{DiskConfig, DiskCounters, DiskRead, DiskTier};
-pub use events::{Medium, OffloadEvent};
+pub use events::{Medium, OffloadEvent, TierKvEvent, kv_events};
 pub use keys::{MAX_KEY_LEN, OffloadKey};
 pub use policy::PolicyKind;
 pub use readouts::ArcLists;

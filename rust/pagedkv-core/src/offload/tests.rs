@@ -235,3 +235,25 @@ fn a_read_for_a_lower_tier_pins_without_an_access() {
     assert!(t.prepare_read(&ks(&[2])).is_err());
     t.check_invariants().unwrap();
 }
+
+#[test]
+fn kv_events_as_vllms_connector_publishes_them() {
+    let mut t = tier(2, PolicyKind::Lru);
+    let g1 = OffloadKey::new(b"9", 1).unwrap();
+    t.prepare_store(&[k(1), g1], 0, &[]).unwrap().unwrap();
+    t.complete_store(&[k(1), g1], true);
+    t.prepare_store(&ks(&[2, 3]), 0, &[]).unwrap().unwrap(); // evicts 1 and g1
+    t.complete_store(&ks(&[2, 3]), false); // a failed store: not published
+    let events = t.take_events();
+    let kv = kv_events(&events);
+    let stored = |h: &'static [u8], g| events::TierKvEvent::Stored { hash: h, group_idx: g, medium: Medium::Cpu };
+    assert_eq!(
+        kv,
+        vec![
+            stored(b"1", 0),
+            stored(b"9", 1),
+            events::TierKvEvent::Removed { hashes: vec![b"1"], group_idx: 0, medium: Medium::Cpu },
+            events::TierKvEvent::Removed { hashes: vec![b"9"], group_idx: 1, medium: Medium::Cpu },
+        ]
+    );
+}

@@ -1,6 +1,7 @@
 """The torch side of pagedkv: KV-cache tensors for a :class:`~pagedkv.KVCacheConfig`,
-block tables and slot mappings, reference paged-attention kernels, block copies and
-CPU swapping, and a tiny paged transformer that proves the mapping end to end.
+block tables and slot mappings, reference paged-attention kernels, block copies, CPU
+swapping and the host store behind an offload tier, and a tiny paged transformer
+that proves the mapping end to end.
 
 Importing :mod:`pagedkv` does not import torch; importing this subpackage does.
 
@@ -34,12 +35,15 @@ from .kv_cache import (
     torch_dtype,
 )
 from .model import TinyConfig, TinyTransformer
+from .offload import HostCopy, HostKVStore
 from .swap import KVSwapper, SwapInResult, SwappedGroup, SwappedRequest
 
 __all__ = [
     "AttentionMetadata",
     "BlockTable",
     "EngineRequest",
+    "HostCopy",
+    "HostKVStore",
     "KVCache",
     "KVSwapper",
     "LayerCache",

@@ -1,0 +1,164 @@
+"""Host-memory KV for an offload tier's slots, and the copies both ways.
+
+:class:`HostKVStore` holds, for a device :class:`~pagedkv.torch.KVCache`, a host
+cache of the same layout with ``num_chunks * blocks_per_chunk`` blocks (pinned
+when CUDA is available): slot ``s`` of a :class:`~pagedkv.offload.OffloadTier`
+is host blocks ``s * blocks_per_chunk ...`` of the group its key names (a key is
+one group's chunk; groups sharing a KV-cache tensor share host pages as they
+share device pages). :meth:`store` copies a group's device blocks into slots and
+:meth:`load` copies slots back into device blocks, one batch for every layer of
+the group. On CUDA the copies run on a side
+stream, ordered after the work already queued on the current stream, and the
+returned :class:`HostCopy` carries an event: :meth:`HostCopy.done` polls it,
+:meth:`HostCopy.wait` makes a stream (or the host) wait for it. On the CPU they
+are plain copies, done on return.
+
+A store's slots are the ones ``OffloadTier.prepare_store`` handed out (its
+``complete_store`` follows the copy's completion); a load's are those of
+``prepare_load`` (``complete_load`` after the copy).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from .kv_cache import KVCache, allocate_kv_cache
+
+__all__ = ["HostCopy", "HostKVStore"]
+
+
+class HostCopy:
+    """One batch of copies: done at once on the CPU; on CUDA, when its event is."""
+
+    __slots__ = ("_event", "nbytes")
+
+    def __init__(self, event: torch.cuda.Event | None, nbytes: int) -> None:
+        self._event = event
+        self.nbytes = nbytes
+
+    def done(self) -> bool:
+        """Whether the copies finished (never blocks)."""
+        return self._event is None or bool(self._event.query())  # type: ignore[no-untyped-call]
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Makes ``stream`` wait for the copies (the host, without one)."""
+        if self._event is None:
+            return
+        if stream is None:
+            self._event.synchronize()
+        else:
+            stream.wait_event(self._event)
+
+
+def _ids(values: npt.ArrayLike, name: str) -> npt.NDArray[np.int64]:
+    a = np.asarray(values, dtype=np.int64)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D")
+    return a
+
+
+class HostKVStore:
+    """``num_chunks`` chunks of ``blocks_per_chunk`` blocks in host memory, in
+    ``kv_cache``'s layout, and batched copies to and from ``kv_cache``."""
+
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        num_chunks: int,
+        blocks_per_chunk: int,
+        *,
+        pin_memory: bool | None = None,
+    ) -> None:
+        for name, v in (("num_chunks", num_chunks), ("blocks_per_chunk", blocks_per_chunk)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.kv_cache = kv_cache
+        self.num_chunks = num_chunks
+        self.blocks_per_chunk = blocks_per_chunk
+        self.host = allocate_kv_cache(
+            kv_cache.config, "cpu", num_blocks=num_chunks * blocks_per_chunk, pin_memory=pin_memory
+        )
+        dev = kv_cache.device
+        self._stream = (
+            torch.cuda.Stream(dev) if dev.type == "cuda" else None  # type: ignore[no-untyped-call]
+        )
+        self._groups = range(len(kv_cache.config.kv_cache_groups))
+
+    def chunk_nbytes(self, group: int) -> int:
+        """Bytes of one chunk of group ``group`` (every layer of the group)."""
+        per_block = sum(
+            t[0].numel() * t.element_size() for t in self.kv_cache.group_block_tensors(group)
+        )
+        return per_block * self.blocks_per_chunk
+
+    def _plan(
+        self, group: int, slots: npt.ArrayLike, block_ids: npt.ArrayLike
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        if not isinstance(group, int) or group not in self._groups:
+            raise ValueError(f"group must be one of {list(self._groups)}, got {group!r}")
+        s = _ids(slots, "slots")
+        if len(s) and (s.min() < 0 or s.max() >= self.num_chunks):
+            raise ValueError(f"slot out of range (0..{self.num_chunks})")
+        if len(set(s.tolist())) != len(s):
+            raise ValueError("a slot is listed twice")
+        b = _ids(block_ids, "block_ids")
+        if len(b) != len(s) * self.blocks_per_chunk:
+            raise ValueError(
+                f"block_ids holds {len(b)} ids for {len(s)} slots of {self.blocks_per_chunk} blocks"
+            )
+        if len(b) and (b.min() < 0 or b.max() >= self.kv_cache.num_blocks):
+            raise ValueError(f"block id out of range (0..{self.kv_cache.num_blocks})")
+        return s, b
+
+    def store(self, group: int, slots: npt.ArrayLike, block_ids: npt.ArrayLike) -> HostCopy:
+        """Copies group ``group``'s device blocks into host slots (a slot holds one
+        group's chunk, as a tier key names one group): ``block_ids`` lists
+        ``blocks_per_chunk`` device ids a slot, chunk after chunk."""
+        s, b = self._plan(group, slots, block_ids)
+        return self._copy(group, s, b, to_host=True)
+
+    def load(self, group: int, slots: npt.ArrayLike, block_ids: npt.ArrayLike) -> HostCopy:
+        """Copies host slots into group ``group``'s device blocks (the layout of
+        :meth:`store`)."""
+        s, b = self._plan(group, slots, block_ids)
+        return self._copy(group, s, b, to_host=False)
+
+    def _copy(
+        self,
+        group: int,
+        slots: npt.NDArray[np.int64],
+        blocks: npt.NDArray[np.int64],
+        *,
+        to_host: bool,
+    ) -> HostCopy:
+        bpc = self.blocks_per_chunk
+        stream = self._stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
+        nbytes = 0
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            dev = torch.as_tensor(blocks).to(self.kv_cache.device, non_blocking=True)
+            pairs = zip(
+                self.kv_cache.group_block_tensors(group),
+                self.host.group_block_tensors(group),
+                strict=True,
+            )
+            for dev_t, host_t in pairs:
+                for i, slot in enumerate(slots.tolist()):
+                    host_slice = host_t[slot * bpc : (slot + 1) * bpc]
+                    idx = dev[i * bpc : (i + 1) * bpc]
+                    if to_host:
+                        host_slice.copy_(dev_t.index_select(0, idx), non_blocking=True)
+                    else:
+                        data = host_slice.to(dev_t.device, non_blocking=True)
+                        dev_t.index_copy_(0, idx, data)
+                    nbytes += host_slice.numel() * host_slice.element_size()
+        if stream is None:
+            return HostCopy(None, nbytes)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        return HostCopy(event, nbytes)

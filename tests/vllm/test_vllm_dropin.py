@@ -808,6 +808,31 @@ def test_install_makes_vllm_build_pagedkv() -> None:
     assert not installed()
 
 
+def test_install_replaces_the_cpu_offloading_manager() -> None:
+    pytest.importorskip("vllm")
+    import vllm.v1.kv_offload.cpu.manager as vcm
+    from pagedkv.vllm import CPUOffloadingManager, install, installed, uninstall
+    from vllm.v1.kv_offload.base import OffloadingManager
+
+    original = vcm.CPUOffloadingManager
+    install()
+    try:
+        assert installed() and vcm.CPUOffloadingManager is CPUOffloadingManager
+        arc = vcm.CPUOffloadingManager(num_chunks=4, cache_policy="arc")
+        assert isinstance(arc, OffloadingManager) and arc.tier.policy == "arc"
+        assert type(vcm.CPUOffloadingManager(num_chunks=4)) is CPUOffloadingManager
+        # an out-of-tree policy gets vLLM's own class
+        other = vcm.CPUOffloadingManager(
+            num_chunks=4,
+            cache_policy="LRUCachePolicy",
+            cache_policy_module_path="vllm.v1.kv_offload.cpu.policies.lru",
+        )
+        assert type(other) is original
+    finally:
+        uninstall()
+    assert vcm.CPUOffloadingManager is original and not installed()
+
+
 def test_install_patches_every_vllm_binding_and_names_the_others(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -95,9 +95,12 @@ def install() -> None:
     originals: dict[str, type] = {}
     try:
         for target in _TARGETS:
-            for name in (target.home, *target.binders):
-                importlib.import_module(name)
-            ours = _replacement(target)
+            with warnings.catch_warnings():
+                # vLLM's own modules warn about their dependencies as they load
+                warnings.simplefilter("ignore", DeprecationWarning)
+                for name in (target.home, *target.binders):
+                    importlib.import_module(name)
+                ours = _replacement(target)
             home = sys.modules[target.home]
             original = _ORIGINAL.get(target.name, vars(home)[target.name])
             if original is ours:  # pragma: no cover - installed twice by hand

@@ -109,6 +109,8 @@ BAD: list[tuple[str, Any, type[BaseException]]] = [
     ("chunk", lambda t: t.chunk(3), TypeError),
     ("set_arc_target_t1_size", lambda t: t.set_arc_target_t1_size(1.0), InvalidArgumentError),
     ("take_kv_events", lambda t: t.take_kv_events("yes"), TypeError),
+    ("evict", lambda t: t.evict(-1, []), OverflowError),
+    ("evict", lambda t: t.evict(1, [3]), TypeError),
 ]
 #: methods with no argument that can be wrong
 NO_BAD_INPUT = {
@@ -119,6 +121,7 @@ NO_BAD_INPUT = {
     "resident",
     "arc_lists",
     "lru_eviction_order",
+    "lru_heap",
     "tracked_offers",
     "check_invariants",
 }

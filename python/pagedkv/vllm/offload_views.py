@@ -6,7 +6,7 @@ tools and tests read them. These views answer the same reads from the core,
 live: ARC's ``t1`` / ``t2`` / ``b1`` / ``b2`` as ordered dicts (least recent
 first) of chunk views, ``target_t1_size`` (settable), ``cache_capacity``;
 LRU's resident ``chunks``; ``get(key)``. The policy's changing calls belong to
-the manager and raise here.
+the manager and raise here, but ``evict``, which evicts through the tier.
 """
 
 from __future__ import annotations
@@ -55,6 +55,13 @@ class ChunkView:
     def is_ready(self) -> bool:
         return self.ref_cnt >= 0
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ChunkView):
+            return NotImplemented
+        return (self.ref_cnt, self.chunk_id) == (other.ref_cnt, other.chunk_id)
+
+    __hash__ = None  # type: ignore[assignment]
+
     def __repr__(self) -> str:
         return f"ChunkView(ref_cnt={self.ref_cnt}, chunk_id={self.chunk_id})"
 
@@ -89,8 +96,15 @@ class _PolicyCalls:
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         _read_only("touch")
 
-    def evict(self, n: int, protected: set[OffloadKey]) -> Any:
-        _read_only("evict")
+    def evict(
+        self, n: int, protected: set[OffloadKey]
+    ) -> list[tuple[OffloadKey, ChunkView]] | None:
+        """Evicts ``n`` idle chunks outside ``protected`` through the tier (their
+        slots freed, their removal announced), all or none."""
+        out = self._tier.evict(n, list(protected))
+        if out is None:
+            return None
+        return [(OffloadKey(k), ChunkView(self._tier, k, r, s)) for k, r, s in out]
 
     def clear(self) -> None:
         _read_only("clear")
@@ -158,6 +172,11 @@ class LRUPolicyView(_PolicyCalls, LRUCachePolicy):
     @property  # type: ignore[override]
     def chunks(self) -> dict[OffloadKey, ChunkView]:
         return dict(_chunks(self._tier, self._tier.resident()))
+
+    @property  # type: ignore[override]
+    def _heap(self) -> list[tuple[tuple[int, int], OffloadKey]]:
+        """The core's eviction heap as it lies (stale entries included)."""
+        return [(rank, OffloadKey(k)) for rank, k in self._tier.lru_heap() or []]
 
     def eviction_order(self) -> list[OffloadKey]:
         """The idle chunks, first to be evicted first."""

@@ -377,6 +377,30 @@ impl PyOffloadTier {
         Ok(self.inner.set_arc_target_t1_size(target)?)
     }
 
+    /// LRU: the eviction heap's `((major, minor), key)` entries as they lie,
+    /// stale ones included; `None` under ARC.
+    #[allow(clippy::type_complexity)]
+    fn lru_heap<'py>(&self, py: Python<'py>) -> Option<Vec<((u64, i64), Bound<'py, PyBytes>)>> {
+        self.inner.lru_heap().map(|h| {
+            h.iter()
+                .map(|(r, k)| (*r, PyBytes::new(py, k.as_bytes())))
+                .collect()
+        })
+    }
+
+    /// Evicts `n` idle chunks not in `protected` (slots freed, removal
+    /// announced): `[(key, ref_cnt, slot)]`, or `None` (nothing changed) when
+    /// fewer than `n` can go.
+    fn evict<'py>(
+        slf: &Bound<'py, Self>,
+        n: usize,
+        protected: &Bound<'py, PyAny>,
+    ) -> PkResult<Option<Bound<'py, PyList>>> {
+        let protected = offload_keys(protected)?;
+        let out = borrow_mut(slf)?.inner.evict(n, &protected);
+        Ok(out.map(|v| chunk_list(slf.py(), &v)).transpose()?)
+    }
+
     /// LRU: evictable keys in eviction order; `None` under ARC.
     fn lru_eviction_order<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {
         self.inner

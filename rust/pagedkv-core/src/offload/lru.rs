@@ -248,6 +248,11 @@ impl Lru {
         self.chunks.iter().map(|(k, e)| (k, &e.chunk))
     }
 
+    /// The heap's entries as they lie (stale ones included): `((major, minor), key)`.
+    pub(super) fn heap_entries(&self) -> Vec<(Rank, OffloadKey)> {
+        self.heap.iter().map(|Reverse(e)| *e).collect()
+    }
+
     /// Evictable keys in eviction order.
     pub(super) fn eviction_order(&self) -> Vec<OffloadKey> {
         let mut live: Vec<(Rank, OffloadKey)> = self

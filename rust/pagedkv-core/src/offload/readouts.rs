@@ -161,6 +161,16 @@ impl OffloadTier {
         Some(l.eviction_order())
     }
 
+    /// LRU: the eviction heap's entries as they lie, stale ones included
+    /// (`((major, minor), key)`); `None` under ARC.
+    #[must_use]
+    pub fn lru_heap(&self) -> Option<Vec<((u64, i64), OffloadKey)>> {
+        let Policy::Lru(l) = &self.policy else {
+            return None;
+        };
+        Some(l.heap_entries())
+    }
+
     /// The admission filter's counts, least recently offered first (`None`
     /// without the filter).
     #[must_use]

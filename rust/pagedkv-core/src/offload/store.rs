@@ -90,22 +90,11 @@ impl OffloadTier {
         let shortfall = (to_store.len() as u64).saturating_sub(self.slots.num_free());
         let mut evicted = Vec::new();
         if shortfall > 0 {
-            let victims = if shortfall > self.num_evictable {
-                None
-            } else {
-                self.policy.evict(shortfall as usize, offered)
-            };
-            let Some(victims) = victims else {
+            let Some(victims) = self.evict_protected(shortfall as usize, offered) else {
                 self.counters.stores_refused += 1;
                 return Ok(None);
             };
-            self.num_evictable -= victims.len() as u64;
-            self.counters.evictions += victims.len() as u64;
-            for (key, chunk) in victims {
-                self.slots.free(chunk.slot);
-                evicted.push(key);
-            }
-            self.push_event(evicted.clone(), true, false);
+            evicted.extend(victims.into_iter().map(|(k, _)| k));
         }
         let slots = self.slots.allocate(to_store.len());
         let state = self.requests.get_mut(&req).expect("created above");
@@ -174,5 +163,35 @@ impl OffloadTier {
                 }
             },
         }
+    }
+
+    /// Evicts `n` idle chunks (the policy's first, none of `protected`),
+    /// freeing their slots and announcing their removal; all or none.
+    /// `None` when fewer than `n` can go (nothing changed).
+    pub fn evict(
+        &mut self,
+        n: usize,
+        protected: &[OffloadKey],
+    ) -> Option<Vec<(OffloadKey, Chunk)>> {
+        let protected: FxHashSet<OffloadKey> = protected.iter().copied().collect();
+        self.evict_protected(n, &protected)
+    }
+
+    fn evict_protected(
+        &mut self,
+        n: usize,
+        protected: &FxHashSet<OffloadKey>,
+    ) -> Option<Vec<(OffloadKey, Chunk)>> {
+        if n as u64 > self.num_evictable {
+            return None;
+        }
+        let victims = self.policy.evict(n, protected)?;
+        self.num_evictable -= victims.len() as u64;
+        self.counters.evictions += victims.len() as u64;
+        for (_, chunk) in &victims {
+            self.slots.free(chunk.slot);
+        }
+        self.push_event(victims.iter().map(|(k, _)| *k).collect(), true, false);
+        Some(victims)
     }
 }

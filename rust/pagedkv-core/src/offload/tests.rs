@@ -246,14 +246,42 @@ fn kv_events_as_vllms_connector_publishes_them() {
     t.complete_store(&ks(&[2, 3]), false); // a failed store: not published
     let events = t.take_events();
     let kv = kv_events(&events);
-    let stored = |h: &'static [u8], g| events::TierKvEvent::Stored { hash: h, group_idx: g, medium: Medium::Cpu };
+    let stored = |h: &'static [u8], g| events::TierKvEvent::Stored {
+        hash: h,
+        group_idx: g,
+        medium: Medium::Cpu,
+    };
     assert_eq!(
         kv,
         vec![
             stored(b"1", 0),
             stored(b"9", 1),
-            events::TierKvEvent::Removed { hashes: vec![b"1"], group_idx: 0, medium: Medium::Cpu },
-            events::TierKvEvent::Removed { hashes: vec![b"9"], group_idx: 1, medium: Medium::Cpu },
+            events::TierKvEvent::Removed {
+                hashes: vec![b"1"],
+                group_idx: 0,
+                medium: Medium::Cpu
+            },
+            events::TierKvEvent::Removed {
+                hashes: vec![b"9"],
+                group_idx: 1,
+                medium: Medium::Cpu
+            },
         ]
     );
+}
+
+#[test]
+fn evict_by_hand_is_all_or_nothing() {
+    // vLLM's test_lru_batch_eviction_failure_is_atomic, through the tier
+    let mut t = tier(4, PolicyKind::Lru);
+    store(&mut t, &[1, 2, 3, 4], 0).unwrap();
+    t.complete_store(&ks(&[1, 2, 3, 4]), true);
+    t.take_events();
+    assert!(t.evict(2, &ks(&[2, 3, 4])).is_none());
+    assert_eq!(t.lookup_prefix(&ks(&[1, 2, 3, 4])), 4);
+    let out = t.evict(1, &ks(&[2, 3, 4])).unwrap();
+    assert_eq!(out, vec![(k(1), Chunk { ref_cnt: 0, slot: 0 })]);
+    assert_eq!((t.num_free_slots(), t.num_evictable()), (1, 3));
+    assert_eq!(events(&mut t), vec![(true, set(&[1]))]);
+    t.check_invariants().unwrap();
 }

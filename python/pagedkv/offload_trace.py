@@ -21,29 +21,28 @@ from typing import Any
 
 from pagedkv._core import OffloadTier
 
-__all__ = ["FORMAT", "Mismatch", "core_ops", "load_trace", "replay"]
+__all__ = ["FORMAT", "OPS", "Mismatch", "core_ops", "load_trace", "replay"]
 
 FORMAT = "pagedkv-offload-trace-1"
 #: Largest trace file read (bytes, after decompression).
 MAX_TRACE_BYTES = 1 << 30
 
 _LOOKUP_NAMES = ("MISS", "HIT", "HIT_PENDING")
-_OPS = frozenset(
-    {
-        "new_request",
-        "set_positions",
-        "lookup",
-        "prepare_load",
-        "complete_load",
-        "touch",
-        "prepare_store",
-        "complete_store",
-        "finish",
-        "reset",
-        "events",
-        "stats",
-        "state",
-    }
+#: The calls a trace records, in the order of the manager's interface.
+OPS = (
+    "new_request",
+    "set_positions",
+    "lookup",
+    "prepare_load",
+    "complete_load",
+    "touch",
+    "prepare_store",
+    "complete_store",
+    "finish",
+    "reset",
+    "events",
+    "stats",
+    "state",
 )
 
 
@@ -69,8 +68,8 @@ def load_trace(path: str | Path) -> dict[str, Any]:
     if not isinstance(config, dict) or not isinstance(trace.get("ops"), list):
         raise ValueError(f"{p}: a trace needs 'config' and 'ops'")
     for i, op in enumerate(trace["ops"]):
-        if not isinstance(op, dict) or op.get("op") not in _OPS:
-            raise ValueError(f"{p}: op {i} is not one of {sorted(_OPS)}")
+        if not isinstance(op, dict) or op.get("op") not in OPS:
+            raise ValueError(f"{p}: op {i} is not one of {list(OPS)}")
     return trace
 
 

@@ -14,24 +14,9 @@ import copy
 from pathlib import Path
 
 import pytest
-from pagedkv.offload_trace import load_trace, replay
+from pagedkv.offload_trace import OPS, load_trace, replay
 
 TRACES = sorted((Path(__file__).parent.parent / "vectors" / "offload").glob("*.json.gz"))
-OPS = (
-    "new_request",
-    "set_positions",
-    "lookup",
-    "prepare_load",
-    "complete_load",
-    "touch",
-    "prepare_store",
-    "complete_store",
-    "finish",
-    "reset",
-    "events",
-    "stats",
-    "state",
-)
 
 
 def test_the_traces_cover_both_policies_and_every_call() -> None:

@@ -45,6 +45,15 @@ pub fn event_tuples<'py>(py: Python<'py>, events: &[OffloadEvent]) -> PyResult<B
     PyList::new(py, items)
 }
 
+/// Named totals as a dict.
+pub fn counter_dict<'py>(py: Python<'py>, named: &[(&str, u64)]) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (name, v) in named {
+        d.set_item(*name, *v)?;
+    }
+    Ok(d)
+}
+
 fn slot_array(py: Python<'_>, slots: Vec<u64>) -> Bound<'_, PyArray1<i64>> {
     // slots are below 2**40 (the tier's bound)
     PyArray1::from_vec(py, slots.into_iter().map(|s| s as i64).collect())
@@ -328,23 +337,7 @@ impl PyOffloadTier {
 
     /// The running totals, by name.
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = self.inner.counters();
-        let d = PyDict::new(py);
-        for (name, v) in [
-            ("lookups", c.lookups),
-            ("hits", c.hits),
-            ("pending_hits", c.pending_hits),
-            ("chunks_loaded", c.chunks_loaded),
-            ("stores_prepared", c.stores_prepared),
-            ("stores_completed", c.stores_completed),
-            ("stores_failed", c.stores_failed),
-            ("evictions", c.evictions),
-            ("stores_refused", c.stores_refused),
-            ("ignored_completions", c.ignored_completions),
-        ] {
-            d.set_item(name, v)?;
-        }
-        Ok(d)
+        counter_dict(py, &self.inner.counters().named())
     }
 
     /// `(ref_cnt, slot)` of a resident chunk, else `None`.

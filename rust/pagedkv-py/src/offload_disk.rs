@@ -10,7 +10,7 @@ use pagedkv_core::offload::{DiskConfig, DiskRead, DiskTier};
 
 use crate::convert::{count, offload_key};
 use crate::errors::{PkResult, borrow, borrow_mut, type_error};
-use crate::offload::event_tuples;
+use crate::offload::{counter_dict, event_tuples};
 
 fn read_name(r: DiskRead) -> &'static str {
     match r {
@@ -143,21 +143,7 @@ impl PyDiskTier {
 
     /// The running totals, by name.
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = self.inner.counters();
-        let d = PyDict::new(py);
-        for (name, v) in [
-            ("writes", c.writes),
-            ("hits", c.hits),
-            ("misses", c.misses),
-            ("corrupt", c.corrupt),
-            ("write_errors", c.write_errors),
-            ("evictions", c.evictions),
-            ("bytes_written", c.bytes_written),
-            ("bytes_read", c.bytes_read),
-        ] {
-            d.set_item(name, v)?;
-        }
-        Ok(d)
+        counter_dict(py, &self.inner.counters().named())
     }
 
     fn check_invariants(&self) -> PkResult<()> {

@@ -73,6 +73,23 @@ pub struct DiskCounters {
     pub bytes_read: u64,
 }
 
+impl DiskCounters {
+    /// Every total with its name.
+    #[must_use]
+    pub fn named(&self) -> [(&'static str, u64); 8] {
+        [
+            ("writes", self.writes),
+            ("hits", self.hits),
+            ("misses", self.misses),
+            ("corrupt", self.corrupt),
+            ("write_errors", self.write_errors),
+            ("evictions", self.evictions),
+            ("bytes_written", self.bytes_written),
+            ("bytes_read", self.bytes_read),
+        ]
+    }
+}
+
 /// The disk tier.
 #[derive(Debug)]
 pub struct DiskTier {

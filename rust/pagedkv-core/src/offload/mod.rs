@@ -161,6 +161,25 @@ pub struct TierCounters {
     pub ignored_completions: u64,
 }
 
+impl TierCounters {
+    /// Every total with its name.
+    #[must_use]
+    pub fn named(&self) -> [(&'static str, u64); 10] {
+        [
+            ("lookups", self.lookups),
+            ("hits", self.hits),
+            ("pending_hits", self.pending_hits),
+            ("chunks_loaded", self.chunks_loaded),
+            ("stores_prepared", self.stores_prepared),
+            ("stores_completed", self.stores_completed),
+            ("stores_failed", self.stores_failed),
+            ("evictions", self.evictions),
+            ("stores_refused", self.stores_refused),
+            ("ignored_completions", self.ignored_completions),
+        ]
+    }
+}
+
 /// A host-memory tier: slots, a policy, per-request access records, events.
 #[derive(Clone, Debug)]
 pub struct OffloadTier {

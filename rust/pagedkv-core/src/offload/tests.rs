@@ -280,7 +280,16 @@ fn evict_by_hand_is_all_or_nothing() {
     assert!(t.evict(2, &ks(&[2, 3, 4])).is_none());
     assert_eq!(t.lookup_prefix(&ks(&[1, 2, 3, 4])), 4);
     let out = t.evict(1, &ks(&[2, 3, 4])).unwrap();
-    assert_eq!(out, vec![(k(1), Chunk { ref_cnt: 0, slot: 0 })]);
+    assert_eq!(
+        out,
+        vec![(
+            k(1),
+            Chunk {
+                ref_cnt: 0,
+                slot: 0
+            }
+        )]
+    );
     assert_eq!((t.num_free_slots(), t.num_evictable()), (1, 3));
     assert_eq!(events(&mut t), vec![(true, set(&[1]))]);
     t.check_invariants().unwrap();

@@ -53,11 +53,11 @@ _LOOKUP = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
 _MEDIA = {"CPU": Medium.CPU}
 
 
-def _spec(slots: npt.NDArray[np.int64]) -> CPULoadStoreSpec:
+def _spec(slots: npt.NDArray[np.int32]) -> CPULoadStoreSpec:
     """vLLM's ``CPULoadStoreSpec`` of the slots (its constructor takes a list and
     keeps it as an int32 array; the slots are one already)."""
     spec = CPULoadStoreSpec.__new__(CPULoadStoreSpec)
-    spec.block_ids = slots.astype(np.int32)
+    spec.block_ids = slots
     return spec
 
 

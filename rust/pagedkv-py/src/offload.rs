@@ -15,7 +15,7 @@ use crate::errors::{PkResult, borrow, borrow_mut};
 /// `prepare_store`'s answer: `(keys_to_store, slots, evicted_keys)`.
 type StoreAnswer<'py> = (
     Bound<'py, PyList>,
-    Bound<'py, PyArray1<i64>>,
+    Bound<'py, PyArray1<i32>>,
     Bound<'py, PyList>,
 );
 /// One event: `(keys, medium, removed, metadata_only)`.
@@ -54,9 +54,9 @@ pub fn counter_dict<'py>(py: Python<'py>, named: &[(&str, u64)]) -> PyResult<Bou
     Ok(d)
 }
 
-fn slot_array(py: Python<'_>, slots: Vec<u64>) -> Bound<'_, PyArray1<i64>> {
-    // slots are below 2**40 (the tier's bound)
-    PyArray1::from_vec(py, slots.into_iter().map(|s| s as i64).collect())
+/// Slots as vLLM keeps them: an int32 array (the tier holds fewer than 2**31).
+fn slot_array(py: Python<'_>, slots: Vec<u64>) -> Bound<'_, PyArray1<i32>> {
+    PyArray1::from_vec(py, slots.into_iter().map(|s| s as i32).collect())
 }
 
 fn key_list<'py>(py: Python<'py>, keys: &[OffloadKey]) -> PyResult<Bound<'py, PyList>> {
@@ -216,7 +216,7 @@ impl PyOffloadTier {
         keys: &Bound<'py, PyAny>,
         req: u64,
         positions: Option<&Bound<'py, PyAny>>,
-    ) -> PkResult<Bound<'py, PyArray1<i64>>> {
+    ) -> PkResult<Bound<'py, PyArray1<i32>>> {
         let keys_v = offload_keys(keys)?;
         let pos = self::positions(positions, keys, keys_v.len())?;
         let slots = borrow_mut(slf)?.inner.prepare_load(&keys_v, req, &pos)?;
@@ -228,7 +228,7 @@ impl PyOffloadTier {
     fn prepare_read<'py>(
         slf: &Bound<'py, Self>,
         keys: &Bound<'py, PyAny>,
-    ) -> PkResult<Bound<'py, PyArray1<i64>>> {
+    ) -> PkResult<Bound<'py, PyArray1<i32>>> {
         let keys = offload_keys(keys)?;
         let slots = borrow_mut(slf)?.inner.prepare_read(&keys)?;
         Ok(slot_array(slf.py(), slots))

@@ -203,12 +203,13 @@ impl OffloadTier {
     /// A tier of `config.num_chunks` free slots.
     ///
     /// # Errors
-    /// `InvalidArgument` for more than 2**40 chunks, or an admission filter
+    /// `InvalidArgument` for more than 2**31 - 1 chunks (vLLM's slot ids are
+    /// int32), or an admission filter
     /// tracking no key.
     pub fn new(config: TierConfig) -> Result<Self> {
-        if config.num_chunks > 1 << 40 {
+        if config.num_chunks > i32::MAX as u64 {
             return Err(invalid(format!(
-                "num_chunks {} is out of range (at most 2**40)",
+                "num_chunks {} is out of range (at most 2**31 - 1)",
                 config.num_chunks
             )));
         }

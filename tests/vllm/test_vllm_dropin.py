@@ -833,6 +833,26 @@ def test_install_replaces_the_cpu_offloading_manager() -> None:
     assert vcm.CPUOffloadingManager is original and not installed()
 
 
+def test_the_offloading_manager_forgets_collected_request_contexts() -> None:
+    pytest.importorskip("vllm")
+    import gc
+
+    from pagedkv.vllm import CPUOffloadingManager
+    from vllm.v1.kv_offload.base import ReqContext
+
+    m = CPUOffloadingManager(num_chunks=8)
+    for round_ in range(3):
+        ctxs = [ReqContext(req_id=f"{round_}-{i}") for i in range(4)]
+        for i, ctx in enumerate(ctxs):
+            m.prepare_store([bytes([round_, i]) * 16], ctx)
+        del ctxs, ctx
+        gc.collect()
+    m.prepare_store([b"x" * 32], ReqContext(req_id="last"))
+    # the contexts of every round are gone: only the newest request is kept
+    assert m.tier.num_requests == 1
+    m.tier.check_invariants()
+
+
 def test_install_patches_every_vllm_binding_and_names_the_others(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -122,9 +122,9 @@ class CPUOffloadingManager(OffloadingManager):
         return req
 
     def _forget_gone(self) -> None:
-        gone, self._gone = self._gone, []
-        for req in gone:
-            self._tier.forget_request(req)
+        # the same list object throughout: every finalizer appends to it
+        while self._gone:
+            self._tier.forget_request(self._gone.pop())
 
     @staticmethod
     def _positions(

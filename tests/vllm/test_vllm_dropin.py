@@ -841,14 +841,19 @@ def test_the_offloading_manager_forgets_collected_request_contexts() -> None:
     from vllm.v1.kv_offload.base import ReqContext
 
     m = CPUOffloadingManager(num_chunks=8)
-    for round_ in range(3):
+    long_lived = [ReqContext(req_id=f"long-{i}") for i in range(3)]
+    for i, ctx in enumerate(long_lived):
+        m.prepare_store([bytes([9, i]) * 16], ctx)
+    for round_ in range(3):  # short-lived contexts come and go meanwhile
         ctxs = [ReqContext(req_id=f"{round_}-{i}") for i in range(4)]
         for i, ctx in enumerate(ctxs):
             m.prepare_store([bytes([round_, i]) * 16], ctx)
         del ctxs, ctx
         gc.collect()
+    del long_lived
+    gc.collect()
     m.prepare_store([b"x" * 32], ReqContext(req_id="last"))
-    # the contexts of every round are gone: only the newest request is kept
+    # every context but the newest is gone, the long-lived ones included
     assert m.tier.num_requests == 1
     m.tier.check_invariants()
 

@@ -273,12 +273,21 @@ def main() -> None:
     if args.core_ops:
         from pagedkv.offload_trace import core_ops
 
-        with open(args.core_ops, "x") as f:
-            f.write(core_ops(load_trace(args.traces[0])))
+        if not args.traces:
+            ap.error("--core-ops needs a trace")
+        try:
+            text = core_ops(load_trace(args.traces[0]))
+            with open(args.core_ops, "x") as f:  # a new file only
+                f.write(text)
+        except (OSError, ValueError) as e:
+            ap.error(f"--core-ops: {e}")
         return
     print(f"{platform.processor() or platform.machine()}, Python {platform.python_version()}")
     if args.scale:
-        sizes = [int(float(x)) for x in args.scale.split(",")]
+        try:
+            sizes = [int(x) for x in args.scale.split(",")]
+        except ValueError:
+            ap.error(f"--scale: comma-separated integers, got {args.scale!r}")
         if not all(0 < n <= 1 << 26 for n in sizes) or not 0 < args.requests <= 10**7:
             ap.error("--scale sizes must be in 1..2**26, --requests in 1..10**7")
         scale(sizes, args.rounds, args.requests)

@@ -558,8 +558,13 @@ def main(argv: list[str] | None = None) -> int:
     data = json.dumps(trace, separators=(",", ":")).encode()
     if args.out.endswith(".gz"):
         data = gzip.compress(data, mtime=0)
-    with open(args.out, "wb") as f:
-        f.write(data)
+    try:
+        # a new file only: never an existing one (nor through a symlink)
+        with open(args.out, "xb") as f:
+            f.write(data)
+    except OSError as e:
+        print(f"offload_record_vllm: cannot write {args.out}: {e.strerror}", file=sys.stderr)
+        return 2
     print(summarize(rec.ops, rec, args.policy, time.perf_counter() - start), file=sys.stderr)
     return 0
 

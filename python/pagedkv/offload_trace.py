@@ -55,13 +55,18 @@ class Mismatch(tuple[int, str, Any, Any]):
 def load_trace(path: str | Path) -> dict[str, Any]:
     """Reads a trace (``.json`` or ``.json.gz``), checking its format and size."""
     p = Path(path)
-    raw = p.read_bytes()
-    if p.suffix == ".gz":
-        with gzip.GzipFile(fileobj=io.BytesIO(raw)) as f:
-            raw = f.read(MAX_TRACE_BYTES + 1)
-    if len(raw) > MAX_TRACE_BYTES:
+    if p.stat().st_size > MAX_TRACE_BYTES:
         raise ValueError(f"{p}: larger than {MAX_TRACE_BYTES} bytes")
-    trace = json.loads(raw)
+    raw = p.read_bytes()
+    try:
+        if p.suffix == ".gz":
+            with gzip.GzipFile(fileobj=io.BytesIO(raw)) as f:
+                raw = f.read(MAX_TRACE_BYTES + 1)
+        if len(raw) > MAX_TRACE_BYTES:
+            raise ValueError(f"larger than {MAX_TRACE_BYTES} bytes")
+        trace = json.loads(raw)
+    except (OSError, EOFError, ValueError) as e:
+        raise ValueError(f"{p}: not a readable trace: {e}") from None
     if not isinstance(trace, dict) or trace.get("format") != FORMAT:
         raise ValueError(f"{p}: not a {FORMAT} trace")
     config = trace.get("config")
@@ -118,7 +123,9 @@ def replay(
     check_invariants: bool = True,
     on_op: Callable[[int], None] | None = None,
 ) -> tuple[OffloadTier, list[Mismatch]]:
-    """Makes the trace's calls on a fresh tier; every answer that differs."""
+    """Makes the trace's calls on a fresh tier; every answer that differs. A
+    call the trace cannot make (a malformed field, a call the tier refuses)
+    raises ``ValueError`` naming the call."""
     c = trace["config"]
     tier = OffloadTier(
         c["num_chunks"],
@@ -129,66 +136,71 @@ def replay(
     )
     positions: dict[int, dict[bytes, int]] = {}
     mismatches: list[Mismatch] = []
-
-    def pos_of(req: int, keys: list[bytes]) -> list[int | None] | None:
-        known = positions.get(req)
-        return [known.get(k) for k in keys] if known else None
-
     for i, op in enumerate(trace["ops"]):
-        name = op["op"]
-        req = op.get("req", 0)
-        keys = _keys(op["keys"]) if "keys" in op else []
-        got: Any = None
-        if name == "new_request":
-            tier.on_new_request(req)
-        elif name == "set_positions":
-            positions.setdefault(req, {}).update(zip(keys, op["positions"], strict=True))
-        elif name == "lookup":
-            got = _LOOKUP_NAMES[tier.lookup(bytes.fromhex(op["key"]))]
-        elif name == "prepare_load":
-            got = tier.prepare_load(keys, req, pos_of(req, keys)).tolist()
-        elif name == "complete_load":
-            tier.complete_load(keys)
-        elif name == "touch":
-            tier.touch(keys)
-        elif name == "prepare_store":
-            out = tier.prepare_store(keys, req, pos_of(req, keys))
-            if out is not None:
-                got = {
-                    "keys_to_store": _hexes(out[0]),
-                    "chunk_ids": out[1].tolist(),
-                    "evicted": _hexes(out[2]),
-                }
-        elif name == "complete_store":
-            tier.complete_store(keys, op.get("success", True))
-        elif name == "finish":
-            known = positions.get(req, {})
-            tier.on_request_finished(req, list(known), list(known.values()))
-        elif name == "reset":
-            tier.reset_cache()
-        elif name == "events":
-            got = [
-                {"keys": _hexes(k), "medium": m, "removed": r, "metadata_only": md}
-                for k, m, r, md in tier.take_events()
-            ]
-        elif name == "stats":
-            usage, write, read, sizes, skipped = tier.stats()
-            got = {
-                "usage": usage,
-                "write_usage": write,
-                "read_usage": read,
-                "allocation_sizes": sizes,
-                "stores_skipped": skipped,
-            }
-        elif name == "state":
-            got = _state(tier)
+        try:
+            got = _call(tier, op, positions)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"op {i} ({op['op']}): {e!r}") from None
         if "out" in op and not _same(op["out"], got):
-            mismatches.append(Mismatch((i, name, op["out"], got)))
+            mismatches.append(Mismatch((i, op["op"], op["out"], got)))
         if check_invariants:
             tier.check_invariants()
         if on_op is not None:
             on_op(i)
     return tier, mismatches
+
+
+def _call(tier: OffloadTier, op: dict[str, Any], positions: dict[int, dict[bytes, int]]) -> Any:
+    """Makes one recorded call; its answer in the trace's form (None without one)."""
+    name = op["op"]
+    req = op.get("req", 0)
+    keys = _keys(op["keys"]) if "keys" in op else []
+    known = positions.get(req)
+    pos = [known.get(k) for k in keys] if known else None
+    if name == "new_request":
+        tier.on_new_request(req)
+    elif name == "set_positions":
+        positions.setdefault(req, {}).update(zip(keys, op["positions"], strict=True))
+    elif name == "lookup":
+        return _LOOKUP_NAMES[tier.lookup(bytes.fromhex(op["key"]))]
+    elif name == "prepare_load":
+        return tier.prepare_load(keys, req, pos).tolist()
+    elif name == "complete_load":
+        tier.complete_load(keys)
+    elif name == "touch":
+        tier.touch(keys)
+    elif name == "prepare_store":
+        out = tier.prepare_store(keys, req, pos)
+        if out is None:
+            return None
+        return {
+            "keys_to_store": _hexes(out[0]),
+            "chunk_ids": out[1].tolist(),
+            "evicted": _hexes(out[2]),
+        }
+    elif name == "complete_store":
+        tier.complete_store(keys, op.get("success", True))
+    elif name == "finish":
+        tier.on_request_finished(req, None, positions.get(req, {}))
+    elif name == "reset":
+        tier.reset_cache()
+    elif name == "events":
+        return [
+            {"keys": _hexes(k), "medium": m, "removed": r, "metadata_only": md}
+            for k, m, r, md in tier.take_events()
+        ]
+    elif name == "stats":
+        usage, write, read, sizes, skipped = tier.stats()
+        return {
+            "usage": usage,
+            "write_usage": write,
+            "read_usage": read,
+            "allocation_sizes": sizes,
+            "stores_skipped": skipped,
+        }
+    elif name == "state":
+        return _state(tier)
+    return None
 
 
 def core_ops(trace: dict[str, Any]) -> str:

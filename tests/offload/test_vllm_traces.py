@@ -58,3 +58,23 @@ def test_a_changed_answer_is_reported() -> None:
     state["out"]["evictable"] += 1
     _, mismatches = replay(changed)
     assert {m[1] for m in mismatches} == {"prepare_store", "state"}
+
+
+def test_a_broken_trace_is_refused_in_one_line(tmp_path: Path) -> None:
+    import gzip
+
+    raw = TRACES[0].read_bytes()
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(ValueError, match="not a readable trace"):
+        load_trace(cut)
+    other = tmp_path / "other.json.gz"
+    other.write_bytes(gzip.compress(b'{"format": "something else"}'))
+    with pytest.raises(ValueError, match="not a pagedkv-offload-trace-1 trace"):
+        load_trace(other)
+    trace = load_trace(TRACES[0])
+    bad = copy.deepcopy(trace)
+    store = next(i for i, op in enumerate(bad["ops"]) if op["op"] == "prepare_store")
+    bad["ops"][store]["keys"] = ["not hex"]
+    with pytest.raises(ValueError, match=rf"op {store} \(prepare_store\)"):
+        replay(bad)

@@ -44,10 +44,16 @@ impl OffloadTier {
         if offered.len() != keys.len() {
             return Err(invalid("prepare_store: a key is offered twice"));
         }
+        // each key's residency, read once: `None` absent, else whether ready
+        let resident: Vec<Option<bool>> = keys
+            .iter()
+            .map(|k| self.policy.get(k).map(Chunk::is_ready))
+            .collect();
         let recorded: Vec<OffloadKey> = keys
             .iter()
-            .filter(|k| self.would_record(k))
-            .copied()
+            .zip(&resident)
+            .filter(|&(k, r)| self.would_record(k, *r))
+            .map(|(k, _)| *k)
             .collect();
         self.check_open(req, &recorded)?;
 
@@ -57,11 +63,11 @@ impl OffloadTier {
         }
         let mut to_store = Vec::new();
         let mut ready_existing = Vec::new();
-        for key in keys {
-            match self.policy.get(key) {
+        for (key, r) in keys.iter().zip(&resident) {
+            match r {
                 None => to_store.push(*key),
-                Some(c) if c.is_ready() => ready_existing.push(*key),
-                Some(_) => {}
+                Some(true) => ready_existing.push(*key),
+                Some(false) => {}
             }
         }
         if let Some(t) = &self.tracker {
@@ -151,9 +157,9 @@ impl OffloadTier {
 
     /// Whether `prepare_store` would record `key` in the request's access
     /// (absent and admitted, or resident and ready).
-    fn would_record(&self, key: &OffloadKey) -> bool {
-        match self.policy.get(key) {
-            Some(c) => c.is_ready(),
+    fn would_record(&self, key: &OffloadKey, resident: Option<bool>) -> bool {
+        match resident {
+            Some(ready) => ready,
             None => match &self.tracker {
                 None => true,
                 // a tracked key's count grows by one; a new one starts at 1 < threshold

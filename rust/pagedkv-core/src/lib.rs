@@ -51,7 +51,8 @@ pub use events::{BlockStored, EventExtraKey, KvEvent, PLACEHOLDER_TOKEN};
 pub use hash::{BlockHash, BlockHasher, CborValue, ExtraKey, HashAlgo};
 pub use manager::{
     AllocateArgs, BatchAllocation, BatchStep, ComputedBlocks, ConnectorHit, EngineRequest,
-    KvCacheManager, PreparedRequest, RequestHandle, RequestPreparer, RequestRefs, SyncAnchor,
+    FailedLoad, KvCacheManager, OffloadConfig, OffloadStats, PreparedRequest, RequestHandle,
+    RequestPreparer, RequestRefs, SyncAnchor, Transfer, TransferPlan,
 };
 pub use pool::{BlockId, BlockPool, CacheKey, NULL_BLOCK};
 pub use prefix_index::{PrefixIndex, PrefixMatch, ReplicaId};

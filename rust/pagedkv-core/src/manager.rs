@@ -9,8 +9,9 @@
 //! registering and growing requests (`requests`), `allocate_slots`' decode
 //! fast path and the batch's lean path (`fast_path`), the checks made before
 //! anything changes (`validate`), the batch calls (`batch`), the manager's
-//! own counters and `check_invariants` (`readouts`) and the calls of an
-//! engine that owns its requests (`external`).
+//! own counters and `check_invariants` (`readouts`), the calls of an
+//! engine that owns its requests (`external`) and the host tier below the
+//! pool (`offload`: host hits, loads, stores, the step's transfer plan).
 //!
 //! A call travels: the id or handle is resolved by the request table, the
 //! arguments are checked (`validate`), the coordinator does the block work over
@@ -27,6 +28,8 @@ mod external;
 pub use external::{EngineRequest, SyncAnchor};
 mod fast_path;
 mod hisparse;
+mod offload;
+pub use offload::{FailedLoad, OffloadConfig, OffloadStats, Transfer, TransferPlan};
 mod partial;
 mod prepared;
 pub use prepared::{PreparedRequest, RequestPreparer};
@@ -109,6 +112,8 @@ pub struct KvCacheManager {
     hash_sources: Vec<(u32, u64)>,
     /// Prompt blocks whose hashes were taken that way.
     shared_hash_blocks: u64,
+    /// The host tier below the pool ([`Self::enable_offload`]).
+    offload: Option<Box<offload::Offloading>>,
 }
 
 /// Slots of [`KvCacheManager::hash_sources`]: a serving mix's system
@@ -157,6 +162,7 @@ impl KvCacheManager {
                 Vec::new()
             },
             shared_hash_blocks: 0,
+            offload: None,
             cfg,
         })
     }
@@ -192,6 +198,7 @@ impl KvCacheManager {
                 block_ids: vec![Vec::new(); self.num_groups()],
                 num_computed_tokens: 0,
                 shared_prefix_boundary: 0,
+                num_host_tokens: 0,
                 request_uid,
                 manager_uid: self.uid,
                 epoch,
@@ -208,10 +215,12 @@ impl KvCacheManager {
         // scheduler copies the lookup's answer into the request).
         let own = (!self.cfg.external_block_hashes).then_some(spb);
         self.table.get_mut(slot).note_lookup(own);
+        let num_host_tokens = self.host_hit(slot, hit.len as u64, max_cache_hit_length);
         Ok(ComputedBlocks {
             block_ids: hit.block_ids,
             num_computed_tokens: hit.len as u64,
             shared_prefix_boundary: spb,
+            num_host_tokens,
             request_uid,
             manager_uid: self.uid,
             epoch,
@@ -235,7 +244,20 @@ impl KvCacheManager {
     ) -> Result<Option<&[Vec<BlockId>]>> {
         let slot = self.table.slot(id)?;
         self.check_no_pending_split()?;
-        let ok = if hit.is_none() && args.is_batch_step() {
+        let ok = if let Some(h) =
+            hit.filter(|h| h.num_host_tokens > 0 && args.num_external_computed_tokens > 0)
+        {
+            self.validate_args(slot, args)?;
+            if args.num_external_computed_tokens != h.num_host_tokens {
+                return Err(invalid(format!(
+                    "num_external_computed_tokens {} is not the host hit ({} tokens): pass it \
+                     whole, or 0 to compute those tokens",
+                    args.num_external_computed_tokens, h.num_host_tokens
+                )));
+            }
+            self.validate_hit(slot, h, args.num_new_computed_tokens)?;
+            self.allocate_with_host_hit(slot, args, h)?
+        } else if hit.is_none() && args.is_batch_step() {
             // The batch's paths decide such a step; when they do not, the
             // decode fast path would not either: straight to the general one.
             self.running_step(slot, args) || {
@@ -455,6 +477,7 @@ impl KvCacheManager {
     /// Unknown request.
     pub fn free(&mut self, id: &str) -> Result<()> {
         let slot = self.table.slot(id)?;
+        self.offload_release(slot, false)?;
         self.release(slot, true);
         Ok(())
     }
@@ -465,6 +488,7 @@ impl KvCacheManager {
     /// Unknown request.
     pub fn remove_request(&mut self, id: &str) -> Result<()> {
         let slot = self.table.slot(id)?;
+        self.offload_release(slot, true)?;
         self.release(slot, false);
         self.table.remove(id, slot);
         Ok(())

@@ -223,6 +223,16 @@ impl RequestTable {
         self.free_slots.push(slot);
     }
 
+    /// Every live request with its slot.
+    pub(crate) fn iter_slots(&self) -> impl Iterator<Item = (u32, &Request)> {
+        self.reqs
+            .iter()
+            .zip(&self.slot_gen)
+            .enumerate()
+            .filter(|&(_, (_, &g))| g & LIVE != 0)
+            .map(|(s, (r, _))| (s as u32, r))
+    }
+
     /// Every live request.
     pub(crate) fn iter(&self) -> impl Iterator<Item = &Request> {
         self.reqs

@@ -14,6 +14,10 @@ pub struct ComputedBlocks {
     pub num_computed_tokens: u64,
     /// vLLM's `shared_prefix_boundary` (0 unless a sparse-retention group lags).
     pub shared_prefix_boundary: u64,
+    /// Tokens past the device hit whose KV the host tier holds (0 without
+    /// one): taken by passing them as `num_external_computed_tokens` at
+    /// admission ([`KvCacheManager::take_transfer_plan`](crate::KvCacheManager::take_transfer_plan) then loads them).
+    pub num_host_tokens: u64,
     pub(super) request_uid: u64,
     pub(super) manager_uid: u64,
     pub(super) epoch: u64,

@@ -101,6 +101,7 @@ impl KvCacheManager {
             num_computed_tokens: num_local as u64,
             // Per-group lookups do not detect an uncached shared prefix.
             shared_prefix_boundary: 0,
+            num_host_tokens: 0,
             request_uid: req.uid,
             manager_uid: self.uid,
             epoch: self.coord.pool().epoch(),

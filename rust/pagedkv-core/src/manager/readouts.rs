@@ -81,6 +81,7 @@ impl KvCacheManager {
                 "request index is out of sync".into(),
             ));
         }
-        self.coord.pool().check_invariants(Some(&refs))
+        self.coord.pool().check_invariants(Some(&refs))?;
+        self.check_offload()
     }
 }

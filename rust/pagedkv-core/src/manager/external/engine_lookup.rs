@@ -95,6 +95,7 @@ impl KvCacheManager {
             block_ids,
             num_computed_tokens,
             shared_prefix_boundary: 0,
+            num_host_tokens: 0,
             request_uid: req.uid,
             manager_uid: self.uid,
             epoch: self.coord.pool().epoch(),

@@ -1,0 +1,658 @@
+//! The manager with a host tier below GPU memory ([`OffloadTier`]): a lookup
+//! reports the chunks of a request's prefix the tier holds past the device
+//! hit, admitting the request reserves device blocks for them and schedules
+//! their load, and every full chunk a request computes is offered to the tier
+//! (vLLM 0.33's `OffloadingConnector` scheduler with its CPU tier, for an
+//! engine that drives pagedkv itself).
+//!
+//! Each step the engine takes a [`TransferPlan`]: loads (host blocks into
+//! device blocks, run before the step's forward pass) and stores (device
+//! blocks into host blocks, run after it), then reports every job done or
+//! failed with [`KvCacheManager::complete_transfers`]. Until a load completes
+//! its device blocks are not published to the prefix cache; a failed load is
+//! never published and its request recomputes those tokens. The device blocks
+//! a job reads or writes hold one engine reference for the job's life, so a
+//! request freed or preempted mid-transfer never has them handed out again
+//! while the copy runs; a load not yet taken is cancelled with the request.
+//!
+//! A chunk is `blocks_per_chunk` blocks of one group, keyed as vLLM keys it:
+//! the block hash of its last hash block and the group index.
+
+mod types;
+
+use rustc_hash::FxHashMap;
+
+pub use types::{FailedLoad, OffloadConfig, OffloadStats, Transfer, TransferPlan};
+
+use super::{AllocateArgs, ComputedBlocks, KvCacheManager};
+use crate::error::{Error, Result, invalid};
+use crate::offload::{LookupResult, OffloadEvent, OffloadKey, OffloadTier, TierConfig};
+use crate::pool::BlockId;
+use crate::spec::AttentionKind;
+
+/// One request's offloading state.
+#[derive(Clone, Debug, Default)]
+struct ReqOffload {
+    /// The first chunk not offered to the tier yet.
+    next_chunk: usize,
+    /// Its load job in flight (planned or taken), at most one.
+    load_job: Option<u64>,
+    /// Store jobs in flight.
+    store_jobs: u32,
+}
+
+#[derive(Clone, Debug)]
+struct Job {
+    /// The request's slot and uid when the job was made.
+    slot: u32,
+    uid: u64,
+    keys: Vec<OffloadKey>,
+    /// Per group touched: the device blocks (one engine reference each) and
+    /// host blocks.
+    groups: Vec<(u32, Vec<BlockId>, Vec<u64>)>,
+    /// A load's device hit (the tokens valid if it fails) and the tokens it
+    /// makes computed.
+    load: Option<(u64, u64)>,
+    taken: bool,
+}
+
+/// The host tier and the jobs in flight (a [`KvCacheManager`] field).
+#[derive(Debug)]
+pub(crate) struct Offloading {
+    cfg: OffloadConfig,
+    tier: OffloadTier,
+    /// Tokens per block (every group's).
+    block_size: u64,
+    /// Hash blocks per block.
+    hashes_per_block: usize,
+    num_groups: usize,
+    reqs: FxHashMap<u64, ReqOffload>,
+    jobs: FxHashMap<u64, Job>,
+    /// Load jobs not taken yet, in order.
+    planned_loads: Vec<u64>,
+    next_job: u64,
+    stats: OffloadStats,
+}
+
+impl Offloading {
+    fn tokens_per_chunk(&self) -> u64 {
+        self.block_size * u64::from(self.cfg.blocks_per_chunk)
+    }
+
+    fn hashes_per_chunk(&self) -> usize {
+        self.hashes_per_block * self.cfg.blocks_per_chunk as usize
+    }
+
+    fn state(&mut self, uid: u64) -> &mut ReqOffload {
+        let tier = &mut self.tier;
+        self.reqs.entry(uid).or_insert_with(|| {
+            tier.on_new_request(uid);
+            ReqOffload::default()
+        })
+    }
+
+    /// The keys of chunk `c` in every group (`hashes` covers it).
+    fn chunk_keys(&self, hashes: &[crate::hash::BlockHash], c: usize, out: &mut Vec<OffloadKey>) {
+        let h = &hashes[(c + 1) * self.hashes_per_chunk() - 1];
+        for g in 0..self.num_groups {
+            // The hash is at most 32 bytes: within the key's bound.
+            out.push(OffloadKey::new(h.as_bytes(), g as u32).expect("a block hash fits a key"));
+        }
+    }
+}
+
+impl KvCacheManager {
+    /// Gives the manager a host tier (on a manager without requests yet).
+    ///
+    /// # Errors
+    /// `InvalidConfig`: requests already added, a tier already set, caching
+    /// off, a group that is not full attention (or MLA), groups of different
+    /// block sizes, no chunk slot, or a tier the offload tier refuses.
+    pub fn enable_offload(&mut self, cfg: OffloadConfig) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidConfig(m));
+        if self.offload.is_some() {
+            return bad("the manager already has a host tier".into());
+        }
+        if self.num_requests() > 0 {
+            return bad("a host tier is set before any request is added".into());
+        }
+        if !self.cfg.enable_caching {
+            return bad("a host tier needs prefix caching (enable_caching)".into());
+        }
+        if cfg.num_chunks == 0 {
+            return bad(
+                "the host tier is smaller than one chunk (num_chunks must be at least 1)".into(),
+            );
+        }
+        if cfg.blocks_per_chunk == 0 {
+            return bad("blocks_per_chunk must be at least 1".into());
+        }
+        let groups = &self.cfg.groups;
+        for (g, spec) in groups.iter().enumerate() {
+            if !matches!(
+                spec.kind,
+                AttentionKind::FullAttention | AttentionKind::MlaAttention
+            ) {
+                return bad(format!(
+                    "a host tier keeps full-attention groups only; group {g} is {:?}",
+                    spec.kind
+                ));
+            }
+            if spec.block_size != groups[0].block_size {
+                return bad(format!(
+                    "a host tier needs one block size; group {g} has {} tokens per block, \
+                     group 0 {}",
+                    spec.block_size, groups[0].block_size
+                ));
+            }
+        }
+        let block_size = u64::from(groups[0].block_size);
+        let tier = OffloadTier::new(TierConfig {
+            num_chunks: cfg.num_chunks,
+            policy: cfg.policy,
+            enable_events: cfg.enable_events,
+            store_threshold: cfg.store_threshold,
+            ..TierConfig::new(cfg.num_chunks)
+        })
+        .map_err(|e| Error::InvalidConfig(e.to_string()))?;
+        self.offload = Some(Box::new(Offloading {
+            tier,
+            block_size,
+            hashes_per_block: groups[0].block_size as usize / self.hash_block_size,
+            num_groups: groups.len(),
+            reqs: FxHashMap::default(),
+            jobs: FxHashMap::default(),
+            planned_loads: Vec::new(),
+            next_job: 1,
+            stats: OffloadStats::default(),
+            cfg,
+        }));
+        Ok(())
+    }
+
+    /// The host tier's configuration (`None` without one).
+    #[must_use]
+    pub fn offload_config(&self) -> Option<&OffloadConfig> {
+        self.offload.as_ref().map(|o| &o.cfg)
+    }
+
+    /// The host tier itself (read-only), for its readouts.
+    #[must_use]
+    pub fn offload_tier(&self) -> Option<&OffloadTier> {
+        self.offload.as_ref().map(|o| &o.tier)
+    }
+
+    /// The host hit past a device hit of `device` tokens: the tokens of the
+    /// chunks every group holds readable, from the chunk the device hit ends
+    /// in on, at least one chunk, at most `num_tokens - 1` (vLLM looks up to
+    /// the prompt's end; the last token is recomputed). 0 while the request
+    /// has a load in flight.
+    pub(super) fn host_hit(&mut self, slot: u32, device: u64, cap: Option<u64>) -> u64 {
+        let Some(off) = self.offload.as_deref_mut() else {
+            return 0;
+        };
+        let req = self.table.get(slot);
+        let uid = req.uid;
+        if off.state(uid).load_job.is_some() {
+            return 0;
+        }
+        let num_tokens = req.num_tokens() as u64;
+        let tpc = off.tokens_per_chunk();
+        let hashes = req.hashes();
+        let mut end_cap = num_tokens;
+        if let Some(c) = cap {
+            end_cap = end_cap.min(c);
+        }
+        let num_chunks = (end_cap / tpc).min((hashes.len() / off.hashes_per_chunk()) as u64);
+        let start = device / tpc;
+        if start >= num_chunks {
+            return 0;
+        }
+        off.stats.queries += 1;
+        let mut keys = Vec::with_capacity(off.num_groups);
+        let mut hits = 0;
+        for c in start..num_chunks {
+            keys.clear();
+            off.chunk_keys(hashes, c as usize, &mut keys);
+            if !keys.iter().all(|k| off.tier.lookup(k) == LookupResult::Hit) {
+                break;
+            }
+            hits += 1;
+        }
+        let end = (start + hits) * tpc;
+        if end < device + tpc {
+            return 0;
+        }
+        let host = end.min(num_tokens - 1) - device;
+        off.stats.hits += 1;
+        off.stats.hit_tokens += host;
+        host
+    }
+
+    /// `allocate_slots` for an admission that takes a host hit: the device
+    /// hit adopted whole, `num_external_computed_tokens` the host hit; the
+    /// host chunks must still be readable. Caching waits for the load.
+    pub(super) fn allocate_with_host_hit(
+        &mut self,
+        slot: u32,
+        a: &AllocateArgs,
+        hit: &ComputedBlocks,
+    ) -> Result<bool> {
+        let host = hit.num_host_tokens;
+        let device = hit.num_computed_tokens;
+        if a.num_computed_tokens != 0 || a.num_new_computed_tokens != device {
+            return Err(invalid(format!(
+                "a host hit is taken at admission with the whole device hit: \
+                 num_computed_tokens 0 and num_new_computed_tokens {device}"
+            )));
+        }
+        let off = self
+            .offload
+            .as_deref()
+            .ok_or_else(|| invalid("no host tier"))?;
+        let tpc = off.tokens_per_chunk();
+        let end = (device + host).div_ceil(tpc) * tpc;
+        if device + host + a.num_new_tokens < end {
+            return Err(invalid(format!(
+                "the host hit loads through token {end}: schedule at least {} new tokens",
+                end - device - host
+            )));
+        }
+        let (start, end_chunk) = ((device / tpc) as usize, (end / tpc) as usize);
+        let req = self.table.get(slot);
+        let uid = req.uid;
+        if off.reqs.get(&uid).is_some_and(|r| r.load_job.is_some()) {
+            return Err(invalid(format!(
+                "request {:?} already has a load in flight",
+                req.id
+            )));
+        }
+        let mut keys = Vec::with_capacity((end_chunk - start) * off.num_groups);
+        if end_chunk * off.hashes_per_chunk() > req.hashes().len() {
+            return Err(Error::StaleComputedBlocks(
+                "the host hit is past the request's hashed blocks; look it up again".into(),
+            ));
+        }
+        for c in start..end_chunk {
+            off.chunk_keys(req.hashes(), c, &mut keys);
+        }
+        if let Some(k) = keys
+            .iter()
+            .find(|k| !off.tier.chunk(k).is_some_and(|c| c.is_ready()))
+        {
+            return Err(Error::StaleComputedBlocks(format!(
+                "host chunk {k:?} of the hit was evicted since get_computed_blocks; \
+                 look the request up again"
+            )));
+        }
+        let args = AllocateArgs {
+            num_external_computed_tokens: host,
+            delay_cache_blocks: true,
+            ..*a
+        };
+        if !self.allocate_validated(slot, &args, Some(hit))? {
+            return Ok(false);
+        }
+        // The chunks are readable (checked above, nothing ran since).
+        let positions: Vec<i64> = (start..end_chunk)
+            .flat_map(|c| std::iter::repeat_n(c as i64, self.num_groups()))
+            .collect();
+        let off = self.offload.as_deref_mut().expect("checked above");
+        off.state(uid);
+        let slots = off.tier.prepare_load(&keys, uid, &positions)?;
+        let bpc = u64::from(off.cfg.blocks_per_chunk);
+        let (first_block, end_block) = (
+            (device / off.block_size) as usize,
+            (end / off.block_size) as usize,
+        );
+        let req = self.table.get(slot);
+        let mut groups = Vec::with_capacity(self.num_groups());
+        for (g, gb) in req.groups().iter().enumerate() {
+            let device_blocks = gb.blocks()[first_block..end_block].to_vec();
+            let host_blocks = (first_block..end_block)
+                .map(|b| {
+                    let (c, i) = (b as u64 / bpc, b as u64 % bpc);
+                    slots[(c as usize - start) * self.num_groups() + g] * bpc + i
+                })
+                .collect();
+            groups.push((g as u32, device_blocks, host_blocks));
+        }
+        for (_, blocks, _) in &groups {
+            self.touch_blocks(blocks)?;
+        }
+        let off = self.offload.as_deref_mut().expect("checked above");
+        let job = off.next_job;
+        off.next_job += 1;
+        off.jobs.insert(
+            job,
+            Job {
+                slot,
+                uid,
+                keys,
+                groups,
+                load: Some((device, device + host)),
+                taken: false,
+            },
+        );
+        off.planned_loads.push(job);
+        off.state(uid).load_job = Some(job);
+        off.stats.loads += 1;
+        Ok(true)
+    }
+
+    /// The copies of this step: the loads admitted since the last plan, and a
+    /// store for every full chunk a running request has cached and not offered
+    /// to the tier yet (the tier decides which it keeps, evicting as its
+    /// policy says).
+    ///
+    /// # Errors
+    /// No host tier.
+    pub fn take_transfer_plan(&mut self) -> Result<TransferPlan> {
+        let off = self
+            .offload
+            .as_deref_mut()
+            .ok_or_else(|| invalid("the manager has no host tier"))?;
+        let mut plan = TransferPlan::default();
+        for job in std::mem::take(&mut off.planned_loads) {
+            let Some(j) = off.jobs.get_mut(&job) else {
+                continue;
+            };
+            j.taken = true;
+            let id = self.table.get(j.slot).id.clone();
+            for (g, d, h) in &j.groups {
+                plan.loads.push(Transfer {
+                    job,
+                    request_id: id.clone(),
+                    group: *g,
+                    device_blocks: d.clone(),
+                    host_blocks: h.clone(),
+                });
+            }
+        }
+        self.plan_stores(&mut plan.stores)?;
+        Ok(plan)
+    }
+
+    fn plan_stores(&mut self, out: &mut Vec<Transfer>) -> Result<()> {
+        let ng = self.num_groups();
+        let mut keys = Vec::new();
+        let mut to_touch = Vec::new();
+        let off = self.offload.as_deref_mut().expect("checked by the caller");
+        let bpc = off.cfg.blocks_per_chunk as usize;
+        for (slot, req) in self.table.iter_slots() {
+            let Some(cached) = req.groups().iter().map(|g| g.num_cached).min().flatten() else {
+                continue;
+            };
+            let storable = (cached / bpc).min(req.hashes().len() / off.hashes_per_chunk());
+            let uid = req.uid;
+            let next = off.reqs.get(&uid).map_or(0, |r| r.next_chunk);
+            if storable <= next {
+                continue;
+            }
+            keys.clear();
+            for c in next..storable {
+                off.chunk_keys(req.hashes(), c, &mut keys);
+            }
+            let positions: Vec<i64> = (next..storable)
+                .flat_map(|c| std::iter::repeat_n(c as i64, ng))
+                .collect();
+            off.state(uid).next_chunk = storable;
+            let Some(stored) = off.tier.prepare_store(&keys, uid, &positions)? else {
+                off.stats.stores_refused += 1;
+                continue;
+            };
+            off.stats.evictions += stored.evicted.len() as u64;
+            if stored.keys_to_store.is_empty() {
+                continue;
+            }
+            let job = off.next_job;
+            off.next_job += 1;
+            let mut groups: Vec<(u32, Vec<BlockId>, Vec<u64>)> = (0..ng)
+                .map(|g| (g as u32, Vec::new(), Vec::new()))
+                .collect();
+            for (key, &s) in stored.keys_to_store.iter().zip(&stored.slots) {
+                let i = keys
+                    .iter()
+                    .position(|k| k == key)
+                    .expect("a stored key was offered");
+                let (c, g) = (next + i / ng, i % ng);
+                let blocks = &req.groups()[g].blocks()[c * bpc..(c + 1) * bpc];
+                groups[g].1.extend_from_slice(blocks);
+                groups[g]
+                    .2
+                    .extend((0..bpc as u64).map(|b| s * bpc as u64 + b));
+            }
+            groups.retain(|(_, d, _)| !d.is_empty());
+            for (g, d, h) in &groups {
+                out.push(Transfer {
+                    job,
+                    request_id: req.id.clone(),
+                    group: *g,
+                    device_blocks: d.clone(),
+                    host_blocks: h.clone(),
+                });
+                to_touch.extend_from_slice(d);
+            }
+            off.jobs.insert(
+                job,
+                Job {
+                    slot,
+                    uid,
+                    keys: stored.keys_to_store,
+                    groups,
+                    load: None,
+                    taken: true,
+                },
+            );
+            off.state(uid).store_jobs += 1;
+            off.stats.stores += 1;
+        }
+        self.touch_blocks(&to_touch)
+    }
+
+    /// Reports jobs of taken plans: `done` completed, `failed` did not. A
+    /// completed load publishes its blocks to the prefix cache (when its
+    /// request is still the one admitted); a failed one does not, and is
+    /// listed for the engine to recompute those tokens. A store completes or
+    /// fails in the tier. Every job releases its device blocks.
+    ///
+    /// # Errors
+    /// A job not in flight, or listed twice; nothing changes then.
+    pub fn complete_transfers(&mut self, done: &[u64], failed: &[u64]) -> Result<Vec<FailedLoad>> {
+        let off = self
+            .offload
+            .as_deref()
+            .ok_or_else(|| invalid("the manager has no host tier"))?;
+        let mut seen = rustc_hash::FxHashSet::default();
+        for &job in done.iter().chain(failed) {
+            if !off.jobs.get(&job).is_some_and(|j| j.taken) {
+                return Err(invalid(format!("transfer job {job} is not in flight")));
+            }
+            if !seen.insert(job) {
+                return Err(invalid(format!("transfer job {job} is listed twice")));
+            }
+        }
+        let mut out = Vec::new();
+        let both = done
+            .iter()
+            .map(|&j| (j, true))
+            .chain(failed.iter().map(|&j| (j, false)));
+        for (job, ok) in both {
+            if let Some(f) = self.finish_job(job, ok)? {
+                out.push(f);
+            }
+        }
+        Ok(out)
+    }
+
+    fn finish_job(&mut self, job: u64, ok: bool) -> Result<Option<FailedLoad>> {
+        let off = self.offload.as_deref_mut().expect("checked by the caller");
+        let j = off.jobs.remove(&job).expect("checked by the caller");
+        let nblocks: u64 = j.groups.iter().map(|(_, d, _)| d.len() as u64).sum();
+        let live = self.table.live(j.slot).is_some_and(|r| r.uid == j.uid);
+        let state = off.reqs.get_mut(&j.uid);
+        let bytes = nblocks * off.cfg.bytes_per_block;
+        let mut publish = None;
+        let mut failed = None;
+        if let Some((valid, to)) = j.load {
+            let current = state.is_some_and(|s| {
+                let mine = s.load_job == Some(job);
+                if mine {
+                    s.load_job = None;
+                }
+                mine
+            });
+            off.tier.complete_load(&j.keys)?;
+            if ok {
+                off.stats.loads_completed += 1;
+                off.stats.blocks_loaded += nblocks;
+                off.stats.bytes_loaded += bytes;
+            } else {
+                off.stats.loads_failed += 1;
+            }
+            if !(live && current) {
+                off.stats.completions_after_free += 1;
+            } else if ok {
+                publish = Some(to);
+            } else {
+                failed = Some(FailedLoad {
+                    request_id: self.table.get(j.slot).id.clone(),
+                    num_valid_tokens: valid,
+                });
+            }
+        } else {
+            if let Some(s) = state {
+                s.store_jobs -= 1;
+            }
+            off.tier.complete_store(&j.keys, ok);
+            if ok {
+                off.stats.stores_completed += 1;
+                off.stats.blocks_stored += nblocks;
+                off.stats.bytes_stored += bytes;
+            } else {
+                off.stats.stores_failed += 1;
+            }
+            if !live {
+                off.stats.completions_after_free += 1;
+            }
+        }
+        self.release_job_blocks(&j.groups)?;
+        if let Some(to) = publish {
+            let req = self.table.get_mut(j.slot);
+            let at = req.num_computed_at_step;
+            self.coord.cache_blocks(req, to as usize, at);
+        }
+        Ok(failed)
+    }
+
+    fn release_job_blocks(&mut self, groups: &[(u32, Vec<BlockId>, Vec<u64>)]) -> Result<()> {
+        for (_, blocks, _) in groups {
+            // Tail first, as a request frees its blocks.
+            let rev: Vec<BlockId> = blocks.iter().rev().copied().collect();
+            self.free_blocks(&rev)?;
+        }
+        Ok(())
+    }
+
+    /// A request releases its blocks (`finished`: it is removed too): a load
+    /// not taken yet is cancelled, the chunks it offers restart from the first,
+    /// and a finished request's accesses commit to the tier's policy.
+    pub(super) fn offload_release(&mut self, slot: u32, finished: bool) -> Result<()> {
+        let uid = self.table.get(slot).uid;
+        let Some(off) = self.offload.as_deref_mut() else {
+            return Ok(());
+        };
+        let mut cancelled = None;
+        if let Some(s) = off.reqs.get_mut(&uid) {
+            s.next_chunk = 0;
+            // A taken load's copy may be running: its blocks stay held until
+            // it completes, and it no longer publishes anything.
+            if let Some(job) = s
+                .load_job
+                .take()
+                .filter(|j| off.jobs.get(j).is_some_and(|j| !j.taken))
+            {
+                off.planned_loads.retain(|&j| j != job);
+                let j = off.jobs.remove(&job).expect("a planned load is a job");
+                off.tier.complete_load(&j.keys)?;
+                off.stats.loads_cancelled += 1;
+                cancelled = Some(j.groups);
+            }
+        }
+        if finished {
+            off.tier.on_request_finished(uid, &[], &[])?;
+            off.tier.forget_request(uid);
+            off.reqs.remove(&uid);
+        }
+        if let Some(groups) = cancelled {
+            self.release_job_blocks(&groups)?;
+        }
+        Ok(())
+    }
+
+    /// The host tier's totals (`None` without one).
+    #[must_use]
+    pub fn offload_stats(&self) -> Option<OffloadStats> {
+        self.offload.as_ref().map(|o| o.stats)
+    }
+
+    /// Jobs planned or taken and not completed.
+    #[must_use]
+    pub fn num_transfers_in_flight(&self) -> usize {
+        self.offload.as_ref().map_or(0, |o| o.jobs.len())
+    }
+
+    /// The host tier's events since the last call (medium `CPU`).
+    pub fn take_offload_events(&mut self) -> Vec<OffloadEvent> {
+        self.offload
+            .as_mut()
+            .map_or_else(Vec::new, |o| o.tier.take_events())
+    }
+
+    /// Empties the host tier; `false` (and no change) while transfers are in
+    /// flight or without a tier.
+    pub fn reset_offload(&mut self) -> bool {
+        match self.offload.as_deref_mut() {
+            Some(off) if off.jobs.is_empty() => {
+                off.tier.reset_cache();
+                for s in off.reqs.values_mut() {
+                    s.next_chunk = 0;
+                }
+                let uids: Vec<u64> = off.reqs.keys().copied().collect();
+                for uid in uids {
+                    off.tier.on_new_request(uid);
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The host tier's own invariants, and every job's blocks held.
+    pub(super) fn check_offload(&self) -> Result<()> {
+        let Some(off) = self.offload.as_deref() else {
+            return Ok(());
+        };
+        off.tier.check_invariants()?;
+        let pending_loads = off.jobs.values().filter(|j| !j.taken).count();
+        if pending_loads != off.planned_loads.len() {
+            return Err(Error::InvariantViolation(format!(
+                "{pending_loads} loads not taken, {} planned",
+                off.planned_loads.len()
+            )));
+        }
+        let held: usize = off
+            .jobs
+            .values()
+            .flat_map(|j| &j.groups)
+            .map(|(_, d, _)| d.len())
+            .sum();
+        if (held as u64) > self.num_detached_block_refs() {
+            return Err(Error::InvariantViolation(format!(
+                "transfers hold {held} device blocks, the engine {}",
+                self.num_detached_block_refs()
+            )));
+        }
+        Ok(())
+    }
+}

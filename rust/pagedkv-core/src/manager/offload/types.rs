@@ -1,0 +1,140 @@
+//! The host tier's configuration, a step's transfer plan, failed loads and
+//! the tier's totals.
+
+use crate::offload::PolicyKind;
+use crate::pool::BlockId;
+
+/// How the manager's host tier is built.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OffloadConfig {
+    /// Chunk slots in host memory (at least 1).
+    pub num_chunks: u64,
+    /// GPU blocks per chunk (at least 1).
+    pub blocks_per_chunk: u32,
+    /// The tier's eviction policy.
+    pub policy: PolicyKind,
+    /// A chunk is stored only once offered this many times (vLLM's
+    /// `store_threshold`; below 2: every chunk).
+    pub store_threshold: u64,
+    /// Record the tier's `BlockStored` / `BlockRemoved` events (medium `CPU`).
+    pub enable_events: bool,
+    /// Bytes one block of every group occupies in host memory (for the byte
+    /// counts of [`OffloadStats`]; 0: not counted).
+    pub bytes_per_block: u64,
+}
+
+impl OffloadConfig {
+    /// `num_chunks` chunks of one block, LRU, every chunk stored, no events.
+    #[must_use]
+    pub fn new(num_chunks: u64) -> Self {
+        Self {
+            num_chunks,
+            blocks_per_chunk: 1,
+            policy: PolicyKind::Lru,
+            store_threshold: 1,
+            enable_events: false,
+            bytes_per_block: 0,
+        }
+    }
+}
+
+/// One copy job's blocks in one group: `device_blocks[i]` and
+/// `host_blocks[i]` are the two ends of one block copy (host block `b` is
+/// block `b % blocks_per_chunk` of tier slot `b / blocks_per_chunk`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transfer {
+    /// The job, reported back to [`KvCacheManager::complete_transfers`].
+    pub job: u64,
+    /// The request the job is for.
+    pub request_id: String,
+    /// The KV-cache group.
+    pub group: u32,
+    /// Device block ids.
+    pub device_blocks: Vec<BlockId>,
+    /// Host block indices.
+    pub host_blocks: Vec<u64>,
+}
+
+/// A step's copies ([`KvCacheManager::take_transfer_plan`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TransferPlan {
+    /// Host → device, to finish before the step's forward pass reads them.
+    pub loads: Vec<Transfer>,
+    /// Device → host, to start once the step's forward pass wrote them.
+    pub stores: Vec<Transfer>,
+}
+
+/// A failed load of a request still known ([`KvCacheManager::complete_transfers`]):
+/// its KV past `num_valid_tokens` was not loaded and must be recomputed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FailedLoad {
+    /// The request.
+    pub request_id: String,
+    /// Tokens whose KV the request holds (its device hit).
+    pub num_valid_tokens: u64,
+}
+
+/// The host tier's running totals, never reset.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OffloadStats {
+    /// Lookups that looked past the device hit.
+    pub queries: u64,
+    /// Lookups that found a host hit.
+    pub hits: u64,
+    /// Tokens of the host hits found.
+    pub hit_tokens: u64,
+    /// Load jobs planned, completed, failed, cancelled before being taken.
+    pub loads: u64,
+    /// Load jobs completed.
+    pub loads_completed: u64,
+    /// Load jobs that failed.
+    pub loads_failed: u64,
+    /// Load jobs cancelled (request freed before the plan was taken).
+    pub loads_cancelled: u64,
+    /// Store jobs planned.
+    pub stores: u64,
+    /// Store jobs completed.
+    pub stores_completed: u64,
+    /// Store jobs that failed.
+    pub stores_failed: u64,
+    /// Blocks loaded (completed loads).
+    pub blocks_loaded: u64,
+    /// Blocks stored (completed stores).
+    pub blocks_stored: u64,
+    /// Bytes loaded (`blocks_loaded * bytes_per_block`).
+    pub bytes_loaded: u64,
+    /// Bytes stored.
+    pub bytes_stored: u64,
+    /// Chunks the tier evicted to make room.
+    pub evictions: u64,
+    /// Store offers the tier refused for want of evictable chunks.
+    pub stores_refused: u64,
+    /// Completions of jobs whose request was freed or preempted meanwhile.
+    pub completions_after_free: u64,
+}
+
+impl OffloadStats {
+    /// Every total with its name.
+    #[must_use]
+    pub fn named(&self) -> [(&'static str, u64); 17] {
+        [
+            ("queries", self.queries),
+            ("hits", self.hits),
+            ("hit_tokens", self.hit_tokens),
+            ("loads", self.loads),
+            ("loads_completed", self.loads_completed),
+            ("loads_failed", self.loads_failed),
+            ("loads_cancelled", self.loads_cancelled),
+            ("stores", self.stores),
+            ("stores_completed", self.stores_completed),
+            ("stores_failed", self.stores_failed),
+            ("blocks_loaded", self.blocks_loaded),
+            ("blocks_stored", self.blocks_stored),
+            ("bytes_loaded", self.bytes_loaded),
+            ("bytes_stored", self.bytes_stored),
+            ("evictions", self.evictions),
+            ("stores_refused", self.stores_refused),
+            ("completions_after_free", self.completions_after_free),
+        ]
+    }
+}

@@ -43,6 +43,7 @@ from .manager import (
     RequestPreparer,
 )
 from .metrics import MeteredKVCacheManager
+from .offload import OffloadConfig, Transfer, TransferPlan
 from .presets import ModelPreset
 from .specs import (
     AttentionSpec,
@@ -96,6 +97,7 @@ __all__ = [
     "MeteredKVCacheManager",
     "ModelPreset",
     "NotEnoughKVCacheMemoryError",
+    "OffloadConfig",
     "PagedKVError",
     "PrefixCacheStats",
     "PrefixIndex",
@@ -105,6 +107,8 @@ __all__ = [
     "SinkFullAttentionSpec",
     "SlidingWindowSpec",
     "StaleComputedBlocksError",
+    "Transfer",
+    "TransferPlan",
     "UniformTypeKVCacheSpecs",
     "UnknownRequestError",
     "__version__",

@@ -6,6 +6,7 @@ import os
 from typing import TYPE_CHECKING, TypedDict
 
 from . import _core
+from .offload import OffloadConfig, Transfer, TransferPlan
 from .specs import KVCacheConfig
 from .stats import PrefixCacheStats
 
@@ -169,6 +170,9 @@ class KVCacheManager(_core.KVCacheManager):
         kv_cache_config: the groups and the number of blocks (block 0 is the null
             block: a pool of N blocks has N-1 usable).
         max_model_len: the longest sequence a request may reach.
+        offload: a host tier under the pool (:class:`~pagedkv.offload.OffloadConfig`):
+            lookups report ``num_host_tokens``, :meth:`take_transfer_plan` gives
+            each step's copies. Full-attention groups of one block size; caching on.
         **options: :class:`ManagerOptions` (unset ones take the core's defaults).
     """
 
@@ -178,6 +182,7 @@ class KVCacheManager(_core.KVCacheManager):
         cls,
         kv_cache_config: KVCacheConfig,
         max_model_len: int,
+        offload: OffloadConfig | None = None,
         **options: Unpack[ManagerOptions],
     ) -> KVCacheManager:
         if not isinstance(kv_cache_config, KVCacheConfig):
@@ -189,9 +194,33 @@ class KVCacheManager(_core.KVCacheManager):
         ]
         if options.get("hash_seed") is None and "PYTHONHASHSEED" in os.environ:
             options["hash_seed"] = os.environ["PYTHONHASHSEED"]  # as vLLM reads it
+        if offload is not None and not isinstance(offload, OffloadConfig):
+            raise TypeError(f"offload must be an OffloadConfig, got {offload!r}")
         self = super().__new__(cls, kv_cache_config.num_blocks, groups, max_model_len, **options)
         self._kv_cache_config = kv_cache_config
+        if offload is not None:
+            self._enable_offload(
+                offload.num_chunks(kv_cache_config),
+                blocks_per_chunk=offload.blocks_per_chunk,
+                policy=offload.policy,
+                store_threshold=offload.store_threshold,
+                enable_events=offload.enable_events,
+                bytes_per_block=OffloadConfig.bytes_per_block(kv_cache_config),
+            )
         return self
+
+    def take_transfer_plan(self) -> TransferPlan:
+        """The step's copies for the host tier: the loads admitted since the last
+        plan, and a store for every full chunk a running request cached and did
+        not offer yet (the tier keeps what its policy admits, evicting for room).
+        Each job's device blocks stay held until ``complete_transfers`` reports it."""
+        loads, stores = self._take_transfer_plan()
+        return TransferPlan([Transfer(*t) for t in loads], [Transfer(*t) for t in stores])
+
+    def take_offload_events(self) -> list[tuple[list[bytes], str, bool, bool]]:
+        """The host tier's events since the last call: ``(keys, medium, removed,
+        metadata_only)`` with medium ``"CPU"`` (``enable_events``)."""
+        return self._take_offload_events()
 
     @property
     def kv_cache_config(self) -> KVCacheConfig:

@@ -22,18 +22,38 @@ bounded in bytes, least recently used out first; ``put(key, data)`` writes a
 chunk through from host memory, ``get(key)`` / ``get_into(key, out)`` read it
 back after checking its slot (a corrupt or truncated slot is a counted miss,
 never wrong KV).
+
+``KVCacheManager(config, max_model_len, offload=OffloadConfig(cpu_bytes=...))``
+puts a host tier under the manager's own pool: ``get_computed_blocks`` reports
+``num_host_tokens`` past the device hit, admitting with
+``num_external_computed_tokens=hit.num_host_tokens`` reserves device blocks and
+schedules their load, every full chunk a request computes is offered to the
+tier, and :meth:`~pagedkv.KVCacheManager.take_transfer_plan` hands the engine
+each step's copies (:class:`TransferPlan`), reported back with
+``complete_transfers``.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
 
 from pagedkv._core import DiskTier, OffloadTier
+
+if TYPE_CHECKING:
+    from .specs import KVCacheConfig
 
 __all__ = [
     "DiskTier",
     "Lookup",
+    "OffloadConfig",
     "OffloadTier",
+    "Transfer",
+    "TransferPlan",
     "offload_key",
     "offload_key_group",
     "offload_key_hash",
@@ -62,3 +82,80 @@ def offload_key_hash(key: bytes) -> bytes:
 def offload_key_group(key: bytes) -> int:
     """The KV-cache group index of a key."""
     return int.from_bytes(key[-4:], "big", signed=False)
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """A host tier under a :class:`~pagedkv.KVCacheManager`.
+
+    Args:
+        cpu_bytes: host memory for the tier; it holds ``cpu_bytes // chunk
+            bytes`` chunks, a chunk being ``blocks_per_chunk`` blocks of the
+            KV cache's layout (every layer's bytes for one block id).
+        policy: ``"lru"`` or ``"arc"`` (vLLM 0.33's CPU tier policies).
+        blocks_per_chunk: GPU blocks per chunk (vLLM's offloaded block size
+            over the GPU block size).
+        store_threshold: a chunk is stored once offered this many times
+            (vLLM's admission filter; 1: every chunk).
+        enable_events: record the tier's ``BlockStored`` / ``BlockRemoved``
+            events (medium ``"CPU"``), drained by ``take_offload_events``.
+    """
+
+    cpu_bytes: int
+    policy: str = "lru"
+    blocks_per_chunk: int = 1
+    store_threshold: int = 1
+    enable_events: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_bytes", "blocks_per_chunk", "store_threshold"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.policy not in ("lru", "arc"):
+            raise ValueError(f"policy must be 'lru' or 'arc', got {self.policy!r}")
+
+    @staticmethod
+    def bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
+        """Host bytes one block id occupies: its share of every KV-cache tensor."""
+        total = sum(t.size for t in kv_cache_config.kv_cache_tensors)
+        return total // kv_cache_config.num_blocks
+
+    def num_chunks(self, kv_cache_config: KVCacheConfig) -> int:
+        """Chunks the tier holds for this KV cache (0 when a chunk does not fit)."""
+        per_chunk = self.bytes_per_block(kv_cache_config) * self.blocks_per_chunk
+        if per_chunk <= 0:
+            raise ValueError(
+                "the KVCacheConfig has no kv_cache_tensors: the bytes of a block are unknown"
+            )
+        return self.cpu_bytes // per_chunk
+
+
+class Transfer(NamedTuple):
+    """One copy job's blocks in one group: ``device_blocks[i]`` and
+    ``host_blocks[i]`` are the ends of one block copy (host block ``b`` is block
+    ``b % blocks_per_chunk`` of tier slot ``b // blocks_per_chunk``)."""
+
+    job: int
+    request_id: str
+    group: int
+    device_blocks: npt.NDArray[np.int32]
+    host_blocks: npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """A step's copies: ``loads`` (host to device) finish before the step's
+    forward pass reads them; ``stores`` (device to host) start after it wrote
+    them. Every job is reported once to ``complete_transfers``."""
+
+    loads: list[Transfer]
+    stores: list[Transfer]
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.stores)
+
+    @property
+    def jobs(self) -> list[int]:
+        """Every job of the plan, once each, loads first."""
+        return list(dict.fromkeys(t.job for t in (*self.loads, *self.stores)))

@@ -13,6 +13,7 @@
 //! - [`args`]: `allocate_slots`' arguments in, its result out;
 //! - [`engine`]: the calls of an engine that owns its requests (sync,
 //!   detached and engine-held blocks, partial hits and checkpoints, zeroing);
+//! - [`offload`]: the host tier (transfer plans, completions, stats);
 //! - [`hisparse`]: the HiSparse resident and hot groups' calls;
 //! - [`debug`]: reads for tests and debugging (invariants, the free queue,
 //!   the prefix cache's entries);
@@ -24,6 +25,7 @@ mod bench;
 mod debug;
 mod engine;
 mod hisparse;
+mod offload;
 mod vllm_api;
 
 use pyo3::prelude::*;
@@ -82,10 +84,17 @@ impl PyComputedBlocks {
         self.inner.shared_prefix_boundary
     }
 
+    /// Tokens past the device hit whose KV the host tier holds (0 without
+    /// one); taken by passing them as `num_external_computed_tokens`.
+    #[getter]
+    fn num_host_tokens(&self) -> u64 {
+        self.inner.num_host_tokens
+    }
+
     fn __repr__(&self) -> String {
         format!(
-            "ComputedBlocks(num_computed_tokens={}, block_ids={:?})",
-            self.inner.num_computed_tokens, self.inner.block_ids
+            "ComputedBlocks(num_computed_tokens={}, num_host_tokens={}, block_ids={:?})",
+            self.inner.num_computed_tokens, self.inner.num_host_tokens, self.inner.block_ids
         )
     }
 }

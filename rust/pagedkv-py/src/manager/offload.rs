@@ -1,0 +1,145 @@
+//! The host tier's calls on the pyclass (`KVCacheManager(offload=...)`): its
+//! configuration, the step's transfer plan, completions, stats and events.
+
+use numpy::PyArray1;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use pagedkv_core::offload::PolicyKind;
+use pagedkv_core::{OffloadConfig, Transfer};
+
+use crate::convert::{count, ids_i32};
+use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg};
+use crate::offload::{counter_dict, event_tuples};
+
+use super::PyManager;
+
+/// One transfer: `(job, request_id, group, device_blocks, host_blocks)`.
+type TransferTuple<'py> = (
+    u64,
+    String,
+    u32,
+    Bound<'py, PyArray1<i32>>,
+    Bound<'py, PyArray1<i64>>,
+);
+
+fn transfer_list<'py>(py: Python<'py>, ts: Vec<Transfer>) -> PyResult<Bound<'py, PyList>> {
+    let items: Vec<TransferTuple<'py>> = ts
+        .into_iter()
+        .map(|t| {
+            (
+                t.job,
+                t.request_id,
+                t.group,
+                PyArray1::from_vec(py, ids_i32(&t.device_blocks)),
+                // Host blocks are below 2**31 * blocks_per_chunk < 2**63.
+                PyArray1::from_vec(py, t.host_blocks.iter().map(|&b| b as i64).collect()),
+            )
+        })
+        .collect();
+    PyList::new(py, items)
+}
+
+fn job_ids(name: &str, jobs: Vec<i64>) -> PkResult<Vec<u64>> {
+    jobs.into_iter().map(|j| count(name, j)).collect()
+}
+
+#[pymethods]
+impl PyManager {
+    /// Gives the manager a host tier of `num_chunks` chunks (before any
+    /// request is added). `pagedkv.KVCacheManager(offload=OffloadConfig(...))`
+    /// calls it.
+    #[pyo3(signature = (num_chunks, *, blocks_per_chunk = 1, policy = "lru", store_threshold = 1,
+        enable_events = false, bytes_per_block = 0))]
+    fn _enable_offload(
+        slf: &Bound<'_, Self>,
+        num_chunks: i64,
+        blocks_per_chunk: i64,
+        policy: &str,
+        store_threshold: i64,
+        enable_events: bool,
+        bytes_per_block: i64,
+    ) -> PkResult<()> {
+        let blocks_per_chunk = u32::try_from(count("blocks_per_chunk", blocks_per_chunk)?)
+            .map_err(|_| invalid_arg("blocks_per_chunk is out of range"))?;
+        let cfg = OffloadConfig {
+            num_chunks: count("num_chunks", num_chunks)?,
+            blocks_per_chunk,
+            policy: PolicyKind::from_name(policy)?,
+            store_threshold: count("store_threshold", store_threshold)?,
+            enable_events,
+            bytes_per_block: count("bytes_per_block", bytes_per_block)?,
+        };
+        Ok(borrow_mut(slf)?.inner.enable_offload(cfg)?)
+    }
+
+    /// Whether the manager has a host tier.
+    #[getter]
+    fn has_offload(&self) -> bool {
+        self.inner.offload_config().is_some()
+    }
+
+    /// The step's copies as `(loads, stores)`, each a list of
+    /// `(job, request_id, group, device_blocks, host_blocks)`.
+    fn _take_transfer_plan<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PkResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
+        let plan = borrow_mut(slf)?.inner.take_transfer_plan()?;
+        let py = slf.py();
+        Ok((
+            transfer_list(py, plan.loads)?,
+            transfer_list(py, plan.stores)?,
+        ))
+    }
+
+    /// Reports jobs done and failed; returns the failed loads of requests
+    /// still known as `[(request_id, num_valid_tokens), ...]`.
+    #[pyo3(signature = (done = Vec::new(), failed = Vec::new()))]
+    fn complete_transfers(
+        slf: &Bound<'_, Self>,
+        done: Vec<i64>,
+        failed: Vec<i64>,
+    ) -> PkResult<Vec<(String, u64)>> {
+        let done = job_ids("done", done)?;
+        let failed = job_ids("failed", failed)?;
+        let out = borrow_mut(slf)?.inner.complete_transfers(&done, &failed)?;
+        Ok(out
+            .into_iter()
+            .map(|f| (f.request_id, f.num_valid_tokens))
+            .collect())
+    }
+
+    /// The host tier's totals (None without one): the manager's (queries,
+    /// hits, loads, stores, blocks, bytes, evictions) and the tier's chunk
+    /// counts.
+    fn offload_stats<'py>(slf: &Bound<'py, Self>) -> PkResult<Option<Bound<'py, PyDict>>> {
+        let this = borrow(slf)?;
+        let (Some(s), Some(tier)) = (this.inner.offload_stats(), this.inner.offload_tier()) else {
+            return Ok(None);
+        };
+        let mut named = s.named().to_vec();
+        named.push(("num_chunks", tier.config().num_chunks));
+        named.push(("resident_chunks", tier.num_resident() as u64));
+        named.push(("write_pending_chunks", tier.num_write_pending()));
+        Ok(Some(counter_dict(slf.py(), &named)?))
+    }
+
+    /// Transfer jobs planned or taken and not completed.
+    #[getter]
+    fn num_transfers_in_flight(&self) -> usize {
+        self.inner.num_transfers_in_flight()
+    }
+
+    /// The host tier's events since the last call, as
+    /// `[(keys, medium, removed, metadata_only), ...]` (medium `"CPU"`).
+    fn _take_offload_events<'py>(slf: &Bound<'py, Self>) -> PkResult<Bound<'py, PyList>> {
+        let events = borrow_mut(slf)?.inner.take_offload_events();
+        Ok(event_tuples(slf.py(), &events)?)
+    }
+
+    /// Empties the host tier; False (nothing changed) while transfers are in
+    /// flight or without a tier.
+    fn reset_offload(slf: &Bound<'_, Self>) -> PkResult<bool> {
+        Ok(borrow_mut(slf)?.inner.reset_offload())
+    }
+}

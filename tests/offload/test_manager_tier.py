@@ -1,0 +1,243 @@
+"""``KVCacheManager(offload=OffloadConfig(...))``: host hits past the device hit,
+loads reserved at admission and published once complete, stores of computed
+chunks, requests freed mid-transfer, bad input. Block ids follow vLLM's pool and
+slots vLLM's CPU tier (fresh first)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pagedkv as pk
+import pytest
+from pagedkv.errors import InvalidArgumentError, InvalidConfigError, StaleComputedBlocksError
+
+BS = 4
+#: bytes of one block id: K and V, 4 tokens, 1 head of size 1, float32
+PAGE = 2 * BS * 4
+
+
+def config(num_blocks: int = 16, groups: int = 1) -> pk.KVCacheConfig:
+    spec = pk.FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype="float32")
+    layers = [f"layer{g}" for g in range(groups)]
+    return pk.KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_groups=[pk.KVCacheGroupSpec([name], spec) for name in layers],
+        kv_cache_tensors=[pk.KVCacheTensor(num_blocks * PAGE, [name]) for name in layers],
+    )
+
+
+def manager(chunks: int = 64, **kw: object) -> pk.KVCacheManager:
+    off = pk.OffloadConfig(cpu_bytes=chunks * PAGE, **kw)  # type: ignore[arg-type]
+    return pk.KVCacheManager(config(), 256, offload=off)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [seed * 1000 + i for i in range(n)]
+
+
+def admit(m: pk.KVCacheManager, rid: str, *, take_host: bool = True) -> tuple[int, int, list[int]]:
+    hit = m.get_computed_blocks(rid)
+    n = m.num_tokens(rid)
+    dev, host = hit.num_computed_tokens, hit.num_host_tokens if take_host else 0
+    new = m.allocate_slots(
+        rid,
+        n - dev - host,
+        num_computed_tokens=0,
+        num_new_computed_tokens=dev,
+        new_computed_blocks=hit,
+        num_external_computed_tokens=host,
+    )
+    assert new is not None
+    return dev, host, [int(b) for b in new[0]]
+
+
+def complete(m: pk.KVCacheManager, plan: pk.TransferPlan) -> None:
+    assert m.complete_transfers(plan.jobs, []) == []
+
+
+def evicted_tail() -> pk.KVCacheManager:
+    """r0's 10 blocks stored; r1 evicts r0's tail from the pool."""
+    m = manager()
+    m.add_request("r0", prompt(1, 40))
+    assert admit(m, "r0")[2] == list(range(1, 11))
+    plan = m.take_transfer_plan()
+    assert plan.loads == [] and len(plan.stores) == 1
+    (store,) = plan.stores
+    assert store.request_id == "r0" and store.group == 0
+    assert store.device_blocks.dtype == np.int32 and store.host_blocks.dtype == np.int64
+    assert store.device_blocks.tolist() == list(range(1, 11))
+    assert store.host_blocks.tolist() == list(range(10))
+    complete(m, plan)
+    m.remove_request("r0")
+    m.add_request("r1", prompt(2, 40))
+    assert admit(m, "r1")[2] == [11, 12, 13, 14, 15, 10, 9, 8, 7, 6]
+    plan = m.take_transfer_plan()
+    assert plan.stores[0].host_blocks.tolist() == list(range(10, 20))
+    complete(m, plan)
+    m.remove_request("r1")
+    m.check_invariants()
+    return m
+
+
+def test_host_hit_loads_then_publishes() -> None:
+    m = evicted_tail()
+    m.add_request("r2", [*prompt(1, 40), 7, 7, 7, 7])
+    assert admit(m, "r2") == (20, 20, [15])
+    assert m.get_block_ids("r2")[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15]
+    plan = m.take_transfer_plan()
+    assert plan.stores == []
+    (load,) = plan.loads
+    assert (load.request_id, load.device_blocks.tolist(), load.host_blocks.tolist()) == (
+        "r2",
+        [6, 7, 8, 9, 10],
+        [5, 6, 7, 8, 9],
+    )
+    assert m.num_transfers_in_flight == 1
+    # Not published before the load completes.
+    m.add_request("r3", prompt(1, 40))
+    hit = m.get_computed_blocks("r3")
+    assert (hit.num_computed_tokens, hit.num_host_tokens) == (20, 19)
+    complete(m, plan)
+    hit = m.get_computed_blocks("r3")
+    assert hit.block_ids[0].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    stats = m.offload_stats()
+    assert stats is not None
+    assert (stats["loads_completed"], stats["blocks_loaded"], stats["bytes_loaded"]) == (
+        1,
+        5,
+        5 * PAGE,
+    )
+    assert (stats["stores_completed"], stats["blocks_stored"]) == (2, 20)
+    assert (stats["num_chunks"], stats["resident_chunks"]) == (64, 20)
+    m.check_invariants()
+
+
+def test_failed_load_is_recomputed_not_published() -> None:
+    m = evicted_tail()
+    m.add_request("r2", prompt(1, 44))
+    admit(m, "r2")
+    plan = m.take_transfer_plan()
+    assert m.complete_transfers([], plan.jobs) == [("r2", 20)]
+    m.add_request("r3", prompt(1, 40))
+    assert m.get_computed_blocks("r3").num_computed_tokens == 20
+    m.check_invariants()
+
+
+def test_freed_mid_load_blocks_stay_held_until_completion() -> None:
+    m = evicted_tail()
+    m.add_request("r2", prompt(1, 44))
+    admit(m, "r2")
+    plan = m.take_transfer_plan()
+    before = m.num_free_blocks
+    m.free("r2")
+    assert m.num_free_blocks == before + 11 - 5
+    m.check_invariants()
+    complete(m, plan)
+    assert m.num_free_blocks == before + 11
+    stats = m.offload_stats()
+    assert stats is not None and stats["completions_after_free"] == 1
+    m.check_invariants()
+
+
+def test_declined_host_hit_computes_the_tokens() -> None:
+    m = evicted_tail()
+    m.add_request("r2", prompt(1, 44))
+    assert admit(m, "r2", take_host=False) == (20, 0, [6, 7, 8, 9, 10, 15])
+    assert not m.take_transfer_plan().loads
+
+
+def test_events_name_the_cpu_medium() -> None:
+    m = manager(enable_events=True)
+    m.add_request("r0", prompt(1, 8))
+    admit(m, "r0")
+    complete(m, m.take_transfer_plan())
+    events = m.take_offload_events()
+    assert len(events) == 1
+    keys, medium, removed, metadata_only = events[0]
+    assert (medium, removed, metadata_only, len(keys)) == ("CPU", False, False, 2)
+    hashes = m.block_hashes("r0")
+    assert keys == [pk.offload.offload_key(bytes(h), 0) for h in hashes]
+
+
+def test_arc_and_chunks_of_two_blocks() -> None:
+    m = manager(chunks=8, policy="arc", blocks_per_chunk=2)
+    m.add_request("r0", prompt(1, 20))
+    admit(m, "r0")
+    (store,) = m.take_transfer_plan().stores
+    # five blocks cached: two chunks of two blocks are stored
+    assert store.device_blocks.tolist() == [1, 2, 3, 4]
+    assert store.host_blocks.tolist() == [0, 1, 2, 3]
+
+
+def test_bad_input_is_refused_and_changes_nothing() -> None:
+    with pytest.raises(ValueError, match="cpu_bytes"):
+        pk.OffloadConfig(cpu_bytes=0)
+    with pytest.raises(ValueError, match="policy"):
+        pk.OffloadConfig(cpu_bytes=1 << 20, policy="fifo")
+    with pytest.raises(InvalidConfigError, match="smaller than one chunk"):
+        pk.KVCacheManager(config(), 256, offload=pk.OffloadConfig(cpu_bytes=PAGE - 1))
+    with pytest.raises(TypeError, match="OffloadConfig"):
+        pk.KVCacheManager(config(), 256, offload={"cpu_bytes": 1})  # type: ignore[arg-type]
+    swa = pk.SlidingWindowSpec(
+        block_size=BS, num_kv_heads=1, head_size=1, dtype="float32", sliding_window=8
+    )
+    cfg = pk.KVCacheConfig(
+        num_blocks=16,
+        kv_cache_groups=[pk.KVCacheGroupSpec(["l"], swa)],
+        kv_cache_tensors=[pk.KVCacheTensor(16 * PAGE, ["l"])],
+    )
+    with pytest.raises(InvalidConfigError, match="full-attention"):
+        pk.KVCacheManager(cfg, 256, offload=pk.OffloadConfig(cpu_bytes=1 << 20))
+    with pytest.raises(InvalidConfigError, match="prefix caching"):
+        pk.KVCacheManager(
+            config(), 256, offload=pk.OffloadConfig(cpu_bytes=1 << 20), enable_caching=False
+        )
+    plain = pk.KVCacheManager(config(), 256)
+    assert plain.offload_stats() is None and not plain.has_offload
+    with pytest.raises(InvalidArgumentError, match="no host tier"):
+        plain.take_transfer_plan()
+
+    m = evicted_tail()
+    m.add_request("r2", prompt(1, 44))
+    hit = m.get_computed_blocks("r2")
+    free = m.num_free_blocks
+    with pytest.raises(InvalidArgumentError, match="host hit"):
+        m.allocate_slots(
+            "r2",
+            16,
+            num_computed_tokens=0,
+            num_new_computed_tokens=20,
+            new_computed_blocks=hit,
+            num_external_computed_tokens=8,
+        )
+    assert m.num_free_blocks == free and m.num_transfers_in_flight == 0
+    admit(m, "r2")
+    with pytest.raises(InvalidArgumentError, match="not in flight"):
+        m.complete_transfers([99])
+    plan = m.take_transfer_plan()
+    (job,) = plan.jobs
+    with pytest.raises(InvalidArgumentError, match="twice"):
+        m.complete_transfers([job], [job])
+    with pytest.raises(InvalidArgumentError):
+        m.complete_transfers([-1])
+    assert not m.reset_offload()
+    complete(m, plan)
+    with pytest.raises(InvalidArgumentError, match="not in flight"):
+        m.complete_transfers([job])
+    m.check_invariants()
+
+
+def test_stale_host_hit() -> None:
+    m = evicted_tail()
+    m.add_request("r2", prompt(1, 44))
+    hit = m.get_computed_blocks("r2")
+    assert m.reset_offload()
+    with pytest.raises(StaleComputedBlocksError, match="look the request up again"):
+        m.allocate_slots(
+            "r2",
+            4,
+            num_computed_tokens=0,
+            num_new_computed_tokens=20,
+            new_computed_blocks=hit,
+            num_external_computed_tokens=20,
+        )
+    m.check_invariants()

@@ -31,6 +31,7 @@ from .._util import cdiv
 from ..config_builder import get_kv_cache_config
 from ..errors import DuplicateRequestError, InvalidArgumentError, UnknownRequestError
 from ..manager import ComputedBlocks, KVCacheManager
+from ..offload import OffloadConfig, Transfer
 from ..sim.policy import Backend, Request, Scheduler, SchedulerConfig
 from ..specs import (
     ChunkedLocalAttentionSpec,
@@ -43,6 +44,7 @@ from .block_table import MultiGroupBlockTable, step_positions
 from .kernels import AttentionMetadata, copy_blocks
 from .kv_cache import KVCache, allocate_kv_cache
 from .model import TinyTransformer
+from .offload import HostKVStore
 from .swap import KVSwapper, SwapInResult, SwappedRequest
 
 __all__ = ["EngineRequest", "PagedEngine", "StepOutput"]
@@ -123,6 +125,10 @@ class PagedEngine:
         poison_free_blocks: before every forward pass, fill the free blocks that hold
             no cached data, and the null block, with NaN: any read of them would show.
         record_logits: keep every computed logit row (for comparisons).
+        offload: a host tier under the pool (:class:`~pagedkv.offload.OffloadConfig`):
+            every full chunk computed is copied to host memory after the step that
+            wrote it; a prefix found there is loaded back into the request's blocks
+            before the forward pass that reads it (``host_hit_tokens`` counts them).
     """
 
     def __init__(
@@ -141,6 +147,7 @@ class PagedEngine:
         num_cpu_blocks: int = 0,
         poison_free_blocks: bool = False,
         record_logits: bool = True,
+        offload: OffloadConfig | None = None,
     ) -> None:
         if preemption_mode not in _PREEMPTION_MODES:
             raise ValueError(
@@ -159,9 +166,20 @@ class PagedEngine:
         self.config = kv_cache_config
         self.device = model.embed.device
         self.manager = KVCacheManager(
-            kv_cache_config, max_model_len, enable_caching=enable_caching, hash_algo=hash_algo
+            kv_cache_config,
+            max_model_len,
+            offload=offload,
+            enable_caching=enable_caching,
+            hash_algo=hash_algo,
         )
         self.kv_cache: KVCache = allocate_kv_cache(kv_cache_config, self.device)
+        self.host_kv: HostKVStore | None = None
+        if offload is not None:
+            self.host_kv = HostKVStore(
+                self.kv_cache, offload.num_chunks(kv_cache_config), offload.blocks_per_chunk
+            )
+        #: tokens whose KV was loaded back from the host tier
+        self.host_hit_tokens = 0
         self.block_tables = MultiGroupBlockTable.from_config(
             kv_cache_config, max_num_reqs, max_model_len, max_num_batched_tokens, self.device
         )
@@ -305,6 +323,9 @@ class PagedEngine:
             )
             for g in range(len(self._block_sizes))
         ]
+        plan = self.manager.take_transfer_plan() if self.host_kv is not None else None
+        if plan is not None:
+            self._run_transfers(plan.loads, to_device=True)
         if self.poison_free_blocks:
             self._poison()
         logits = self.model.forward_paged(
@@ -314,6 +335,8 @@ class PagedEngine:
             metadata,
         )
 
+        if plan is not None:
+            self._run_transfers(plan.stores, to_device=False)
         last = self._backend.last_logits
         for i, req in enumerate(reqs):
             qs, qe = int(qsl[i]), int(qsl[i + 1])
@@ -322,6 +345,19 @@ class PagedEngine:
             req.num_model_tokens += qe - qs
             if req.num_computed_tokens + (qe - qs) == req.num_tokens:
                 last[req.request_id] = logits[qe - 1]
+
+    def _run_transfers(self, transfers: Sequence[Transfer], *, to_device: bool) -> None:
+        """Runs a plan's loads or stores, waits for them and reports them done."""
+        if not transfers:
+            return
+        host = self.host_kv
+        assert host is not None
+        copy = host.load_blocks if to_device else host.store_blocks
+        copies = [copy(t.group, t.device_blocks, t.host_blocks) for t in transfers]
+        for c in copies:
+            c.wait()
+        failed = self.manager.complete_transfers(list(dict.fromkeys(t.job for t in transfers)))
+        assert not failed
 
     def _sample(self, req: EngineRequest, logits: torch.Tensor) -> int:
         if req.seed is None:
@@ -443,7 +479,7 @@ class _EngineBackend(Backend[EngineRequest]):
         if req.swapped is not None:
             return req.swapped.num_computed_tokens
         self._hit = hit = self.engine.manager.get_computed_blocks(req.request_id)
-        return hit.num_computed_tokens
+        return hit.num_computed_tokens + hit.num_host_tokens
 
     def admit(
         self,
@@ -464,18 +500,21 @@ class _EngineBackend(Backend[EngineRequest]):
             req.swapped = None
         else:
             hit, self._hit = self._hit, None
+            host = 0 if hit is None else hit.num_host_tokens
             new = eng.manager.allocate_slots(
                 req.request_id,
                 num_new_tokens,
                 num_computed_tokens=0,
-                num_new_computed_tokens=num_hit_tokens,
+                num_new_computed_tokens=num_hit_tokens - host,
                 new_computed_blocks=hit,
+                num_external_computed_tokens=host,
                 full_sequence_must_fit=full_sequence_must_fit,
                 has_scheduled_reqs=has_scheduled_reqs,
             )
             if new is None:
                 return False
             req.num_hit_tokens += num_hit_tokens
+            eng.host_hit_tokens += host
         eng._acquire_row(req)
         eng.block_tables.add_row(eng.manager.get_block_ids(req.request_id), req.row)
         return True

@@ -127,6 +127,40 @@ class HostKVStore:
         s, b = self._plan(group, slots, block_ids)
         return self._copy(group, s, b, to_host=False)
 
+    def store_blocks(
+        self, group: int, device_blocks: npt.ArrayLike, host_blocks: npt.ArrayLike
+    ) -> HostCopy:
+        """Copies device blocks into host blocks one for one (host block ``b`` is
+        block ``b % blocks_per_chunk`` of slot ``b // blocks_per_chunk``): a
+        :class:`~pagedkv.offload.Transfer` of a store."""
+        d, h = self._pairs(group, device_blocks, host_blocks)
+        return self._copy_blocks(group, h, d, to_host=True)
+
+    def load_blocks(
+        self, group: int, device_blocks: npt.ArrayLike, host_blocks: npt.ArrayLike
+    ) -> HostCopy:
+        """Copies host blocks into device blocks one for one (a load's transfer)."""
+        d, h = self._pairs(group, device_blocks, host_blocks)
+        return self._copy_blocks(group, h, d, to_host=False)
+
+    def _pairs(
+        self, group: int, device_blocks: npt.ArrayLike, host_blocks: npt.ArrayLike
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        if not isinstance(group, int) or group not in self._groups:
+            raise ValueError(f"group must be one of {list(self._groups)}, got {group!r}")
+        d = _ids(device_blocks, "device_blocks")
+        h = _ids(host_blocks, "host_blocks")
+        if len(d) != len(h):
+            raise ValueError(f"{len(d)} device blocks for {len(h)} host blocks")
+        if len(d) and (d.min() < 0 or d.max() >= self.kv_cache.num_blocks):
+            raise ValueError(f"device block out of range (0..{self.kv_cache.num_blocks})")
+        n_host = self.num_chunks * self.blocks_per_chunk
+        if len(h) and (h.min() < 0 or h.max() >= n_host):
+            raise ValueError(f"host block out of range (0..{n_host})")
+        if len(set(h.tolist())) != len(h):
+            raise ValueError("a host block is listed twice")
+        return d, h
+
     def _copy(
         self,
         group: int,
@@ -136,27 +170,36 @@ class HostKVStore:
         to_host: bool,
     ) -> HostCopy:
         bpc = self.blocks_per_chunk
+        host = (slots[:, None] * bpc + np.arange(bpc, dtype=np.int64)[None, :]).reshape(-1)
+        return self._copy_blocks(group, host, blocks, to_host=to_host)
+
+    def _copy_blocks(
+        self,
+        group: int,
+        host_blocks: npt.NDArray[np.int64],
+        device_blocks: npt.NDArray[np.int64],
+        *,
+        to_host: bool,
+    ) -> HostCopy:
         stream = self._stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
         nbytes = 0
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            dev = torch.as_tensor(blocks).to(self.kv_cache.device, non_blocking=True)
+            dev = torch.as_tensor(device_blocks).to(self.kv_cache.device, non_blocking=True)
+            host = torch.as_tensor(host_blocks)
             pairs = zip(
                 self.kv_cache.group_block_tensors(group),
                 self.host.group_block_tensors(group),
                 strict=True,
             )
             for dev_t, host_t in pairs:
-                for i, slot in enumerate(slots.tolist()):
-                    host_slice = host_t[slot * bpc : (slot + 1) * bpc]
-                    idx = dev[i * bpc : (i + 1) * bpc]
-                    if to_host:
-                        host_slice.copy_(dev_t.index_select(0, idx), non_blocking=True)
-                    else:
-                        data = host_slice.to(dev_t.device, non_blocking=True)
-                        dev_t.index_copy_(0, idx, data)
-                    nbytes += host_slice.numel() * host_slice.element_size()
+                if to_host:
+                    host_t.index_copy_(0, host, dev_t.index_select(0, dev).to("cpu"))
+                else:
+                    data = host_t.index_select(0, host).to(dev_t.device, non_blocking=True)
+                    dev_t.index_copy_(0, dev, data)
+                nbytes += len(host_blocks) * host_t[0].numel() * host_t.element_size()
         if stream is None:
             return HostCopy(None, nbytes)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]

@@ -1101,7 +1101,16 @@ def test_every_public_method_is_in_the_matrix() -> None:
         # Its refusals (another manager's, a known id, added twice) in
         # test_prepared.py; its prompts through request_preparer above:
         "add_prepared",
+        # The host tier's calls: their refusals (jobs not in flight, listed
+        # twice, negative; no tier) in tests/offload/test_manager_tier.py.
+        "complete_transfers",
+        "take_transfer_plan",
         # No arguments to get wrong:
+        "reset_offload",
+        "take_offload_events",
+        "offload_stats",
+        "has_offload",
+        "num_transfers_in_flight",
         "reset_prefix_cache",
         "new_step_starts",
         "take_events",

@@ -241,3 +241,23 @@ def test_stale_host_hit() -> None:
             num_external_computed_tokens=20,
         )
     m.check_invariants()
+
+
+def test_readme_example_runs() -> None:
+    import re
+    from pathlib import Path
+    from typing import Any
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = text.split("### A host tier under the manager", 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match is not None
+    scope: dict[str, Any] = {}
+    exec(compile(match.group(1), "README.md", "exec"), scope)
+    mgr = scope["mgr"]
+    assert scope["hit"].num_host_tokens == 0
+    # the prompt's six full blocks were stored
+    assert [s.device_blocks.tolist() for s in scope["plan"].stores] == [[1, 2, 3, 4, 5, 6]]
+    assert mgr.offload_stats()["stores_completed"] == 1
+    # a block is 2 * 16 tokens * 8 heads * 128 * 2 bytes = 64 KiB
+    assert mgr.offload_stats()["num_chunks"] == (1 << 30) // (64 << 10)

@@ -37,8 +37,6 @@ struct ReqOffload {
     next_chunk: usize,
     /// Its load job in flight (planned or taken), at most one.
     load_job: Option<u64>,
-    /// Store jobs in flight.
-    store_jobs: u32,
 }
 
 #[derive(Clone, Debug)]
@@ -444,7 +442,6 @@ impl KvCacheManager {
                     taken: true,
                 },
             );
-            off.state(uid).store_jobs += 1;
             off.stats.stores += 1;
         }
         self.touch_blocks(&to_touch)
@@ -503,13 +500,7 @@ impl KvCacheManager {
                 mine
             });
             off.tier.complete_load(&j.keys)?;
-            if ok {
-                off.stats.loads_completed += 1;
-                off.stats.blocks_loaded += nblocks;
-                off.stats.bytes_loaded += bytes;
-            } else {
-                off.stats.loads_failed += 1;
-            }
+            off.stats.record_completion(true, ok, nblocks, bytes);
             if !(live && current) {
                 off.stats.completions_after_free += 1;
             } else if ok {
@@ -521,17 +512,8 @@ impl KvCacheManager {
                 });
             }
         } else {
-            if let Some(s) = state {
-                s.store_jobs -= 1;
-            }
             off.tier.complete_store(&j.keys, ok);
-            if ok {
-                off.stats.stores_completed += 1;
-                off.stats.blocks_stored += nblocks;
-                off.stats.bytes_stored += bytes;
-            } else {
-                off.stats.stores_failed += 1;
-            }
+            off.stats.record_completion(false, ok, nblocks, bytes);
             if !live {
                 off.stats.completions_after_free += 1;
             }

@@ -114,6 +114,33 @@ pub struct OffloadStats {
 }
 
 impl OffloadStats {
+    /// A load's (`load`) or a store's completion, `ok` or failed, of `blocks`
+    /// blocks and `bytes` bytes.
+    pub(super) fn record_completion(&mut self, load: bool, ok: bool, blocks: u64, bytes: u64) {
+        let (done, failed, moved, moved_bytes) = if load {
+            (
+                &mut self.loads_completed,
+                &mut self.loads_failed,
+                &mut self.blocks_loaded,
+                &mut self.bytes_loaded,
+            )
+        } else {
+            (
+                &mut self.stores_completed,
+                &mut self.stores_failed,
+                &mut self.blocks_stored,
+                &mut self.bytes_stored,
+            )
+        };
+        if ok {
+            *done += 1;
+            *moved += blocks;
+            *moved_bytes += bytes;
+        } else {
+            *failed += 1;
+        }
+    }
+
     /// Every total with its name.
     #[must_use]
     pub fn named(&self) -> [(&'static str, u64); 17] {

@@ -408,11 +408,12 @@ impl KvCacheManager {
             let mut groups: Vec<(u32, Vec<BlockId>, Vec<u64>)> = (0..ng)
                 .map(|g| (g as u32, Vec::new(), Vec::new()))
                 .collect();
+            // The keys to store are the offer's in offer order: one pass finds them.
+            let mut i = 0;
             for (key, &s) in stored.keys_to_store.iter().zip(&stored.slots) {
-                let i = keys
-                    .iter()
-                    .position(|k| k == key)
-                    .expect("a stored key was offered");
+                while keys[i] != *key {
+                    i += 1;
+                }
                 let (c, g) = (next + i / ng, i % ng);
                 let blocks = &req.groups()[g].blocks()[c * bpc..(c + 1) * bpc];
                 groups[g].1.extend_from_slice(blocks);

@@ -386,6 +386,7 @@ COUNT_PARAMS: dict[str, Callable[[pk.KVCacheManager, Any], Any]] = {
     "find_longest_cache_hit_per_group.max_cache_hit_length": lambda m, v: (
         m.find_longest_cache_hit_per_group([], v)
     ),
+    "find_longest_cache_hit.max_cache_hit_length": lambda m, v: m.find_longest_cache_hit([], v),
     "prefix_cache_retention_interval.set": lambda m, v: setattr(
         m, "prefix_cache_retention_interval", v
     ),
@@ -425,6 +426,7 @@ COUNT_EXCEPTIONS: dict[tuple[str, str], type[BaseException] | None] = {
     ("get_computed_blocks_for_connector.max_cache_hit_length", "none"): None,
     ("get_computed_blocks_for_connector.max_cache_hit_length", "huge"): None,
     ("find_longest_cache_hit_per_group.max_cache_hit_length", "huge"): None,
+    ("find_longest_cache_hit.max_cache_hit_length", "huge"): None,
     # Past 2**32 blocks: refused as a count, not answered None.
     ("get_new_blocks.n", "huge"): InvalidArgumentError,
     # None is dense retention.
@@ -682,6 +684,18 @@ def test_every_integer_dtype_gives_the_same_tokens(dtype: str) -> None:
         (lambda m: m.cache_detached_partial_block("run", 0, 1, 15), InvalidArgumentError),
         (lambda m: m.cache_detached_partial_block("run", 2, 1, 16), InvalidArgumentError),
         (lambda m: m.cache_detached_partial_block("run", 0, None, 16), TypeError),
+        # A block the request holds, the null block, one past the pool, a
+        # free one, another group, a bad hash or token count.
+        (lambda m: m.insert_detached_block_hash(1, b"k" * 32, 0), InvalidArgumentError),
+        (lambda m: m.insert_detached_block_hash(0, b"k" * 32, 0), InvalidArgumentError),
+        (lambda m: m.insert_detached_block_hash(2**40, b"k" * 32, 0), InvalidArgumentError),
+        (lambda m: m.insert_detached_block_hash(-1, b"k" * 32, 0), InvalidArgumentError),
+        (lambda m: m.insert_detached_block_hash(9, b"k" * 32, 0), InvalidArgumentError),
+        (lambda m: m.insert_detached_block_hash(9, b"k" * 32, 1), InvalidArgumentError),
+        (lambda m: m.insert_detached_block_hash(9, b"", 0), InvalidArgumentError),
+        (lambda m: m.insert_detached_block_hash(9, b"k" * 32, 0, -1), InvalidArgumentError),
+        (lambda m: m.insert_detached_block_hash(9, "k", 0), TypeError),
+        (lambda m: m.insert_detached_block_hash(9, b"k" * 32, 0, 1.5), TypeError),
     ],
 )
 def test_bad_detached_block_caching(
@@ -1089,6 +1103,8 @@ def test_every_public_method_is_in_the_matrix() -> None:
     covered = {m.split(".")[0] for m in (*ID_METHODS, *COUNT_PARAMS, *TOKEN_METHODS)} | {
         "evict_blocks",
         "cached_blocks_for_hash",
+        # test_bad_detached_block_caching:
+        "insert_detached_block_hash",
         "num_blocks_to_allocate",
         # No arguments to get wrong, or tested with an engine manager
         # (test_vllm_dropin.py):

@@ -11,6 +11,11 @@ first used; the plugin functions import it only when they install.
 ``pagedkv.vllm.CPUOffloadingManager`` is vLLM's CPU offloading manager (LRU
 and ARC, behind the ``OffloadingConnector``) on pagedkv's host tier;
 ``install()`` puts it in vLLM's place too.
+
+``pagedkv.vllm.get_kv_cache_coordinator`` builds a coordinator (vLLM's
+``get_kv_cache_coordinator``) over pagedkv's core: ``install()`` makes the
+CPU tier of vLLM's ``SimpleCPUOffloadScheduler`` (its coordinator and block
+pool) pagedkv's.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -18,12 +23,14 @@ from typing import TYPE_CHECKING, Any
 from pagedkv.vllm.plugin import install, installed, register, uninstall
 
 if TYPE_CHECKING:
+    from pagedkv.vllm.coordinator import get_kv_cache_coordinator
     from pagedkv.vllm.manager import KVCacheManager
     from pagedkv.vllm.offload import CPUOffloadingManager
 
 __all__ = [
     "CPUOffloadingManager",
     "KVCacheManager",
+    "get_kv_cache_coordinator",
     "install",
     "installed",
     "register",
@@ -33,6 +40,7 @@ __all__ = [
 _LAZY = {
     "KVCacheManager": "pagedkv.vllm.manager",
     "CPUOffloadingManager": "pagedkv.vllm.offload",
+    "get_kv_cache_coordinator": "pagedkv.vllm.coordinator",
 }
 
 

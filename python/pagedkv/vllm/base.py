@@ -78,6 +78,8 @@ class PagedKVCacheManager:
         metrics_collector: Any = None,
         watermark: float = 0.0,
         enable_mamba_shared_prefix_checkpoint: bool = False,
+        *,
+        allow_partial_hash_hits: bool = True,
     ) -> None:
         assert watermark >= 0.0, "watermark must be non-negative"
         groups = [
@@ -103,8 +105,9 @@ class PagedKVCacheManager:
             "record_stats_at_admission": False,
             "num_hash_lookahead_tokens": num_hash_lookahead_tokens,
             "num_prefill_lookahead": num_prefill_lookahead,
-            # vLLM's coordinator allows fine-grained hits wherever they apply.
-            "partial_hash_hits": True,
+            # vLLM's coordinator allows fine-grained hits wherever they apply
+            # (a coordinator built on its own may turn them off).
+            "partial_hash_hits": allow_partial_hash_hits,
             "dcp_world_size": dcp_world_size,
             "mamba_shared_prefix_checkpoint": enable_mamba_shared_prefix_checkpoint,
             # Mamba layouts and mixed-precision caches zero fresh attention blocks.

@@ -160,6 +160,8 @@ class SingleTypeManagerView:
     # Class attributes: they stand in front of vLLM's properties of the same
     # names on the view classes that also derive from vLLM's manager classes.
     retains_longer_hit = False
+    #: Whether the group drops its last hit block for EAGLE (the coordinator sets it).
+    use_eagle = False
 
     def __init__(
         self,

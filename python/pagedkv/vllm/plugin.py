@@ -39,6 +39,13 @@ _TARGETS = (
     ),
     # behind the OffloadingConnector's CPU spec and the tiering manager
     _Target("CPUOffloadingManager", "vllm.v1.kv_offload.cpu.manager", (), "pagedkv.vllm.offload"),
+    # the CPU tier of SimpleCPUOffloadScheduler
+    _Target(
+        "get_kv_cache_coordinator",
+        "vllm.v1.core.kv_cache_coordinator",
+        ("vllm.v1.simple_kv_offload.manager",),
+        "pagedkv.vllm.coordinator",
+    ),
 )
 
 

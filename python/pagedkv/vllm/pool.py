@@ -333,6 +333,18 @@ class BlockPoolView:
         handle.observe_blocks()
         return None if key is None else make_block_hash_with_group_id(*key)  # type: ignore[arg-type]
 
+    def _insert_block_hash(
+        self, block_hash_with_group_id: bytes, block: KVCacheBlock, num_tokens: int | None
+    ) -> None:
+        """Caches a block the caller took with ``get_new_blocks`` and filled
+        under the key: its primary key (ending ``num_tokens`` tokens, when
+        known), or an extra one beside its primary. No event (the caller
+        appends its own to ``kv_event_queue``)."""
+        key = block_hash_with_group_id
+        self._handle.core.insert_detached_block_hash(
+            block.block_id, key[:-4], int.from_bytes(key[-4:], "big"), num_tokens
+        )
+
     def _check_group(self, group: int, block_size: int) -> None:
         managers = self._handle.owner.coordinator.single_type_managers
         if not 0 <= group < len(managers):

@@ -79,6 +79,7 @@ class CoordinatorView:
             view_class(group)(handle, manager, g, group.kv_cache_spec, group_block_sizes[g])
             for g, group in enumerate(manager.kv_cache_config.kv_cache_groups)
         )
+        self.group_block_sizes = tuple(group_block_sizes)
         self.num_single_type_manager = len(self.single_type_managers)
         self.enable_partial_hash_hits: bool = handle.core.partial_hash_hits
         flagged = {
@@ -91,6 +92,15 @@ class CoordinatorView:
         )
         self.num_reprefillable_tokens = max(0, manager.num_prefill_lookahead - 1)
         self.use_eagle = manager.use_eagle
+        # Each group's EAGLE last-block drop, as vLLM's coordinators mark
+        # their managers: one group's own flag, or its lookup group's.
+        drop = self.eagle_group_ids if manager.use_eagle else set()
+        lookup = handle.core.lookup_groups
+        for g, m in enumerate(self.single_type_managers):
+            m.use_eagle = lookup is None and g in drop
+        for ids, eagle in lookup or ():
+            for g in ids:
+                self.single_type_managers[g].use_eagle = eagle
         self.max_model_len = manager.max_model_len
         self.scheduler_block_size = manager.scheduler_block_size
         self.hash_block_size = manager.hash_block_size
@@ -101,6 +111,24 @@ class CoordinatorView:
         """The first full-attention group looked up (a hybrid coordinator's)."""
         group: int | None = self._handle.core.full_attention_group
         return group
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[Any], max_cache_hit_length: int
+    ) -> tuple[tuple[list[PagedBlock], ...], int, int]:
+        """The longest cached prefix of these block hashes within
+        ``max_cache_hit_length`` tokens: the hit blocks per group, the hit in
+        tokens, and the tokens of a longer prefix one group has cached and
+        another not."""
+        handle = self._handle
+        if handle.engine.ids:
+            raise NotImplementedError(
+                "find_longest_cache_hit with engine-managed groups: use get_computed_blocks"
+            )
+        groups, hit, uncached = handle.core.find_longest_cache_hit(
+            block_hashes, max_cache_hit_length
+        )
+        blocks = handle.blocks
+        return tuple([blocks[i] for i in g.tolist()] for g in groups), hit, uncached
 
     def find_longest_cache_hit_per_group(
         self, block_hashes: Sequence[Any], max_cache_hit_length: int

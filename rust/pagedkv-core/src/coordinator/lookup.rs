@@ -32,6 +32,12 @@ impl Coordinator {
         hit
     }
 
+    /// The longest cached prefix of `hashes` (no request, so no verification
+    /// against tokens): vLLM's coordinator `find_longest_cache_hit`.
+    pub(crate) fn find_longest_cache_hit_of(&self, hashes: &[BlockHash], max_len: usize) -> Hit {
+        self.search(hashes, max_len)
+    }
+
     fn search(&self, hashes: &[BlockHash], max_len: usize) -> Hit {
         let mut out = vec![Vec::new(); self.groups.len()];
         match &self.mode {

@@ -20,6 +20,22 @@ pub struct ConnectorHit {
 }
 
 impl KvCacheManager {
+    /// vLLM's coordinator `find_longest_cache_hit` for these block hashes (of
+    /// no request: nothing is verified against tokens): the hit blocks per
+    /// group, the hit in tokens (at most `max_cache_hit_length`) and the tokens
+    /// of a longer prefix some group has cached and another not (0 unless
+    /// several groups are looked up).
+    #[must_use]
+    pub fn find_longest_cache_hit(
+        &self,
+        hashes: &[BlockHash],
+        max_cache_hit_length: u64,
+    ) -> (Vec<Vec<BlockId>>, u64, u64) {
+        let max_len = usize::try_from(max_cache_hit_length).unwrap_or(usize::MAX);
+        let hit = self.coord.find_longest_cache_hit_of(hashes, max_len);
+        (hit.block_ids, hit.len as u64, hit.uncached as u64)
+    }
+
     /// vLLM's `find_longest_cache_hit_per_group`: every lookup group's own hit
     /// for these block hashes within `max_cache_hit_length` tokens,
     /// unreconciled: the blocks and the hit length per group (0 for groups

@@ -160,6 +160,18 @@ impl BlockPool {
         self.insert_block_hash(id, key, u32::MAX)
     }
 
+    /// vLLM's `BlockPool._insert_block_hash` for a caller that fills blocks
+    /// itself: `key` becomes the block's primary key (ending a prefix of
+    /// `tokens` tokens, when known) or, beside one, an extra key. No event (the
+    /// caller reports its own); the null block is never cached. Whether the
+    /// map changed.
+    pub fn insert_key(&mut self, id: BlockId, key: CacheKey, tokens: Option<u32>) -> bool {
+        if id == NULL_BLOCK {
+            return false;
+        }
+        self.insert_block_hash(id, key, tokens.unwrap_or(u32::MAX))
+    }
+
     /// Caches a block that just became full (`tokens` = the prefix it ends). A
     /// partial entry it carried is replaced (promotion, with `BlockRemoved`).
     pub fn cache_full_block(&mut self, id: BlockId, key: CacheKey, tokens: u32) -> bool {

@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyTuple};
 
 use pagedkv_core::sync::{EngineSync, ManagerTurns, SyncOutcome};
-use pagedkv_core::{KvCacheManager, Result as CoreResult};
+use pagedkv_core::{CacheKey, KvCacheManager, Result as CoreResult};
 
 use crate::convert::{count, ids_i32};
 use crate::engine_request::EngineLists;
@@ -184,6 +184,34 @@ impl PyManager {
             replace_existing,
         )?;
         Ok(key.map(|k| (PyBytes::new(slf.py(), k.hash.as_bytes()), k.group)))
+    }
+
+    /// vLLM's `BlockPool._insert_block_hash` on a block the engine holds:
+    /// `(block_hash, group)` becomes its primary key (ending `num_tokens`
+    /// tokens, when known) or an extra one beside it. No event. Whether the
+    /// prefix cache changed.
+    #[pyo3(signature = (block_id, block_hash, group, num_tokens = None))]
+    fn insert_detached_block_hash(
+        slf: &Bound<'_, Self>,
+        block_id: i64,
+        block_hash: &[u8],
+        group: i64,
+        num_tokens: Option<i64>,
+    ) -> PkResult<bool> {
+        let block = crate::convert::block_id(block_id)?;
+        let key = CacheKey {
+            hash: crate::convert::block_hash("block_hash", block_hash)?,
+            group: u32::try_from(group)
+                .map_err(|_| invalid_arg(format!("group {group} is out of range")))?,
+        };
+        let tokens = num_tokens
+            .map(|n| {
+                u32::try_from(n).map_err(|_| invalid_arg(format!("num_tokens {n} is out of range")))
+            })
+            .transpose()?;
+        Ok(borrow_mut(slf)?
+            .inner
+            .insert_detached_block_hash(block, key, tokens)?)
     }
 
     /// Returns detached blocks to the pool, the first evicted first.

@@ -194,6 +194,20 @@ impl PyManager {
         Ok((Self::computed(slf, r.hit)?, r.diverged))
     }
 
+    /// vLLM's coordinator `find_longest_cache_hit` for these block hashes (of
+    /// no request): `(block_ids per group, hit tokens, uncached common prefix
+    /// tokens)`.
+    fn find_longest_cache_hit<'py>(
+        slf: &Bound<'py, Self>,
+        block_hashes: &Bound<'py, PyAny>,
+        max_cache_hit_length: i64,
+    ) -> PkResult<(Bound<'py, PyTuple>, u64, u64)> {
+        let hashes = block_hash_list(block_hashes, Self::token_limit(slf)?.1)?;
+        let cap = count("max_cache_hit_length", max_cache_hit_length)?;
+        let (blocks, hit, uncached) = borrow(slf)?.inner.find_longest_cache_hit(&hashes, cap);
+        Ok((groups_tuple(slf.py(), groups_i32(&blocks))?, hit, uncached))
+    }
+
     /// vLLM's `find_longest_cache_hit_per_group` for these block hashes:
     /// `(block_ids per group, hit tokens per group)`, each group searched on
     /// its own; None unless several groups are looked up.

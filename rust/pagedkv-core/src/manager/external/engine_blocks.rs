@@ -239,6 +239,29 @@ impl KvCacheManager {
         )))
     }
 
+    /// vLLM's `BlockPool._insert_block_hash` on a block the engine holds
+    /// ([`Self::get_new_blocks`]) and filled itself: `key` becomes its primary
+    /// key (ending a prefix of `num_tokens` tokens, when known) or, beside
+    /// one, an extra key. No event: the caller reports its own. Whether the
+    /// prefix cache changed.
+    ///
+    /// # Errors
+    /// A group past the manager's; the null block; a block the engine does
+    /// not hold, or that a request holds too. Nothing is cached then.
+    pub fn insert_detached_block_hash(
+        &mut self,
+        block: BlockId,
+        key: CacheKey,
+        num_tokens: Option<u32>,
+    ) -> Result<bool> {
+        self.group_manager(key.group as usize)?;
+        if block == NULL_BLOCK {
+            return Err(invalid("the null block is never cached".to_owned()));
+        }
+        self.check_engine_only(block)?;
+        Ok(self.coord.pool_mut().insert_key(block, key, num_tokens))
+    }
+
     /// The manager of group `group`.
     pub(in crate::manager) fn group_manager(&self, group: usize) -> Result<&GroupManager> {
         let groups = self.coord.groups();

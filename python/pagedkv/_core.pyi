@@ -458,6 +458,8 @@ class KVCacheManager:
         store_threshold: int = 1,
         enable_events: bool = False,
         bytes_per_block: int = 0,
+        write_policy: str = "write_through",
+        write_back_window: int = 256,
     ) -> None: ...
     @property
     def has_offload(self) -> bool: ...

@@ -206,14 +206,18 @@ class KVCacheManager(_core.KVCacheManager):
                 store_threshold=offload.store_threshold,
                 enable_events=offload.enable_events,
                 bytes_per_block=OffloadConfig.bytes_per_block(kv_cache_config),
+                write_policy=offload.write_policy,
+                write_back_window=offload.write_back_window,
             )
         return self
 
     def take_transfer_plan(self) -> TransferPlan:
         """The step's copies for the host tier: the loads admitted since the last
-        plan, and a store for every full chunk a running request cached and did
-        not offer yet (the tier keeps what its policy admits, evicting for room).
-        Each job's device blocks stay held until ``complete_transfers`` reports it."""
+        plan, and the stores: with ``write_through``, every full chunk a running
+        request cached and did not offer yet; with ``write_back``, every
+        released chunk whose blocks are within the window at the free queue's
+        head (the tier keeps what its policy admits, evicting for room). Each
+        job's device blocks stay held until ``complete_transfers`` reports it."""
         loads, stores = self._take_transfer_plan()
         return TransferPlan([Transfer(*t) for t in loads], [Transfer(*t) for t in stores])
 

@@ -99,6 +99,16 @@ class OffloadConfig:
             (vLLM's admission filter; 1: every chunk).
         enable_events: record the tier's ``BlockStored`` / ``BlockRemoved``
             events (medium ``"CPU"``), drained by ``take_offload_events``.
+        write_policy: ``"write_through"`` (a chunk is stored as soon as its
+            request computed it: vLLM's offloading connector) or
+            ``"write_back"`` (stored only once its request released it and its
+            blocks are among the next ``write_back_window`` blocks the pool
+            evicts: SGLang HiCache's ``write_back``; chunks still used on the
+            device cost no copy, chunks evicted in one burst larger than the
+            window are lost, counted as ``write_backs_missed``).
+        write_back_window: blocks at the head of the free queue looked at by
+            each transfer plan (at least the blocks a step allocates, and at
+            least ``blocks_per_chunk``).
     """
 
     cpu_bytes: int
@@ -106,14 +116,20 @@ class OffloadConfig:
     blocks_per_chunk: int = 1
     store_threshold: int = 1
     enable_events: bool = False
+    write_policy: str = "write_through"
+    write_back_window: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("cpu_bytes", "blocks_per_chunk", "store_threshold"):
+        for name in ("cpu_bytes", "blocks_per_chunk", "store_threshold", "write_back_window"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.policy not in ("lru", "arc"):
             raise ValueError(f"policy must be 'lru' or 'arc', got {self.policy!r}")
+        if self.write_policy not in ("write_through", "write_back"):
+            raise ValueError(
+                f"write_policy must be 'write_through' or 'write_back', got {self.write_policy!r}"
+            )
 
     @staticmethod
     def bytes_per_block(kv_cache_config: KVCacheConfig) -> int:

@@ -261,3 +261,59 @@ def test_readme_example_runs() -> None:
     assert mgr.offload_stats()["stores_completed"] == 1
     # a block is 2 * 16 tokens * 8 heads * 128 * 2 bytes = 64 KiB
     assert mgr.offload_stats()["num_chunks"] == (1 << 30) // (64 << 10)
+
+
+def test_write_back_stores_released_chunks_as_they_near_eviction() -> None:
+    m = manager(write_policy="write_back", write_back_window=16)
+    m.add_request("r0", prompt(1, 40))
+    assert admit(m, "r0")[2] == list(range(1, 11))
+    assert not m.take_transfer_plan()  # running: nothing is written
+    m.remove_request("r0")
+    stats = m.offload_stats()
+    assert stats is not None and stats["write_back_candidates"] == 10
+    # r0's blocks follow the 5 never used in the free queue, tail first: its
+    # chunks are written in the order the pool would evict them.
+    plan = m.take_transfer_plan()
+    assert [
+        (t.request_id, t.device_blocks.tolist(), t.host_blocks.tolist()) for t in plan.stores
+    ] == [("r0", [10 - i], [i]) for i in range(10)]
+    assert m.num_free_blocks == 5  # the copies hold their blocks
+    complete(m, plan)
+    assert m.num_free_blocks == 15
+    m.add_request("r1", prompt(2, 40))
+    assert admit(m, "r1")[2] == [11, 12, 13, 14, 15, 10, 9, 8, 7, 6]
+    complete(m, m.take_transfer_plan())
+    m.remove_request("r1")
+    # r0's prompt again: its head on the device, its tail from the tier.
+    m.add_request("r2", prompt(1, 44))
+    assert admit(m, "r2")[:2] == (20, 20)
+    plan = m.take_transfer_plan()
+    (load,) = plan.loads
+    assert load.device_blocks.tolist() == [6, 7, 8, 9, 10]
+    assert load.host_blocks.tolist() == [4, 3, 2, 1, 0]
+    complete(m, plan)
+    m.check_invariants()
+
+
+def test_write_policy_bad_input() -> None:
+    with pytest.raises(ValueError, match="write_policy"):
+        pk.OffloadConfig(cpu_bytes=1 << 20, write_policy="write_around")
+    with pytest.raises(ValueError, match="write_back_window"):
+        pk.OffloadConfig(cpu_bytes=1 << 20, write_back_window=0)
+    with pytest.raises(InvalidConfigError, match="window"):
+        pk.KVCacheManager(
+            config(),
+            256,
+            offload=pk.OffloadConfig(
+                cpu_bytes=1 << 20,
+                blocks_per_chunk=4,
+                write_policy="write_back",
+                write_back_window=3,
+            ),
+        )
+    m = pk.KVCacheManager(config(), 256)
+    with pytest.raises(InvalidArgumentError, match="write policy"):
+        m._enable_offload(8, write_policy="write_around")
+    with pytest.raises(InvalidArgumentError):
+        m._enable_offload(8, write_policy="write_back", write_back_window=-1)
+    assert not m.has_offload

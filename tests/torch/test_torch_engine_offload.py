@@ -95,3 +95,36 @@ def test_without_the_tier_the_prefix_is_recomputed() -> None:
     _serve(engine, prompts[3:], "b")
     assert engine.host_hit_tokens == 0
     _check(engine)
+
+
+def test_write_back_keeps_what_the_device_evicts() -> None:
+    # 18 blocks: another prefix's requests evict the first prefix from the
+    # device; written back as they were evicted, it comes back from host memory.
+    off = pk.OffloadConfig(cpu_bytes=1 << 20, write_policy="write_back", write_back_window=12)
+    engine = _engine(off, num_blocks=18)
+    first, other = _prompts(0), _prompts(5)
+    _serve(engine, first[:3], "a")
+    _serve(engine, other, "x")
+    stats = engine.manager.offload_stats()
+    assert stats is not None and stats["stores_completed"] > 0
+    _serve(engine, first[3:], "b")
+    assert engine.host_hit_tokens >= 16
+    stats = engine.manager.offload_stats()
+    assert stats is not None and stats["loads_completed"] >= 1 and stats["loads_failed"] == 0
+    _check(engine)
+    engine.manager.check_invariants()
+
+
+def test_write_back_copies_nothing_while_the_device_has_room() -> None:
+    # 40 blocks hold every prefix: write-through copies each computed chunk,
+    # write-back none (no chunk came near eviction).
+    stored = {}
+    for policy in ("write_through", "write_back"):
+        off = pk.OffloadConfig(cpu_bytes=1 << 20, write_policy=policy, write_back_window=8)
+        engine = _engine(off)
+        _serve(engine, _prompts(0), "a")
+        stats = engine.manager.offload_stats()
+        assert stats is not None
+        stored[policy] = stats["blocks_stored"]
+        _check(engine)
+    assert stored["write_through"] >= 5 and stored["write_back"] == 0

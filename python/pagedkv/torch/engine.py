@@ -126,9 +126,11 @@ class PagedEngine:
             no cached data, and the null block, with NaN: any read of them would show.
         record_logits: keep every computed logit row (for comparisons).
         offload: a host tier under the pool (:class:`~pagedkv.offload.OffloadConfig`):
-            every full chunk computed is copied to host memory after the step that
-            wrote it; a prefix found there is loaded back into the request's blocks
-            before the forward pass that reads it (``host_hit_tokens`` counts them).
+            full chunks are copied to host memory after a step's forward pass (with
+            ``write_through``, every chunk the step computed; with ``write_back``,
+            released chunks about to be evicted from the device); a prefix found
+            there is loaded back into the request's blocks before the forward pass
+            that reads it (``host_hit_tokens`` counts them).
     """
 
     def __init__(

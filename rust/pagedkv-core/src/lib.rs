@@ -52,7 +52,7 @@ pub use hash::{BlockHash, BlockHasher, CborValue, ExtraKey, HashAlgo};
 pub use manager::{
     AllocateArgs, BatchAllocation, BatchStep, ComputedBlocks, ConnectorHit, EngineRequest,
     FailedLoad, KvCacheManager, OffloadConfig, OffloadStats, PreparedRequest, RequestHandle,
-    RequestPreparer, RequestRefs, SyncAnchor, Transfer, TransferPlan,
+    RequestPreparer, RequestRefs, SyncAnchor, Transfer, TransferPlan, WritePolicy,
 };
 pub use pool::{BlockId, BlockPool, CacheKey, NULL_BLOCK};
 pub use prefix_index::{PrefixIndex, PrefixMatch, ReplicaId};

@@ -29,7 +29,7 @@ pub use external::{EngineRequest, SyncAnchor};
 mod fast_path;
 mod hisparse;
 mod offload;
-pub use offload::{FailedLoad, OffloadConfig, OffloadStats, Transfer, TransferPlan};
+pub use offload::{FailedLoad, OffloadConfig, OffloadStats, Transfer, TransferPlan, WritePolicy};
 mod partial;
 mod prepared;
 pub use prepared::{PreparedRequest, RequestPreparer};

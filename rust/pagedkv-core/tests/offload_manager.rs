@@ -6,6 +6,7 @@
 
 use pagedkv_core::{
     AllocateArgs, Error, KvCacheManager, ManagerConfig, OffloadConfig, RequestSpec, TransferPlan,
+    WritePolicy,
 };
 
 fn prompt(seed: u32, n: u32) -> Vec<u32> {
@@ -340,8 +341,9 @@ fn bad_configs_are_refused() {
 fn random_serving_never_serves_wrong_kv() {
     use pagedkv_core::BlockHash;
     use std::collections::HashMap;
-    let mut totals = [0u64; 4];
-    for seed in 0..16u64 {
+    let mut totals = [0u64; 6];
+    // Seeds 16 and up write back at eviction instead of as computed.
+    for seed in 0..24u64 {
         let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         let mut next = move |n: u64| {
             rng ^= rng << 13;
@@ -351,8 +353,14 @@ fn random_serving_never_serves_wrong_kv() {
         };
         let mut m = KvCacheManager::new(ManagerConfig::full_attention(28, 4, 256)).unwrap();
         let bpc = 1 + (seed % 2) as u32;
+        let write_policy = if seed < 16 {
+            WritePolicy::WriteThrough
+        } else {
+            WritePolicy::WriteBack { window: 6 }
+        };
         m.enable_offload(OffloadConfig {
             blocks_per_chunk: bpc,
+            write_policy,
             ..OffloadConfig::new(24 / u64::from(bpc))
         })
         .unwrap();
@@ -403,6 +411,13 @@ fn random_serving_never_serves_wrong_kv() {
                 }
                 admitted.push((id, dev + host_t, left, dev));
             }
+            // Preempt one at random (before its step's allocation: blocks
+            // cached for a step that never runs would hold no KV).
+            if !running.is_empty() && next(8) == 0 {
+                let (id, _, left) = running.remove(next(running.len() as u64) as usize);
+                m.free(&id).unwrap();
+                waiting.push((id, left));
+            }
             // Running decodes.
             let mut sched: Vec<(String, u64, u64)> = Vec::new();
             let mut keep = Vec::new();
@@ -417,13 +432,6 @@ fn random_serving_never_serves_wrong_kv() {
                 }
             }
             running = keep;
-            // Preempt one at random.
-            if !running.is_empty() && next(8) == 0 {
-                let (id, _, left) = running.remove(next(running.len() as u64) as usize);
-                sched.retain(|s| s.0 != id);
-                m.free(&id).unwrap();
-                waiting.push((id, left));
-            }
             let plan = m.take_transfer_plan().unwrap();
             // Loads before the forward pass; some fail.
             let mut failed_loads = Vec::new();
@@ -522,15 +530,152 @@ fn random_serving_never_serves_wrong_kv() {
             m.check_invariants().unwrap();
         }
         let s = m.offload_stats().unwrap();
+        let wb = seed >= 16;
         for (t, v) in totals.iter_mut().zip([
             s.loads_completed,
             s.loads_failed,
             s.evictions,
             s.completions_after_free,
+            if wb { s.stores_completed } else { 0 },
+            if wb { s.write_backs_missed } else { 0 },
         ]) {
             *t += v;
         }
     }
     // The loop went through every path it checks.
     assert!(totals.iter().all(|&t| t > 0), "{totals:?}");
+}
+
+fn write_back_manager(num_blocks: u32, chunks: u64, window: u32) -> KvCacheManager {
+    let mut m = KvCacheManager::new(ManagerConfig::full_attention(num_blocks, 4, 256)).unwrap();
+    m.enable_offload(OffloadConfig {
+        write_policy: WritePolicy::WriteBack { window },
+        ..OffloadConfig::new(chunks)
+    })
+    .unwrap();
+    m
+}
+
+/// Every store of the plan, one chunk each: (request, device blocks, host blocks).
+fn stores(plan: &TransferPlan) -> Vec<(String, Vec<u32>, Vec<u64>)> {
+    plan.stores
+        .iter()
+        .map(|t| {
+            (
+                t.request_id.clone(),
+                t.device_blocks.clone(),
+                t.host_blocks.clone(),
+            )
+        })
+        .collect()
+}
+
+fn complete_all(m: &mut KvCacheManager, plan: &TransferPlan) {
+    let mut jobs: Vec<u64> = plan
+        .loads
+        .iter()
+        .chain(&plan.stores)
+        .map(|t| t.job)
+        .collect();
+    jobs.dedup();
+    assert!(m.complete_transfers(&jobs, &[]).unwrap().is_empty());
+}
+
+#[test]
+fn write_back_stores_freed_chunks_as_they_near_eviction() {
+    let mut m = write_back_manager(16, 64, 16);
+    add(&mut m, "r0", prompt(1, 40));
+    assert_eq!(admit(&mut m, "r0").2, (1..=10).collect::<Vec<_>>());
+    // Running: nothing is written.
+    assert!(m.take_transfer_plan().unwrap().stores.is_empty());
+    m.remove_request("r0").unwrap();
+    assert_eq!(m.num_write_back_candidates(), 10);
+    // Freed tail first, r0's blocks follow 11..15 in the free queue: its
+    // chunks are written in the order the pool would evict them.
+    let plan = m.take_transfer_plan().unwrap();
+    let want: Vec<_> = (0..10u32)
+        .map(|i| ("r0".to_owned(), vec![10 - i], vec![u64::from(i)]))
+        .collect();
+    assert_eq!(stores(&plan), want);
+    assert_eq!(m.num_write_back_candidates(), 0);
+    // The copies hold their blocks; done, they return to the queue's tail.
+    assert_eq!(m.num_free_blocks(), 5);
+    complete_all(&mut m, &plan);
+    assert_eq!(m.num_free_blocks(), 15);
+    // r1 evicts r0's tail from the device.
+    add(&mut m, "r1", prompt(2, 40));
+    assert_eq!(
+        admit(&mut m, "r1").2,
+        vec![11, 12, 13, 14, 15, 10, 9, 8, 7, 6]
+    );
+    assert!(m.take_transfer_plan().unwrap().stores.is_empty());
+    m.remove_request("r1").unwrap();
+    // r2 (r0's prompt and more): r0's head on the device, its tail in the
+    // tier (chunk 5 in slot 4 ... chunk 9 in slot 0).
+    let mut p2 = prompt(1, 40);
+    p2.extend([7, 7, 7, 7]);
+    add(&mut m, "r2", p2);
+    let (dev, host, new) = admit(&mut m, "r2");
+    assert_eq!((dev, host), (20, 20));
+    assert_eq!(new, vec![15]);
+    let plan = m.take_transfer_plan().unwrap();
+    assert_eq!(plan.loads.len(), 1);
+    assert_eq!(plan.loads[0].device_blocks, vec![6, 7, 8, 9, 10]);
+    assert_eq!(plan.loads[0].host_blocks, vec![4, 3, 2, 1, 0]);
+    // The same plan writes back r1's chunks now at the queue's head (blocks
+    // 14 down to 11: its chunks 3 down to 0) into fresh slots.
+    let want: Vec<_> = (0..4u32)
+        .map(|i| ("r1".to_owned(), vec![14 - i], vec![10 + u64::from(i)]))
+        .collect();
+    assert_eq!(stores(&plan), want);
+    complete_all(&mut m, &plan);
+    m.check_invariants().unwrap();
+    // r1's chunks 4..9 lost their blocks to r2 unwritten: counted as r2's
+    // own cached chunks take those blocks over (the loaded 6..10; r2's last
+    // block, 15, is not cached before its next step: r1's chunk 4 waits on).
+    assert_eq!(m.offload_stats().unwrap().write_backs_missed, 0);
+    m.remove_request("r2").unwrap();
+    let s = m.offload_stats().unwrap();
+    assert_eq!(s.write_backs_missed, 5);
+    assert_eq!(m.num_write_back_candidates(), 11);
+    assert_eq!(
+        (s.stores, s.stores_completed, s.blocks_stored),
+        (14, 14, 14)
+    );
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn write_back_window_bounds_what_one_plan_writes() {
+    // A window of 2 blocks: the free queue is 11 (never used), then r0's
+    // blocks tail first, so only r0's last chunk (block 10) is written.
+    let mut m = write_back_manager(12, 64, 2);
+    add(&mut m, "r0", prompt(1, 40));
+    admit(&mut m, "r0");
+    m.remove_request("r0").unwrap();
+    let plan = m.take_transfer_plan().unwrap();
+    assert_eq!(stores(&plan), vec![("r0".to_owned(), vec![10], vec![0])]);
+    complete_all(&mut m, &plan);
+    assert_eq!(m.num_write_back_candidates(), 9);
+    // r0's prompt again: 9 blocks on the device, the rest of its last chunk
+    // from the tier (the chunk written back). Released before its load ran:
+    // the load is cancelled, its 9 cached chunks are candidates again (block
+    // 11 was to be published by the load).
+    add(&mut m, "r1", prompt(1, 40));
+    let (dev, host, _) = admit(&mut m, "r1");
+    assert_eq!((dev, host), (36, 3));
+    m.remove_request("r1").unwrap();
+    assert_eq!(m.num_write_back_candidates(), 9);
+    assert_eq!(m.offload_stats().unwrap().loads_cancelled, 1);
+    let bad = OffloadConfig {
+        blocks_per_chunk: 4,
+        write_policy: WritePolicy::WriteBack { window: 3 },
+        ..OffloadConfig::new(8)
+    };
+    let mut fresh = KvCacheManager::new(ManagerConfig::full_attention(16, 4, 256)).unwrap();
+    assert!(matches!(
+        fresh.enable_offload(bad),
+        Err(Error::InvalidConfig(_))
+    ));
+    m.check_invariants().unwrap();
 }

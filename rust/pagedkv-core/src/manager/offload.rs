@@ -19,10 +19,12 @@
 //! the block hash of its last hash block and the group index.
 
 mod types;
+mod write_back;
 
 use rustc_hash::FxHashMap;
 
-pub use types::{FailedLoad, OffloadConfig, OffloadStats, Transfer, TransferPlan};
+pub use types::{FailedLoad, OffloadConfig, OffloadStats, Transfer, TransferPlan, WritePolicy};
+use write_back::{WRITE_BACK_UIDS, WriteBack};
 
 use super::{AllocateArgs, ComputedBlocks, KvCacheManager};
 use crate::error::{Error, Result, invalid};
@@ -70,6 +72,8 @@ pub(crate) struct Offloading {
     planned_loads: Vec<u64>,
     next_job: u64,
     stats: OffloadStats,
+    /// Freed chunks waiting to be written back (write-back only).
+    write_back: Option<WriteBack>,
 }
 
 impl Offloading {
@@ -125,6 +129,14 @@ impl KvCacheManager {
         if cfg.blocks_per_chunk == 0 {
             return bad("blocks_per_chunk must be at least 1".into());
         }
+        if let WritePolicy::WriteBack { window } = cfg.write_policy
+            && window < cfg.blocks_per_chunk
+        {
+            return bad(format!(
+                "the write-back window ({window} blocks) is smaller than a chunk ({} blocks)",
+                cfg.blocks_per_chunk
+            ));
+        }
         let groups = &self.cfg.groups;
         for (g, spec) in groups.iter().enumerate() {
             if !matches!(
@@ -163,6 +175,10 @@ impl KvCacheManager {
             planned_loads: Vec::new(),
             next_job: 1,
             stats: OffloadStats::default(),
+            write_back: match cfg.write_policy {
+                WritePolicy::WriteThrough => None,
+                WritePolicy::WriteBack { window } => Some(WriteBack::new(window)),
+            },
             cfg,
         }));
         Ok(())
@@ -367,7 +383,11 @@ impl KvCacheManager {
                 });
             }
         }
-        self.plan_stores(&mut plan.stores)?;
+        if off.write_back.is_some() {
+            self.plan_write_backs(&mut plan.stores)?;
+        } else {
+            self.plan_stores(&mut plan.stores)?;
+        }
         Ok(plan)
     }
 
@@ -487,6 +507,7 @@ impl KvCacheManager {
         let off = self.offload.as_deref_mut().expect("checked by the caller");
         let j = off.jobs.remove(&job).expect("checked by the caller");
         let nblocks: u64 = j.groups.iter().map(|(_, d, _)| d.len() as u64).sum();
+        let write_back = j.uid >= WRITE_BACK_UIDS;
         let live = self.table.live(j.slot).is_some_and(|r| r.uid == j.uid);
         let state = off.reqs.get_mut(&j.uid);
         let bytes = nblocks * off.cfg.bytes_per_block;
@@ -515,7 +536,7 @@ impl KvCacheManager {
         } else {
             off.tier.complete_store(&j.keys, ok);
             off.stats.record_completion(false, ok, nblocks, bytes);
-            if !live {
+            if !live && !write_back {
                 off.stats.completions_after_free += 1;
             }
         }
@@ -541,6 +562,7 @@ impl KvCacheManager {
     /// not taken yet is cancelled, the chunks it offers restart from the first,
     /// and a finished request's accesses commit to the tier's policy.
     pub(super) fn offload_release(&mut self, slot: u32, finished: bool) -> Result<()> {
+        self.write_back_record(slot);
         let uid = self.table.get(slot).uid;
         let Some(off) = self.offload.as_deref_mut() else {
             return Ok(());
@@ -577,6 +599,15 @@ impl KvCacheManager {
     #[must_use]
     pub fn offload_stats(&self) -> Option<OffloadStats> {
         self.offload.as_ref().map(|o| o.stats)
+    }
+
+    /// Freed chunks waiting to be written back (0 unless write-back).
+    #[must_use]
+    pub fn num_write_back_candidates(&self) -> usize {
+        self.offload
+            .as_ref()
+            .and_then(|o| o.write_back.as_ref())
+            .map_or(0, WriteBack::len)
     }
 
     /// Jobs planned or taken and not completed.
@@ -617,6 +648,9 @@ impl KvCacheManager {
             return Ok(());
         };
         off.tier.check_invariants()?;
+        if let Some(wb) = &off.write_back {
+            wb.check(self.coord.pool().num_blocks())?;
+        }
         let pending_loads = off.jobs.values().filter(|j| !j.taken).count();
         if pending_loads != off.planned_loads.len() {
             return Err(Error::InvariantViolation(format!(

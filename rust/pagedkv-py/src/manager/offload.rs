@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use pagedkv_core::offload::PolicyKind;
-use pagedkv_core::{OffloadConfig, Transfer};
+use pagedkv_core::{OffloadConfig, Transfer, WritePolicy};
 
 use crate::convert::{count, ids_i32};
 use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg};
@@ -50,7 +50,9 @@ impl PyManager {
     /// request is added). `pagedkv.KVCacheManager(offload=OffloadConfig(...))`
     /// calls it.
     #[pyo3(signature = (num_chunks, *, blocks_per_chunk = 1, policy = "lru", store_threshold = 1,
-        enable_events = false, bytes_per_block = 0))]
+        enable_events = false, bytes_per_block = 0, write_policy = "write_through",
+        write_back_window = 256))]
+    #[allow(clippy::too_many_arguments)]
     fn _enable_offload(
         slf: &Bound<'_, Self>,
         num_chunks: i64,
@@ -59,9 +61,13 @@ impl PyManager {
         store_threshold: i64,
         enable_events: bool,
         bytes_per_block: i64,
+        write_policy: &str,
+        write_back_window: i64,
     ) -> PkResult<()> {
         let blocks_per_chunk = u32::try_from(count("blocks_per_chunk", blocks_per_chunk)?)
             .map_err(|_| invalid_arg("blocks_per_chunk is out of range"))?;
+        let window = u32::try_from(count("write_back_window", write_back_window)?)
+            .map_err(|_| invalid_arg("write_back_window is out of range"))?;
         let cfg = OffloadConfig {
             num_chunks: count("num_chunks", num_chunks)?,
             blocks_per_chunk,
@@ -69,6 +75,7 @@ impl PyManager {
             store_threshold: count("store_threshold", store_threshold)?,
             enable_events,
             bytes_per_block: count("bytes_per_block", bytes_per_block)?,
+            write_policy: WritePolicy::from_name(write_policy, window)?,
         };
         Ok(borrow_mut(slf)?.inner.enable_offload(cfg)?)
     }
@@ -121,6 +128,10 @@ impl PyManager {
         named.push(("num_chunks", tier.config().num_chunks));
         named.push(("resident_chunks", tier.num_resident() as u64));
         named.push(("write_pending_chunks", tier.num_write_pending()));
+        named.push((
+            "write_back_candidates",
+            this.inner.num_write_back_candidates() as u64,
+        ));
         Ok(Some(counter_dict(slf.py(), &named)?))
     }
 

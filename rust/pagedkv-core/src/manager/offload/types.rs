@@ -4,6 +4,41 @@
 use crate::offload::PolicyKind;
 use crate::pool::BlockId;
 
+/// When the device's chunks are written to the host tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WritePolicy {
+    /// As soon as a request has computed and cached a full chunk (vLLM's
+    /// offloading connector; `SGLang` `HiCache`'s `write_through`).
+    #[default]
+    WriteThrough,
+    /// Only once the chunk's blocks are free and among the next `window`
+    /// blocks the pool would evict (`SGLang` `HiCache`'s `write_back`): a prefix
+    /// evicted from the device lands in the host tier, one still used on the
+    /// device costs no copy. A written-back chunk's blocks return to the free
+    /// queue's tail when the copy completes (as vLLM's lazy CPU offload does).
+    WriteBack {
+        /// Blocks at the free queue's head looked at each plan (at least the
+        /// blocks a step allocates, or some are evicted unwritten).
+        window: u32,
+    },
+}
+
+impl WritePolicy {
+    /// `"write_through"` or `"write_back"` (with its window in blocks).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for another name.
+    pub fn from_name(name: &str, window: u32) -> crate::error::Result<Self> {
+        match name {
+            "write_through" => Ok(Self::WriteThrough),
+            "write_back" => Ok(Self::WriteBack { window }),
+            other => Err(crate::error::invalid(format!(
+                "unknown write policy {other:?}: supported are 'write_through' and 'write_back'"
+            ))),
+        }
+    }
+}
+
 /// How the manager's host tier is built.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OffloadConfig {
@@ -21,6 +56,8 @@ pub struct OffloadConfig {
     /// Bytes one block of every group occupies in host memory (for the byte
     /// counts of [`OffloadStats`]; 0: not counted).
     pub bytes_per_block: u64,
+    /// When chunks are written to the tier.
+    pub write_policy: WritePolicy,
 }
 
 impl OffloadConfig {
@@ -34,6 +71,7 @@ impl OffloadConfig {
             store_threshold: 1,
             enable_events: false,
             bytes_per_block: 0,
+            write_policy: WritePolicy::WriteThrough,
         }
     }
 }
@@ -111,6 +149,9 @@ pub struct OffloadStats {
     pub stores_refused: u64,
     /// Completions of jobs whose request was freed or preempted meanwhile.
     pub completions_after_free: u64,
+    /// Write-back: freed chunks evicted from the device (or recached) before
+    /// they could be written to the tier.
+    pub write_backs_missed: u64,
 }
 
 impl OffloadStats {
@@ -143,7 +184,7 @@ impl OffloadStats {
 
     /// Every total with its name.
     #[must_use]
-    pub fn named(&self) -> [(&'static str, u64); 17] {
+    pub fn named(&self) -> [(&'static str, u64); 18] {
         [
             ("queries", self.queries),
             ("hits", self.hits),
@@ -162,6 +203,7 @@ impl OffloadStats {
             ("evictions", self.evictions),
             ("stores_refused", self.stores_refused),
             ("completions_after_free", self.completions_after_free),
+            ("write_backs_missed", self.write_backs_missed),
         ]
     }
 }

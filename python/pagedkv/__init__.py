@@ -43,7 +43,7 @@ from .manager import (
     RequestPreparer,
 )
 from .metrics import MeteredKVCacheManager
-from .offload import OffloadConfig, Transfer, TransferPlan
+from .offload import DiskTransfer, OffloadConfig, Transfer, TransferPlan
 from .presets import ModelPreset
 from .specs import (
     AttentionSpec,
@@ -77,6 +77,7 @@ __all__ = [
     "CircularBufferSpec",
     "ComputedBlocks",
     "CrossAttentionSpec",
+    "DiskTransfer",
     "DuplicateRequestError",
     "EngineManagedSpec",
     "FullAttentionSpec",

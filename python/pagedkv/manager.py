@@ -6,7 +6,7 @@ import os
 from typing import TYPE_CHECKING, TypedDict
 
 from . import _core
-from .offload import OffloadConfig, Transfer, TransferPlan
+from .offload import DiskTransfer, OffloadConfig, Transfer, TransferPlan
 from .specs import KVCacheConfig
 from .stats import PrefixCacheStats
 
@@ -208,6 +208,11 @@ class KVCacheManager(_core.KVCacheManager):
                 bytes_per_block=OffloadConfig.bytes_per_block(kv_cache_config),
                 write_policy=offload.write_policy,
                 write_back_window=offload.write_back_window,
+                disk_path=None if offload.disk_path is None else os.fspath(offload.disk_path),
+                disk_bytes=offload.disk_bytes,
+                disk_chunk_bytes=(
+                    0 if offload.disk_path is None else offload.disk_chunk_bytes(kv_cache_config)
+                ),
             )
         return self
 
@@ -218,8 +223,13 @@ class KVCacheManager(_core.KVCacheManager):
         released chunk whose blocks are within the window at the free queue's
         head (the tier keeps what its policy admits, evicting for room). Each
         job's device blocks stay held until ``complete_transfers`` reports it."""
-        loads, stores = self._take_transfer_plan()
-        return TransferPlan([Transfer(*t) for t in loads], [Transfer(*t) for t in stores])
+        reads, loads, stores, writes = self._take_transfer_plan()
+        return TransferPlan(
+            [Transfer(*t) for t in loads],
+            [Transfer(*t) for t in stores],
+            [DiskTransfer(*t) for t in reads],
+            [DiskTransfer(*t) for t in writes],
+        )
 
     def take_offload_events(self) -> list[tuple[list[bytes], str, bool, bool]]:
         """The host tier's events since the last call: ``(keys, medium, removed,

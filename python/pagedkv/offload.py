@@ -30,13 +30,17 @@ puts a host tier under the manager's own pool: ``get_computed_blocks`` reports
 schedules their load, every full chunk a request computes is offered to the
 tier, and :meth:`~pagedkv.KVCacheManager.take_transfer_plan` hands the engine
 each step's copies (:class:`TransferPlan`), reported back with
-``complete_transfers``.
+``complete_transfers``. With ``disk_path`` a disk tier sits below host memory:
+chunks stored in host memory are written through to it (``disk_writes``), a
+hit continues on disk and is read back into host memory (``disk_reads``)
+before it is loaded.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -49,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DiskTier",
+    "DiskTransfer",
     "Lookup",
     "OffloadConfig",
     "OffloadTier",
@@ -109,6 +114,13 @@ class OffloadConfig:
         write_back_window: blocks at the head of the free queue looked at by
             each transfer plan (at least the blocks a step allocates, and at
             least ``blocks_per_chunk``).
+        disk_path: an existing directory (not a symlink) for a disk tier below
+            host memory: one file created there (never an existing path),
+            removed with the manager. Chunks stored in host memory are written
+            through to it; a prefix found there is read back into host memory,
+            its checksum checked (a corrupt or truncated chunk fails its load:
+            recomputed, never served). Needs ``store_threshold`` 1.
+        disk_bytes: the disk tier's bound in bytes (its file, headers included).
     """
 
     cpu_bytes: int
@@ -118,8 +130,16 @@ class OffloadConfig:
     enable_events: bool = False
     write_policy: str = "write_through"
     write_back_window: int = 256
+    disk_path: str | os.PathLike[str] | None = None
+    disk_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if (self.disk_path is None) != (self.disk_bytes == 0):
+            raise ValueError("disk_path and disk_bytes go together (a disk tier needs both)")
+        if not isinstance(self.disk_bytes, int) or isinstance(self.disk_bytes, bool):
+            raise ValueError(f"disk_bytes must be an int, got {self.disk_bytes!r}")
+        if self.disk_bytes < 0:
+            raise ValueError(f"disk_bytes must be positive, got {self.disk_bytes!r}")
         for name in ("cpu_bytes", "blocks_per_chunk", "store_threshold", "write_back_window"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -136,6 +156,30 @@ class OffloadConfig:
         """Host bytes one block id occupies: its share of every KV-cache tensor."""
         total = sum(t.size for t in kv_cache_config.kv_cache_tensors)
         return total // kv_cache_config.num_blocks
+
+    @staticmethod
+    def group_block_bytes(kv_cache_config: KVCacheConfig, group: int) -> int:
+        """Bytes one block of group ``group`` occupies: a block-sized share of
+        every KV-cache tensor one of its layers uses."""
+        layers = set(kv_cache_config.kv_cache_groups[group].layer_names)
+        return sum(
+            t.size // kv_cache_config.num_blocks
+            for t in kv_cache_config.kv_cache_tensors
+            if layers.intersection(t.shared_by)
+        )
+
+    def disk_chunk_bytes(self, kv_cache_config: KVCacheConfig) -> int:
+        """Bytes of one group's chunk on disk (every group's must match)."""
+        sizes = {
+            self.group_block_bytes(kv_cache_config, g) * self.blocks_per_chunk
+            for g in range(len(kv_cache_config.kv_cache_groups))
+        }
+        if len(sizes) != 1:
+            raise ValueError(
+                f"a disk tier needs every group's chunk to be one size, got {sorted(sizes)} bytes"
+            )
+        (size,) = sizes
+        return size
 
     def num_chunks(self, kv_cache_config: KVCacheConfig) -> int:
         """Chunks the tier holds for this KV cache (0 when a chunk does not fit)."""
@@ -159,19 +203,35 @@ class Transfer(NamedTuple):
     host_blocks: npt.NDArray[np.int64]
 
 
+class DiskTransfer(NamedTuple):
+    """A copy between host memory and the disk tier: one group's chunk at
+    ``host_blocks``. A read is run with ``read_disk_chunk`` (its bytes then
+    copied into the host blocks) before ``load_job``, the load that copies the
+    chunk on; a write with ``write_disk_chunk`` (the host blocks' bytes)."""
+
+    job: int
+    group: int
+    host_blocks: npt.NDArray[np.int64]
+    load_job: int | None
+
+
 @dataclass(frozen=True)
 class TransferPlan:
-    """A step's copies: ``loads`` (host to device) finish before the step's
-    forward pass reads them; ``stores`` (device to host) start after it wrote
-    them. Every job is reported once to ``complete_transfers``."""
+    """A step's copies: ``disk_reads`` (disk to host) before the loads that
+    copy them on; ``loads`` (host to device) finish before the step's forward
+    pass reads them; ``stores`` (device to host) start after it wrote them;
+    ``disk_writes`` (host to disk) whenever. Every load and store is reported
+    once to ``complete_transfers``; disk copies end with their own calls."""
 
     loads: list[Transfer]
     stores: list[Transfer]
+    disk_reads: list[DiskTransfer] = field(default_factory=list)
+    disk_writes: list[DiskTransfer] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.stores)
+        return bool(self.loads or self.stores or self.disk_reads or self.disk_writes)
 
     @property
     def jobs(self) -> list[int]:
-        """Every job of the plan, once each, loads first."""
+        """Every load and store job of the plan, once each, loads first."""
         return list(dict.fromkeys(t.job for t in (*self.loads, *self.stores)))

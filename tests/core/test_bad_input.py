@@ -1118,9 +1118,12 @@ def test_every_public_method_is_in_the_matrix() -> None:
         # test_prepared.py; its prompts through request_preparer above:
         "add_prepared",
         # The host tier's calls: their refusals (jobs not in flight, listed
-        # twice, negative; no tier) in tests/offload/test_manager_tier.py.
+        # twice, negative; no tier; buffers of another size) in
+        # tests/offload/test_manager_tier.py.
         "complete_transfers",
         "take_transfer_plan",
+        "read_disk_chunk",
+        "write_disk_chunk",
         # No arguments to get wrong:
         "reset_offload",
         "take_offload_events",

@@ -5,6 +5,8 @@ slots vLLM's CPU tier (fresh first)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pagedkv as pk
 import pytest
@@ -317,3 +319,98 @@ def test_write_policy_bad_input() -> None:
     with pytest.raises(InvalidArgumentError):
         m._enable_offload(8, write_policy="write_back", write_back_window=-1)
     assert not m.has_offload
+
+
+def disk_manager(tmp_path: Path, host_chunks: int) -> pk.KVCacheManager:
+    off = pk.OffloadConfig(cpu_bytes=host_chunks * PAGE, disk_path=tmp_path, disk_bytes=1 << 16)
+    return pk.KVCacheManager(config(), 256, offload=off)
+
+
+def test_disk_tier_writes_through_and_reads_back(tmp_path: Path) -> None:
+    m = disk_manager(tmp_path, 10)
+    host: dict[int, bytes] = {}  # host block -> the bytes the engine holds there
+
+    def run(plan: pk.TransferPlan) -> list[tuple[str, int]]:
+        for r in plan.disk_reads:
+            buf = np.zeros(PAGE, dtype=np.uint8)
+            assert m.read_disk_chunk(r.job, buf)
+            host[int(r.host_blocks[0])] = buf.tobytes()
+        for t in plan.stores:
+            for d, h in zip(t.device_blocks.tolist(), t.host_blocks.tolist(), strict=True):
+                host[h] = d.to_bytes(4, "little") * (PAGE // 4)
+        failed = m.complete_transfers(plan.jobs)
+        for w in plan.disk_writes:
+            assert w.load_job is None
+            assert m.write_disk_chunk(w.job, host[int(w.host_blocks[0])])
+        return failed
+
+    m.add_request("r0", prompt(1, 40))
+    admit(m, "r0")
+    assert run(m.take_transfer_plan()) == []
+    m.remove_request("r0")
+    plan = m.take_transfer_plan()
+    assert len(plan.disk_writes) == 10 and isinstance(plan.disk_writes[0], pk.DiskTransfer)
+    run(plan)
+    m.add_request("r1", prompt(2, 40))
+    admit(m, "r1")
+    run(m.take_transfer_plan())
+    m.remove_request("r1")
+    run(m.take_transfer_plan())  # r1 written through, r0 gone from host memory
+    m.add_request("r2", prompt(1, 44))
+    assert admit(m, "r2")[:2] == (20, 20)
+    plan = m.take_transfer_plan()
+    (load,) = plan.loads
+    assert [int(r.host_blocks[0]) for r in plan.disk_reads] == load.host_blocks.tolist()
+    assert {r.load_job for r in plan.disk_reads} == {load.job}
+    run(plan)
+    # The bytes read back are those r0's blocks 6..10 were stored with.
+    assert [host[h] for h in load.host_blocks.tolist()] == [
+        d.to_bytes(4, "little") * (PAGE // 4) for d in range(6, 11)
+    ]
+    stats = m.offload_stats()
+    assert stats is not None
+    assert (stats["disk_hits"], stats["disk_reads_completed"], stats["loads_completed"]) == (
+        5,
+        5,
+        1,
+    )
+    assert stats["disk_tier_chunks"] == 20 and stats["disk_tier_corrupt"] == 0
+    m.check_invariants()
+
+
+def test_disk_tier_bad_input(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="together"):
+        pk.OffloadConfig(cpu_bytes=1 << 20, disk_path=tmp_path)
+    with pytest.raises(ValueError, match="together"):
+        pk.OffloadConfig(cpu_bytes=1 << 20, disk_bytes=1 << 20)
+    a_file = tmp_path / "f"
+    a_file.write_bytes(b"x")
+    for bad in (tmp_path / "missing", a_file):
+        off = pk.OffloadConfig(cpu_bytes=1 << 20, disk_path=bad, disk_bytes=1 << 20)
+        with pytest.raises(InvalidConfigError, match="disk path"):
+            pk.KVCacheManager(config(), 256, offload=off)
+    assert a_file.read_bytes() == b"x"  # never replaced
+    off = pk.OffloadConfig(cpu_bytes=1 << 20, disk_path=tmp_path, disk_bytes=10)
+    with pytest.raises(InvalidConfigError, match="smaller than one chunk"):
+        pk.KVCacheManager(config(), 256, offload=off)
+    off = pk.OffloadConfig(
+        cpu_bytes=1 << 20, disk_path=tmp_path, disk_bytes=1 << 20, store_threshold=2
+    )
+    with pytest.raises(InvalidConfigError, match="store_threshold"):
+        pk.KVCacheManager(config(), 256, offload=off)
+    m = disk_manager(tmp_path, 10)
+    with pytest.raises(InvalidArgumentError, match="not in flight"):
+        m.read_disk_chunk(1, np.zeros(PAGE, dtype=np.uint8))
+    with pytest.raises(InvalidArgumentError, match="not in flight"):
+        m.write_disk_chunk(1, b"\0" * PAGE)
+    with pytest.raises(TypeError):
+        m.write_disk_chunk(1, "text")  # type: ignore[arg-type]
+    m.add_request("r0", prompt(1, 8))
+    admit(m, "r0")
+    m.complete_transfers(m.take_transfer_plan().jobs)
+    (w, *_) = m.take_transfer_plan().disk_writes
+    with pytest.raises(InvalidArgumentError, match="bytes"):
+        m.write_disk_chunk(w.job, b"\0" * (PAGE - 1))
+    assert m.num_transfers_in_flight == 2
+    assert m.write_disk_chunk(w.job, np.zeros(PAGE, dtype=np.uint8))
+    m.check_invariants()

@@ -4,6 +4,8 @@ host memory, and every logit equals the dense reference."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pagedkv as pk
 import pytest
@@ -128,3 +130,45 @@ def test_write_back_copies_nothing_while_the_device_has_room() -> None:
         stored[policy] = stats["blocks_stored"]
         _check(engine)
     assert stored["write_through"] >= 5 and stored["write_back"] == 0
+
+
+def _disk_engine(tmp_path: Path) -> PagedEngine:
+    # Host memory for 8 blocks, the disk for far more: the first prefix is
+    # pushed out of host memory by the next prompts and kept on disk.
+    per_block = pk.OffloadConfig.bytes_per_block(_engine(None).config)
+    off = pk.OffloadConfig(cpu_bytes=8 * per_block, disk_path=tmp_path, disk_bytes=1 << 20)
+    return _engine(off)
+
+
+def _serve_then_forget(engine: PagedEngine) -> None:
+    _serve(engine, _prompts(0)[:3], "a")
+    _serve(engine, _prompts(5), "x")
+    assert engine.manager.reset_prefix_cache()
+
+
+def test_prefix_comes_back_from_disk_through_host_memory(tmp_path: Path) -> None:
+    engine = _disk_engine(tmp_path)
+    _serve_then_forget(engine)
+    stats = engine.manager.offload_stats()
+    assert stats is not None and stats["disk_writes_completed"] >= 5
+    assert stats["evictions"] > 0  # the first prefix left host memory
+    _serve(engine, _prompts(0)[3:], "b")
+    stats = engine.manager.offload_stats()
+    assert stats is not None and stats["disk_reads_completed"] >= 4
+    assert stats["disk_reads_failed"] == 0 and stats["loads_failed"] == 0
+    assert engine.host_hit_tokens >= 16
+    _check(engine)
+    engine.manager.check_invariants()
+
+
+def test_a_corrupt_disk_is_recomputed_not_served(tmp_path: Path) -> None:
+    engine = _disk_engine(tmp_path)
+    _serve_then_forget(engine)
+    (path,) = tmp_path.iterdir()
+    path.write_bytes(b"\x5a" * path.stat().st_size)
+    _serve(engine, _prompts(0)[3:], "b")
+    stats = engine.manager.offload_stats()
+    assert stats is not None and stats["disk_reads_failed"] >= 1
+    assert stats["loads_failed"] >= 1 and stats["disk_tier_corrupt"] >= 1
+    _check(engine)  # every logit still the dense reference's
+    engine.manager.check_invariants()

@@ -31,7 +31,7 @@ from .._util import cdiv
 from ..config_builder import get_kv_cache_config
 from ..errors import DuplicateRequestError, InvalidArgumentError, UnknownRequestError
 from ..manager import ComputedBlocks, KVCacheManager
-from ..offload import OffloadConfig, Transfer
+from ..offload import OffloadConfig, TransferPlan
 from ..sim.policy import Backend, Request, Scheduler, SchedulerConfig
 from ..specs import (
     ChunkedLocalAttentionSpec,
@@ -293,6 +293,12 @@ class PagedEngine:
         """Runs the model over the scheduled tokens; returns nothing, but records each
         request's logits (when asked to) and keeps the last position's logits of
         every request that completes its tokens, for sampling."""
+        # The host tier's reads and loads first: a request whose load failed
+        # (a disk chunk that did not read back) computes from its valid
+        # tokens on (this step's tokens, then the next steps').
+        plan = self.manager.take_transfer_plan() if self.host_kv is not None else None
+        if plan is not None:
+            self._run_loads(plan)
         reqs = [r for r, _ in scheduled]
         ns = np.fromiter((n for _, n in scheduled), dtype=np.int64, count=len(scheduled))
         computed = np.fromiter(
@@ -325,9 +331,6 @@ class PagedEngine:
             )
             for g in range(len(self._block_sizes))
         ]
-        plan = self.manager.take_transfer_plan() if self.host_kv is not None else None
-        if plan is not None:
-            self._run_transfers(plan.loads, to_device=True)
         if self.poison_free_blocks:
             self._poison()
         logits = self.model.forward_paged(
@@ -338,7 +341,7 @@ class PagedEngine:
         )
 
         if plan is not None:
-            self._run_transfers(plan.stores, to_device=False)
+            self._run_stores(plan)
         last = self._backend.last_logits
         for i, req in enumerate(reqs):
             qs, qe = int(qsl[i]), int(qsl[i + 1])
@@ -348,18 +351,50 @@ class PagedEngine:
             if req.num_computed_tokens + (qe - qs) == req.num_tokens:
                 last[req.request_id] = logits[qe - 1]
 
-    def _run_transfers(self, transfers: Sequence[Transfer], *, to_device: bool) -> None:
-        """Runs a plan's loads or stores, waits for them and reports them done."""
-        if not transfers:
-            return
+    def _run_loads(self, plan: TransferPlan) -> None:
+        """Runs a plan's disk reads, then its loads (host to device), waits for
+        them and reports them; a request whose load failed (its disk read did
+        not read back) goes back to the tokens it still holds."""
         host = self.host_kv
         assert host is not None
-        copy = host.load_blocks if to_device else host.store_blocks
-        copies = [copy(t.group, t.device_blocks, t.host_blocks) for t in transfers]
+        unread: set[int] = set()
+        for r in plan.disk_reads:
+            buf = np.empty(host.chunk_nbytes(r.group), dtype=np.uint8)
+            if self.manager.read_disk_chunk(r.job, buf):
+                host.set_chunk_bytes(r.group, r.host_blocks, buf)
+            elif r.load_job is not None:
+                unread.add(r.load_job)
+        copies = [
+            host.load_blocks(t.group, t.device_blocks, t.host_blocks)
+            for t in plan.loads
+            if t.job not in unread
+        ]
         for c in copies:
             c.wait()
-        failed = self.manager.complete_transfers(list(dict.fromkeys(t.job for t in transfers)))
-        assert not failed
+        jobs = list(dict.fromkeys(t.job for t in plan.loads))
+        failed = self.manager.complete_transfers(
+            [j for j in jobs if j not in unread], [j for j in jobs if j in unread]
+        )
+        for rid, n in failed:
+            req = self.requests[rid]
+            self.host_hit_tokens -= req.num_computed_tokens - n
+            req.num_computed_tokens = n
+
+    def _run_stores(self, plan: TransferPlan) -> None:
+        """Runs a plan's stores (device to host) and its disk writes (host to
+        disk), waits for them and reports them."""
+        host = self.host_kv
+        assert host is not None
+        copies = [host.store_blocks(t.group, t.device_blocks, t.host_blocks) for t in plan.stores]
+        for c in copies:
+            c.wait()
+        if plan.stores:
+            failed = self.manager.complete_transfers(
+                list(dict.fromkeys(t.job for t in plan.stores))
+            )
+            assert not failed
+        for w in plan.disk_writes:
+            self.manager.write_disk_chunk(w.job, host.chunk_bytes(w.group, w.host_blocks))
 
     def _sample(self, req: EngineRequest, logits: torch.Tensor) -> int:
         if req.seed is None:

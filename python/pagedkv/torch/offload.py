@@ -143,6 +143,43 @@ class HostKVStore:
         d, h = self._pairs(group, device_blocks, host_blocks)
         return self._copy_blocks(group, h, d, to_host=False)
 
+    def _host_ids(self, group: int, host_blocks: npt.ArrayLike) -> torch.Tensor:
+        if not isinstance(group, int) or group not in self._groups:
+            raise ValueError(f"group must be one of {list(self._groups)}, got {group!r}")
+        h = _ids(host_blocks, "host_blocks")
+        n_host = self.num_chunks * self.blocks_per_chunk
+        if len(h) and (h.min() < 0 or h.max() >= n_host):
+            raise ValueError(f"host block out of range (0..{n_host})")
+        return torch.as_tensor(h)
+
+    def chunk_bytes(self, group: int, host_blocks: npt.ArrayLike) -> npt.NDArray[np.uint8]:
+        """The bytes of host blocks ``host_blocks`` of group ``group``, layer
+        tensor after layer tensor (a chunk as the disk tier keeps it)."""
+        index = self._host_ids(group, host_blocks)
+        parts = [
+            t.index_select(0, index).reshape(-1).view(torch.uint8)
+            for t in self.host.group_block_tensors(group)
+        ]
+        out: npt.NDArray[np.uint8] = torch.cat(parts).numpy()
+        return out
+
+    def set_chunk_bytes(
+        self, group: int, host_blocks: npt.ArrayLike, data: npt.NDArray[np.uint8]
+    ) -> None:
+        """Writes bytes laid out as :meth:`chunk_bytes` gives them into host
+        blocks ``host_blocks`` of group ``group``."""
+        index = self._host_ids(group, host_blocks)
+        buf = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8))
+        tensors = self.host.group_block_tensors(group)
+        sizes = [len(index) * t[0].numel() * t.element_size() for t in tensors]
+        if sum(sizes) != buf.numel():
+            raise ValueError(f"{buf.numel()} bytes for {sum(sizes)} bytes of host blocks")
+        at = 0
+        for t, n in zip(tensors, sizes, strict=True):
+            rows = buf[at : at + n].clone().view(t.dtype).view(len(index), *t.shape[1:])
+            t.index_copy_(0, index, rows)
+            at += n
+
     def _pairs(
         self, group: int, device_blocks: npt.ArrayLike, host_blocks: npt.ArrayLike
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:

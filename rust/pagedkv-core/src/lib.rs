@@ -50,9 +50,9 @@ pub use error::{Error, Result};
 pub use events::{BlockStored, EventExtraKey, KvEvent, PLACEHOLDER_TOKEN};
 pub use hash::{BlockHash, BlockHasher, CborValue, ExtraKey, HashAlgo};
 pub use manager::{
-    AllocateArgs, BatchAllocation, BatchStep, ComputedBlocks, ConnectorHit, EngineRequest,
-    FailedLoad, KvCacheManager, OffloadConfig, OffloadStats, PreparedRequest, RequestHandle,
-    RequestPreparer, RequestRefs, SyncAnchor, Transfer, TransferPlan, WritePolicy,
+    AllocateArgs, BatchAllocation, BatchStep, ComputedBlocks, ConnectorHit, DiskTransfer,
+    EngineRequest, FailedLoad, KvCacheManager, OffloadConfig, OffloadStats, PreparedRequest,
+    RequestHandle, RequestPreparer, RequestRefs, SyncAnchor, Transfer, TransferPlan, WritePolicy,
 };
 pub use pool::{BlockId, BlockPool, CacheKey, NULL_BLOCK};
 pub use prefix_index::{PrefixIndex, PrefixMatch, ReplicaId};

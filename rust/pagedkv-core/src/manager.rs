@@ -29,7 +29,9 @@ pub use external::{EngineRequest, SyncAnchor};
 mod fast_path;
 mod hisparse;
 mod offload;
-pub use offload::{FailedLoad, OffloadConfig, OffloadStats, Transfer, TransferPlan, WritePolicy};
+pub use offload::{
+    DiskTransfer, FailedLoad, OffloadConfig, OffloadStats, Transfer, TransferPlan, WritePolicy,
+};
 mod partial;
 mod prepared;
 pub use prepared::{PreparedRequest, RequestPreparer};

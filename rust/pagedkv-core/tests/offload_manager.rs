@@ -341,9 +341,10 @@ fn bad_configs_are_refused() {
 fn random_serving_never_serves_wrong_kv() {
     use pagedkv_core::BlockHash;
     use std::collections::HashMap;
-    let mut totals = [0u64; 6];
-    // Seeds 16 and up write back at eviction instead of as computed.
-    for seed in 0..24u64 {
+    let mut totals = [0u64; 8];
+    // Seeds 16 to 23 write back at eviction instead of as computed; seeds 24
+    // and up have a small host tier over a disk tier.
+    for seed in 0..32u64 {
         let mut rng = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         let mut next = move |n: u64| {
             rng ^= rng << 13;
@@ -358,10 +359,27 @@ fn random_serving_never_serves_wrong_kv() {
         } else {
             WritePolicy::WriteBack { window: 6 }
         };
+        let with_disk = seed >= 24;
+        let disk_dir = std::env::temp_dir().join(format!(
+            "pagedkv-random-serving-{}-{seed}",
+            std::process::id()
+        ));
+        let disk = with_disk.then(|| {
+            let _ = std::fs::remove_dir_all(&disk_dir);
+            std::fs::create_dir_all(&disk_dir).unwrap();
+            pagedkv_core::offload::DiskConfig {
+                dir: disk_dir.clone(),
+                capacity_bytes: 2_000,
+                chunk_bytes: 32 * u64::from(bpc),
+                enable_events: false,
+            }
+        });
+        let host_chunks = if with_disk { 10 } else { 24 };
         m.enable_offload(OffloadConfig {
             blocks_per_chunk: bpc,
             write_policy,
-            ..OffloadConfig::new(24 / u64::from(bpc))
+            disk,
+            ..OffloadConfig::new(host_chunks / u64::from(bpc))
         })
         .unwrap();
         let mut device: HashMap<u32, BlockHash> = HashMap::new();
@@ -433,13 +451,25 @@ fn random_serving_never_serves_wrong_kv() {
             }
             running = keep;
             let plan = m.take_transfer_plan().unwrap();
-            // Loads before the forward pass; some fail.
+            // Disk reads into host memory, then loads before the forward
+            // pass; some fail. A load whose disk read failed copies nothing.
+            let mut unread = Vec::new();
+            for t in &plan.disk_reads {
+                let mut buf = vec![0u8; 32 * bpc as usize];
+                if m.read_disk_chunk(t.job, &mut buf).unwrap() {
+                    for (h, b) in t.host_blocks.iter().zip(buf.chunks(32)) {
+                        host.insert(*h, BlockHash::from_slice(b).unwrap());
+                    }
+                } else {
+                    unread.extend(t.load_job);
+                }
+            }
             let mut failed_loads = Vec::new();
             let mut done = Vec::new();
             let mut jobs: Vec<u64> = plan.loads.iter().map(|t| t.job).collect();
             jobs.dedup();
             for job in jobs {
-                if next(5) == 0 {
+                if next(5) == 0 || unread.contains(&job) {
                     failed_loads.push(job);
                     continue;
                 }
@@ -513,6 +543,25 @@ fn random_serving_never_serves_wrong_kv() {
                 }
             }
             m.complete_transfers(&ok, &bad).unwrap();
+            // Chunks stored in host memory before this plan, written through.
+            for t in &plan.disk_writes {
+                let data: Vec<u8> = t
+                    .host_blocks
+                    .iter()
+                    .flat_map(|h| host[h].as_bytes().to_vec())
+                    .collect();
+                m.write_disk_chunk(t.job, &data).unwrap();
+            }
+            // Now and then the disk loses a chunk's bytes.
+            if with_disk && next(16) == 0 {
+                let path = m.offload_disk().unwrap().path().to_owned();
+                let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+                let len = f.metadata().unwrap().len();
+                if len > 0 {
+                    use std::os::unix::fs::FileExt;
+                    f.write_all_at(&[0x5A; 16], next(len)).unwrap();
+                }
+            }
             // Sampling: one token each; finished requests leave.
             let mut keep = Vec::new();
             for (id, computed, left) in running {
@@ -530,6 +579,10 @@ fn random_serving_never_serves_wrong_kv() {
             m.check_invariants().unwrap();
         }
         let s = m.offload_stats().unwrap();
+        drop(m);
+        if with_disk {
+            std::fs::remove_dir_all(&disk_dir).unwrap();
+        }
         let wb = seed >= 16;
         for (t, v) in totals.iter_mut().zip([
             s.loads_completed,
@@ -538,6 +591,8 @@ fn random_serving_never_serves_wrong_kv() {
             s.completions_after_free,
             if wb { s.stores_completed } else { 0 },
             if wb { s.write_backs_missed } else { 0 },
+            s.disk_reads_completed,
+            s.disk_reads_failed,
         ]) {
             *t += v;
         }

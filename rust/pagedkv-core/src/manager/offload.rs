@@ -18,17 +18,22 @@
 //! A chunk is `blocks_per_chunk` blocks of one group, keyed as vLLM keys it:
 //! the block hash of its last hash block and the group index.
 
+mod disk;
+mod readouts;
 mod types;
 mod write_back;
 
 use rustc_hash::FxHashMap;
 
-pub use types::{FailedLoad, OffloadConfig, OffloadStats, Transfer, TransferPlan, WritePolicy};
+use disk::DiskSide;
+pub use types::{
+    DiskTransfer, FailedLoad, OffloadConfig, OffloadStats, Transfer, TransferPlan, WritePolicy,
+};
 use write_back::{WRITE_BACK_UIDS, WriteBack};
 
 use super::{AllocateArgs, ComputedBlocks, KvCacheManager};
 use crate::error::{Error, Result, invalid};
-use crate::offload::{LookupResult, OffloadEvent, OffloadKey, OffloadTier, TierConfig};
+use crate::offload::{LookupResult, OffloadKey, OffloadTier, TierConfig};
 use crate::pool::BlockId;
 use crate::spec::AttentionKind;
 
@@ -54,6 +59,25 @@ struct Job {
     /// makes computed.
     load: Option<(u64, u64)>,
     taken: bool,
+    /// A load's disk reads not run yet (its chunks promoted from disk).
+    disk_reads: u32,
+    /// A load one of whose disk reads failed: it fails too.
+    poisoned: bool,
+}
+
+/// An admitted host hit's chunks, for its load job.
+struct LoadChunks {
+    /// The hit's first chunk.
+    start: usize,
+    /// Device hit, host hit and the end of the last chunk, in tokens.
+    tokens: (u64, u64, u64),
+    /// Every chunk key's host slot (chunk by chunk, group by group).
+    slots: Vec<u64>,
+    /// The keys read from host memory (pinned for the load).
+    host_keys: Vec<OffloadKey>,
+    /// The keys read from disk first, and the host slots they go to.
+    disk_keys: Vec<OffloadKey>,
+    disk_slots: Vec<u64>,
 }
 
 /// The host tier and the jobs in flight (a [`KvCacheManager`] field).
@@ -74,6 +98,8 @@ pub(crate) struct Offloading {
     stats: OffloadStats,
     /// Freed chunks waiting to be written back (write-back only).
     write_back: Option<WriteBack>,
+    /// The disk tier below, with its copies in flight.
+    disk: Option<DiskSide>,
 }
 
 impl Offloading {
@@ -156,6 +182,22 @@ impl KvCacheManager {
                 ));
             }
         }
+        if cfg.disk.is_some() && cfg.store_threshold > 1 {
+            return bad(
+                "a disk tier promotes chunks through host memory: store_threshold must be 1".into(),
+            );
+        }
+        let disk = cfg
+            .disk
+            .clone()
+            .map(|d| {
+                crate::offload::DiskTier::open(crate::offload::DiskConfig {
+                    enable_events: cfg.enable_events,
+                    ..d
+                })
+            })
+            .transpose()?
+            .map(DiskSide::new);
         let block_size = u64::from(groups[0].block_size);
         let tier = OffloadTier::new(TierConfig {
             num_chunks: cfg.num_chunks,
@@ -179,6 +221,7 @@ impl KvCacheManager {
                 WritePolicy::WriteThrough => None,
                 WritePolicy::WriteBack { window } => Some(WriteBack::new(window)),
             },
+            disk,
             cfg,
         }));
         Ok(())
@@ -228,7 +271,12 @@ impl KvCacheManager {
         for c in start..num_chunks {
             keys.clear();
             off.chunk_keys(hashes, c as usize, &mut keys);
-            if !keys.iter().all(|k| off.tier.lookup(k) == LookupResult::Hit) {
+            let readable = keys.iter().all(|k| match off.tier.lookup(k) {
+                LookupResult::Hit => true,
+                LookupResult::Miss => off.on_disk(k),
+                LookupResult::HitPending => false,
+            });
+            if !readable {
                 break;
             }
             hits += 1;
@@ -281,52 +329,125 @@ impl KvCacheManager {
                 req.id
             )));
         }
-        let mut keys = Vec::with_capacity((end_chunk - start) * off.num_groups);
-        if end_chunk * off.hashes_per_chunk() > req.hashes().len() {
+        let (keys, from_disk) = self.hit_chunk_keys(slot, start..end_chunk)?;
+        let positions: Vec<i64> = (start..end_chunk)
+            .flat_map(|c| std::iter::repeat_n(c as i64, self.num_groups()))
+            .collect();
+        let pick = |disk: bool| -> (Vec<OffloadKey>, Vec<i64>) {
+            keys.iter()
+                .zip(&positions)
+                .zip(&from_disk)
+                .filter(|&(_, &d)| d == disk)
+                .map(|((k, p), _)| (*k, *p))
+                .unzip()
+        };
+        let ((disk_keys, disk_pos), (host_keys, host_pos)) = (pick(true), pick(false));
+        let off = self.offload.as_deref_mut().expect("checked above");
+        off.state(uid);
+        // The host chunks are pinned while room is made for the promoted ones.
+        let guarded: &[OffloadKey] = if disk_keys.is_empty() {
+            &[]
+        } else {
+            &host_keys
+        };
+        off.tier.prepare_read(guarded)?;
+        let disk_slots = if disk_keys.is_empty() {
+            Vec::new()
+        } else {
+            match off.reserve_promotions(&disk_keys, &disk_pos, uid) {
+                Ok(Some(s)) => s,
+                other => {
+                    off.tier.complete_load(guarded)?;
+                    return other.map(|_| false);
+                }
+            }
+        };
+        let args = AllocateArgs {
+            num_external_computed_tokens: host,
+            delay_cache_blocks: true,
+            ..*a
+        };
+        let admitted = self.allocate_validated(slot, &args, Some(hit));
+        let off = self.offload.as_deref_mut().expect("checked above");
+        if !matches!(admitted, Ok(true)) {
+            off.tier.complete_store(&disk_keys, false);
+            off.tier.complete_load(guarded)?;
+            return admitted;
+        }
+        // The host chunks are readable (pinned above): the request's load.
+        let host_slots = off.tier.prepare_load(&host_keys, uid, &host_pos)?;
+        off.tier.complete_load(guarded)?;
+        let (mut hs, mut ds) = (host_slots.iter(), disk_slots.iter());
+        let slots: Vec<u64> = from_disk
+            .iter()
+            .map(|&d| *if d { ds.next() } else { hs.next() }.expect("one slot a key"))
+            .collect();
+        self.plan_load(
+            slot,
+            LoadChunks {
+                start,
+                tokens: (device, host, end),
+                slots,
+                host_keys,
+                disk_keys,
+                disk_slots,
+            },
+        )
+    }
+
+    /// The keys of a host hit's chunks (chunk by chunk, group by group) and
+    /// whether each is read from disk; every one must still be readable in
+    /// host memory or on disk.
+    fn hit_chunk_keys(
+        &self,
+        slot: u32,
+        chunks: std::ops::Range<usize>,
+    ) -> Result<(Vec<OffloadKey>, Vec<bool>)> {
+        let off = self.offload.as_deref().expect("checked by the caller");
+        let req = self.table.get(slot);
+        if chunks.end * off.hashes_per_chunk() > req.hashes().len() {
             return Err(Error::StaleComputedBlocks(
                 "the host hit is past the request's hashed blocks; look it up again".into(),
             ));
         }
-        for c in start..end_chunk {
+        let mut keys = Vec::with_capacity(chunks.len() * off.num_groups);
+        for c in chunks {
             off.chunk_keys(req.hashes(), c, &mut keys);
         }
-        if let Some(k) = keys
+        let from_disk: Vec<bool> = keys.iter().map(|k| off.on_disk(k)).collect();
+        if let Some((k, _)) = keys
             .iter()
-            .find(|k| !off.tier.chunk(k).is_some_and(|c| c.is_ready()))
+            .zip(&from_disk)
+            .find(|&(k, d)| !d && !off.tier.chunk(k).is_some_and(|c| c.is_ready()))
         {
             return Err(Error::StaleComputedBlocks(format!(
                 "host chunk {k:?} of the hit was evicted since get_computed_blocks; \
                  look the request up again"
             )));
         }
-        let args = AllocateArgs {
-            num_external_computed_tokens: host,
-            delay_cache_blocks: true,
-            ..*a
-        };
-        if !self.allocate_validated(slot, &args, Some(hit))? {
-            return Ok(false);
-        }
-        // The chunks are readable (checked above, nothing ran since).
-        let positions: Vec<i64> = (start..end_chunk)
-            .flat_map(|c| std::iter::repeat_n(c as i64, self.num_groups()))
-            .collect();
-        let off = self.offload.as_deref_mut().expect("checked above");
-        off.state(uid);
-        let slots = off.tier.prepare_load(&keys, uid, &positions)?;
+        Ok((keys, from_disk))
+    }
+
+    /// The load job of an admitted host hit: every group's device blocks of
+    /// the hit (held for the copy) and the host blocks they are read from.
+    fn plan_load(&mut self, slot: u32, l: LoadChunks) -> Result<bool> {
+        let (device, host, end) = l.tokens;
+        let uid = self.table.get(slot).uid;
+        let off = self.offload.as_deref().expect("checked by the caller");
         let bpc = u64::from(off.cfg.blocks_per_chunk);
         let (first_block, end_block) = (
             (device / off.block_size) as usize,
             (end / off.block_size) as usize,
         );
         let req = self.table.get(slot);
-        let mut groups = Vec::with_capacity(self.num_groups());
+        let ng = self.num_groups();
+        let mut groups = Vec::with_capacity(ng);
         for (g, gb) in req.groups().iter().enumerate() {
             let device_blocks = gb.blocks()[first_block..end_block].to_vec();
             let host_blocks = (first_block..end_block)
                 .map(|b| {
                     let (c, i) = (b as u64 / bpc, b as u64 % bpc);
-                    slots[(c as usize - start) * self.num_groups() + g] * bpc + i
+                    l.slots[(c as usize - l.start) * ng + g] * bpc + i
                 })
                 .collect();
             groups.push((g as u32, device_blocks, host_blocks));
@@ -342,12 +463,15 @@ impl KvCacheManager {
             Job {
                 slot,
                 uid,
-                keys,
+                keys: l.host_keys,
                 groups,
                 load: Some((device, device + host)),
                 taken: false,
+                disk_reads: l.disk_keys.len() as u32,
+                poisoned: false,
             },
         );
+        off.plan_disk_reads(job, &l.disk_keys, &l.disk_slots);
         off.planned_loads.push(job);
         off.state(uid).load_job = Some(job);
         off.stats.loads += 1;
@@ -367,6 +491,7 @@ impl KvCacheManager {
             .as_deref_mut()
             .ok_or_else(|| invalid("the manager has no host tier"))?;
         let mut plan = TransferPlan::default();
+        off.take_disk_plan(&mut plan.disk_reads, &mut plan.disk_writes);
         for job in std::mem::take(&mut off.planned_loads) {
             let Some(j) = off.jobs.get_mut(&job) else {
                 continue;
@@ -461,6 +586,8 @@ impl KvCacheManager {
                     groups,
                     load: None,
                     taken: true,
+                    disk_reads: 0,
+                    poisoned: false,
                 },
             );
             off.stats.stores += 1;
@@ -476,6 +603,9 @@ impl KvCacheManager {
     ///
     /// # Errors
     /// A job not in flight, or listed twice; nothing changes then.
+    ///
+    /// # Panics
+    /// Never: every job is checked before any changes.
     pub fn complete_transfers(&mut self, done: &[u64], failed: &[u64]) -> Result<Vec<FailedLoad>> {
         let off = self
             .offload
@@ -483,11 +613,31 @@ impl KvCacheManager {
             .ok_or_else(|| invalid("the manager has no host tier"))?;
         let mut seen = rustc_hash::FxHashSet::default();
         for &job in done.iter().chain(failed) {
-            if !off.jobs.get(&job).is_some_and(|j| j.taken) {
+            let copy = off.jobs.get(&job).filter(|j| j.taken);
+            if copy.is_none() && !off.disk_job_taken(job) {
                 return Err(invalid(format!("transfer job {job} is not in flight")));
             }
             if !seen.insert(job) {
                 return Err(invalid(format!("transfer job {job} is listed twice")));
+            }
+        }
+        for &job in done {
+            let Some(j) = off.jobs.get(&job) else {
+                return Err(invalid(format!(
+                    "disk job {job} completes through read_disk_chunk / write_disk_chunk \
+                     (report it failed to abandon it)"
+                )));
+            };
+            if j.disk_reads > off.reads_of(job, failed) {
+                return Err(invalid(format!(
+                    "load job {job} copies chunks whose disk reads have not run"
+                )));
+            }
+        }
+        let off = self.offload.as_deref_mut().expect("checked above");
+        for &job in failed {
+            if !off.jobs.contains_key(&job) {
+                off.abandon_disk_job(job)?;
             }
         }
         let mut out = Vec::new();
@@ -496,6 +646,13 @@ impl KvCacheManager {
             .map(|&j| (j, true))
             .chain(failed.iter().map(|&j| (j, false)));
         for (job, ok) in both {
+            if !self
+                .offload
+                .as_deref()
+                .is_some_and(|o| o.jobs.contains_key(&job))
+            {
+                continue; // a disk job, abandoned above
+            }
             if let Some(f) = self.finish_job(job, ok)? {
                 out.push(f);
             }
@@ -506,6 +663,8 @@ impl KvCacheManager {
     fn finish_job(&mut self, job: u64, ok: bool) -> Result<Option<FailedLoad>> {
         let off = self.offload.as_deref_mut().expect("checked by the caller");
         let j = off.jobs.remove(&job).expect("checked by the caller");
+        // A load one of whose disk reads failed holds no KV past the device hit.
+        let ok = ok && !j.poisoned;
         let nblocks: u64 = j.groups.iter().map(|(_, d, _)| d.len() as u64).sum();
         let write_back = j.uid >= WRITE_BACK_UIDS;
         let live = self.table.live(j.slot).is_some_and(|r| r.uid == j.uid);
@@ -535,6 +694,9 @@ impl KvCacheManager {
             }
         } else {
             off.tier.complete_store(&j.keys, ok);
+            if ok {
+                off.queue_disk_writes(&j.keys)?;
+            }
             off.stats.record_completion(false, ok, nblocks, bytes);
             if !live && !write_back {
                 off.stats.completions_after_free += 1;
@@ -580,6 +742,7 @@ impl KvCacheManager {
                 off.planned_loads.retain(|&j| j != job);
                 let j = off.jobs.remove(&job).expect("a planned load is a job");
                 off.tier.complete_load(&j.keys)?;
+                off.cancel_disk_reads(job);
                 off.stats.loads_cancelled += 1;
                 cancelled = Some(j.groups);
             }
@@ -591,84 +754,6 @@ impl KvCacheManager {
         }
         if let Some(groups) = cancelled {
             self.release_job_blocks(&groups)?;
-        }
-        Ok(())
-    }
-
-    /// The host tier's totals (`None` without one).
-    #[must_use]
-    pub fn offload_stats(&self) -> Option<OffloadStats> {
-        self.offload.as_ref().map(|o| o.stats)
-    }
-
-    /// Freed chunks waiting to be written back (0 unless write-back).
-    #[must_use]
-    pub fn num_write_back_candidates(&self) -> usize {
-        self.offload
-            .as_ref()
-            .and_then(|o| o.write_back.as_ref())
-            .map_or(0, WriteBack::len)
-    }
-
-    /// Jobs planned or taken and not completed.
-    #[must_use]
-    pub fn num_transfers_in_flight(&self) -> usize {
-        self.offload.as_ref().map_or(0, |o| o.jobs.len())
-    }
-
-    /// The host tier's events since the last call (medium `CPU`).
-    pub fn take_offload_events(&mut self) -> Vec<OffloadEvent> {
-        self.offload
-            .as_mut()
-            .map_or_else(Vec::new, |o| o.tier.take_events())
-    }
-
-    /// Empties the host tier; `false` (and no change) while transfers are in
-    /// flight or without a tier.
-    pub fn reset_offload(&mut self) -> bool {
-        match self.offload.as_deref_mut() {
-            Some(off) if off.jobs.is_empty() => {
-                off.tier.reset_cache();
-                for s in off.reqs.values_mut() {
-                    s.next_chunk = 0;
-                }
-                let uids: Vec<u64> = off.reqs.keys().copied().collect();
-                for uid in uids {
-                    off.tier.on_new_request(uid);
-                }
-                true
-            }
-            _ => false,
-        }
-    }
-
-    /// The host tier's own invariants, and every job's blocks held.
-    pub(super) fn check_offload(&self) -> Result<()> {
-        let Some(off) = self.offload.as_deref() else {
-            return Ok(());
-        };
-        off.tier.check_invariants()?;
-        if let Some(wb) = &off.write_back {
-            wb.check(self.coord.pool().num_blocks())?;
-        }
-        let pending_loads = off.jobs.values().filter(|j| !j.taken).count();
-        if pending_loads != off.planned_loads.len() {
-            return Err(Error::InvariantViolation(format!(
-                "{pending_loads} loads not taken, {} planned",
-                off.planned_loads.len()
-            )));
-        }
-        let held: usize = off
-            .jobs
-            .values()
-            .flat_map(|j| &j.groups)
-            .map(|(_, d, _)| d.len())
-            .sum();
-        if (held as u64) > self.num_detached_block_refs() {
-            return Err(Error::InvariantViolation(format!(
-                "transfers hold {held} device blocks, the engine {}",
-                self.num_detached_block_refs()
-            )));
         }
         Ok(())
     }

@@ -29,7 +29,7 @@ const O_NOFOLLOW: i32 = 0o400_000;
 static NEXT_FILE: AtomicU64 = AtomicU64::new(0);
 
 /// How a disk tier is built.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DiskConfig {
     /// An existing, writable directory (not a symlink).
     pub dir: PathBuf,

@@ -1,15 +1,17 @@
 //! The host tier's calls on the pyclass (`KVCacheManager(offload=...)`): its
 //! configuration, the step's transfer plan, completions, stats and events.
 
-use numpy::PyArray1;
-use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use std::path::PathBuf;
 
-use pagedkv_core::offload::PolicyKind;
-use pagedkv_core::{OffloadConfig, Transfer, WritePolicy};
+use numpy::{PyArray1, PyReadonlyArray1, PyReadwriteArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+
+use pagedkv_core::offload::{DiskConfig, PolicyKind};
+use pagedkv_core::{DiskTransfer, OffloadConfig, Transfer, WritePolicy};
 
 use crate::convert::{count, ids_i32};
-use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg};
+use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg, type_error};
 use crate::offload::{counter_dict, event_tuples};
 
 use super::PyManager;
@@ -40,6 +42,24 @@ fn transfer_list<'py>(py: Python<'py>, ts: Vec<Transfer>) -> PyResult<Bound<'py,
     PyList::new(py, items)
 }
 
+/// One disk copy: `(job, group, host_blocks, load_job)`.
+type DiskTuple<'py> = (u64, u32, Bound<'py, PyArray1<i64>>, Option<u64>);
+
+fn disk_list<'py>(py: Python<'py>, ts: Vec<DiskTransfer>) -> PyResult<Bound<'py, PyList>> {
+    let items: Vec<DiskTuple<'py>> = ts
+        .into_iter()
+        .map(|t| {
+            (
+                t.job,
+                t.group,
+                PyArray1::from_vec(py, t.host_blocks.iter().map(|&b| b as i64).collect()),
+                t.load_job,
+            )
+        })
+        .collect();
+    PyList::new(py, items)
+}
+
 fn job_ids(name: &str, jobs: Vec<i64>) -> PkResult<Vec<u64>> {
     jobs.into_iter().map(|j| count(name, j)).collect()
 }
@@ -51,7 +71,7 @@ impl PyManager {
     /// calls it.
     #[pyo3(signature = (num_chunks, *, blocks_per_chunk = 1, policy = "lru", store_threshold = 1,
         enable_events = false, bytes_per_block = 0, write_policy = "write_through",
-        write_back_window = 256))]
+        write_back_window = 256, disk_path = None, disk_bytes = 0, disk_chunk_bytes = 0))]
     #[allow(clippy::too_many_arguments)]
     fn _enable_offload(
         slf: &Bound<'_, Self>,
@@ -63,6 +83,9 @@ impl PyManager {
         bytes_per_block: i64,
         write_policy: &str,
         write_back_window: i64,
+        disk_path: Option<PathBuf>,
+        disk_bytes: i64,
+        disk_chunk_bytes: i64,
     ) -> PkResult<()> {
         let blocks_per_chunk = u32::try_from(count("blocks_per_chunk", blocks_per_chunk)?)
             .map_err(|_| invalid_arg("blocks_per_chunk is out of range"))?;
@@ -76,6 +99,16 @@ impl PyManager {
             enable_events,
             bytes_per_block: count("bytes_per_block", bytes_per_block)?,
             write_policy: WritePolicy::from_name(write_policy, window)?,
+            disk: disk_path
+                .map(|dir| -> PkResult<DiskConfig> {
+                    Ok(DiskConfig {
+                        dir,
+                        capacity_bytes: count("disk_bytes", disk_bytes)?,
+                        chunk_bytes: count("disk_chunk_bytes", disk_chunk_bytes)?,
+                        enable_events,
+                    })
+                })
+                .transpose()?,
         };
         Ok(borrow_mut(slf)?.inner.enable_offload(cfg)?)
     }
@@ -86,17 +119,60 @@ impl PyManager {
         self.inner.offload_config().is_some()
     }
 
-    /// The step's copies as `(loads, stores)`, each a list of
-    /// `(job, request_id, group, device_blocks, host_blocks)`.
+    /// The step's copies as `(disk_reads, loads, stores, disk_writes)`:
+    /// loads and stores lists of `(job, request_id, group, device_blocks,
+    /// host_blocks)`, disk copies of `(job, group, host_blocks, load_job)`.
+    #[allow(clippy::type_complexity)]
     fn _take_transfer_plan<'py>(
         slf: &Bound<'py, Self>,
-    ) -> PkResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
+    ) -> PkResult<(
+        Bound<'py, PyList>,
+        Bound<'py, PyList>,
+        Bound<'py, PyList>,
+        Bound<'py, PyList>,
+    )> {
         let plan = borrow_mut(slf)?.inner.take_transfer_plan()?;
         let py = slf.py();
         Ok((
+            disk_list(py, plan.disk_reads)?,
             transfer_list(py, plan.loads)?,
             transfer_list(py, plan.stores)?,
+            disk_list(py, plan.disk_writes)?,
         ))
+    }
+
+    /// Runs a planned disk read into `out` (a writable 1-D uint8 array of one
+    /// chunk): True when the chunk's bytes were read and checked (copy them
+    /// into the read's host blocks before its load), False when the read
+    /// failed (its load fails; `out` zeroed).
+    fn read_disk_chunk(
+        slf: &Bound<'_, Self>,
+        job: i64,
+        mut out: PyReadwriteArray1<'_, u8>,
+    ) -> PkResult<bool> {
+        let job = count("job", job)?;
+        let buf = out.as_slice_mut()?;
+        Ok(borrow_mut(slf)?.inner.read_disk_chunk(job, buf)?)
+    }
+
+    /// Runs a planned disk write of `data` (`bytes` or a 1-D uint8 array: the
+    /// chunk's bytes gathered from its host blocks); False when the disk
+    /// refused it (full).
+    fn write_disk_chunk(
+        slf: &Bound<'_, Self>,
+        job: i64,
+        data: &Bound<'_, PyAny>,
+    ) -> PkResult<bool> {
+        let job = count("job", job)?;
+        if let Ok(b) = data.cast::<PyBytes>() {
+            return Ok(borrow_mut(slf)?.inner.write_disk_chunk(job, b.as_bytes())?);
+        }
+        let arr: PyReadonlyArray1<'_, u8> = data
+            .extract()
+            .map_err(|_| type_error("chunk data must be bytes or a 1-D uint8 array"))?;
+        Ok(borrow_mut(slf)?
+            .inner
+            .write_disk_chunk(job, arr.as_slice()?)?)
     }
 
     /// Reports jobs done and failed; returns the failed loads of requests
@@ -132,7 +208,22 @@ impl PyManager {
             "write_back_candidates",
             this.inner.num_write_back_candidates() as u64,
         ));
-        Ok(Some(counter_dict(slf.py(), &named)?))
+        let disk_names: Vec<(String, u64)> = this.inner.offload_disk().map_or_else(Vec::new, |d| {
+            let mut v: Vec<(String, u64)> = d
+                .counters()
+                .named()
+                .iter()
+                .map(|(n, x)| (format!("disk_tier_{n}"), *x))
+                .collect();
+            v.push(("disk_tier_chunks".into(), d.len() as u64));
+            v.push(("disk_tier_slots".into(), d.num_slots()));
+            v
+        });
+        let dict = counter_dict(slf.py(), &named)?;
+        for (n, x) in disk_names {
+            dict.set_item(n, x)?;
+        }
+        Ok(Some(dict))
     }
 
     /// Transfer jobs planned or taken and not completed.

@@ -1,7 +1,7 @@
 //! The host tier's configuration, a step's transfer plan, failed loads and
 //! the tier's totals.
 
-use crate::offload::PolicyKind;
+use crate::offload::{DiskConfig, PolicyKind};
 use crate::pool::BlockId;
 
 /// When the device's chunks are written to the host tier.
@@ -58,6 +58,10 @@ pub struct OffloadConfig {
     pub bytes_per_block: u64,
     /// When chunks are written to the tier.
     pub write_policy: WritePolicy,
+    /// A disk tier below host memory (`chunk_bytes`: one group's chunk):
+    /// every chunk stored in host memory is written through to it, and a
+    /// prefix found there is read back into host memory before it is loaded.
+    pub disk: Option<DiskConfig>,
 }
 
 impl OffloadConfig {
@@ -72,6 +76,7 @@ impl OffloadConfig {
             enable_events: false,
             bytes_per_block: 0,
             write_policy: WritePolicy::WriteThrough,
+            disk: None,
         }
     }
 }
@@ -93,13 +98,33 @@ pub struct Transfer {
     pub host_blocks: Vec<u64>,
 }
 
+/// A copy between host memory and the disk tier: one group's chunk, at
+/// `host_blocks` in host memory. Done by
+/// [`KvCacheManager::read_disk_chunk`] / [`KvCacheManager::write_disk_chunk`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskTransfer {
+    /// The job.
+    pub job: u64,
+    /// The KV-cache group.
+    pub group: u32,
+    /// Host block indices (the chunk's blocks, in order).
+    pub host_blocks: Vec<u64>,
+    /// A read's load (host → device) that copies the chunk on: when the read
+    /// fails, the load fails too.
+    pub load_job: Option<u64>,
+}
+
 /// A step's copies ([`KvCacheManager::take_transfer_plan`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TransferPlan {
+    /// Disk → host, to finish before the loads that copy them on.
+    pub disk_reads: Vec<DiskTransfer>,
     /// Host → device, to finish before the step's forward pass reads them.
     pub loads: Vec<Transfer>,
     /// Device → host, to start once the step's forward pass wrote them.
     pub stores: Vec<Transfer>,
+    /// Host → disk (chunks stored in host memory, written through).
+    pub disk_writes: Vec<DiskTransfer>,
 }
 
 /// A failed load of a request still known ([`KvCacheManager::complete_transfers`]):
@@ -152,6 +177,17 @@ pub struct OffloadStats {
     /// Write-back: freed chunks evicted from the device (or recached) before
     /// they could be written to the tier.
     pub write_backs_missed: u64,
+    /// Chunks of host hits found on disk (read back into host memory).
+    pub disk_hits: u64,
+    /// Disk reads that returned the chunk.
+    pub disk_reads_completed: u64,
+    /// Disk reads that failed (corrupt, truncated or gone; abandoned): the
+    /// load they fed failed too.
+    pub disk_reads_failed: u64,
+    /// Chunks written through to disk.
+    pub disk_writes_completed: u64,
+    /// Disk writes the disk refused (full) or the engine abandoned.
+    pub disk_writes_failed: u64,
 }
 
 impl OffloadStats {
@@ -184,7 +220,7 @@ impl OffloadStats {
 
     /// Every total with its name.
     #[must_use]
-    pub fn named(&self) -> [(&'static str, u64); 18] {
+    pub fn named(&self) -> [(&'static str, u64); 23] {
         [
             ("queries", self.queries),
             ("hits", self.hits),
@@ -204,6 +240,11 @@ impl OffloadStats {
             ("stores_refused", self.stores_refused),
             ("completions_after_free", self.completions_after_free),
             ("write_backs_missed", self.write_backs_missed),
+            ("disk_hits", self.disk_hits),
+            ("disk_reads_completed", self.disk_reads_completed),
+            ("disk_reads_failed", self.disk_reads_failed),
+            ("disk_writes_completed", self.disk_writes_completed),
+            ("disk_writes_failed", self.disk_writes_failed),
         ]
     }
 }

@@ -249,6 +249,8 @@ impl KvCacheManager {
                     groups,
                     load: None,
                     taken: true,
+                    disk_reads: 0,
+                    poisoned: false,
                 },
             );
             off.stats.stores += 1;

@@ -141,3 +141,27 @@ def test_bad_copies_are_refused_before_anything_moves(
     )
     with pytest.raises(ValueError, match="positive int"):
         HostKVStore(cache, num_chunks=0, blocks_per_chunk=BPC)
+
+
+def test_chunk_bytes_round_trip_between_host_blocks() -> None:
+    # A disk chunk's bytes: gathered from host blocks, scattered into others.
+    cache = _cache(("full", "sliding"))
+    _fill(cache, 3)
+    store = HostKVStore(cache, num_chunks=4, blocks_per_chunk=BPC)
+    store.store_blocks(1, [3, 4], [0, 1]).wait()
+    data = store.chunk_bytes(1, [0, 1])
+    assert data.dtype == np.uint8 and len(data) == store.chunk_nbytes(1)
+    reused = np.zeros_like(data)
+    assert store.chunk_bytes(1, [0, 1], out=reused) is reused
+    assert np.array_equal(reused, data)
+    store.set_chunk_bytes(1, [6, 7], data)
+    store.load_blocks(1, [20, 21], [6, 7]).wait()
+    for a, b in zip(_blocks(cache, 1, [3, 4]), _blocks(cache, 1, [20, 21]), strict=True):
+        assert torch.equal(a, b)
+    for bad in (data[:-1], data.astype(np.int16), np.zeros((2, len(data) // 2), np.uint8)):
+        with pytest.raises(ValueError):
+            store.set_chunk_bytes(1, [6, 7], bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="out of range"):
+        store.chunk_bytes(1, [0, 8])
+    with pytest.raises(ValueError, match="group"):
+        store.chunk_bytes(2, [0, 1])

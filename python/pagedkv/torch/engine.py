@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from .._util import cdiv
@@ -182,6 +183,7 @@ class PagedEngine:
             )
         #: tokens whose KV was loaded back from the host tier
         self.host_hit_tokens = 0
+        self._chunk_buffers: dict[int, npt.NDArray[np.uint8]] = {}
         self.block_tables = MultiGroupBlockTable.from_config(
             kv_cache_config, max_num_reqs, max_model_len, max_num_batched_tokens, self.device
         )
@@ -359,7 +361,7 @@ class PagedEngine:
         assert host is not None
         unread: set[int] = set()
         for r in plan.disk_reads:
-            buf = np.empty(host.chunk_nbytes(r.group), dtype=np.uint8)
+            buf = self._chunk_buffer(r.group)
             if self.manager.read_disk_chunk(r.job, buf):
                 host.set_chunk_bytes(r.group, r.host_blocks, buf)
             elif r.load_job is not None:
@@ -394,7 +396,18 @@ class PagedEngine:
             )
             assert not failed
         for w in plan.disk_writes:
-            self.manager.write_disk_chunk(w.job, host.chunk_bytes(w.group, w.host_blocks))
+            data = host.chunk_bytes(w.group, w.host_blocks, out=self._chunk_buffer(w.group))
+            self.manager.write_disk_chunk(w.job, data)
+
+    def _chunk_buffer(self, group: int) -> npt.NDArray[np.uint8]:
+        """A reused buffer of one chunk of ``group`` (disk reads and writes)."""
+        buf = self._chunk_buffers.get(group)
+        if buf is None:
+            assert self.host_kv is not None
+            buf = self._chunk_buffers[group] = np.empty(
+                self.host_kv.chunk_nbytes(group), dtype=np.uint8
+            )
+        return buf
 
     def _sample(self, req: EngineRequest, logits: torch.Tensor) -> int:
         if req.seed is None:

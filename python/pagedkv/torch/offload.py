@@ -152,15 +152,44 @@ class HostKVStore:
             raise ValueError(f"host block out of range (0..{n_host})")
         return torch.as_tensor(h)
 
-    def chunk_bytes(self, group: int, host_blocks: npt.ArrayLike) -> npt.NDArray[np.uint8]:
+    def _views(
+        self, group: int, index: torch.Tensor, buf: npt.NDArray[np.uint8]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each of the group's host tensors with the rows of ``buf`` that hold
+        its blocks ``index`` (layer tensor after layer tensor)."""
+        tensors = self.host.group_block_tensors(group)
+        sizes = [len(index) * t[0].numel() * t.element_size() for t in tensors]
+        if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous:
+            raise ValueError("the chunk buffer must be a contiguous 1-D uint8 array")
+        if sum(sizes) != len(buf):
+            raise ValueError(f"{len(buf)} bytes for {sum(sizes)} bytes of host blocks")
+        raw = torch.from_numpy(buf)
+        out, at = [], 0
+        for t, n in zip(tensors, sizes, strict=True):
+            # Every tensor's bytes are a multiple of its element size.
+            rows = raw[at : at + n].view(t.dtype).view(len(index), *t.shape[1:])
+            out.append((t, rows))
+            at += n
+        return out
+
+    def chunk_bytes(
+        self,
+        group: int,
+        host_blocks: npt.ArrayLike,
+        out: npt.NDArray[np.uint8] | None = None,
+    ) -> npt.NDArray[np.uint8]:
         """The bytes of host blocks ``host_blocks`` of group ``group``, layer
-        tensor after layer tensor (a chunk as the disk tier keeps it)."""
+        tensor after layer tensor (a chunk as the disk tier keeps it), into
+        ``out`` when given (a reused buffer spares a fresh allocation)."""
         index = self._host_ids(group, host_blocks)
-        parts = [
-            t.index_select(0, index).reshape(-1).view(torch.uint8)
-            for t in self.host.group_block_tensors(group)
-        ]
-        out: npt.NDArray[np.uint8] = torch.cat(parts).numpy()
+        if out is None:
+            n = sum(
+                len(index) * t[0].numel() * t.element_size()
+                for t in self.host.group_block_tensors(group)
+            )
+            out = np.empty(n, dtype=np.uint8)
+        for t, rows in self._views(group, index, out):
+            torch.index_select(t, 0, index, out=rows)
         return out
 
     def set_chunk_bytes(
@@ -169,16 +198,8 @@ class HostKVStore:
         """Writes bytes laid out as :meth:`chunk_bytes` gives them into host
         blocks ``host_blocks`` of group ``group``."""
         index = self._host_ids(group, host_blocks)
-        buf = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8))
-        tensors = self.host.group_block_tensors(group)
-        sizes = [len(index) * t[0].numel() * t.element_size() for t in tensors]
-        if sum(sizes) != buf.numel():
-            raise ValueError(f"{buf.numel()} bytes for {sum(sizes)} bytes of host blocks")
-        at = 0
-        for t, n in zip(tensors, sizes, strict=True):
-            rows = buf[at : at + n].clone().view(t.dtype).view(len(index), *t.shape[1:])
+        for t, rows in self._views(group, index, np.ascontiguousarray(data)):
             t.index_copy_(0, index, rows)
-            at += n
 
     def _pairs(
         self, group: int, device_blocks: npt.ArrayLike, host_blocks: npt.ArrayLike

@@ -161,12 +161,16 @@ def test_prefix_comes_back_from_disk_through_host_memory(tmp_path: Path) -> None
     engine.manager.check_invariants()
 
 
-def test_a_corrupt_disk_is_recomputed_not_served(tmp_path: Path) -> None:
+def test_a_corrupt_disk_is_recomputed_not_served(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     engine = _disk_engine(tmp_path)
     _serve_then_forget(engine)
     (path,) = tmp_path.iterdir()
     path.write_bytes(b"\x5a" * path.stat().st_size)
-    _serve(engine, _prompts(0)[3:], "b")
+    with caplog.at_level("WARNING", logger="pagedkv.torch.engine"):
+        _serve(engine, _prompts(0)[3:], "b")
+    assert "did not read back" in caplog.text
     stats = engine.manager.offload_stats()
     assert stats is not None and stats["disk_reads_failed"] >= 1
     assert stats["loads_failed"] >= 1 and stats["disk_tier_corrupt"] >= 1

@@ -19,6 +19,7 @@ compared with :meth:`TinyTransformer.forward_dense`), not to be fast.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -47,6 +48,8 @@ from .kv_cache import KVCache, allocate_kv_cache
 from .model import TinyTransformer
 from .offload import HostKVStore
 from .swap import KVSwapper, SwapInResult, SwappedRequest
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["EngineRequest", "PagedEngine", "StepOutput"]
 
@@ -365,6 +368,11 @@ class PagedEngine:
             if self.manager.read_disk_chunk(r.job, buf):
                 host.set_chunk_bytes(r.group, r.host_blocks, buf)
             elif r.load_job is not None:
+                _log.warning(
+                    "disk chunk of group %d did not read back (corrupt, truncated or gone): "
+                    "its tokens are recomputed",
+                    r.group,
+                )
                 unread.add(r.load_job)
         copies = [
             host.load_blocks(t.group, t.device_blocks, t.host_blocks)

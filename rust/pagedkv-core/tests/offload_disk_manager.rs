@@ -9,9 +9,10 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use pagedkv_core::offload::DiskConfig;
-use pagedkv_core::{
-    AllocateArgs, Error, KvCacheManager, ManagerConfig, OffloadConfig, RequestSpec, TransferPlan,
-};
+use pagedkv_core::{Error, KvCacheManager, ManagerConfig, OffloadConfig, TransferPlan};
+
+mod support;
+use support::{add, admit_with_host as admit, prompt};
 
 const CHUNK: usize = 8;
 
@@ -35,34 +36,6 @@ fn manager(d: &std::path::Path, host_chunks: u64) -> KvCacheManager {
     })
     .unwrap();
     m
-}
-
-fn prompt(seed: u32, n: u32) -> Vec<u32> {
-    (0..n).map(|i| seed * 1000 + i).collect()
-}
-
-fn add(m: &mut KvCacheManager, id: &str, p: Vec<u32>) {
-    m.add_request(
-        id,
-        RequestSpec {
-            prompt_token_ids: p,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-}
-
-fn admit(m: &mut KvCacheManager, id: &str) -> (u64, u64, Vec<u32>) {
-    let hit = m.get_computed_blocks(id).unwrap();
-    let n = m.num_tokens(id).unwrap() as u64;
-    let (dev, host) = (hit.num_computed_tokens, hit.num_host_tokens);
-    let args = AllocateArgs {
-        num_new_computed_tokens: dev,
-        num_external_computed_tokens: host,
-        ..AllocateArgs::step(n - dev - host, 0)
-    };
-    let new = m.allocate_slots(id, &args, Some(&hit)).unwrap().unwrap()[0].clone();
-    (dev, host, new)
 }
 
 /// What every device block and host block holds: (prompt seed, block index).

@@ -5,38 +5,11 @@
 //! slots first).
 
 use pagedkv_core::{
-    AllocateArgs, Error, KvCacheManager, ManagerConfig, OffloadConfig, RequestSpec, TransferPlan,
-    WritePolicy,
+    AllocateArgs, Error, KvCacheManager, ManagerConfig, OffloadConfig, TransferPlan, WritePolicy,
 };
 
-fn prompt(seed: u32, n: u32) -> Vec<u32> {
-    (0..n).map(|i| seed * 1000 + i).collect()
-}
-
-fn add(m: &mut KvCacheManager, id: &str, p: Vec<u32>) {
-    m.add_request(
-        id,
-        RequestSpec {
-            prompt_token_ids: p,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-}
-
-/// Admits `id` taking its whole device hit and its host hit.
-fn admit(m: &mut KvCacheManager, id: &str) -> (u64, u64, Vec<u32>) {
-    let hit = m.get_computed_blocks(id).unwrap();
-    let n = m.num_tokens(id).unwrap() as u64;
-    let (dev, host) = (hit.num_computed_tokens, hit.num_host_tokens);
-    let args = AllocateArgs {
-        num_new_computed_tokens: dev,
-        num_external_computed_tokens: host,
-        ..AllocateArgs::step(n - dev - host, 0)
-    };
-    let new = m.allocate_slots(id, &args, Some(&hit)).unwrap().unwrap()[0].clone();
-    (dev, host, new)
-}
+mod support;
+use support::{add, admit_with_host as admit, prompt};
 
 fn manager(num_blocks: u32, chunks: u64) -> KvCacheManager {
     let mut m = KvCacheManager::new(ManagerConfig::full_attention(num_blocks, 4, 256)).unwrap();

@@ -119,6 +119,44 @@ impl Offloading {
         })
     }
 
+    /// A store job of `keys` (the tier's slots reserved) copying `groups`'
+    /// device blocks into their host blocks: its transfers to `out`, its
+    /// device blocks to be held while it runs.
+    fn add_store_job(
+        &mut self,
+        (slot, uid, request_id): (u32, u64, &str),
+        keys: Vec<OffloadKey>,
+        groups: Vec<(u32, Vec<BlockId>, Vec<u64>)>,
+        (out, to_touch): (&mut Vec<Transfer>, &mut Vec<BlockId>),
+    ) {
+        let job = self.next_job;
+        self.next_job += 1;
+        for (g, d, h) in &groups {
+            out.push(Transfer {
+                job,
+                request_id: request_id.to_owned(),
+                group: *g,
+                device_blocks: d.clone(),
+                host_blocks: h.clone(),
+            });
+            to_touch.extend_from_slice(d);
+        }
+        self.jobs.insert(
+            job,
+            Job {
+                slot,
+                uid,
+                keys,
+                groups,
+                load: None,
+                taken: true,
+                disk_reads: 0,
+                poisoned: false,
+            },
+        );
+        self.stats.stores += 1;
+    }
+
     /// The keys of chunk `c` in every group (`hashes` covers it).
     fn chunk_keys(&self, hashes: &[crate::hash::BlockHash], c: usize, out: &mut Vec<OffloadKey>) {
         let h = &hashes[(c + 1) * self.hashes_per_chunk() - 1];
@@ -548,8 +586,6 @@ impl KvCacheManager {
             if stored.keys_to_store.is_empty() {
                 continue;
             }
-            let job = off.next_job;
-            off.next_job += 1;
             let mut groups: Vec<(u32, Vec<BlockId>, Vec<u64>)> = (0..ng)
                 .map(|g| (g as u32, Vec::new(), Vec::new()))
                 .collect();
@@ -567,30 +603,12 @@ impl KvCacheManager {
                     .extend((0..bpc as u64).map(|b| s * bpc as u64 + b));
             }
             groups.retain(|(_, d, _)| !d.is_empty());
-            for (g, d, h) in &groups {
-                out.push(Transfer {
-                    job,
-                    request_id: req.id.clone(),
-                    group: *g,
-                    device_blocks: d.clone(),
-                    host_blocks: h.clone(),
-                });
-                to_touch.extend_from_slice(d);
-            }
-            off.jobs.insert(
-                job,
-                Job {
-                    slot,
-                    uid,
-                    keys: stored.keys_to_store,
-                    groups,
-                    load: None,
-                    taken: true,
-                    disk_reads: 0,
-                    poisoned: false,
-                },
+            off.add_store_job(
+                (slot, uid, &req.id),
+                stored.keys_to_store,
+                groups,
+                (out, &mut to_touch),
             );
-            off.stats.stores += 1;
         }
         self.touch_blocks(&to_touch)
     }

@@ -56,3 +56,24 @@ pub fn admit_prompt(m: &mut KvCacheManager, id: &str, seed: u32, n: u32) -> u64 
     assert!(ok(m.allocate_slots(id, &args, Some(&hit))).is_some());
     h
 }
+
+/// `n` prompt tokens of family `seed` (`seed * 1000 + i`).
+pub fn prompt(seed: u32, n: u32) -> Vec<u32> {
+    (0..n).map(|i| seed * 1000 + i).collect()
+}
+
+/// Admits `id` with its whole device hit and its host hit (a manager with a
+/// host tier), the rest of its tokens in one step: (device hit, host hit,
+/// the new block ids of group 0).
+pub fn admit_with_host(m: &mut KvCacheManager, id: &str) -> (u64, u64, Vec<u32>) {
+    let hit = ok(m.get_computed_blocks(id));
+    let n = ok(m.num_tokens(id)) as u64;
+    let (dev, host) = (hit.num_computed_tokens, hit.num_host_tokens);
+    let args = AllocateArgs {
+        num_new_computed_tokens: dev,
+        num_external_computed_tokens: host,
+        ..AllocateArgs::step(n - dev - host, 0)
+    };
+    let new = ok(m.allocate_slots(id, &args, Some(&hit))).expect("room for the request");
+    (dev, host, new[0].clone())
+}

@@ -12,7 +12,7 @@
 
 use rustc_hash::FxHashMap;
 
-use super::{Job, Transfer};
+use super::Transfer;
 use crate::error::{Error, Result};
 use crate::manager::KvCacheManager;
 use crate::offload::OffloadKey;
@@ -219,8 +219,6 @@ impl KvCacheManager {
             if stored.keys_to_store.is_empty() {
                 continue;
             }
-            let job = off.next_job;
-            off.next_job += 1;
             let mut groups = Vec::new();
             for (key, &s) in stored.keys_to_store.iter().zip(&stored.slots) {
                 let g = c
@@ -228,32 +226,15 @@ impl KvCacheManager {
                     .iter()
                     .position(|k| k == key)
                     .expect("an offered key");
-                let d = c.blocks[g].clone();
                 let h: Vec<u64> = (0..bpc).map(|b| s * bpc + b).collect();
-                out.push(Transfer {
-                    job,
-                    request_id: c.request_id.clone(),
-                    group: g as u32,
-                    device_blocks: d.clone(),
-                    host_blocks: h.clone(),
-                });
-                to_touch.extend_from_slice(&d);
-                groups.push((g as u32, d, h));
+                groups.push((g as u32, c.blocks[g].clone(), h));
             }
-            off.jobs.insert(
-                job,
-                Job {
-                    slot: u32::MAX,
-                    uid,
-                    keys: stored.keys_to_store,
-                    groups,
-                    load: None,
-                    taken: true,
-                    disk_reads: 0,
-                    poisoned: false,
-                },
+            off.add_store_job(
+                (u32::MAX, uid, &c.request_id),
+                stored.keys_to_store,
+                groups,
+                (out, &mut to_touch),
             );
-            off.stats.stores += 1;
         }
         off.tier.on_request_finished(uid, &[], &[])?;
         off.tier.forget_request(uid);

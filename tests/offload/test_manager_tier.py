@@ -5,6 +5,9 @@ slots vLLM's CPU tier (fresh first)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +18,8 @@ from pagedkv.errors import InvalidArgumentError, InvalidConfigError, StaleComput
 BS = 4
 #: bytes of one block id: K and V, 4 tokens, 1 head of size 1, float32
 PAGE = 2 * BS * 4
+#: bytes of a disk slot's header (magic, checksum, key length, key)
+HEADER_BYTES = 80
 
 
 def config(num_blocks: int = 16, groups: int = 1) -> pk.KVCacheConfig:
@@ -414,3 +419,36 @@ def test_disk_tier_bad_input(tmp_path: Path) -> None:
     assert m.num_transfers_in_flight == 2
     assert m.write_disk_chunk(w.job, np.zeros(PAGE, dtype=np.uint8))
     m.check_invariants()
+
+
+def test_a_full_disk_refuses_the_write_through_and_keeps_serving(tmp_path: Path) -> None:
+    # The file size limit makes the second chunk's write fail as a full disk would.
+    script = textwrap.dedent(
+        f"""
+        import resource, signal, sys
+        import numpy as np
+        import pagedkv as pk
+        from tests.offload.test_manager_tier import PAGE, admit, config, prompt
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        off = pk.OffloadConfig(cpu_bytes=8 * PAGE, disk_path=sys.argv[1], disk_bytes=1 << 16)
+        m = pk.KVCacheManager(config(), 256, offload=off)
+        m.add_request("r0", prompt(1, 8))
+        admit(m, "r0")
+        m.complete_transfers(m.take_transfer_plan().jobs)
+        writes = m.take_transfer_plan().disk_writes
+        resource.setrlimit(resource.RLIMIT_FSIZE, ({HEADER_BYTES + PAGE}, resource.RLIM_INFINITY))
+        print(*(m.write_disk_chunk(w.job, np.zeros({PAGE}, np.uint8)) for w in writes))
+        s = m.offload_stats()
+        print(s["disk_writes_completed"], s["disk_writes_failed"], s["disk_tier_write_errors"])
+        print(s["resident_chunks"], m.num_transfers_in_flight)
+        m.check_invariants()
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parents[2],
+    )
+    assert out.stdout.split() == ["True", "False", "1", "1", "1", "2", "0"]

@@ -77,13 +77,7 @@ impl PyDiskTier {
         data: &Bound<'_, PyAny>,
     ) -> PkResult<bool> {
         let key = offload_key(key)?;
-        if let Ok(b) = data.cast::<PyBytes>() {
-            return Ok(borrow_mut(slf)?.inner.put(&key, b.as_bytes())?);
-        }
-        let arr: PyReadonlyArray1<'_, u8> = data
-            .extract()
-            .map_err(|_| type_error("chunk data must be bytes or a 1-D uint8 array"))?;
-        Ok(borrow_mut(slf)?.inner.put(&key, arr.as_slice()?)?)
+        with_chunk_bytes(data, |bytes| Ok(borrow_mut(slf)?.inner.put(&key, bytes)?))
     }
 
     /// The chunk's bytes, or `None` when absent or failing its checks.
@@ -153,4 +147,19 @@ impl PyDiskTier {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyDiskTier>()
+}
+
+/// Calls `f` on a chunk's bytes given as `bytes` or a 1-D uint8 array
+/// (borrowed, not copied).
+pub(crate) fn with_chunk_bytes<T>(
+    data: &Bound<'_, PyAny>,
+    f: impl FnOnce(&[u8]) -> PkResult<T>,
+) -> PkResult<T> {
+    if let Ok(b) = data.cast::<PyBytes>() {
+        return f(b.as_bytes());
+    }
+    let arr: PyReadonlyArray1<'_, u8> = data
+        .extract()
+        .map_err(|_| type_error("chunk data must be bytes or a 1-D uint8 array"))?;
+    f(arr.as_slice()?)
 }

@@ -3,16 +3,17 @@
 
 use std::path::PathBuf;
 
-use numpy::{PyArray1, PyReadonlyArray1, PyReadwriteArray1};
+use numpy::{PyArray1, PyReadwriteArray1};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyDict, PyList};
 
 use pagedkv_core::offload::{DiskConfig, PolicyKind};
 use pagedkv_core::{DiskTransfer, OffloadConfig, Transfer, WritePolicy};
 
 use crate::convert::{count, ids_i32};
-use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg, type_error};
+use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg};
 use crate::offload::{counter_dict, event_tuples};
+use crate::offload_disk::with_chunk_bytes;
 
 use super::PyManager;
 
@@ -164,15 +165,9 @@ impl PyManager {
         data: &Bound<'_, PyAny>,
     ) -> PkResult<bool> {
         let job = count("job", job)?;
-        if let Ok(b) = data.cast::<PyBytes>() {
-            return Ok(borrow_mut(slf)?.inner.write_disk_chunk(job, b.as_bytes())?);
-        }
-        let arr: PyReadonlyArray1<'_, u8> = data
-            .extract()
-            .map_err(|_| type_error("chunk data must be bytes or a 1-D uint8 array"))?;
-        Ok(borrow_mut(slf)?
-            .inner
-            .write_disk_chunk(job, arr.as_slice()?)?)
+        with_chunk_bytes(data, |bytes| {
+            Ok(borrow_mut(slf)?.inner.write_disk_chunk(job, bytes)?)
+        })
     }
 
     /// Reports jobs done and failed; returns the failed loads of requests

@@ -7,9 +7,10 @@
 //! T1 is at or above the target, from T2 otherwise, and falls back to T1.
 
 use hashlink::LinkedHashMap;
-use rustc_hash::{FxBuildHasher, FxHashSet};
+use rustc_hash::FxBuildHasher;
 
 use super::keys::OffloadKey;
+use super::policy::Protected;
 use super::requests::{INSERTED, REUSED, ReqState};
 use super::slots::Chunk;
 
@@ -134,7 +135,7 @@ impl Arc {
     pub(super) fn evict(
         &mut self,
         n: usize,
-        protected: &FxHashSet<OffloadKey>,
+        protected: &Protected<'_>,
     ) -> Option<Vec<(OffloadKey, Chunk)>> {
         if n == 0 {
             return Some(Vec::new());

@@ -29,8 +29,7 @@ impl OffloadTier {
         self.check_readable(keys)?;
         self.check_open(req, keys)?;
         let out = self.pin(keys);
-        self.record_positions(req, keys, positions);
-        self.record_access(req, keys, &[], keys);
+        self.record_load(req, keys, positions);
         Ok(out)
     }
 

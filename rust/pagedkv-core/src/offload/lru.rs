@@ -16,7 +16,8 @@ use std::collections::BinaryHeap;
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::keys::OffloadKey;
-use super::requests::{RankSlot, ReqState};
+use super::policy::Protected;
+use super::requests::RankSlot;
 use super::slots::Chunk;
 
 type Rank = (u64, i64);
@@ -152,17 +153,9 @@ impl Lru {
         self.update_recency(keys.iter().rev());
     }
 
-    pub(super) fn on_request_access(
-        &mut self,
-        keys: &[OffloadKey],
-        req: &ReqState,
-        slot: &mut RankSlot,
-    ) {
+    pub(super) fn on_request_access(&mut self, keys: &[(OffloadKey, i64)], slot: &mut RankSlot) {
         let major = self.request_rank(slot);
-        for key in keys {
-            let Some(p) = req.position(key) else {
-                continue;
-            };
+        for (key, p) in keys {
             let Some(entry) = self.chunks.get(key) else {
                 continue;
             };
@@ -190,25 +183,35 @@ impl Lru {
     pub(super) fn evict(
         &mut self,
         n: usize,
-        protected: &FxHashSet<OffloadKey>,
+        protected: &Protected<'_>,
     ) -> Option<Vec<(OffloadKey, Chunk)>> {
         if n == 0 {
             return Some(Vec::new());
         }
         let mut selected: Vec<HeapEntry> = Vec::with_capacity(n);
-        let mut picked: FxHashSet<OffloadKey> = FxHashSet::default();
+        // a key can have two current entries (pinned and released at one rank)
+        let mut picked: Option<FxHashSet<OffloadKey>> = (n > 16).then(FxHashSet::default);
         let mut deferred: Vec<HeapEntry> = Vec::new();
         while selected.len() < n {
             let Some(entry) = self.heap.pop() else { break };
             let Reverse((rank, key)) = entry;
-            if !self.is_current(rank, &key) || picked.contains(&key) {
+            if !self.is_current(rank, &key) {
+                continue;
+            }
+            let repeated = match &picked {
+                Some(set) => set.contains(&key),
+                None => selected.iter().any(|Reverse((_, k))| *k == key),
+            };
+            if repeated {
                 continue;
             }
             if protected.contains(&key) {
                 deferred.push(entry);
                 continue;
             }
-            picked.insert(key);
+            if let Some(set) = &mut picked {
+                set.insert(key);
+            }
             selected.push(entry);
         }
         self.heap.extend(deferred);

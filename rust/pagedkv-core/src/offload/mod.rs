@@ -47,7 +47,7 @@ mod store;
 #[cfg(test)]
 mod tests;
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 
 pub use disk::{DiskConfig, DiskCounters, DiskRead, DiskTier};
 pub use events::{Medium, OffloadEvent, TierKvEvent, kv_events};
@@ -195,8 +195,18 @@ pub struct OffloadTier {
     events: Option<Vec<OffloadEvent>>,
     requests: FxHashMap<ReqKey, ReqState>,
     counters: TierCounters,
-    /// `prepare_store`'s set of offered keys, kept for its capacity.
-    offered: FxHashSet<OffloadKey>,
+    /// Working lists of the calls, kept for their capacity.
+    scratch: Scratch,
+}
+
+/// Working lists of the calls, kept for their capacity.
+#[derive(Clone, Debug, Default)]
+struct Scratch {
+    /// Each offered key's residency (`None` absent, else whether ready).
+    resident: Vec<Option<bool>>,
+    store: store::StoreScratch,
+    /// Keys a load reads first for its request, with their positions.
+    reaccessed: Vec<(OffloadKey, i64)>,
 }
 
 impl OffloadTier {
@@ -230,7 +240,7 @@ impl OffloadTier {
             events: config.enable_events.then(Vec::new),
             requests: FxHashMap::default(),
             counters: TierCounters::default(),
-            offered: FxHashSet::default(),
+            scratch: Scratch::default(),
             config,
         })
     }
@@ -346,45 +356,44 @@ impl OffloadTier {
         Ok(())
     }
 
-    fn record_positions(&mut self, req: ReqKey, keys: &[OffloadKey], positions: &[i64]) {
-        if !positions.is_empty() {
-            self.requests
-                .entry(req)
-                .or_insert_with(ReqState::new)
-                .record_positions(keys, positions);
-        }
+    /// Whether the request's end was committed in this generation.
+    fn is_finished(&self, req: ReqKey) -> bool {
+        self.requests
+            .get(&req)
+            .is_some_and(|s| s.is_current(self.generation) && s.finished())
     }
 
-    /// Records keys the request read or offered, first sightings in order.
-    fn record_access(
-        &mut self,
-        req: ReqKey,
-        keys: &[OffloadKey],
-        inserted: &[OffloadKey],
-        reused: &[OffloadKey],
-    ) {
+    /// Records a load's keys in the request's access (read, reused unless the
+    /// request stored them, first sightings in order) with their positions.
+    fn record_load(&mut self, req: ReqKey, keys: &[OffloadKey], positions: &[i64]) {
         let generation = self.generation;
         let state = self.requests.entry(req).or_insert_with(ReqState::new);
         state.refresh(generation);
-        let mut new_keys = Vec::new();
-        for key in keys {
-            if state.mark(*key, SEEN) {
-                new_keys.push(*key);
+        let mut reaccessed = std::mem::take(&mut self.scratch.reaccessed);
+        reaccessed.clear();
+        let mut any_new = false;
+        for (i, key) in keys.iter().enumerate() {
+            let info = state.info_mut(*key);
+            info.set_position(positions.get(i).copied().unwrap_or(-1));
+            let first_seen = info.set(SEEN);
+            if !info.has(INSERTED) {
+                info.set(REUSED);
+            }
+            let position = info.position();
+            if first_seen {
+                any_new = true;
+                state.push_seen(*key);
+                if let Some(p) = position {
+                    reaccessed.push((*key, p));
+                }
             }
         }
-        for key in inserted {
-            state.mark(*key, INSERTED);
-        }
-        for key in reused {
-            if !state.has(key, INSERTED) {
-                state.mark(*key, REUSED);
-            }
-        }
-        if !new_keys.is_empty() {
+        if any_new {
             let mut slot = *state.rank_slot(generation);
-            self.policy.on_request_access(&new_keys, state, &mut slot);
+            self.policy.on_request_access(&reaccessed, &mut slot);
             state.rank = slot;
         }
+        self.scratch.reaccessed = reaccessed;
     }
 
     fn push_event(&mut self, keys: Vec<OffloadKey>, removed: bool, metadata_only: bool) {

@@ -9,6 +9,45 @@ use super::requests::{RankSlot, ReqState};
 use super::slots::Chunk;
 use crate::error::{Result, invalid};
 
+/// Offers of at most this many keys are checked by scanning them, not hashing.
+const SHORT_OFFER: usize = 16;
+
+/// Keys an eviction must not take (an offer's): a short list is scanned, a
+/// long one hashed.
+pub(super) struct Protected<'a> {
+    keys: &'a [OffloadKey],
+    set: Option<FxHashSet<OffloadKey>>,
+}
+
+impl<'a> Protected<'a> {
+    /// The keys, or `None` when one appears twice.
+    pub(super) fn new(keys: &'a [OffloadKey]) -> Option<Self> {
+        if keys.len() <= SHORT_OFFER {
+            let repeated = (1..keys.len()).any(|i| keys[..i].contains(&keys[i]));
+            return (!repeated).then_some(Self { keys, set: None });
+        }
+        let set: FxHashSet<OffloadKey> = keys.iter().copied().collect();
+        (set.len() == keys.len()).then_some(Self {
+            keys,
+            set: Some(set),
+        })
+    }
+
+    /// The keys, repeats allowed.
+    pub(super) fn with_repeats(keys: &'a [OffloadKey]) -> Self {
+        let set = (keys.len() > SHORT_OFFER).then(|| keys.iter().copied().collect());
+        Self { keys, set }
+    }
+
+    /// Whether `key` is protected.
+    pub(super) fn contains(&self, key: &OffloadKey) -> bool {
+        match &self.set {
+            Some(set) => set.contains(key),
+            None => self.keys.contains(key),
+        }
+    }
+}
+
 /// Which policy a tier evicts by.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PolicyKind {
@@ -110,14 +149,11 @@ impl Policy {
         }
     }
 
-    pub(super) fn on_request_access(
-        &mut self,
-        keys: &[OffloadKey],
-        req: &ReqState,
-        slot: &mut RankSlot,
-    ) {
+    /// A request's first access to resident keys, with their positions (LRU
+    /// orders them by the request's rank, drawn here if not yet).
+    pub(super) fn on_request_access(&mut self, keys: &[(OffloadKey, i64)], slot: &mut RankSlot) {
         if let Self::Lru(p) = self {
-            p.on_request_access(keys, req, slot);
+            p.on_request_access(keys, slot);
         }
     }
 
@@ -131,7 +167,7 @@ impl Policy {
     pub(super) fn evict(
         &mut self,
         n: usize,
-        protected: &FxHashSet<OffloadKey>,
+        protected: &Protected<'_>,
     ) -> Option<Vec<(OffloadKey, Chunk)>> {
         each!(self, p => p.evict(n, protected))
     }

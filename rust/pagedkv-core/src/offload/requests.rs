@@ -50,6 +50,37 @@ pub(super) struct KeyInfo {
     position: i64,
 }
 
+impl KeyInfo {
+    /// Sets `flag`; whether it was not set.
+    pub(super) fn set(&mut self, flag: u8) -> bool {
+        let new = self.flags & flag == 0;
+        self.flags |= flag;
+        new
+    }
+
+    /// Clears `flag`.
+    pub(super) fn clear(&mut self, flag: u8) {
+        self.flags &= !flag;
+    }
+
+    /// Whether `flag` is set.
+    pub(super) fn has(&self, flag: u8) -> bool {
+        self.flags & flag != 0
+    }
+
+    /// The recorded end-token position.
+    pub(super) fn position(&self) -> Option<i64> {
+        (self.position >= 0).then_some(self.position)
+    }
+
+    /// Records a position (negative: not known, the recorded one kept).
+    pub(super) fn set_position(&mut self, p: i64) {
+        if p >= 0 {
+            self.position = p;
+        }
+    }
+}
+
 /// One request's state in the tier (vLLM's `_RequestCacheAccess`, the
 /// scheduler's key positions and the LRU's request rank), in one map.
 #[derive(Clone, Debug)]
@@ -107,18 +138,17 @@ impl ReqState {
         self.keys.get(key).is_some_and(|i| i.flags & flag != 0)
     }
 
-    /// Sets `flag` on `key`; whether it was not set.
-    pub(super) fn mark(&mut self, key: OffloadKey, flag: u8) -> bool {
-        let info = self.keys.entry(key).or_insert(KeyInfo {
+    /// The key's record, created empty when absent.
+    pub(super) fn info_mut(&mut self, key: OffloadKey) -> &mut KeyInfo {
+        self.keys.entry(key).or_insert(KeyInfo {
             flags: 0,
             position: -1,
-        });
-        let new = info.flags & flag == 0;
-        info.flags |= flag;
-        if new && flag == SEEN {
-            self.order.push(key);
-        }
-        new
+        })
+    }
+
+    /// Appends a key first seen (its `SEEN` flag just set) to the access order.
+    pub(super) fn push_seen(&mut self, key: OffloadKey) {
+        self.order.push(key);
     }
 
     /// The key's recorded end-token position.

@@ -1,11 +1,32 @@
 //! Writing the tier: `prepare_store` (admission, eviction, slots) and its
 //! completion.
 
-use rustc_hash::FxHashSet;
-
-use super::requests::{INSERTED, ReqState, STORE_MISS};
+use super::policy::Protected;
+use super::requests::{INSERTED, REUSED, ReqState, SEEN, STORE_MISS};
 use super::{Chunk, OffloadKey, OffloadTier, ReqKey, StoreOutput, check_positions};
 use crate::error::{Result, invalid};
+
+/// `prepare_store`'s working lists, kept for their capacity.
+#[derive(Clone, Debug, Default)]
+pub(super) struct StoreScratch {
+    /// Store misses new to the request (the policy observes them).
+    misses: Vec<OffloadKey>,
+    /// Per key to store: whether this offer set its `INSERTED` mark.
+    inserted_new: Vec<bool>,
+    /// Per key to store: its recorded position.
+    positions: Vec<Option<i64>>,
+    /// Ready keys first seen by the request, with their positions.
+    reaccessed: Vec<(OffloadKey, i64)>,
+}
+
+impl StoreScratch {
+    fn clear(&mut self) {
+        self.misses.clear();
+        self.inserted_new.clear();
+        self.positions.clear();
+        self.reaccessed.clear();
+    }
+}
 
 impl OffloadTier {
     /// Reserves slots for the offered keys that are absent (and admitted),
@@ -26,69 +47,111 @@ impl OffloadTier {
         positions: &[i64],
     ) -> Result<Option<StoreOutput>> {
         check_positions(keys, positions)?;
-        let mut offered = std::mem::take(&mut self.offered);
-        offered.clear();
-        offered.extend(keys.iter().copied());
-        let result = self.prepare_store_offer(keys, req, positions, &offered);
-        self.offered = offered;
+        let Some(offered) = Protected::new(keys) else {
+            return Err(invalid("prepare_store: a key is offered twice"));
+        };
+        // each key's residency, read once: `None` absent, else whether ready
+        let mut resident = std::mem::take(&mut self.scratch.resident);
+        resident.clear();
+        resident.extend(keys.iter().map(|k| self.policy.get(k).map(Chunk::is_ready)));
+        let result = self.prepare_store_offer(keys, req, positions, &offered, &resident);
+        self.scratch.resident = resident;
         result
     }
 
+    /// `prepare_store` once the offer is checked. The request's record is
+    /// read and written once a key: its position, vLLM's store miss, its
+    /// first sighting and reuse, and whether its store was this request's.
     fn prepare_store_offer(
         &mut self,
         keys: &[OffloadKey],
         req: ReqKey,
         positions: &[i64],
-        offered: &FxHashSet<OffloadKey>,
+        offered: &Protected<'_>,
+        resident: &[Option<bool>],
     ) -> Result<Option<StoreOutput>> {
-        if offered.len() != keys.len() {
-            return Err(invalid("prepare_store: a key is offered twice"));
+        if self.is_finished(req) {
+            let recorded: Vec<OffloadKey> = keys
+                .iter()
+                .zip(resident)
+                .filter(|&(k, r)| self.would_record(k, *r))
+                .map(|(k, _)| *k)
+                .collect();
+            self.check_open(req, &recorded)?;
         }
-        // each key's residency, read once: `None` absent, else whether ready
-        let resident: Vec<Option<bool>> = keys
-            .iter()
-            .map(|k| self.policy.get(k).map(Chunk::is_ready))
-            .collect();
-        let recorded: Vec<OffloadKey> = keys
-            .iter()
-            .zip(&resident)
-            .filter(|&(k, r)| self.would_record(k, *r))
-            .map(|(k, _)| *k)
-            .collect();
-        self.check_open(req, &recorded)?;
-
-        self.record_positions(req, keys, positions);
         if let Some(t) = &mut self.tracker {
             t.record(keys);
         }
-        let mut to_store = Vec::new();
-        let mut ready_existing = Vec::new();
-        for (key, r) in keys.iter().zip(&resident) {
-            match r {
-                None => to_store.push(*key),
-                Some(true) => ready_existing.push(*key),
-                Some(false) => {}
-            }
-        }
-        if let Some(t) = &self.tracker {
-            let before = to_store.len();
-            to_store.retain(|k| t.count(k) >= self.config.store_threshold);
-            self.stores_skipped += (before - to_store.len()) as u64;
-        }
+        let threshold = self.config.store_threshold;
         let generation = self.generation;
         let state = self.requests.entry(req).or_insert_with(ReqState::new);
         state.refresh(generation);
-        let misses: Vec<OffloadKey> = to_store
-            .iter()
-            .filter(|k| state.mark(**k, STORE_MISS))
-            .copied()
-            .collect();
-        if !misses.is_empty() {
-            self.policy.on_store_miss(&misses);
+        let mut sc = std::mem::take(&mut self.scratch.store);
+        sc.clear();
+        let mut to_store = Vec::new();
+        let mut any_new = false;
+        for (i, (key, r)) in keys.iter().zip(resident).enumerate() {
+            let p = positions.get(i).copied().unwrap_or(-1);
+            // absent keys pass the admission filter; ready ones are reused
+            let admitted = match r {
+                None => self.tracker.as_ref().is_none_or(|t| t.count(key) >= threshold),
+                Some(ready) => *ready,
+            };
+            if r.is_none() && !admitted {
+                self.stores_skipped += 1;
+            }
+            if p < 0 && !admitted {
+                continue;
+            }
+            let info = state.info_mut(*key);
+            info.set_position(p);
+            if !admitted {
+                continue;
+            }
+            let first_seen = info.set(SEEN);
+            let position = info.position();
+            if r.is_none() {
+                if info.set(STORE_MISS) {
+                    sc.misses.push(*key);
+                }
+                sc.inserted_new.push(info.set(INSERTED));
+                sc.positions.push(position);
+                to_store.push(*key);
+            } else if !info.has(INSERTED) {
+                info.set(REUSED);
+            }
+            if first_seen {
+                any_new = true;
+                state.push_seen(*key);
+                if r.is_some()
+                    && let Some(p) = position
+                {
+                    sc.reaccessed.push((*key, p));
+                }
+            }
         }
-        debug_assert_eq!(recorded.len(), to_store.len() + ready_existing.len());
-        self.record_access(req, &recorded, &[], &ready_existing);
+        if !sc.misses.is_empty() {
+            self.policy.on_store_miss(&sc.misses);
+        }
+        if any_new {
+            let mut slot = *state.rank_slot(generation);
+            self.policy.on_request_access(&sc.reaccessed, &mut slot);
+            state.rank = slot;
+        }
+        let result = self.reserve(req, to_store, offered, &sc);
+        self.scratch.store = sc;
+        result
+    }
 
+    /// Evicts what the new chunks lack and inserts them, pending; on refusal
+    /// the request's marks of those stores are taken back.
+    fn reserve(
+        &mut self,
+        req: ReqKey,
+        to_store: Vec<OffloadKey>,
+        offered: &Protected<'_>,
+        sc: &StoreScratch,
+    ) -> Result<Option<StoreOutput>> {
         if to_store.is_empty() {
             return Ok(Some(StoreOutput::default()));
         }
@@ -98,25 +161,27 @@ impl OffloadTier {
         if shortfall > 0 {
             let Some(victims) = self.evict_protected(shortfall as usize, offered) else {
                 self.counters.stores_refused += 1;
+                let state = self.requests.get_mut(&req).expect("created by the offer");
+                for (key, &new) in to_store.iter().zip(&sc.inserted_new) {
+                    if new {
+                        state.info_mut(*key).clear(INSERTED);
+                    }
+                }
                 return Ok(None);
             };
             evicted.extend(victims.into_iter().map(|(k, _)| k));
         }
         let slots = self.slots.allocate(to_store.len());
-        let state = self.requests.get_mut(&req).expect("created above");
-        let slot = state.rank_slot(generation);
-        let mut rank = *slot;
-        for (key, &s) in to_store.iter().zip(&slots) {
-            let position = state.position(key);
+        let generation = self.generation;
+        let state = self.requests.get_mut(&req).expect("created by the offer");
+        let mut rank = *state.rank_slot(generation);
+        for ((key, &s), &position) in to_store.iter().zip(&slots).zip(&sc.positions) {
             self.policy
                 .insert(*key, Chunk::pending(s), position, &mut rank);
         }
         state.rank = rank;
         self.num_write_pending += to_store.len() as u64;
         self.counters.stores_prepared += to_store.len() as u64;
-        for key in &to_store {
-            state.mark(*key, INSERTED);
-        }
         Ok(Some(StoreOutput {
             keys_to_store: to_store,
             slots,
@@ -179,14 +244,14 @@ impl OffloadTier {
         n: usize,
         protected: &[OffloadKey],
     ) -> Option<Vec<(OffloadKey, Chunk)>> {
-        let protected: FxHashSet<OffloadKey> = protected.iter().copied().collect();
+        let protected = Protected::with_repeats(protected);
         self.evict_protected(n, &protected)
     }
 
     fn evict_protected(
         &mut self,
         n: usize,
-        protected: &FxHashSet<OffloadKey>,
+        protected: &Protected<'_>,
     ) -> Option<Vec<(OffloadKey, Chunk)>> {
         if n as u64 > self.num_evictable {
             return None;

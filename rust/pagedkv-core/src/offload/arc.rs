@@ -11,7 +11,7 @@ use rustc_hash::FxBuildHasher;
 
 use super::keys::OffloadKey;
 use super::policy::Protected;
-use super::requests::{INSERTED, REUSED, ReqState};
+use super::requests::{INSERTED, REUSED};
 use super::slots::Chunk;
 
 type List<V> = LinkedHashMap<OffloadKey, V, FxBuildHasher>;
@@ -68,14 +68,13 @@ impl Arc {
 
     /// A ghost hit moves the target (B1 up, B2 down) and refreshes the ghost.
     fn adapt_to_ghost_hit(&mut self, key: &OffloadKey) {
-        if self.b1.contains_key(key) {
+        // moving a ghost to the back leaves the lists' lengths as they were
+        if self.b1.to_back(key).is_some() {
             let delta = (self.b2.len() as f64 / self.b1.len() as f64).max(1.0);
             self.target_t1_size = (self.target_t1_size + delta).min(self.capacity as f64);
-            self.b1.to_back(key);
-        } else if self.b2.contains_key(key) {
+        } else if self.b2.to_back(key).is_some() {
             let delta = (self.b1.len() as f64 / self.b2.len() as f64).max(1.0);
             self.target_t1_size = (self.target_t1_size - delta).max(0.0);
-            self.b2.to_back(key);
         }
     }
 
@@ -94,22 +93,18 @@ impl Arc {
                     // only just prepared for storing: not a second use
                     self.t1.insert(*key, chunk);
                 }
-            } else if self.t2.contains_key(key) {
-                self.t2.to_back(key);
-            } else {
+            } else if self.t2.to_back(key).is_none() {
                 self.adapt_to_ghost_hit(key);
             }
         }
     }
 
-    pub(super) fn on_request_finished(&mut self, ordered: &[OffloadKey], req: &ReqState) {
-        for key in ordered.iter().rev() {
-            let reused = req.has(key, REUSED);
+    pub(super) fn on_request_finished(&mut self, ordered: &[(OffloadKey, u8)]) {
+        for (key, flags) in ordered.iter().rev() {
+            let reused = flags & REUSED != 0;
             // a store is not a frequency hit: T1 membership kept, recency restored
-            if req.has(key, INSERTED) && !reused {
-                if self.t1.contains_key(key) {
-                    self.t1.to_back(key);
-                } else if self.t2.contains_key(key) {
+            if flags & INSERTED != 0 && !reused {
+                if self.t1.to_back(key).is_none() {
                     self.t2.to_back(key);
                 }
                 continue;
@@ -117,7 +112,7 @@ impl Arc {
             if reused {
                 if let Some(chunk) = self.t1.remove(key) {
                     self.t2.insert(*key, chunk);
-                } else if self.t2.contains_key(key) {
+                } else {
                     self.t2.to_back(key);
                 }
             }

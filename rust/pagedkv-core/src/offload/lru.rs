@@ -167,8 +167,8 @@ impl Lru {
         }
     }
 
-    pub(super) fn on_request_finished(&mut self, ordered: &[OffloadKey]) {
-        self.update_recency(ordered.iter().rev());
+    pub(super) fn on_request_finished(&mut self, ordered: &[(OffloadKey, u8)]) {
+        self.update_recency(ordered.iter().rev().map(|(k, _)| k));
     }
 
     pub(super) fn clear(&mut self) {

@@ -305,7 +305,7 @@ impl OffloadTier {
         state.record_positions(keys, positions);
         state.set_finished();
         let ordered = state.ordered_keys();
-        self.policy.on_request_finished(&ordered, state);
+        self.policy.on_request_finished(&ordered);
         Ok(())
     }
 

@@ -5,7 +5,7 @@ use rustc_hash::FxHashSet;
 use super::arc::Arc;
 use super::keys::OffloadKey;
 use super::lru::Lru;
-use super::requests::{RankSlot, ReqState};
+use super::requests::RankSlot;
 use super::slots::Chunk;
 use crate::error::{Result, invalid};
 
@@ -157,10 +157,11 @@ impl Policy {
         }
     }
 
-    pub(super) fn on_request_finished(&mut self, ordered: &[OffloadKey], req: &ReqState) {
+    /// A request's end: its keys head to tail with their access flags.
+    pub(super) fn on_request_finished(&mut self, ordered: &[(OffloadKey, u8)]) {
         match self {
             Self::Lru(p) => p.on_request_finished(ordered),
-            Self::Arc(p) => p.on_request_finished(ordered, req),
+            Self::Arc(p) => p.on_request_finished(ordered),
         }
     }
 

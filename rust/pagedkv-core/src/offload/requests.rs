@@ -151,11 +151,6 @@ impl ReqState {
         self.order.push(key);
     }
 
-    /// The key's recorded end-token position.
-    pub(super) fn position(&self, key: &OffloadKey) -> Option<i64> {
-        self.keys.get(key).map(|i| i.position).filter(|&p| p >= 0)
-    }
-
     /// Records positions (negative: not known) for `keys`.
     pub(super) fn record_positions(&mut self, keys: &[OffloadKey], positions: &[i64]) {
         for (k, &p) in keys.iter().zip(positions) {
@@ -181,28 +176,36 @@ impl ReqState {
     /// grouped by KV-cache group in group order, each group in position order
     /// when all its keys have one (else first-seen order), then all of them in
     /// position order when every key has one.
-    pub(super) fn ordered_keys(&self) -> Vec<OffloadKey> {
-        let mut keys = self.order.clone();
-        keys.sort_by_key(OffloadKey::group_idx);
+    pub(super) fn ordered_keys(&self) -> Vec<(OffloadKey, u8)> {
+        // (group, position, key, flags): each key's record read once
+        let mut keys: Vec<(u32, i64, OffloadKey, u8)> = self
+            .order
+            .iter()
+            .map(|k| {
+                let info = self.keys.get(k).copied().unwrap_or(KeyInfo {
+                    flags: 0,
+                    position: -1,
+                });
+                (k.group_idx(), info.position, *k, info.flags)
+            })
+            .collect();
+        keys.sort_by_key(|e| e.0);
         let mut start = 0;
         while start < keys.len() {
-            let g = keys[start].group_idx();
-            let end = start
-                + keys[start..]
-                    .iter()
-                    .take_while(|k| k.group_idx() == g)
-                    .count();
-            self.order_by_position(&mut keys[start..end]);
+            let g = keys[start].0;
+            let end = start + keys[start..].iter().take_while(|e| e.0 == g).count();
+            order_by_position(&mut keys[start..end]);
             start = end;
         }
-        self.order_by_position(&mut keys);
-        keys
+        order_by_position(&mut keys);
+        keys.into_iter().map(|(_, _, k, f)| (k, f)).collect()
     }
+}
 
-    fn order_by_position(&self, keys: &mut [OffloadKey]) {
-        if keys.iter().all(|k| self.position(k).is_some()) {
-            keys.sort_by_key(|k| self.position(k));
-        }
+/// Sorts keys by position (stable) when every one has a position.
+fn order_by_position(keys: &mut [(u32, i64, OffloadKey, u8)]) {
+    if keys.iter().all(|e| e.1 >= 0) {
+        keys.sort_by_key(|e| e.1);
     }
 }
 

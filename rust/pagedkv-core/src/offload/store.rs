@@ -94,7 +94,10 @@ impl OffloadTier {
             let p = positions.get(i).copied().unwrap_or(-1);
             // absent keys pass the admission filter; ready ones are reused
             let admitted = match r {
-                None => self.tracker.as_ref().is_none_or(|t| t.count(key) >= threshold),
+                None => self
+                    .tracker
+                    .as_ref()
+                    .is_none_or(|t| t.count(key) >= threshold),
                 Some(ready) => *ready,
             };
             if r.is_none() && !admitted {

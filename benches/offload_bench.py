@@ -13,7 +13,11 @@ each side on a fresh manager:
   position lists the caller already holds; the trace's ``set_positions`` are
   folded into the calls);
 - ``floor``: the native side's calls made to a function that does nothing (the
-  loop's own cost, in every side's figure).
+  loop's own cost, in every side's figure);
+- ``core`` (with ``--core-bin``): the Rust core alone, the same calls made by
+  ``benches/examples/offload_replay.rs`` (built with ``cargo build --release -p
+  pagedkv-benches --example offload_replay``), run as a subprocess in its turn of
+  each round (its figure: the mean of 20 passes on fresh tiers).
 
 Prints µs per manager call (min / median over the rounds) and vLLM's time over
 each side's. Needs vLLM for the first two sides (run it with the vLLM
@@ -23,6 +27,8 @@ environment's python); without vLLM only ``native`` runs.
     python benches/offload_bench.py --scale 1000,10000,100000,1000000 --rounds 3
         # the cost per call on a full tier of each size (native API; the same
         # request cycle as the core's bench `offload_{lru,arc}/request/N`)
+    python benches/offload_bench.py TRACE --rounds 5 \
+        --core-bin target/release/examples/offload_replay   # adds the core's side
     python benches/offload_bench.py TRACE --core-ops OUT.txt   # the calls for the
         # core's replay: PAGEDKV_OFFLOAD_OPS=OUT.txt cargo bench --bench offload
 """
@@ -33,6 +39,8 @@ import argparse
 import gc
 import platform
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -224,8 +232,30 @@ def scale(sizes: list[int], rounds: int, requests: int) -> None:
             )
 
 
-def bench(path: str, rounds: int) -> None:
+def _core_side(trace: dict[str, Any], binary: str, ops_path: str) -> Callable[[], float]:
+    """One round of the core's replay in a subprocess: µs per call."""
+    from pagedkv.offload_trace import core_ops
+
+    with open(ops_path, "w") as f:
+        f.write(core_ops(trace))
+
+    def measure() -> float:
+        out = subprocess.run(
+            [binary, ops_path, "20"], capture_output=True, text=True, check=True, timeout=600
+        )
+        return float(out.stdout.strip())
+
+    return measure
+
+
+def bench(path: str, rounds: int, core_bin: str | None = None) -> None:
     trace = load_trace(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        core = _core_side(trace, core_bin, f"{tmp}/ops.txt") if core_bin else None
+        _bench(path, trace, rounds, core)
+
+
+def _bench(path: str, trace: dict[str, Any], rounds: int, core: Callable[[], float] | None) -> None:
     sides: dict[str, tuple[Callable[[], list[Call]], int]] = {}
     try:
         from pagedkv.vllm.offload import VLLM_CPU_OFFLOADING_MANAGER, CPUOffloadingManager
@@ -236,10 +266,13 @@ def bench(path: str, rounds: int) -> None:
         pass
     sides["native"] = _native_calls(trace)
     sides["floor"] = (_floor(sides["native"][0]), sides["native"][1])
-    names = list(sides)
+    names = list(sides) + (["core"] if core else [])
     per_call: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            if name == "core" and core is not None:
+                per_call[name].append(core())
+                continue
             build, n = sides[name]
             calls = build()
             per_call[name].append(_run(calls) / 1000 / n)
@@ -269,6 +302,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=20_000, help="requests a round (--scale)")
     ap.add_argument("--rounds", type=int, default=5, choices=range(1, 101), metavar="1..100")
     ap.add_argument("--core-ops", help="write the (first) trace's calls for the core's replay")
+    ap.add_argument("--core-bin", help="the built offload_replay example: adds the core's side")
     args = ap.parse_args()
     if args.core_ops:
         from pagedkv.offload_trace import core_ops
@@ -292,7 +326,7 @@ def main() -> None:
             ap.error("--scale sizes must be in 1..2**26, --requests in 1..10**7")
         scale(sizes, args.rounds, args.requests)
     for path in args.traces:
-        bench(path, args.rounds)
+        bench(path, args.rounds, args.core_bin)
 
 
 if __name__ == "__main__":

@@ -143,7 +143,7 @@ impl OffloadTier {
         }
         let result = self.reserve(req, to_store, offered, &sc);
         self.scratch.store = sc;
-        result
+        Ok(result)
     }
 
     /// Evicts what the new chunks lack and inserts them, pending; on refusal
@@ -154,9 +154,9 @@ impl OffloadTier {
         to_store: Vec<OffloadKey>,
         offered: &Protected<'_>,
         sc: &StoreScratch,
-    ) -> Result<Option<StoreOutput>> {
+    ) -> Option<StoreOutput> {
         if to_store.is_empty() {
-            return Ok(Some(StoreOutput::default()));
+            return Some(StoreOutput::default());
         }
         self.allocation_sizes.push(to_store.len() as u64);
         let shortfall = (to_store.len() as u64).saturating_sub(self.slots.num_free());
@@ -170,7 +170,7 @@ impl OffloadTier {
                         state.info_mut(*key).clear(INSERTED);
                     }
                 }
-                return Ok(None);
+                return None;
             };
             evicted.extend(victims.into_iter().map(|(k, _)| k));
         }
@@ -185,11 +185,11 @@ impl OffloadTier {
         state.rank = rank;
         self.num_write_pending += to_store.len() as u64;
         self.counters.stores_prepared += to_store.len() as u64;
-        Ok(Some(StoreOutput {
+        Some(StoreOutput {
             keys_to_store: to_store,
             slots,
             evicted,
-        }))
+        })
     }
 
     /// Completes stores: on success the pending chunks become readable; on

@@ -66,6 +66,12 @@ impl OffloadKey {
         })
     }
 
+    /// The key's 64-bit digest (XXH3 of its bytes): what maps hash.
+    #[must_use]
+    pub fn digest(&self) -> u64 {
+        self.digest
+    }
+
     /// The key's bytes.
     #[must_use]
     pub fn as_bytes(&self) -> &[u8] {

@@ -9,11 +9,17 @@
 //! lazily, as vLLM keeps them: a new rank pushes a new entry, an entry whose
 //! rank is no longer its chunk's (or whose chunk is pinned) is skipped, and the
 //! heap is rebuilt once stale entries outnumber live ones.
+//!
+//! Layout, for a tier of millions of chunks: each chunk is a node of a slab,
+//! found through a table of 4-byte node numbers hashed by the key's digest; the
+//! heap is 4-ary and holds 24-byte entries (a rank and a node number), so a pop
+//! walks half the levels of a binary heap and reads a third of the bytes a
+//! level. A heap entry compares by rank, then by its node's key: a node whose
+//! chunk left is reused only once no heap entry names it, so an entry's key
+//! never changes under it.
 
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
-
-use rustc_hash::{FxHashMap, FxHashSet};
+use hashbrown::HashTable;
+use rustc_hash::FxHashSet;
 
 use super::keys::OffloadKey;
 use super::policy::Protected;
@@ -22,36 +28,102 @@ use super::slots::Chunk;
 
 type Rank = (u64, i64);
 
+/// Children of a heap node.
+const ARITY: usize = 4;
+
 #[derive(Clone, Debug)]
-struct Entry {
+struct Node {
+    key: OffloadKey,
     chunk: Chunk,
     rank: Rank,
     evictable: bool,
+    /// Whether the node holds a resident chunk.
+    live: bool,
+    /// Heap entries naming the node.
+    refs: u32,
 }
 
-type HeapEntry = Reverse<(Rank, OffloadKey)>;
+#[derive(Clone, Copy, Debug)]
+struct HeapEntry {
+    rank: Rank,
+    node: u32,
+}
 
 /// The LRU policy's state.
 #[derive(Clone, Debug, Default)]
 pub struct Lru {
-    chunks: FxHashMap<OffloadKey, Entry>,
-    /// Evictable chunks (and stale entries) by rank, then key bytes.
-    heap: BinaryHeap<HeapEntry>,
+    nodes: Vec<Node>,
+    /// Live nodes by their key's digest.
+    index: HashTable<u32>,
+    /// Nodes free for reuse (no chunk, no heap entry).
+    free_nodes: Vec<u32>,
+    /// Evictable chunks (and stale entries), a 4-ary min-heap by rank, then key.
+    heap: Vec<HeapEntry>,
     num_evictable: usize,
     next_rank: u64,
 }
 
+fn less(nodes: &[Node], a: &HeapEntry, b: &HeapEntry) -> bool {
+    match a.rank.cmp(&b.rank) {
+        std::cmp::Ordering::Equal => nodes[a.node as usize].key < nodes[b.node as usize].key,
+        o => o.is_lt(),
+    }
+}
+
+fn sift_up(heap: &mut [HeapEntry], nodes: &[Node], mut i: usize) {
+    let e = heap[i];
+    while i > 0 {
+        let parent = (i - 1) / ARITY;
+        if !less(nodes, &e, &heap[parent]) {
+            break;
+        }
+        heap[i] = heap[parent];
+        i = parent;
+    }
+    heap[i] = e;
+}
+
+fn sift_down(heap: &mut [HeapEntry], nodes: &[Node], mut i: usize) {
+    let e = heap[i];
+    let n = heap.len();
+    loop {
+        let first = ARITY * i + 1;
+        if first >= n {
+            break;
+        }
+        let mut min = first;
+        for c in first + 1..(first + ARITY).min(n) {
+            if less(nodes, &heap[c], &heap[min]) {
+                min = c;
+            }
+        }
+        if !less(nodes, &heap[min], &e) {
+            break;
+        }
+        heap[i] = heap[min];
+        i = min;
+    }
+    heap[i] = e;
+}
+
 impl Lru {
     pub(super) fn len(&self) -> usize {
-        self.chunks.len()
+        self.index.len()
+    }
+
+    fn find(&self, key: &OffloadKey) -> Option<usize> {
+        let nodes = &self.nodes;
+        self.index
+            .find(key.digest(), |&i| nodes[i as usize].key == *key)
+            .map(|&i| i as usize)
     }
 
     pub(super) fn get(&self, key: &OffloadKey) -> Option<&Chunk> {
-        self.chunks.get(key).map(|e| &e.chunk)
+        self.find(key).map(|i| &self.nodes[i].chunk)
     }
 
     pub(super) fn get_mut(&mut self, key: &OffloadKey) -> Option<&mut Chunk> {
-        self.chunks.get_mut(key).map(|e| &mut e.chunk)
+        self.find(key).map(|i| &mut self.nodes[i].chunk)
     }
 
     fn fresh_rank(&mut self) -> Rank {
@@ -69,40 +141,89 @@ impl Lru {
         self.next_rank
     }
 
-    fn set_rank(&mut self, key: OffloadKey, rank: Rank) {
-        let entry = self.chunks.get_mut(&key).expect("resident key");
-        entry.rank = rank;
-        if entry.evictable {
-            self.push(rank, key);
+    fn set_rank(&mut self, node: usize, rank: Rank) {
+        let n = &mut self.nodes[node];
+        n.rank = rank;
+        if n.evictable {
+            self.push(rank, node);
         }
     }
 
-    fn push(&mut self, rank: Rank, key: OffloadKey) {
-        self.heap.push(Reverse((rank, key)));
+    fn push(&mut self, rank: Rank, node: usize) {
+        self.nodes[node].refs += 1;
+        self.heap.push(HeapEntry {
+            rank,
+            node: node as u32,
+        });
+        let last = self.heap.len() - 1;
+        sift_up(&mut self.heap, &self.nodes, last);
         self.maybe_compact();
+    }
+
+    fn pop(&mut self) -> Option<HeapEntry> {
+        let last = self.heap.pop()?;
+        let top = if self.heap.is_empty() {
+            last
+        } else {
+            let top = std::mem::replace(&mut self.heap[0], last);
+            sift_down(&mut self.heap, &self.nodes, 0);
+            top
+        };
+        self.release_entry(top.node as usize);
+        Some(top)
+    }
+
+    /// An entry naming `node` left the heap: a node whose chunk left is free
+    /// once no entry names it.
+    fn release_entry(&mut self, node: usize) {
+        let n = &mut self.nodes[node];
+        n.refs -= 1;
+        if n.refs == 0 && !n.live {
+            self.free_nodes.push(node as u32);
+        }
+    }
+
+    /// Puts back entries popped and not taken.
+    fn restore(&mut self, entries: Vec<HeapEntry>) {
+        for e in entries {
+            self.nodes[e.node as usize].refs += 1;
+            self.heap.push(e);
+            let last = self.heap.len() - 1;
+            sift_up(&mut self.heap, &self.nodes, last);
+        }
     }
 
     /// Rebuilds the heap from the live entries once it holds more stale ones
     /// than live ones (and at least as many entries as resident chunks, so a
     /// rebuild's cost is spread over as many pushes).
     fn maybe_compact(&mut self) {
-        let limit = 64.max(2 * self.num_evictable).max(self.chunks.len());
+        let limit = 64.max(2 * self.num_evictable).max(self.len());
         if self.heap.len() < limit {
             return;
         }
-        let live: Vec<HeapEntry> = self
-            .chunks
-            .iter()
-            .filter(|(_, e)| e.evictable)
-            .map(|(k, e)| Reverse((e.rank, *k)))
-            .collect();
-        self.heap = BinaryHeap::from(live);
+        self.heap.clear();
+        for (i, n) in self.nodes.iter_mut().enumerate() {
+            if !n.live && n.refs > 0 {
+                self.free_nodes.push(i as u32);
+            }
+            n.refs = u32::from(n.live && n.evictable);
+            if n.refs == 1 {
+                self.heap.push(HeapEntry {
+                    rank: n.rank,
+                    node: i as u32,
+                });
+            }
+        }
+        for i in (0..self.heap.len() / ARITY + 1).rev() {
+            if i < self.heap.len() {
+                sift_down(&mut self.heap, &self.nodes, i);
+            }
+        }
     }
 
-    fn is_current(&self, rank: Rank, key: &OffloadKey) -> bool {
-        self.chunks
-            .get(key)
-            .is_some_and(|e| e.evictable && e.rank == rank)
+    fn is_current(&self, e: &HeapEntry) -> bool {
+        let n = &self.nodes[e.node as usize];
+        n.live && n.evictable && n.rank == e.rank
     }
 
     pub(super) fn insert(
@@ -112,39 +233,73 @@ impl Lru {
         position: Option<i64>,
         slot: &mut RankSlot,
     ) {
+        debug_assert!(self.find(&key).is_none(), "inserting a resident key");
         let rank = match position {
             None => self.fresh_rank(),
             Some(p) => (self.request_rank(slot), -p),
         };
         let evictable = chunk.ref_cnt == 0;
-        self.chunks.insert(
+        let node = Node {
             key,
-            Entry {
-                chunk,
-                rank,
-                evictable,
-            },
-        );
+            chunk,
+            rank,
+            evictable,
+            live: true,
+            refs: 0,
+        };
+        let i = match self.free_nodes.pop() {
+            Some(i) => {
+                self.nodes[i as usize] = node;
+                i as usize
+            }
+            None => {
+                self.nodes.push(node);
+                self.nodes.len() - 1
+            }
+        };
+        let nodes = &self.nodes;
+        self.index
+            .insert_unique(key.digest(), i as u32, |&j| nodes[j as usize].key.digest());
         if evictable {
             self.num_evictable += 1;
-            self.push(rank, key);
+            self.push(rank, i);
         }
     }
 
-    pub(super) fn remove(&mut self, key: &OffloadKey) {
-        if let Some(e) = self.chunks.remove(key)
-            && e.evictable
+    /// Drops a resident chunk's node from the index; its slot in the slab is
+    /// reused once no heap entry names it.
+    fn unlink(&mut self, node: usize) -> Chunk {
+        let nodes = &self.nodes;
+        let key = nodes[node].key;
+        if let Ok(entry) = self
+            .index
+            .find_entry(key.digest(), |&i| nodes[i as usize].key == key)
         {
+            entry.remove();
+        }
+        let n = &mut self.nodes[node];
+        n.live = false;
+        if n.evictable {
             self.num_evictable -= 1;
+        }
+        if n.refs == 0 {
+            self.free_nodes.push(node as u32);
+        }
+        n.chunk
+    }
+
+    pub(super) fn remove(&mut self, key: &OffloadKey) {
+        if let Some(i) = self.find(key) {
+            self.unlink(i);
         }
     }
 
     /// A fresh rank for each resident key, in the order given.
     fn update_recency<'a>(&mut self, keys: impl Iterator<Item = &'a OffloadKey>) {
         for key in keys {
-            if self.chunks.contains_key(key) {
+            if let Some(i) = self.find(key) {
                 let rank = self.fresh_rank();
-                self.set_rank(*key, rank);
+                self.set_rank(i, rank);
             }
         }
     }
@@ -156,14 +311,14 @@ impl Lru {
     pub(super) fn on_request_access(&mut self, keys: &[(OffloadKey, i64)], slot: &mut RankSlot) {
         let major = self.request_rank(slot);
         for (key, p) in keys {
-            let Some(entry) = self.chunks.get(key) else {
+            let Some(i) = self.find(key) else {
                 continue;
             };
             let rank = (major, -p);
-            if entry.rank >= rank {
+            if self.nodes[i].rank >= rank {
                 continue;
             }
-            self.set_rank(*key, rank);
+            self.set_rank(i, rank);
         }
     }
 
@@ -172,7 +327,9 @@ impl Lru {
     }
 
     pub(super) fn clear(&mut self) {
-        self.chunks.clear();
+        self.nodes.clear();
+        self.index.clear();
+        self.free_nodes.clear();
         self.heap.clear();
         self.num_evictable = 0;
         self.next_rank = 0;
@@ -189,97 +346,112 @@ impl Lru {
             return Some(Vec::new());
         }
         let mut selected: Vec<HeapEntry> = Vec::with_capacity(n);
-        // a key can have two current entries (pinned and released at one rank)
-        let mut picked: Option<FxHashSet<OffloadKey>> = (n > 16).then(FxHashSet::default);
+        // a node can have two current entries (pinned and released at one rank)
+        let mut picked: Option<FxHashSet<u32>> = (n > 16).then(FxHashSet::default);
         let mut deferred: Vec<HeapEntry> = Vec::new();
         while selected.len() < n {
-            let Some(entry) = self.heap.pop() else { break };
-            let Reverse((rank, key)) = entry;
-            if !self.is_current(rank, &key) {
+            let Some(entry) = self.pop() else { break };
+            if !self.is_current(&entry) {
                 continue;
             }
             let repeated = match &picked {
-                Some(set) => set.contains(&key),
-                None => selected.iter().any(|Reverse((_, k))| *k == key),
+                Some(set) => set.contains(&entry.node),
+                None => selected.iter().any(|e| e.node == entry.node),
             };
             if repeated {
                 continue;
             }
-            if protected.contains(&key) {
+            if protected.contains(&self.nodes[entry.node as usize].key) {
                 deferred.push(entry);
                 continue;
             }
             if let Some(set) = &mut picked {
-                set.insert(key);
+                set.insert(entry.node);
             }
             selected.push(entry);
         }
-        self.heap.extend(deferred);
+        self.restore(deferred);
         if selected.len() < n {
-            self.heap.extend(selected);
+            self.restore(selected);
             return None;
         }
         let mut out = Vec::with_capacity(n);
-        for Reverse((_, key)) in selected {
-            let e = self
-                .chunks
-                .remove(&key)
-                .expect("current entries are resident");
-            self.num_evictable -= 1;
-            out.push((key, e.chunk));
+        for e in selected {
+            let node = e.node as usize;
+            let key = self.nodes[node].key;
+            out.push((key, self.unlink(node)));
         }
         self.maybe_compact();
         Some(out)
     }
 
     pub(super) fn mark_evictable(&mut self, key: &OffloadKey) {
-        let entry = self.chunks.get_mut(key).expect("resident key");
-        entry.evictable = true;
-        let rank = entry.rank;
+        let i = self.find(key).expect("resident key");
+        let n = &mut self.nodes[i];
+        n.evictable = true;
+        let rank = n.rank;
         self.num_evictable += 1;
-        self.push(rank, *key);
+        self.push(rank, i);
     }
 
     pub(super) fn mark_non_evictable(&mut self, key: &OffloadKey) {
-        let entry = self.chunks.get_mut(key).expect("resident key");
-        entry.evictable = false;
+        let i = self.find(key).expect("resident key");
+        self.nodes[i].evictable = false;
         self.num_evictable -= 1;
     }
 
     /// Resident keys with their chunks, in no order.
     pub(super) fn entries(&self) -> impl Iterator<Item = (&OffloadKey, &Chunk)> {
-        self.chunks.iter().map(|(k, e)| (k, &e.chunk))
+        self.nodes
+            .iter()
+            .filter(|n| n.live)
+            .map(|n| (&n.key, &n.chunk))
     }
 
     /// The heap's entries as they lie (stale ones included): `((major, minor), key)`.
     pub(super) fn heap_entries(&self) -> Vec<(Rank, OffloadKey)> {
-        self.heap.iter().map(|Reverse(e)| *e).collect()
+        self.heap
+            .iter()
+            .map(|e| (e.rank, self.nodes[e.node as usize].key))
+            .collect()
     }
 
     /// Evictable keys in eviction order.
     pub(super) fn eviction_order(&self) -> Vec<OffloadKey> {
         let mut live: Vec<(Rank, OffloadKey)> = self
-            .chunks
+            .nodes
             .iter()
-            .filter(|(_, e)| e.evictable)
-            .map(|(k, e)| (e.rank, *k))
+            .filter(|n| n.live && n.evictable)
+            .map(|n| (n.rank, n.key))
             .collect();
         live.sort_unstable();
         live.into_iter().map(|(_, k)| k).collect()
     }
 
     /// Whether the evictable chunks are exactly the idle ones, each with a
-    /// live heap entry.
+    /// live heap entry, every node counted by the entries naming it, free
+    /// nodes unnamed, and the heap ordered.
     pub(super) fn check(&self) -> Result<(), String> {
         let mut idle = 0;
-        for (key, e) in &self.chunks {
-            if e.evictable != (e.chunk.ref_cnt == 0) {
+        let mut live = 0;
+        for n in self.nodes.iter().filter(|n| n.live) {
+            live += 1;
+            if n.evictable != (n.chunk.ref_cnt == 0) {
                 return Err(format!(
-                    "LRU: {key:?} evictable={} with ref_cnt {}",
-                    e.evictable, e.chunk.ref_cnt
+                    "LRU: {:?} evictable={} with ref_cnt {}",
+                    n.key, n.evictable, n.chunk.ref_cnt
                 ));
             }
-            idle += usize::from(e.evictable);
+            if self.find(&n.key).is_none() {
+                return Err(format!("LRU: {:?} is not indexed", n.key));
+            }
+            idle += usize::from(n.evictable);
+        }
+        if live != self.index.len() {
+            return Err(format!(
+                "LRU: {live} resident chunks, {} indexed",
+                self.index.len()
+            ));
         }
         if idle != self.num_evictable {
             return Err(format!(
@@ -287,16 +459,36 @@ impl Lru {
                 self.num_evictable
             ));
         }
-        let live: FxHashSet<OffloadKey> = self
+        let mut refs = vec![0u32; self.nodes.len()];
+        for (i, e) in self.heap.iter().enumerate() {
+            refs[e.node as usize] += 1;
+            if i > 0 && less(&self.nodes, e, &self.heap[(i - 1) / ARITY]) {
+                return Err(format!("LRU: heap entry {i} is below its parent"));
+            }
+        }
+        if let Some(i) = (0..self.nodes.len()).find(|&i| refs[i] != self.nodes[i].refs) {
+            return Err(format!(
+                "LRU: node {i} counts {} heap entries, {} name it",
+                self.nodes[i].refs, refs[i]
+            ));
+        }
+        let mut free = FxHashSet::default();
+        for &i in &self.free_nodes {
+            let n = &self.nodes[i as usize];
+            if n.live || n.refs > 0 || !free.insert(i) {
+                return Err(format!("LRU: node {i} is free while in use"));
+            }
+        }
+        let current: FxHashSet<u32> = self
             .heap
             .iter()
-            .filter(|Reverse((rank, key))| self.is_current(*rank, key))
-            .map(|Reverse((_, key))| *key)
+            .filter(|e| self.is_current(e))
+            .map(|e| e.node)
             .collect();
-        if live.len() != idle {
+        if current.len() != idle {
             return Err(format!(
                 "LRU: {} idle chunks have a live heap entry of {idle}",
-                live.len()
+                current.len()
             ));
         }
         Ok(())

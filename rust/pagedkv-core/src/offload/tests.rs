@@ -294,3 +294,91 @@ fn evict_by_hand_is_all_or_nothing() {
     assert_eq!(events(&mut t), vec![(true, set(&[1]))]);
     t.check_invariants().unwrap();
 }
+
+#[test]
+fn lru_equal_ranks_go_in_key_byte_order() {
+    // one request, two groups, one position: equal ranks, so vLLM's heap of
+    // (rank, key) tuples takes the smaller key bytes first
+    let mut t = tier(8, PolicyKind::Lru);
+    let g1 = OffloadKey::new(b"h", 1).unwrap();
+    let g0 = OffloadKey::new(b"h", 0).unwrap();
+    t.prepare_store(&[g1, g0], 5, &[16, 16]).unwrap().unwrap();
+    t.complete_store(&[g1, g0], true);
+    assert_eq!(t.lru_eviction_order().unwrap(), vec![g0, g1]);
+    let out = t.evict(1, &[]).unwrap();
+    assert_eq!(out[0].0, g0);
+    t.check_invariants().unwrap();
+}
+
+#[test]
+fn lru_heap_pops_in_rank_order_under_churn() {
+    // stores, pins, touches, request ends and evictions at random on a small
+    // tier: every eviction takes the first idle unprotected chunks of the
+    // sorted order, whatever stale entries and reused nodes the heap holds
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let mut rnd = |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    let mut t = tier(16, PolicyKind::Lru);
+    let mut pinned: Vec<OffloadKey> = Vec::new();
+    for step in 0..4000u64 {
+        let req = rnd(6);
+        let key = |i: u64| OffloadKey::new(&i.to_be_bytes(), (i % 2) as u32).unwrap();
+        match rnd(6) {
+            0 | 1 => {
+                let first = rnd(60);
+                let keys: Vec<_> = (first..first + 1 + rnd(4)).map(key).collect();
+                let positions: Vec<i64> = keys.iter().map(|_| 16 * (1 + rnd(3) as i64)).collect();
+                if let Some(out) = t.prepare_store(&keys, req, &positions).unwrap() {
+                    t.complete_store(&out.keys_to_store, rnd(8) != 0);
+                }
+            }
+            2 => {
+                let k = key(rnd(60));
+                if t.prepare_load(&[k], req, &[]).is_ok() {
+                    pinned.push(k);
+                }
+            }
+            3 => {
+                if !pinned.is_empty() {
+                    let k = pinned.swap_remove(rnd(pinned.len() as u64) as usize);
+                    t.complete_load(&[k]).unwrap();
+                    // pinned and released again: a second entry at one rank
+                    for _ in 0..rnd(3) {
+                        t.prepare_read(&[k]).unwrap();
+                        t.complete_load(&[k]).unwrap();
+                    }
+                }
+            }
+            4 => {
+                let keys: Vec<_> = (0..3).map(|_| key(rnd(60))).collect();
+                t.touch(&keys);
+                t.on_request_finished(req, &[], &[]).unwrap();
+                t.forget_request(req);
+            }
+            _ => {
+                let protected: Vec<_> = (0..rnd(3)).map(|_| key(rnd(60))).collect();
+                let n = 1 + rnd(3) as usize;
+                let expected: Vec<OffloadKey> = t
+                    .lru_eviction_order()
+                    .unwrap()
+                    .into_iter()
+                    .filter(|k| !protected.contains(k))
+                    .take(n)
+                    .collect();
+                let out = t.evict(n, &protected);
+                if expected.len() < n {
+                    assert!(out.is_none(), "step {step}");
+                } else {
+                    let got: Vec<_> = out.unwrap().into_iter().map(|(k, _)| k).collect();
+                    assert_eq!(got, expected, "step {step}");
+                }
+            }
+        }
+        t.check_invariants().unwrap();
+    }
+    assert!(t.counters().evictions > 100);
+}

@@ -1,6 +1,7 @@
 //! Read-only views of the tier's structure, for debugging, drop-in views and
 //! parity checks against vLLM's policy objects.
 
+use super::arc::List;
 use super::keys::OffloadKey;
 use super::policy::Policy;
 use super::slots::Chunk;
@@ -124,10 +125,10 @@ impl OffloadTier {
         };
         Some(ArcLists {
             target_t1_size: a.target_t1_size,
-            t1: a.t1.iter().map(|(k, c)| (*k, *c)).collect(),
-            t2: a.t2.iter().map(|(k, c)| (*k, *c)).collect(),
-            b1: a.b1.keys().copied().collect(),
-            b2: a.b2.keys().copied().collect(),
+            t1: a.chunks_of(List::T1).map(|(k, c)| (*k, *c)).collect(),
+            t2: a.chunks_of(List::T2).map(|(k, c)| (*k, *c)).collect(),
+            b1: a.keys_of(List::B1).copied().collect(),
+            b2: a.keys_of(List::B2).copied().collect(),
         })
     }
 

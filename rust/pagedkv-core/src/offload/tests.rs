@@ -1,5 +1,6 @@
 //! Expected values from vLLM 0.33's `tests/v1/kv_offload/cpu/test_manager.py`.
 
+use super::arc::List;
 use super::*;
 
 fn k(i: u32) -> OffloadKey {
@@ -131,14 +132,14 @@ fn reset_discards_stale_request_access() {
     let Policy::Arc(arc) = &t.policy else {
         unreachable!()
     };
-    assert!(arc.t1.contains_key(&key[0]));
+    assert_eq!(arc.list_of(&key[0]), Some(List::T1));
     t.prepare_load(&key, 1, &[]).unwrap();
     t.complete_load(&key).unwrap();
     t.on_request_finished(1, &[], &[]).unwrap();
     let Policy::Arc(arc) = &t.policy else {
         unreachable!()
     };
-    assert!(arc.t2.contains_key(&key[0]));
+    assert_eq!(arc.list_of(&key[0]), Some(List::T2));
     t.check_invariants().unwrap();
 }
 
@@ -150,13 +151,13 @@ fn arc_touch_promotes_ready_chunks_only() {
     let Policy::Arc(arc) = &t.policy else {
         unreachable!()
     };
-    assert!(arc.t1.contains_key(&k(1)));
+    assert_eq!(arc.list_of(&k(1)), Some(List::T1));
     t.complete_store(&ks(&[1]), true);
     t.touch(&ks(&[1]));
     let Policy::Arc(arc) = &t.policy else {
         unreachable!()
     };
-    assert!(arc.t2.contains_key(&k(1)) && !arc.t1.contains_key(&k(1)));
+    assert_eq!(arc.list_of(&k(1)), Some(List::T2));
 }
 
 #[test]
@@ -231,7 +232,7 @@ fn a_read_for_a_lower_tier_pins_without_an_access() {
     let Policy::Arc(arc) = &t.policy else {
         unreachable!()
     };
-    assert!(arc.t1.contains_key(&k(1)));
+    assert_eq!(arc.list_of(&k(1)), Some(List::T1));
     assert!(t.prepare_read(&ks(&[2])).is_err());
     t.check_invariants().unwrap();
 }

@@ -12,11 +12,10 @@
 //! lists; a key moving between lists (T1 → T2, evicted to a ghost list, a ghost
 //! stored again) keeps its node and its table entry.
 
-use hashbrown::HashTable;
-
 use super::keys::OffloadKey;
 use super::policy::Protected;
 use super::requests::{INSERTED, REUSED};
+use super::slab::{Keyed, Slab};
 use super::slots::Chunk;
 
 /// One of ARC's lists.
@@ -44,6 +43,12 @@ struct Node {
     list: List,
 }
 
+impl Keyed for Node {
+    fn key(&self) -> &OffloadKey {
+        &self.key
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 struct Ends {
     head: u32,
@@ -62,10 +67,8 @@ const EMPTY: Ends = Ends {
 pub struct Arc {
     capacity: u64,
     pub(super) target_t1_size: f64,
-    nodes: Vec<Node>,
-    /// Every node in a list, by its key's digest.
-    index: HashTable<u32>,
-    free_nodes: Vec<u32>,
+    /// Every key in a list.
+    slab: Slab<Node>,
     lists: [Ends; 4],
 }
 
@@ -74,18 +77,13 @@ impl Arc {
         Self {
             capacity,
             target_t1_size: 0.0,
-            nodes: Vec::new(),
-            index: HashTable::new(),
-            free_nodes: Vec::new(),
+            slab: Slab::default(),
             lists: [EMPTY; 4],
         }
     }
 
     fn find(&self, key: &OffloadKey) -> Option<usize> {
-        let nodes = &self.nodes;
-        self.index
-            .find(key.digest(), |&i| nodes[i as usize].key == *key)
-            .map(|&i| i as usize)
+        self.slab.find(key)
     }
 
     fn len_of(&self, list: List) -> usize {
@@ -99,34 +97,34 @@ impl Arc {
     /// The list holding `key`, if any.
     #[cfg(test)]
     pub(super) fn list_of(&self, key: &OffloadKey) -> Option<List> {
-        self.find(key).map(|i| self.nodes[i].list)
+        self.find(key).map(|i| self.slab.nodes[i].list)
     }
 
     fn resident(&self, key: &OffloadKey) -> Option<usize> {
         self.find(key)
-            .filter(|&i| matches!(self.nodes[i].list, List::T1 | List::T2))
+            .filter(|&i| matches!(self.slab.nodes[i].list, List::T1 | List::T2))
     }
 
     pub(super) fn get(&self, key: &OffloadKey) -> Option<&Chunk> {
-        self.resident(key).map(|i| &self.nodes[i].chunk)
+        self.resident(key).map(|i| &self.slab.nodes[i].chunk)
     }
 
     pub(super) fn get_mut(&mut self, key: &OffloadKey) -> Option<&mut Chunk> {
-        self.resident(key).map(|i| &mut self.nodes[i].chunk)
+        self.resident(key).map(|i| &mut self.slab.nodes[i].chunk)
     }
 
     fn detach(&mut self, i: usize) {
         let (prev, next, list) = {
-            let n = &self.nodes[i];
+            let n = &self.slab.nodes[i];
             (n.prev, n.next, n.list as usize)
         };
         match prev {
             NIL => self.lists[list].head = next,
-            p => self.nodes[p as usize].next = next,
+            p => self.slab.nodes[p as usize].next = next,
         }
         match next {
             NIL => self.lists[list].tail = prev,
-            n => self.nodes[n as usize].prev = prev,
+            n => self.slab.nodes[n as usize].prev = prev,
         }
         self.lists[list].len -= 1;
     }
@@ -140,9 +138,9 @@ impl Arc {
         }
         ends.len += 1;
         if tail != NIL {
-            self.nodes[tail as usize].next = i as u32;
+            self.slab.nodes[tail as usize].next = i as u32;
         }
-        let n = &mut self.nodes[i];
+        let n = &mut self.slab.nodes[i];
         n.prev = tail;
         n.next = NIL;
         n.list = list;
@@ -157,21 +155,14 @@ impl Arc {
     /// Drops a node from its list and the index; the node is reused.
     fn drop_node(&mut self, i: usize) {
         self.detach(i);
-        let nodes = &self.nodes;
-        let key = nodes[i].key;
-        if let Ok(entry) = self
-            .index
-            .find_entry(key.digest(), |&j| nodes[j as usize].key == key)
-        {
-            entry.remove();
-        }
-        self.free_nodes.push(i as u32);
+        self.slab.unindex(i);
+        self.slab.release(i);
     }
 
     pub(super) fn insert(&mut self, key: OffloadKey, chunk: Chunk) {
         if let Some(i) = self.find(&key) {
             // a ghost stored again (a resident key is never offered for storing)
-            self.nodes[i].chunk = chunk;
+            self.slab.nodes[i].chunk = chunk;
             self.move_back(i, List::T1);
             return;
         }
@@ -182,19 +173,7 @@ impl Arc {
             next: NIL,
             list: List::T1,
         };
-        let i = match self.free_nodes.pop() {
-            Some(i) => {
-                self.nodes[i as usize] = node;
-                i as usize
-            }
-            None => {
-                self.nodes.push(node);
-                self.nodes.len() - 1
-            }
-        };
-        let nodes = &self.nodes;
-        self.index
-            .insert_unique(key.digest(), i as u32, |&j| nodes[j as usize].key.digest());
+        let i = self.slab.insert(node);
         self.attach_back(i, List::T1);
     }
 
@@ -207,7 +186,7 @@ impl Arc {
     /// A ghost hit moves the target (B1 up, B2 down) and refreshes the ghost.
     fn adapt_to_ghost_hit(&mut self, i: usize) {
         let (b1, b2) = (self.len_of(List::B1) as f64, self.len_of(List::B2) as f64);
-        match self.nodes[i].list {
+        match self.slab.nodes[i].list {
             List::B1 => {
                 let delta = (b2 / b1).max(1.0);
                 self.target_t1_size = (self.target_t1_size + delta).min(self.capacity as f64);
@@ -233,9 +212,9 @@ impl Arc {
     pub(super) fn touch(&mut self, keys: &[OffloadKey]) {
         for key in keys.iter().rev() {
             let Some(i) = self.find(key) else { continue };
-            match self.nodes[i].list {
+            match self.slab.nodes[i].list {
                 // only just prepared for storing: not a second use
-                List::T1 if !self.nodes[i].chunk.is_ready() => self.move_back(i, List::T1),
+                List::T1 if !self.slab.nodes[i].chunk.is_ready() => self.move_back(i, List::T1),
                 List::T1 | List::T2 => self.move_back(i, List::T2),
                 List::B1 | List::B2 => self.adapt_to_ghost_hit(i),
             }
@@ -250,7 +229,7 @@ impl Arc {
             };
             if flags & INSERTED != 0 && !reused {
                 // a store is not a frequency hit: T1 membership kept, recency restored
-                let list = self.nodes[i].list;
+                let list = self.slab.nodes[i].list;
                 self.move_back(i, list);
             } else if reused {
                 self.move_back(i, List::T2);
@@ -259,9 +238,7 @@ impl Arc {
     }
 
     pub(super) fn clear(&mut self) {
-        self.nodes.clear();
-        self.index.clear();
-        self.free_nodes.clear();
+        self.slab.clear();
         self.lists = [EMPTY; 4];
         self.target_t1_size = 0.0;
     }
@@ -274,7 +251,7 @@ impl Arc {
                 return None;
             }
             let i = at as usize;
-            at = self.nodes[i].next;
+            at = self.slab.nodes[i].next;
             Some(i)
         })
     }
@@ -283,7 +260,7 @@ impl Arc {
     /// T1), each list scanned once; `None` when fewer than `n` can go.
     fn select(&self, n: usize, protected: &Protected<'_>) -> Option<Vec<(usize, bool)>> {
         let idle = |&i: &usize| {
-            let node = &self.nodes[i];
+            let node = &self.slab.nodes[i];
             node.chunk.ref_cnt == 0 && !protected.contains(&node.key)
         };
         let mut t1 = self.walk(List::T1).filter(idle);
@@ -326,7 +303,7 @@ impl Arc {
         let picked = self.select(n, protected)?;
         let mut out = Vec::with_capacity(n);
         for (i, from_t1) in picked {
-            let node = &self.nodes[i];
+            let node = &self.slab.nodes[i];
             out.push((node.key, node.chunk));
             self.move_back(i, if from_t1 { List::B1 } else { List::B2 });
         }
@@ -342,12 +319,12 @@ impl Arc {
     /// The resident keys of `list` (T1 or T2) with their chunks, oldest first.
     pub(super) fn chunks_of(&self, list: List) -> impl Iterator<Item = (&OffloadKey, &Chunk)> {
         self.walk(list)
-            .map(|i| (&self.nodes[i].key, &self.nodes[i].chunk))
+            .map(|i| (&self.slab.nodes[i].key, &self.slab.nodes[i].chunk))
     }
 
     /// The keys of `list`, oldest first.
     pub(super) fn keys_of(&self, list: List) -> impl Iterator<Item = &OffloadKey> {
-        self.walk(list).map(|i| &self.nodes[i].key)
+        self.walk(list).map(|i| &self.slab.nodes[i].key)
     }
 
     /// Resident keys with their chunks, T1 then T2, each oldest first.
@@ -361,7 +338,7 @@ impl Arc {
             let mut prev = NIL;
             let mut count = 0;
             for i in self.walk(list) {
-                let node = &self.nodes[i];
+                let node = &self.slab.nodes[i];
                 if node.list != list || node.prev != prev {
                     return Err(format!("ARC: {:?} is mislinked in {list:?}", node.key));
                 }
@@ -370,7 +347,7 @@ impl Arc {
                 }
                 prev = i as u32;
                 count += 1;
-                if count > self.nodes.len() {
+                if count > self.slab.nodes.len() {
                     return Err(format!("ARC: {list:?} loops"));
                 }
             }
@@ -388,12 +365,12 @@ impl Arc {
             }
             linked += count;
         }
-        if linked != self.index.len() || linked + self.free_nodes.len() != self.nodes.len() {
+        let free = self.slab.free().len();
+        if linked != self.slab.len() || linked + free != self.slab.nodes.len() {
             return Err(format!(
-                "ARC: {linked} linked, {} indexed, {} free of {} nodes",
-                self.index.len(),
-                self.free_nodes.len(),
-                self.nodes.len()
+                "ARC: {linked} linked, {} indexed, {free} free of {} nodes",
+                self.slab.len(),
+                self.slab.nodes.len()
             ));
         }
         if !(0.0..=self.capacity as f64).contains(&self.target_t1_size) {

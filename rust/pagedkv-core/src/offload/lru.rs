@@ -18,12 +18,12 @@
 //! chunk left is reused only once no heap entry names it, so an entry's key
 //! never changes under it.
 
-use hashbrown::HashTable;
 use rustc_hash::FxHashSet;
 
 use super::keys::OffloadKey;
 use super::policy::Protected;
 use super::requests::RankSlot;
+use super::slab::{Keyed, Slab};
 use super::slots::Chunk;
 
 type Rank = (u64, i64);
@@ -43,6 +43,12 @@ struct Node {
     refs: u32,
 }
 
+impl Keyed for Node {
+    fn key(&self) -> &OffloadKey {
+        &self.key
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 struct HeapEntry {
     rank: Rank,
@@ -52,11 +58,9 @@ struct HeapEntry {
 /// The LRU policy's state.
 #[derive(Clone, Debug, Default)]
 pub struct Lru {
-    nodes: Vec<Node>,
-    /// Live nodes by their key's digest.
-    index: HashTable<u32>,
-    /// Nodes free for reuse (no chunk, no heap entry).
-    free_nodes: Vec<u32>,
+    /// Resident chunks (indexed) and left ones still named by heap entries;
+    /// a node is free once neither.
+    slab: Slab<Node>,
     /// Evictable chunks (and stale entries), a 4-ary min-heap by rank, then key.
     heap: Vec<HeapEntry>,
     num_evictable: usize,
@@ -108,22 +112,19 @@ fn sift_down(heap: &mut [HeapEntry], nodes: &[Node], mut i: usize) {
 
 impl Lru {
     pub(super) fn len(&self) -> usize {
-        self.index.len()
+        self.slab.len()
     }
 
     fn find(&self, key: &OffloadKey) -> Option<usize> {
-        let nodes = &self.nodes;
-        self.index
-            .find(key.digest(), |&i| nodes[i as usize].key == *key)
-            .map(|&i| i as usize)
+        self.slab.find(key)
     }
 
     pub(super) fn get(&self, key: &OffloadKey) -> Option<&Chunk> {
-        self.find(key).map(|i| &self.nodes[i].chunk)
+        self.find(key).map(|i| &self.slab.nodes[i].chunk)
     }
 
     pub(super) fn get_mut(&mut self, key: &OffloadKey) -> Option<&mut Chunk> {
-        self.find(key).map(|i| &mut self.nodes[i].chunk)
+        self.find(key).map(|i| &mut self.slab.nodes[i].chunk)
     }
 
     fn fresh_rank(&mut self) -> Rank {
@@ -142,7 +143,7 @@ impl Lru {
     }
 
     fn set_rank(&mut self, node: usize, rank: Rank) {
-        let n = &mut self.nodes[node];
+        let n = &mut self.slab.nodes[node];
         n.rank = rank;
         if n.evictable {
             self.push(rank, node);
@@ -150,13 +151,13 @@ impl Lru {
     }
 
     fn push(&mut self, rank: Rank, node: usize) {
-        self.nodes[node].refs += 1;
+        self.slab.nodes[node].refs += 1;
         self.heap.push(HeapEntry {
             rank,
             node: node as u32,
         });
         let last = self.heap.len() - 1;
-        sift_up(&mut self.heap, &self.nodes, last);
+        sift_up(&mut self.heap, &self.slab.nodes, last);
         self.maybe_compact();
     }
 
@@ -166,7 +167,7 @@ impl Lru {
             last
         } else {
             let top = std::mem::replace(&mut self.heap[0], last);
-            sift_down(&mut self.heap, &self.nodes, 0);
+            sift_down(&mut self.heap, &self.slab.nodes, 0);
             top
         };
         self.release_entry(top.node as usize);
@@ -176,20 +177,20 @@ impl Lru {
     /// An entry naming `node` left the heap: a node whose chunk left is free
     /// once no entry names it.
     fn release_entry(&mut self, node: usize) {
-        let n = &mut self.nodes[node];
+        let n = &mut self.slab.nodes[node];
         n.refs -= 1;
         if n.refs == 0 && !n.live {
-            self.free_nodes.push(node as u32);
+            self.slab.release(node);
         }
     }
 
     /// Puts back entries popped and not taken.
     fn restore(&mut self, entries: Vec<HeapEntry>) {
         for e in entries {
-            self.nodes[e.node as usize].refs += 1;
+            self.slab.nodes[e.node as usize].refs += 1;
             self.heap.push(e);
             let last = self.heap.len() - 1;
-            sift_up(&mut self.heap, &self.nodes, last);
+            sift_up(&mut self.heap, &self.slab.nodes, last);
         }
     }
 
@@ -202,9 +203,10 @@ impl Lru {
             return;
         }
         self.heap.clear();
-        for (i, n) in self.nodes.iter_mut().enumerate() {
+        let mut released = Vec::new();
+        for (i, n) in self.slab.nodes.iter_mut().enumerate() {
             if !n.live && n.refs > 0 {
-                self.free_nodes.push(i as u32);
+                released.push(i);
             }
             n.refs = u32::from(n.live && n.evictable);
             if n.refs == 1 {
@@ -214,15 +216,18 @@ impl Lru {
                 });
             }
         }
-        for i in (0..self.heap.len() / ARITY + 1).rev() {
+        for i in released {
+            self.slab.release(i);
+        }
+        for i in (0..=self.heap.len() / ARITY).rev() {
             if i < self.heap.len() {
-                sift_down(&mut self.heap, &self.nodes, i);
+                sift_down(&mut self.heap, &self.slab.nodes, i);
             }
         }
     }
 
     fn is_current(&self, e: &HeapEntry) -> bool {
-        let n = &self.nodes[e.node as usize];
+        let n = &self.slab.nodes[e.node as usize];
         n.live && n.evictable && n.rank == e.rank
     }
 
@@ -247,19 +252,7 @@ impl Lru {
             live: true,
             refs: 0,
         };
-        let i = match self.free_nodes.pop() {
-            Some(i) => {
-                self.nodes[i as usize] = node;
-                i as usize
-            }
-            None => {
-                self.nodes.push(node);
-                self.nodes.len() - 1
-            }
-        };
-        let nodes = &self.nodes;
-        self.index
-            .insert_unique(key.digest(), i as u32, |&j| nodes[j as usize].key.digest());
+        let i = self.slab.insert(node);
         if evictable {
             self.num_evictable += 1;
             self.push(rank, i);
@@ -269,23 +262,17 @@ impl Lru {
     /// Drops a resident chunk's node from the index; its slot in the slab is
     /// reused once no heap entry names it.
     fn unlink(&mut self, node: usize) -> Chunk {
-        let nodes = &self.nodes;
-        let key = nodes[node].key;
-        if let Ok(entry) = self
-            .index
-            .find_entry(key.digest(), |&i| nodes[i as usize].key == key)
-        {
-            entry.remove();
-        }
-        let n = &mut self.nodes[node];
+        self.slab.unindex(node);
+        let n = &mut self.slab.nodes[node];
         n.live = false;
         if n.evictable {
             self.num_evictable -= 1;
         }
-        if n.refs == 0 {
-            self.free_nodes.push(node as u32);
+        let (refs, chunk) = (n.refs, n.chunk);
+        if refs == 0 {
+            self.slab.release(node);
         }
-        n.chunk
+        chunk
     }
 
     pub(super) fn remove(&mut self, key: &OffloadKey) {
@@ -315,7 +302,7 @@ impl Lru {
                 continue;
             };
             let rank = (major, -p);
-            if self.nodes[i].rank >= rank {
+            if self.slab.nodes[i].rank >= rank {
                 continue;
             }
             self.set_rank(i, rank);
@@ -327,9 +314,7 @@ impl Lru {
     }
 
     pub(super) fn clear(&mut self) {
-        self.nodes.clear();
-        self.index.clear();
-        self.free_nodes.clear();
+        self.slab.clear();
         self.heap.clear();
         self.num_evictable = 0;
         self.next_rank = 0;
@@ -361,7 +346,7 @@ impl Lru {
             if repeated {
                 continue;
             }
-            if protected.contains(&self.nodes[entry.node as usize].key) {
+            if protected.contains(&self.slab.nodes[entry.node as usize].key) {
                 deferred.push(entry);
                 continue;
             }
@@ -378,7 +363,7 @@ impl Lru {
         let mut out = Vec::with_capacity(n);
         for e in selected {
             let node = e.node as usize;
-            let key = self.nodes[node].key;
+            let key = self.slab.nodes[node].key;
             out.push((key, self.unlink(node)));
         }
         self.maybe_compact();
@@ -387,7 +372,7 @@ impl Lru {
 
     pub(super) fn mark_evictable(&mut self, key: &OffloadKey) {
         let i = self.find(key).expect("resident key");
-        let n = &mut self.nodes[i];
+        let n = &mut self.slab.nodes[i];
         n.evictable = true;
         let rank = n.rank;
         self.num_evictable += 1;
@@ -396,13 +381,14 @@ impl Lru {
 
     pub(super) fn mark_non_evictable(&mut self, key: &OffloadKey) {
         let i = self.find(key).expect("resident key");
-        self.nodes[i].evictable = false;
+        self.slab.nodes[i].evictable = false;
         self.num_evictable -= 1;
     }
 
     /// Resident keys with their chunks, in no order.
     pub(super) fn entries(&self) -> impl Iterator<Item = (&OffloadKey, &Chunk)> {
-        self.nodes
+        self.slab
+            .nodes
             .iter()
             .filter(|n| n.live)
             .map(|n| (&n.key, &n.chunk))
@@ -412,13 +398,14 @@ impl Lru {
     pub(super) fn heap_entries(&self) -> Vec<(Rank, OffloadKey)> {
         self.heap
             .iter()
-            .map(|e| (e.rank, self.nodes[e.node as usize].key))
+            .map(|e| (e.rank, self.slab.nodes[e.node as usize].key))
             .collect()
     }
 
     /// Evictable keys in eviction order.
     pub(super) fn eviction_order(&self) -> Vec<OffloadKey> {
         let mut live: Vec<(Rank, OffloadKey)> = self
+            .slab
             .nodes
             .iter()
             .filter(|n| n.live && n.evictable)
@@ -434,7 +421,7 @@ impl Lru {
     pub(super) fn check(&self) -> Result<(), String> {
         let mut idle = 0;
         let mut live = 0;
-        for n in self.nodes.iter().filter(|n| n.live) {
+        for n in self.slab.nodes.iter().filter(|n| n.live) {
             live += 1;
             if n.evictable != (n.chunk.ref_cnt == 0) {
                 return Err(format!(
@@ -447,10 +434,10 @@ impl Lru {
             }
             idle += usize::from(n.evictable);
         }
-        if live != self.index.len() {
+        if live != self.slab.len() {
             return Err(format!(
                 "LRU: {live} resident chunks, {} indexed",
-                self.index.len()
+                self.slab.len()
             ));
         }
         if idle != self.num_evictable {
@@ -459,22 +446,22 @@ impl Lru {
                 self.num_evictable
             ));
         }
-        let mut refs = vec![0u32; self.nodes.len()];
+        let mut refs = vec![0u32; self.slab.nodes.len()];
         for (i, e) in self.heap.iter().enumerate() {
             refs[e.node as usize] += 1;
-            if i > 0 && less(&self.nodes, e, &self.heap[(i - 1) / ARITY]) {
+            if i > 0 && less(&self.slab.nodes, e, &self.heap[(i - 1) / ARITY]) {
                 return Err(format!("LRU: heap entry {i} is below its parent"));
             }
         }
-        if let Some(i) = (0..self.nodes.len()).find(|&i| refs[i] != self.nodes[i].refs) {
+        if let Some(i) = (0..self.slab.nodes.len()).find(|&i| refs[i] != self.slab.nodes[i].refs) {
             return Err(format!(
                 "LRU: node {i} counts {} heap entries, {} name it",
-                self.nodes[i].refs, refs[i]
+                self.slab.nodes[i].refs, refs[i]
             ));
         }
         let mut free = FxHashSet::default();
-        for &i in &self.free_nodes {
-            let n = &self.nodes[i as usize];
+        for &i in self.slab.free() {
+            let n = &self.slab.nodes[i as usize];
             if n.live || n.refs > 0 || !free.insert(i) {
                 return Err(format!("LRU: node {i} is free while in use"));
             }

@@ -12,7 +12,8 @@
 //!
 //! Rooms: `keys` (the key and its digest), `slots` (slot allocation, a
 //! chunk's state), `lru` / `arc` / `policy` (the policies and their dispatch),
-//! `requests` (per-request access records, the admission tracker), `load` /
+//! `requests` (per-request access records, the admission tracker), `slab` (the
+//! policies' nodes and their index by key), `load` /
 //! `store` (the calls that read and write the tier), `disk` (the disk tier
 //! below), `events`, `readouts`
 //! (accessors, metrics, views of the policy), `check` (invariants).
@@ -42,6 +43,7 @@ mod lru;
 mod policy;
 mod readouts;
 mod requests;
+mod slab;
 mod slots;
 mod store;
 #[cfg(test)]

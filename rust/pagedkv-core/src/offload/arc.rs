@@ -297,9 +297,6 @@ impl Arc {
         n: usize,
         protected: &Protected<'_>,
     ) -> Option<Vec<(OffloadKey, Chunk)>> {
-        if n == 0 {
-            return Some(Vec::new());
-        }
         let picked = self.select(n, protected)?;
         let mut out = Vec::with_capacity(n);
         for (i, from_t1) in picked {

@@ -327,9 +327,6 @@ impl Lru {
         n: usize,
         protected: &Protected<'_>,
     ) -> Option<Vec<(OffloadKey, Chunk)>> {
-        if n == 0 {
-            return Some(Vec::new());
-        }
         let mut selected: Vec<HeapEntry> = Vec::with_capacity(n);
         // a node can have two current entries (pinned and released at one rank)
         let mut picked: Option<FxHashSet<u32>> = (n > 16).then(FxHashSet::default);

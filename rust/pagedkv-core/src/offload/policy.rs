@@ -170,6 +170,9 @@ impl Policy {
         n: usize,
         protected: &Protected<'_>,
     ) -> Option<Vec<(OffloadKey, Chunk)>> {
+        if n == 0 {
+            return Some(Vec::new());
+        }
         each!(self, p => p.evict(n, protected))
     }
 

@@ -60,7 +60,7 @@ pub use slots::Chunk;
 
 use crate::error::{Result, invalid};
 use policy::Policy;
-use requests::{INSERTED, REUSED, ReqState, SEEN, Tracker};
+use requests::{ReqState, SEEN, Tracker};
 use slots::Slots;
 
 /// The caller's key for one request (one vLLM `ReqContext`).
@@ -375,25 +375,14 @@ impl OffloadTier {
         reaccessed.clear();
         let mut any_new = false;
         for (i, key) in keys.iter().enumerate() {
-            let info = state.info_mut(*key);
-            info.set_position(positions.get(i).copied().unwrap_or(-1));
-            let first_seen = info.set(SEEN);
-            if !info.has(INSERTED) {
-                info.set(REUSED);
-            }
-            let position = info.position();
-            if first_seen {
-                any_new = true;
-                state.push_seen(*key);
-                if let Some(p) = position {
-                    reaccessed.push((*key, p));
-                }
-            }
+            any_new |= state.read_ready(
+                *key,
+                positions.get(i).copied().unwrap_or(-1),
+                &mut reaccessed,
+            );
         }
         if any_new {
-            let mut slot = *state.rank_slot(generation);
-            self.policy.on_request_access(&reaccessed, &mut slot);
-            state.rank = slot;
+            commit_access(&mut self.policy, state, generation, &reaccessed);
         }
         self.scratch.reaccessed = reaccessed;
     }
@@ -411,6 +400,19 @@ impl OffloadTier {
             });
         }
     }
+}
+
+/// A request's first reads of resident keys reach the policy (LRU ranks them
+/// by the request's rank, drawn here if not yet).
+fn commit_access(
+    policy: &mut Policy,
+    state: &mut ReqState,
+    generation: u64,
+    reaccessed: &[(OffloadKey, i64)],
+) {
+    let mut slot = *state.rank_slot(generation);
+    policy.on_request_access(reaccessed, &mut slot);
+    state.rank = slot;
 }
 
 fn check_positions(keys: &[OffloadKey], positions: &[i64]) -> Result<()> {

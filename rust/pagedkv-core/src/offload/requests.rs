@@ -151,6 +151,32 @@ impl ReqState {
         self.order.push(key);
     }
 
+    /// The request read a ready chunk (loaded it, or offered it again):
+    /// records the position (negative: not known), the sighting, and reuse
+    /// unless the request stored it. A first sighting with a known position
+    /// goes to `reaccessed` (the policy ranks it). Whether it was first seen.
+    pub(super) fn read_ready(
+        &mut self,
+        key: OffloadKey,
+        position: i64,
+        reaccessed: &mut Vec<(OffloadKey, i64)>,
+    ) -> bool {
+        let info = self.info_mut(key);
+        info.set_position(position);
+        let first_seen = info.set(SEEN);
+        if !info.has(INSERTED) {
+            info.set(REUSED);
+        }
+        let position = info.position();
+        if first_seen {
+            self.push_seen(key);
+            if let Some(p) = position {
+                reaccessed.push((key, p));
+            }
+        }
+        first_seen
+    }
+
     /// Records positions (negative: not known) for `keys`.
     pub(super) fn record_positions(&mut self, keys: &[OffloadKey], positions: &[i64]) {
         for (k, &p) in keys.iter().zip(positions) {

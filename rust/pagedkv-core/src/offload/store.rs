@@ -2,8 +2,8 @@
 //! completion.
 
 use super::policy::Protected;
-use super::requests::{INSERTED, REUSED, ReqState, SEEN, STORE_MISS};
-use super::{Chunk, OffloadKey, OffloadTier, ReqKey, StoreOutput, check_positions};
+use super::requests::{INSERTED, ReqState, SEEN, STORE_MISS};
+use super::{Chunk, OffloadKey, OffloadTier, ReqKey, StoreOutput, check_positions, commit_access};
 use crate::error::{Result, invalid};
 
 /// `prepare_store`'s working lists, kept for their capacity.
@@ -92,44 +92,40 @@ impl OffloadTier {
         let mut any_new = false;
         for (i, (key, r)) in keys.iter().zip(resident).enumerate() {
             let p = positions.get(i).copied().unwrap_or(-1);
-            // absent keys pass the admission filter; ready ones are reused
-            let admitted = match r {
-                None => self
-                    .tracker
-                    .as_ref()
-                    .is_none_or(|t| t.count(key) >= threshold),
-                Some(ready) => *ready,
-            };
-            if r.is_none() && !admitted {
-                self.stores_skipped += 1;
-            }
-            if p < 0 && !admitted {
-                continue;
-            }
-            let info = state.info_mut(*key);
-            info.set_position(p);
-            if !admitted {
-                continue;
-            }
-            let first_seen = info.set(SEEN);
-            let position = info.position();
-            if r.is_none() {
-                if info.set(STORE_MISS) {
-                    sc.misses.push(*key);
+            match r {
+                // resident and ready: reused
+                Some(true) => any_new |= state.read_ready(*key, p, &mut sc.reaccessed),
+                // being written: only its position is recorded
+                Some(false) => {
+                    if p >= 0 {
+                        state.info_mut(*key).set_position(p);
+                    }
                 }
-                sc.inserted_new.push(info.set(INSERTED));
-                sc.positions.push(position);
-                to_store.push(*key);
-            } else if !info.has(INSERTED) {
-                info.set(REUSED);
-            }
-            if first_seen {
-                any_new = true;
-                state.push_seen(*key);
-                if r.is_some()
-                    && let Some(p) = position
-                {
-                    sc.reaccessed.push((*key, p));
+                None => {
+                    let admitted = self
+                        .tracker
+                        .as_ref()
+                        .is_none_or(|t| t.count(key) >= threshold);
+                    if !admitted {
+                        self.stores_skipped += 1;
+                        if p >= 0 {
+                            state.info_mut(*key).set_position(p);
+                        }
+                        continue;
+                    }
+                    let info = state.info_mut(*key);
+                    info.set_position(p);
+                    let first_seen = info.set(SEEN);
+                    if info.set(STORE_MISS) {
+                        sc.misses.push(*key);
+                    }
+                    sc.inserted_new.push(info.set(INSERTED));
+                    sc.positions.push(info.position());
+                    to_store.push(*key);
+                    if first_seen {
+                        any_new = true;
+                        state.push_seen(*key);
+                    }
                 }
             }
         }
@@ -137,9 +133,7 @@ impl OffloadTier {
             self.policy.on_store_miss(&sc.misses);
         }
         if any_new {
-            let mut slot = *state.rank_slot(generation);
-            self.policy.on_request_access(&sc.reaccessed, &mut slot);
-            state.rank = slot;
+            commit_access(&mut self.policy, state, generation, &sc.reaccessed);
         }
         let result = self.reserve(req, to_store, offered, &sc);
         self.scratch.store = sc;

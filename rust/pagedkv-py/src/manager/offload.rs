@@ -26,6 +26,11 @@ type TransferTuple<'py> = (
     Bound<'py, PyArray1<i64>>,
 );
 
+/// Host block ids as int64 (below 2**31 * `blocks_per_chunk` < 2**63).
+fn host_array<'py>(py: Python<'py>, blocks: &[u64]) -> Bound<'py, PyArray1<i64>> {
+    PyArray1::from_vec(py, blocks.iter().map(|&b| b as i64).collect())
+}
+
 fn transfer_list<'py>(py: Python<'py>, ts: Vec<Transfer>) -> PyResult<Bound<'py, PyList>> {
     let items: Vec<TransferTuple<'py>> = ts
         .into_iter()
@@ -35,8 +40,7 @@ fn transfer_list<'py>(py: Python<'py>, ts: Vec<Transfer>) -> PyResult<Bound<'py,
                 t.request_id,
                 t.group,
                 PyArray1::from_vec(py, ids_i32(&t.device_blocks)),
-                // Host blocks are below 2**31 * blocks_per_chunk < 2**63.
-                PyArray1::from_vec(py, t.host_blocks.iter().map(|&b| b as i64).collect()),
+                host_array(py, &t.host_blocks),
             )
         })
         .collect();
@@ -49,14 +53,7 @@ type DiskTuple<'py> = (u64, u32, Bound<'py, PyArray1<i64>>, Option<u64>);
 fn disk_list<'py>(py: Python<'py>, ts: Vec<DiskTransfer>) -> PyResult<Bound<'py, PyList>> {
     let items: Vec<DiskTuple<'py>> = ts
         .into_iter()
-        .map(|t| {
-            (
-                t.job,
-                t.group,
-                PyArray1::from_vec(py, t.host_blocks.iter().map(|&b| b as i64).collect()),
-                t.load_job,
-            )
-        })
+        .map(|t| (t.job, t.group, host_array(py, &t.host_blocks), t.load_job))
         .collect();
     PyList::new(py, items)
 }

@@ -211,7 +211,7 @@ class KVCacheManager(_core.KVCacheManager):
                 disk_path=None if offload.disk_path is None else os.fspath(offload.disk_path),
                 disk_bytes=offload.disk_bytes,
                 disk_chunk_bytes=(
-                    0 if offload.disk_path is None else offload.disk_chunk_bytes(kv_cache_config)
+                    offload.disk_chunk_bytes(kv_cache_config) if offload.has_disk else 0
                 ),
             )
         return self

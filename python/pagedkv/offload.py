@@ -121,6 +121,11 @@ class OffloadConfig:
             its checksum checked (a corrupt or truncated chunk fails its load:
             recomputed, never served). Needs ``store_threshold`` 1.
         disk_bytes: the disk tier's bound in bytes (its file, headers included).
+        disk_index_only: a disk tier of ``disk_bytes`` with no ``disk_path``:
+            only its index is kept (which chunks such a disk would hold, and
+            what it would evict), no file and no bytes moved;
+            ``read_disk_chunk`` / ``write_disk_chunk`` take empty buffers. For
+            simulators.
     """
 
     cpu_bytes: int
@@ -132,10 +137,16 @@ class OffloadConfig:
     write_back_window: int = 256
     disk_path: str | os.PathLike[str] | None = None
     disk_bytes: int = 0
+    disk_index_only: bool = False
 
     def __post_init__(self) -> None:
-        if (self.disk_path is None) != (self.disk_bytes == 0):
-            raise ValueError("disk_path and disk_bytes go together (a disk tier needs both)")
+        if self.disk_index_only and self.disk_path is not None:
+            raise ValueError("disk_index_only is a disk tier without a disk_path")
+        if (self.disk_path is None and not self.disk_index_only) != (self.disk_bytes == 0):
+            raise ValueError(
+                "disk_path (or disk_index_only) and disk_bytes go together"
+                " (a disk tier needs both)"
+            )
         if not isinstance(self.disk_bytes, int) or isinstance(self.disk_bytes, bool):
             raise ValueError(f"disk_bytes must be an int, got {self.disk_bytes!r}")
         if self.disk_bytes < 0:
@@ -167,6 +178,11 @@ class OffloadConfig:
             for t in kv_cache_config.kv_cache_tensors
             if layers.intersection(t.shared_by)
         )
+
+    @property
+    def has_disk(self) -> bool:
+        """Whether there is a disk tier below host memory."""
+        return self.disk_bytes > 0
 
     def disk_chunk_bytes(self, kv_cache_config: KVCacheConfig) -> int:
         """Bytes of one group's chunk on disk (every group's must match)."""

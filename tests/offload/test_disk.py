@@ -24,6 +24,7 @@ def k(i: int) -> bytes:
 
 def test_chunks_round_trip_and_the_least_recently_used_goes_first(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, 3 * (HEADER + CHUNK), CHUNK, enable_events=True)
+    assert tier.path is not None
     assert tier.num_slots == 3 and tier.path.parent == tmp_path
     for i in range(3):
         assert tier.put(k(i), bytes([i]) * CHUNK)
@@ -51,6 +52,7 @@ def test_a_corrupt_or_cut_slot_is_a_counted_miss(tmp_path: Path) -> None:
     tier = DiskTier(tmp_path, 4 * (HEADER + CHUNK), CHUNK)
     tier.put(k(1), b"\x01" * CHUNK)
     tier.put(k(2), b"\x02" * CHUNK)
+    assert tier.path is not None
     with open(tier.path, "r+b") as f:
         f.seek(HEADER + 5)
         f.write(b"\xff")
@@ -86,9 +88,24 @@ def test_hostile_paths_and_sizes_are_refused(tmp_path: Path) -> None:
         tier.put(k(1), "text")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError):
         tier.get_into(k(1), np.zeros(CHUNK + 1, dtype=np.uint8))
+    assert tier.path is not None
     assert len(tier) == 0 and sorted(os.listdir(tmp_path)) == sorted(
         ["file", "link", "ro", tier.path.name]
     )
+
+
+def test_an_index_only_tier_keeps_no_file_and_moves_no_bytes(tmp_path: Path) -> None:
+    tier = DiskTier(None, 2 * (HEADER + CHUNK), CHUNK, enable_events=True)
+    assert tier.path is None and tier.num_slots == 2
+    with pytest.raises(InvalidArgumentError):
+        tier.put(k(1), b"\x01" * CHUNK)  # no bytes move
+    assert tier.put(k(1), b"") and tier.put(k(2), b"")
+    assert tier.get(k(1)) == b""
+    assert tier.put(k(3), b"")  # 2 was the least recently used
+    assert k(2) not in tier and k(1) in tier and k(3) in tier
+    c = tier.counters()
+    assert (c["writes"], c["evictions"], c["bytes_written"]) == (3, 1, 3 * CHUNK)
+    tier.check_invariants()
 
 
 def test_a_full_disk_refuses_the_write_and_keeps_serving(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ slots vLLM's CPU tier (fresh first)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -452,3 +453,45 @@ def test_a_full_disk_refuses_the_write_through_and_keeps_serving(tmp_path: Path)
         cwd=Path(__file__).parents[2],
     )
     assert out.stdout.split() == ["True", "False", "1", "1", "1", "2", "0"]
+
+
+def test_an_index_only_disk_tier_hits_as_a_disk_of_its_size_would(tmp_path: Path) -> None:
+    # The scenario of test_disk_tier_writes_through_and_reads_back with no file:
+    # the same chunks are found on disk, and no byte is read or written.
+    off = pk.OffloadConfig(cpu_bytes=10 * PAGE, disk_bytes=1 << 16, disk_index_only=True)
+    m = pk.KVCacheManager(config(), 256, offload=off)
+    empty = np.zeros(0, dtype=np.uint8)
+
+    def run(plan: pk.TransferPlan) -> None:
+        for r in plan.disk_reads:
+            assert m.read_disk_chunk(r.job, empty)
+        m.complete_transfers(plan.jobs)
+        for w in plan.disk_writes:
+            assert m.write_disk_chunk(w.job, b"")
+
+    for rid, seed in (("r0", 1), ("r1", 2)):
+        m.add_request(rid, prompt(seed, 40))
+        admit(m, rid)
+        run(m.take_transfer_plan())
+        m.remove_request(rid)
+        run(m.take_transfer_plan())
+    m.add_request("r2", prompt(1, 44))
+    assert admit(m, "r2")[:2] == (20, 20)
+    plan = m.take_transfer_plan()
+    assert len(plan.disk_reads) == 5
+    with pytest.raises(InvalidArgumentError, match="bytes"):
+        m.read_disk_chunk(plan.disk_reads[0].job, np.zeros(PAGE, dtype=np.uint8))
+    run(plan)
+    stats = m.offload_stats()
+    assert stats is not None
+    assert (stats["disk_hits"], stats["disk_reads_completed"], stats["disk_tier_chunks"]) == (
+        5,
+        5,
+        20,
+    )
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="without a disk_path"):
+        pk.OffloadConfig(
+            cpu_bytes=PAGE, disk_path=tmp_path, disk_bytes=1 << 16, disk_index_only=True
+        )
+    m.check_invariants()

@@ -27,7 +27,7 @@ fn manager(d: &std::path::Path, host_chunks: u64) -> KvCacheManager {
     let mut m = KvCacheManager::new(ManagerConfig::full_attention(16, 4, 256)).unwrap();
     m.enable_offload(OffloadConfig {
         disk: Some(DiskConfig {
-            dir: d.to_owned(),
+            dir: Some(d.to_owned()),
             capacity_bytes: 1 << 20,
             chunk_bytes: CHUNK as u64,
             enable_events: false,
@@ -177,7 +177,7 @@ fn a_prefix_on_disk_is_read_back_through_host_memory() {
 fn a_corrupt_disk_chunk_fails_its_load() {
     let d = dir("corrupt");
     let (mut m, mut model) = on_disk_only(&d);
-    let path = m.offload_disk().unwrap().path().to_owned();
+    let path = m.offload_disk().unwrap().path().unwrap().to_owned();
     std::fs::write(&path, vec![0xAB; 64]).unwrap(); // truncated and overwritten
     add(&mut m, "r2", prompt(1, 44));
     assert_eq!(admit(&mut m, "r2").1, 20);

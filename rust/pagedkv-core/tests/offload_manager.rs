@@ -341,7 +341,7 @@ fn random_serving_never_serves_wrong_kv() {
             let _ = std::fs::remove_dir_all(&disk_dir);
             std::fs::create_dir_all(&disk_dir).unwrap();
             pagedkv_core::offload::DiskConfig {
-                dir: disk_dir.clone(),
+                dir: Some(disk_dir.clone()),
                 capacity_bytes: 2_000,
                 chunk_bytes: 32 * u64::from(bpc),
                 enable_events: false,
@@ -527,7 +527,7 @@ fn random_serving_never_serves_wrong_kv() {
             }
             // Now and then the disk loses a chunk's bytes.
             if with_disk && next(16) == 0 {
-                let path = m.offload_disk().unwrap().path().to_owned();
+                let path = m.offload_disk().unwrap().path().unwrap().to_owned();
                 let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
                 let len = f.metadata().unwrap().len();
                 if len > 0 {

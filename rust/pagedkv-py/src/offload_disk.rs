@@ -21,7 +21,8 @@ fn read_name(r: DiskRead) -> &'static str {
 }
 
 /// A disk tier of offloaded KV chunks: one file of fixed-size slots in a
-/// directory, bounded in bytes, LRU, every slot checked when read.
+/// directory, bounded in bytes, LRU, every slot checked when read; with no
+/// directory, the index only (reads and writes take empty buffers).
 #[pyclass(name = "DiskTier", module = "pagedkv._core")]
 #[derive(Debug)]
 pub struct PyDiskTier {
@@ -33,7 +34,7 @@ impl PyDiskTier {
     #[new]
     #[pyo3(signature = (path, capacity_bytes, chunk_bytes, enable_events = false))]
     fn new(
-        path: PathBuf,
+        path: Option<PathBuf>,
         capacity_bytes: i64,
         chunk_bytes: i64,
         enable_events: bool,
@@ -49,10 +50,11 @@ impl PyDiskTier {
         })
     }
 
-    /// The file holding the chunks (removed with the tier).
+    /// The file holding the chunks (removed with the tier); None for an
+    /// index-only tier.
     #[getter]
-    fn path(&self) -> PathBuf {
-        self.inner.path().to_owned()
+    fn path(&self) -> Option<PathBuf> {
+        self.inner.path().map(std::path::Path::to_owned)
     }
 
     #[getter]
@@ -88,7 +90,7 @@ impl PyDiskTier {
         let key = offload_key(key)?;
         let mut tier = borrow_mut(slf)?;
         // chunk_bytes is at most 2**34 (checked when the tier was built)
-        let mut buf = vec![0u8; tier.inner.chunk_bytes() as usize];
+        let mut buf = vec![0u8; tier.inner.payload_bytes() as usize];
         Ok(match tier.inner.get(&key, &mut buf)? {
             DiskRead::Hit => Some(PyBytes::new(slf.py(), &buf)),
             DiskRead::Miss | DiskRead::Corrupt => None,

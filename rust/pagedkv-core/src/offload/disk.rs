@@ -6,6 +6,10 @@
 //!
 //! The tier owns only its file: created new in the directory (never an existing
 //! path, never through a symlink), removed when the tier is dropped.
+//!
+//! Without a directory the tier keeps only its index: which chunks a disk of
+//! `capacity_bytes` would hold and what it would evict, with no file and no
+//! bytes moved (a simulator's disk; reads and writes take empty buffers).
 
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
@@ -31,8 +35,9 @@ static NEXT_FILE: AtomicU64 = AtomicU64::new(0);
 /// How a disk tier is built.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DiskConfig {
-    /// An existing, writable directory (not a symlink).
-    pub dir: PathBuf,
+    /// An existing, writable directory (not a symlink); `None`: no file, the
+    /// index only (reads and writes move no bytes).
+    pub dir: Option<PathBuf>,
     /// The most bytes the tier's file may hold (headers included).
     pub capacity_bytes: u64,
     /// Bytes of one chunk's KV data.
@@ -94,8 +99,8 @@ impl DiskCounters {
 #[derive(Debug)]
 pub struct DiskTier {
     config: DiskConfig,
-    path: PathBuf,
-    file: File,
+    /// The file and its path; `None` for an index-only tier.
+    file: Option<(File, PathBuf)>,
     num_slots: u64,
     fresh: u64,
     free: Vec<u64>,
@@ -128,36 +133,13 @@ impl DiskTier {
                 config.capacity_bytes
             )));
         }
-        let meta = std::fs::symlink_metadata(&config.dir)
-            .map_err(|e| bad(format!("disk path {}: {e}", config.dir.display())))?;
-        if meta.file_type().is_symlink() || !meta.is_dir() {
-            return Err(bad(format!(
-                "disk path {} is not a directory",
-                config.dir.display()
-            )));
-        }
-        let name = format!(
-            "pagedkv-offload-{}-{}.bin",
-            std::process::id(),
-            NEXT_FILE.fetch_add(1, Ordering::Relaxed)
-        );
-        let path = config.dir.join(name);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .custom_flags(O_NOFOLLOW)
-            .open(&path)
-            .map_err(|e| {
-                bad(format!(
-                    "disk path {}: cannot create a file: {e}",
-                    config.dir.display()
-                ))
-            })?;
+        let file = match &config.dir {
+            Some(dir) => Some(Self::create_file(dir)?),
+            None => None,
+        };
         Ok(Self {
             events: config.enable_events.then(Vec::new),
             config,
-            path,
             file,
             num_slots,
             fresh: 0,
@@ -167,10 +149,51 @@ impl DiskTier {
         })
     }
 
-    /// The file holding the chunks.
+    fn create_file(dir: &Path) -> Result<(File, PathBuf)> {
+        let bad = |m: String| Error::InvalidConfig(m);
+        let meta = std::fs::symlink_metadata(dir)
+            .map_err(|e| bad(format!("disk path {}: {e}", dir.display())))?;
+        if meta.file_type().is_symlink() || !meta.is_dir() {
+            return Err(bad(format!(
+                "disk path {} is not a directory",
+                dir.display()
+            )));
+        }
+        let name = format!(
+            "pagedkv-offload-{}-{}.bin",
+            std::process::id(),
+            NEXT_FILE.fetch_add(1, Ordering::Relaxed)
+        );
+        let path = dir.join(name);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .custom_flags(O_NOFOLLOW)
+            .open(&path)
+            .map_err(|e| {
+                bad(format!(
+                    "disk path {}: cannot create a file: {e}",
+                    dir.display()
+                ))
+            })?;
+        Ok((file, path))
+    }
+
+    /// The file holding the chunks; `None` for an index-only tier.
     #[must_use]
-    pub fn path(&self) -> &Path {
-        &self.path
+    pub fn path(&self) -> Option<&Path> {
+        self.file.as_ref().map(|(_, p)| p.as_path())
+    }
+
+    /// Bytes a read or a write moves: one chunk's, or 0 for an index-only tier.
+    #[must_use]
+    pub fn payload_bytes(&self) -> u64 {
+        if self.file.is_some() {
+            self.config.chunk_bytes
+        } else {
+            0
+        }
     }
 
     /// Bytes of one chunk's KV data.
@@ -234,10 +257,10 @@ impl DiskTier {
     /// # Panics
     /// Never: a file without a free slot holds chunks to evict.
     pub fn put(&mut self, key: &OffloadKey, data: &[u8]) -> Result<bool> {
-        if data.len() as u64 != self.config.chunk_bytes {
+        if data.len() as u64 != self.payload_bytes() {
             return Err(invalid(format!(
                 "a disk chunk is {} bytes, got {}",
-                self.config.chunk_bytes,
+                self.payload_bytes(),
                 data.len()
             )));
         }
@@ -252,17 +275,19 @@ impl DiskTier {
             self.push_event(old, true);
             slot
         };
-        let mut buf = Self::header(key, data);
-        buf.extend_from_slice(data);
-        if let Err(e) = self.file.write_all_at(&buf, self.offset(slot)) {
-            debug_assert!(e.kind() != ErrorKind::Interrupted);
-            self.counters.write_errors += 1;
-            self.free.push(slot);
-            return Ok(false);
+        if let Some((file, _)) = &self.file {
+            let mut buf = Self::header(key, data);
+            buf.extend_from_slice(data);
+            if let Err(e) = file.write_all_at(&buf, self.offset(slot)) {
+                debug_assert!(e.kind() != ErrorKind::Interrupted);
+                self.counters.write_errors += 1;
+                self.free.push(slot);
+                return Ok(false);
+            }
         }
         self.index.insert(*key, slot);
         self.counters.writes += 1;
-        self.counters.bytes_written += data.len() as u64;
+        self.counters.bytes_written += self.config.chunk_bytes;
         self.push_event(*key, false);
         Ok(true)
     }
@@ -283,10 +308,10 @@ impl DiskTier {
     /// # Errors
     /// `InvalidArgument` when `out` is not one chunk's size.
     pub fn get(&mut self, key: &OffloadKey, out: &mut [u8]) -> Result<DiskRead> {
-        if out.len() as u64 != self.config.chunk_bytes {
+        if out.len() as u64 != self.payload_bytes() {
             return Err(invalid(format!(
                 "a disk chunk is {} bytes, the buffer {}",
-                self.config.chunk_bytes,
+                self.payload_bytes(),
                 out.len()
             )));
         }
@@ -294,11 +319,13 @@ impl DiskTier {
             self.counters.misses += 1;
             return Ok(DiskRead::Miss);
         };
-        let mut header = vec![0u8; HEADER_BYTES as usize];
         let off = self.offset(slot);
-        let ok = self.file.read_exact_at(&mut header, off).is_ok()
-            && self.file.read_exact_at(out, off + HEADER_BYTES).is_ok()
-            && header == Self::header(key, out);
+        let ok = self.file.as_ref().is_none_or(|(file, _)| {
+            let mut header = vec![0u8; HEADER_BYTES as usize];
+            file.read_exact_at(&mut header, off).is_ok()
+                && file.read_exact_at(out, off + HEADER_BYTES).is_ok()
+                && header == Self::header(key, out)
+        });
         if !ok {
             out.fill(0);
             self.index.remove(key);
@@ -309,7 +336,7 @@ impl DiskTier {
         }
         self.index.to_back(key);
         self.counters.hits += 1;
-        self.counters.bytes_read += out.len() as u64;
+        self.counters.bytes_read += self.config.chunk_bytes;
         Ok(DiskRead::Hit)
     }
 
@@ -365,7 +392,9 @@ impl DiskTier {
 impl Drop for DiskTier {
     fn drop(&mut self) {
         // only the file this tier created
-        let _ = std::fs::remove_file(&self.path);
+        if let Some((_, path)) = &self.file {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
@@ -387,7 +416,7 @@ mod tests {
 
     fn tier(d: &Path, slots: u64) -> DiskTier {
         DiskTier::open(DiskConfig {
-            dir: d.to_owned(),
+            dir: Some(d.to_owned()),
             capacity_bytes: slots * (HEADER_BYTES + 8),
             chunk_bytes: 8,
             enable_events: true,
@@ -424,7 +453,7 @@ mod tests {
         );
         assert_eq!(t.counters().evictions, 1);
         t.check_invariants().unwrap();
-        let path = t.path().to_owned();
+        let path = t.path().unwrap().to_owned();
         drop(t);
         assert!(!path.exists());
         std::fs::remove_dir_all(&d).unwrap();
@@ -437,7 +466,10 @@ mod tests {
         t.put(&k(1), &[1; 8]).unwrap();
         t.put(&k(2), &[2; 8]).unwrap();
         // flip one payload byte of slot 0
-        let f = OpenOptions::new().write(true).open(t.path()).unwrap();
+        let f = OpenOptions::new()
+            .write(true)
+            .open(t.path().unwrap())
+            .unwrap();
         f.write_all_at(&[9], HEADER_BYTES + 3).unwrap();
         let mut out = [7u8; 8];
         assert_eq!(t.get(&k(1), &mut out).unwrap(), DiskRead::Corrupt);
@@ -459,7 +491,7 @@ mod tests {
     fn bad_configuration_and_buffers_are_refused() {
         let d = dir("bad");
         let cfg = |dir: PathBuf, capacity_bytes| DiskConfig {
-            dir,
+            dir: Some(dir),
             capacity_bytes,
             chunk_bytes: 8,
             enable_events: false,
@@ -479,5 +511,34 @@ mod tests {
         t.check_invariants().unwrap();
         drop(t);
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn an_index_only_tier_holds_and_evicts_as_its_capacity_says() {
+        let mut t = DiskTier::open(DiskConfig {
+            dir: None,
+            capacity_bytes: 2 * (HEADER_BYTES + 8) + 5,
+            chunk_bytes: 8,
+            enable_events: true,
+        })
+        .unwrap();
+        assert_eq!((t.num_slots(), t.payload_bytes(), t.path()), (2, 0, None));
+        // buffers are empty: no bytes move
+        assert!(t.put(&k(1), &[1; 8]).is_err());
+        assert!(t.put(&k(1), &[]).unwrap());
+        assert!(t.put(&k(2), &[]).unwrap());
+        assert_eq!(t.get(&k(1), &mut []).unwrap(), DiskRead::Hit);
+        assert!(t.get(&k(1), &mut [0; 8]).is_err());
+        // 2 is the least recently used
+        assert!(t.put(&k(3), &[]).unwrap());
+        assert_eq!(t.get(&k(2), &mut []).unwrap(), DiskRead::Miss);
+        assert!(t.contains(&k(1)) && t.contains(&k(3)));
+        let c = t.counters();
+        assert_eq!(
+            (c.writes, c.hits, c.evictions, c.bytes_written, c.bytes_read),
+            (3, 1, 1, 24, 8)
+        );
+        assert_eq!(t.take_events().len(), 3);
+        t.check_invariants().unwrap();
     }
 }

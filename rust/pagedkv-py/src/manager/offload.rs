@@ -97,10 +97,11 @@ impl PyManager {
             enable_events,
             bytes_per_block: count("bytes_per_block", bytes_per_block)?,
             write_policy: WritePolicy::from_name(write_policy, window)?,
-            disk: disk_path
-                .map(|dir| -> PkResult<DiskConfig> {
+            // a path, or a bound without one: an index-only disk tier
+            disk: (disk_path.is_some() || disk_bytes != 0)
+                .then(|| -> PkResult<DiskConfig> {
                     Ok(DiskConfig {
-                        dir,
+                        dir: disk_path,
                         capacity_bytes: count("disk_bytes", disk_bytes)?,
                         chunk_bytes: count("disk_chunk_bytes", disk_chunk_bytes)?,
                         enable_events,

@@ -14,13 +14,18 @@ from dataclasses import replace
 from .. import presets
 from ..manager import HASH_ALGOS
 from ..sim.cluster import ROUTERS
+from ..sim.config import EVICTIONS
 from ..sim.perf import CLOCKS, GPUS
 from ..sim.runner import SimConfig
+from ..sim.tiers import OFFLOAD_POLICIES
 from ..sim.workloads import WORKLOADS
 from .options import (
     MAX_VARIANTS,
     UsageError,
     concurrency,
+    cpu_offload_gib,
+    disk_offload_gib,
+    host_link,
     positive_float,
     positive_int,
     replica_count,
@@ -43,6 +48,11 @@ AXES = (
     "router",
     "replicas",
     "max-concurrency",
+    "cpu-offload",
+    "disk-offload",
+    "offload-policy",
+    "host-link",
+    "eviction",
 )
 
 
@@ -122,6 +132,20 @@ def _apply_config(axis: str, value: str, cfg: SimConfig) -> SimConfig:
         return replace(cfg, replicas=replica_count(value))
     if axis == "max-concurrency":
         return replace(cfg, max_concurrency=concurrency(value))
+    if axis == "cpu-offload":
+        return replace(cfg, cpu_offload_gib=cpu_offload_gib(value))
+    if axis == "disk-offload":
+        return replace(cfg, disk_offload_gib=disk_offload_gib(value))
+    if axis == "offload-policy":
+        if value not in OFFLOAD_POLICIES:
+            raise ValueError(f"offload policies: {', '.join(OFFLOAD_POLICIES)}")
+        return replace(cfg, offload_policy=value)
+    if axis == "host-link":
+        return replace(cfg, host_link=host_link(value))
+    if axis == "eviction":
+        if value not in EVICTIONS:
+            raise ValueError(f"eviction policies: {', '.join(EVICTIONS)}")
+        return replace(cfg, eviction=value)
     if axis == "router":
         if value not in ROUTERS:
             raise ValueError(f"routers: {', '.join(ROUTERS)}")

@@ -82,3 +82,50 @@ def request_count(s: str) -> int:
             f"must be a positive integer up to {MAX_REQUESTS}, got {s}"
         )
     return v
+
+
+#: The most host memory (--cpu-offload) and disk (--disk-offload) per GPU, GiB.
+MAX_CPU_OFFLOAD_GIB = 65_536
+MAX_DISK_OFFLOAD_GIB = 1_048_576
+
+#: The fastest link --host-link and --disk-link take, GB/s.
+MAX_LINK_GBPS = 10_000
+
+
+def _gib(s: str, limit: int) -> float:
+    what = f"must be a number of GiB from 0 to {limit:,}"
+    v: float = number(s, float, what)
+    if not 0 <= v <= limit:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{what}, got {s}")
+    return v
+
+
+def cpu_offload_gib(s: str) -> float:
+    return _gib(s, MAX_CPU_OFFLOAD_GIB)
+
+
+def disk_offload_gib(s: str) -> float:
+    return _gib(s, MAX_DISK_OFFLOAD_GIB)
+
+
+def link_gbps(s: str) -> float:
+    what = f"must be GB/s in (0, {MAX_LINK_GBPS:,}]"
+    v: float = number(s, float, what)
+    if not 0 < v <= MAX_LINK_GBPS:
+        raise argparse.ArgumentTypeError(f"{what}, got {s}")
+    return v
+
+
+def host_link(s: str) -> str:
+    """A host link's name (``pagedkv.sim.tiers.HOST_LINKS``) or GB/s, as text."""
+    from ..sim.tiers import HOST_LINKS
+
+    if s in HOST_LINKS:
+        return s
+    try:
+        link_gbps(s)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be one of {', '.join(HOST_LINKS)} or GB/s in (0, {MAX_LINK_GBPS:,}], got {s}"
+        ) from None
+    return s

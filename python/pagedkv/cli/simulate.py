@@ -96,6 +96,13 @@ def run_simulate(args: argparse.Namespace, generate: Generate) -> int:
         args.replicas > 1 or any(a in ("replicas", "router") for a, _ in axes)
     ):
         raise UsageError("--engine vllm runs one replica")
+    tiered = args.cpu_offload > 0 or args.eviction != "lru" or any(
+        a in ("cpu-offload", "disk-offload", "eviction") for a, _ in axes
+    )
+    if args.engine == "vllm" and tiered:
+        raise UsageError(
+            "--engine vllm runs vLLM's device manager alone: drop --cpu-offload and --eviction"
+        )
     if args.vllm_python and args.engine != "vllm":
         raise UsageError("--vllm-python goes with --engine vllm")
     if args.trace and any(a == "workload" for a, _ in axes):
@@ -145,6 +152,12 @@ def run_simulate(args: argparse.Namespace, generate: Generate) -> int:
         slo_tpot_ms=args.slo_tpot,
         max_concurrency=args.max_concurrency,
         on_overlong=args.on_overlong,
+        cpu_offload_gib=args.cpu_offload,
+        disk_offload_gib=args.disk_offload,
+        offload_policy=args.offload_policy,
+        host_link=args.host_link,
+        disk_gbps=args.disk_link,
+        eviction=args.eviction,
     )
     variants: list[tuple[str, SimConfig, str, float]] = []
     # --sweep: every value gets a point, in order; one that is not a valid
@@ -160,6 +173,14 @@ def run_simulate(args: argparse.Namespace, generate: Generate) -> int:
         except UsageError as e:
             if not args.sweep:
                 raise
+            order.append((label, str(e)))
+            continue
+        if cfg.disk_offload_gib > 0 and cfg.cpu_offload_gib == 0:
+            e = UsageError(
+                f"{label}: a disk tier sits below host memory: --disk-offload needs --cpu-offload"
+            )
+            if not args.sweep:
+                raise e
             order.append((label, str(e)))
             continue
         same = next((v[0] for v in variants if v[1:] == (cfg, wname, scale)), None)

@@ -14,13 +14,19 @@ from ..manager import HASH_ALGOS
 from ..sim import runner
 from ..sim.cluster import ROUTERS
 from ..sim.perf import CLOCKS, GPUS
+from ..sim.config import DEFAULT_DISK_GBPS, EVICTIONS
+from ..sim.tiers import HOST_LINKS, OFFLOAD_POLICIES
 from ..sim.traces import FORMATS as TRACE_FORMATS
 from ..sim.workloads import ARRIVALS, WORKLOADS
 from .deployment import add_options
 from .options import (
     MAX_REQUESTS,
     concurrency,
+    cpu_offload_gib,
+    disk_offload_gib,
     fraction,
+    host_link,
+    link_gbps,
     positive_float,
     positive_int,
     replica_count,
@@ -53,7 +59,9 @@ GPUs (--gpu): {gpus}
 --sweep AXIS=V1,V2,... runs one per value of one axis and draws curves.
   axes: caching (on,off), block-size, hash ({hashes}), memory (GiB per GPU),
         num-blocks, model, workload, max-num-seqs, gpu, tp, quantization, clock, time-scale,
-        router ({routers}), replicas, max-concurrency; '--compare caching' = on,off
+        router ({routers}), replicas, max-concurrency, cpu-offload (GiB per GPU),
+        disk-offload, offload-policy (lru, arc), host-link, eviction (lru, arc, slru);
+        '--compare caching' = on,off
 
 examples:
   pagedkv simulate
@@ -64,6 +72,7 @@ examples:
   pagedkv simulate --slo-ttft 500 --slo-tpot 50 --find-max-rate
   pagedkv simulate --workload agentic --sweep memory=2,4,8,16,32 --csv s.csv --plot s.png
   pagedkv simulate --replicas 4 --router prefix-aware --memory 2
+  pagedkv simulate --trace mooncake.jsonl.gz --gpu H200 --sweep cpu-offload=0,256,1024
   pagedkv simulate --engine vllm --vllm-python /path/to/venv-with-vllm/bin/python
 
 exit status: 0 ok, 2 bad arguments or input, 3 the requested engine is unavailable.
@@ -199,6 +208,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     add_options(g, ("max_num_batched_tokens",))
     g.add_argument(
+        "--eviction",
+        choices=EVICTIONS,
+        default="lru",
+        help="the device pool's eviction policy: lru (vLLM's, the default), arc, or slru "
+        "(segmented LRU: blocks hit again outlive one-off prompts)",
+    )
+    g.add_argument(
         "--compare",
         action="append",
         default=[],
@@ -219,6 +235,43 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--vllm-python", metavar="PATH", help="a Python with vllm installed, for --engine vllm"
+    )
+    g = p.add_argument_group("host memory and disk tiers")
+    g.add_argument(
+        "--cpu-offload",
+        type=cpu_offload_gib,
+        default=0.0,
+        metavar="GiB",
+        help="host memory per GPU for KV blocks evicted from GPU memory (vLLM's "
+        "--kv-offloading-size is this times --tp; default 0: none)",
+    )
+    g.add_argument(
+        "--disk-offload",
+        type=disk_offload_gib,
+        default=0.0,
+        metavar="GiB",
+        help="disk per GPU below host memory, written through from it (default 0: none)",
+    )
+    g.add_argument(
+        "--offload-policy",
+        choices=OFFLOAD_POLICIES,
+        default="lru",
+        help="the host tier's eviction policy (vLLM's CPU offloading: lru or arc; default lru)",
+    )
+    g.add_argument(
+        "--host-link",
+        type=host_link,
+        metavar="LINK|GB/s",
+        help=f"each GPU's host link, one direction: {', '.join(HOST_LINKS)} "
+        f"({', '.join(f'{v:g}' for v in HOST_LINKS.values())} GB/s) or GB/s "
+        "(default: the GPU's, pcie4 for A100-80GB and L40S, else pcie5)",
+    )
+    g.add_argument(
+        "--disk-link",
+        type=link_gbps,
+        default=DEFAULT_DISK_GBPS,
+        metavar="GB/s",
+        help=f"the disk tier's GB/s per GPU, each way (default {DEFAULT_DISK_GBPS:g})",
     )
     g = p.add_argument_group("time and SLOs")
     g.add_argument(

@@ -41,10 +41,11 @@ from ..manager import KVCacheManager
 from .config import SimConfig
 from .deployment import deploy
 from .perf import step_time_model
-from .policy import Request, Scheduler, Timeline
+from .policy import Request, Scheduler, Timeline, timed_step
 from .result import SimResult
 from .serving import ServingProcess, make_manager
 from .steptime import Latencies, summarize
+from .tiers import tier_report
 from .workloads import Workload
 
 __all__ = ["ROUTERS", "run_cluster"]
@@ -196,8 +197,7 @@ def run_cluster(
         st = rep.sched.stats
         hits0, queries0 = st.first_hit_tokens, st.first_query_tokens
         start = rep.clock
-        done = rep.sched.step()
-        end = start + max(model.step_seconds(rep.sched.last_shape), 1e-9)
+        done, end = timed_step(rep.sched, model, start)
         rep.clock = end
         steps += 1
         tl.stepped(rep.sched, start, end, done)
@@ -270,6 +270,11 @@ def run_cluster(
                 }
                 for r in replicas
             ],
+            **tier_report(
+                cfg,
+                [r.sched.backend for r in replicas],
+                total(st.first_query_tokens for st in stats),
+            ),
         },
         series={
             "usage": usage,

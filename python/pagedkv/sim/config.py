@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MAX_CONTEXT", "OVERLONG", "SimConfig"]
+__all__ = ["DEFAULT_DISK_GBPS", "DEFAULT_MAX_CONTEXT", "EVICTIONS", "OVERLONG", "SimConfig"]
+
+#: The device pool's eviction policies (``SimConfig.eviction``): vLLM's LRU, and
+#: the manager's adaptive (ARC) and segmented (SLRU) ones
+EVICTIONS = ("lru", "arc", "slru")
+
+#: GB/s of the disk tier, each way: one PCIe 4.0 NVMe drive
+DEFAULT_DISK_GBPS = 6.0
 
 #: the longest request built-in workloads make unless --max-model-len says otherwise
 DEFAULT_MAX_CONTEXT = 16384
@@ -74,3 +81,18 @@ class SimConfig:
     #: model's context) is rejected and counted (``"reject"``), or fails the run
     #: (``"fail"``): :func:`admit`
     on_overlong: str = "reject"
+    #: GiB of host memory per GPU for a tier of evicted KV blocks under the
+    #: device pool (0: none; an instance of ``tp`` GPUs has ``tp`` times it,
+    #: vLLM's ``--kv-offloading-size``), its policy (``lru`` or ``arc``), and
+    #: GiB of disk per GPU below it (0: none)
+    cpu_offload_gib: float = 0.0
+    offload_policy: str = "lru"
+    disk_offload_gib: float = 0.0
+    #: each GPU's host link: ``pcie4``, ``pcie5``, ``nvlink-c2c`` or GB/s as
+    #: text; None: the GPU preset's (:mod:`pagedkv.sim.tiers`)
+    host_link: str | None = None
+    #: GB/s of the disk tier per GPU, each way
+    disk_gbps: float = DEFAULT_DISK_GBPS
+    #: the device pool's eviction policy: ``lru`` (vLLM's), or one of the
+    #: manager's others
+    eviction: str = "lru"

@@ -72,6 +72,7 @@ __all__ = [
     "drive",
     "drive_timed",
     "sessions",
+    "timed_step",
 ]
 
 
@@ -216,6 +217,9 @@ class Backend(ABC, Generic[R]):
 
     def __init__(self) -> None:
         self.stats = StepStats()
+        #: seconds the last step waited for copies before its forward pass
+        #: (loads from a host tier); 0 without one
+        self.transfer_s = 0.0
 
     @abstractmethod
     def add_request(self, req: R) -> None:
@@ -269,6 +273,21 @@ class Backend(ABC, Generic[R]):
     @abstractmethod
     def finish(self, req: R) -> None:
         """A request has all its output tokens: its blocks go back."""
+
+    def clock_to(self, t: float) -> None:
+        """The clock reached ``t`` (a step starts): background copies done by
+        then complete. Nothing to do without them."""
+
+    def step_ended(self, t: float) -> None:
+        """The step ended at ``t``: its background copies start."""
+
+    def next_transfer_done(self) -> float | None:
+        """When the next background copy completes; None: none in flight."""
+        return None
+
+    def transfers_pending(self) -> bool:
+        """Whether copies are in flight (their blocks held until they complete)."""
+        return False
 
 
 class Scheduler(Generic[R]):
@@ -433,7 +452,8 @@ class Scheduler(Generic[R]):
                 full_sequence_must_fit=cfg.full_sequence_must_fit,
                 has_scheduled_reqs=bool(self.running),
             ):
-                if not self.running:
+                # Blocks held by copies in flight come back when they complete.
+                if not self.running and not be.transfers_pending():
                     raise RuntimeError(
                         f"request {req.request_id!r} ({req.num_tokens} tokens) "
                         "can never be admitted"
@@ -601,6 +621,24 @@ class Timeline(Generic[R]):
             raise RuntimeError(f"{self.finished} of {len(self.items)} requests finished")
 
 
+def timed_step(sched: Scheduler[R], model: StepTimeModel, start: float) -> tuple[list[R], float]:
+    """One step of ``sched`` starting at ``start`` on the clock: returns the
+    requests that finished and when the step ends. It lasts what ``model`` says
+    its shape takes, plus the copies its forward pass waits for; background
+    copies complete as the clock passes them, and a step that could schedule
+    nothing because copies hold its blocks ends when the next one completes."""
+    be = sched.backend
+    be.clock_to(start)
+    done = sched.step()
+    end = start + max(model.step_seconds(sched.last_shape), 1e-9) + be.transfer_s
+    if not sched.last_scheduled:
+        nxt = be.next_transfer_done()
+        if nxt is not None:
+            end = max(end, nxt)
+    be.step_ended(end)
+    return done, end
+
+
 def drive_timed(
     sched: Scheduler[R],
     items: Sequence[R],
@@ -638,8 +676,7 @@ def drive_timed(
             req = items[i] if make_request is None else make_request(i)
             tl.lat.arrive(req.request_id, t, len(req.prompt))
             sched.add_request(req)
-        done = sched.step()
-        end = clock + max(model.step_seconds(sched.last_shape), 1e-9)
+        done, end = timed_step(sched, model, clock)
         tl.stepped(sched, clock, end, done)
         clock = end
         if on_step is not None:

@@ -89,6 +89,7 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
             "  incl. re-admissions",
             _pct(r.hit_tokens_all / r.query_tokens_all if r.query_tokens_all else 0.0),
         ),
+        *_tier_rows(r),
         ("preemptions", f"{r.preemptions:,}"),
         *_time_rows(r),
         ("peak running requests", f"{r.peak_running:,}"),
@@ -109,6 +110,50 @@ def _rows(r: SimResult) -> list[tuple[str, str]]:
                 f"{c['mamba_block_size']}-token blocks",
             ),
         )
+    return rows
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB"
+
+
+def _tier_rows(r: SimResult) -> list[tuple[str, str]]:
+    t = r.extra.get("tiers")
+    if not t:
+        return []
+    disk = t["disk_offload_gib_per_gpu"]
+    rows = [
+        (
+            "  on device / host / disk",
+            f"{_pct(t['device_hit_rate'])} / {_pct(t['host_hit_rate'])} / "
+            f"{_pct(t['disk_hit_rate'])}",
+        ),
+        (
+            "host tier",
+            f"{t['cpu_offload_gib_per_gpu']:,g} GiB per GPU ({t['host_tier'].get('num_chunks', 0):,}"
+            f" blocks), {t['offload_policy']}, {t['host_link_gbps_per_gpu']:g} GB/s link",
+        ),
+        (
+            "disk tier",
+            f"{disk:,g} GiB per GPU ({t['host_tier'].get('disk_tier_slots', 0):,} blocks), "
+            f"{t['disk_gbps_per_gpu']:g} GB/s"
+            if disk
+            else _OMIT,
+        ),
+        (
+            "  loads / stores",
+            f"{_gb(t['load_bytes'])} / {_gb(t['store_bytes'])}; steps waited "
+            f"{t['load_wait_s']:,.2f} s for loads",
+        ),
+        (
+            "  disk reads / writes",
+            f"{_gb(t['disk_read_bytes'])} / {_gb(t['disk_write_bytes'])}" if disk else _OMIT,
+        ),
+        (
+            "  host evictions / refused stores",
+            f"{t['host_tier'].get('evictions', 0):,} / {t['host_tier'].get('stores_refused', 0):,}",
+        ),
+    ]
     return rows
 
 

@@ -40,6 +40,7 @@ from .perf import step_time_model
 from .result import ProgressFn, SimResult, config_dict
 from .serving import SIM_HASH_SEED, ServingProcess, make_manager, scheduler_config
 from .steptime import Latencies, summarize
+from .tiers import tier_report
 from .vllm_runner import (
     NOT_AVAILABLE,
     EngineUnavailableError,
@@ -170,6 +171,7 @@ def run_pagedkv(
         timing=summarize(lat, slo_ttft_ms=cfg.slo_ttft_ms, slo_tpot_ms=cfg.slo_tpot_ms),
         rejected_requests=admitted.rejected_requests,
         rejected_prompt_tokens=admitted.rejected_prompt_tokens,
+        extra=tier_report(cfg, [sched.backend], st.first_query_tokens),
     )
 
 

@@ -16,12 +16,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..manager import KVCacheManager
+from ..offload import OffloadConfig
 from ..specs import KVCacheConfig
 from .backend import ManagerBackend
 from .config import SimConfig
-from .deployment import mamba_block_size
+from .deployment import kv_split_ways, mamba_block_size
 from .policy import Request, Scheduler, SchedulerConfig, drive_timed
 from .steptime import Latencies, StepTimeModel
+from .tiers import TierCounters, TieredBackend, host_link_gbps, offload_config
 
 __all__ = ["SIM_HASH_SEED", "ServingProcess", "make_manager", "scheduler_config"]
 
@@ -47,15 +49,19 @@ def make_manager(
     *,
     enable_kv_cache_events: bool = False,
     background_hashing: bool | None = None,
+    offload: OffloadConfig | None = None,
 ) -> KVCacheManager:
     """The manager of one simulated serving process. Every manager of a
     simulation hashes alike: the non-cryptographic algorithms, which draw a
     random seed per manager by default, share one seed (replicas and the
     router's hasher must agree on every block hash); ``sha256_cbor`` keeps
-    vLLM's fixed default. ``background_hashing`` None: the configuration's."""
+    vLLM's fixed default. ``background_hashing`` None: the configuration's.
+    ``offload``: a host tier under it (:func:`~pagedkv.sim.tiers.offload_config`)."""
+    options = {} if cfg.eviction == "lru" else {"eviction": cfg.eviction}
     return KVCacheManager(
         config,
         max_model_len,
+        offload,
         enable_caching=cfg.enable_caching,
         hash_algo=cfg.hash_algo,
         hash_seed=None if cfg.hash_algo.startswith("sha256") else SIM_HASH_SEED,
@@ -65,6 +71,7 @@ def make_manager(
             cfg.background_hashing if background_hashing is None else background_hashing
         ),
         enable_kv_cache_events=enable_kv_cache_events,
+        **options,  # type: ignore[typeddict-item]
     )
 
 
@@ -87,15 +94,32 @@ class ServingProcess:
         background_hashing: bool | None = None,
     ) -> ServingProcess:
         """A fresh manager of ``config`` (:func:`make_manager`) under the policy
-        ``cfg`` sets (:func:`scheduler_config`)."""
+        ``cfg`` sets (:func:`scheduler_config`), over the tiers ``cfg`` asks
+        for (:mod:`pagedkv.sim.tiers`)."""
+        ways = kv_split_ways(cfg)
+        offload = offload_config(cfg, config, ways)
         kv = make_manager(
             cfg,
             config,
             max_model_len,
             enable_kv_cache_events=enable_kv_cache_events,
             background_hashing=background_hashing,
+            offload=offload,
         )
-        return cls(cfg, kv, Scheduler(ManagerBackend(kv), scheduler_config(cfg, config)))
+        backend: ManagerBackend = (
+            ManagerBackend(kv)
+            if offload is None
+            else TieredBackend(
+                kv, ways=ways, host_gbps=host_link_gbps(cfg), disk_gbps=cfg.disk_gbps
+            )
+        )
+        return cls(cfg, kv, Scheduler(backend, scheduler_config(cfg, config)))
+
+    @property
+    def tiers(self) -> TierCounters | None:
+        """The tiers' figures (None without a host tier)."""
+        be = self.sched.backend
+        return be.finish_counters() if isinstance(be, TieredBackend) else None
 
     def drive(
         self,

@@ -144,8 +144,7 @@ class OffloadConfig:
             raise ValueError("disk_index_only is a disk tier without a disk_path")
         if (self.disk_path is None and not self.disk_index_only) != (self.disk_bytes == 0):
             raise ValueError(
-                "disk_path (or disk_index_only) and disk_bytes go together"
-                " (a disk tier needs both)"
+                "disk_path (or disk_index_only) and disk_bytes go together (a disk tier needs both)"
             )
         if not isinstance(self.disk_bytes, int) or isinstance(self.disk_bytes, bool):
             raise ValueError(f"disk_bytes must be an int, got {self.disk_bytes!r}")

@@ -96,8 +96,10 @@ def run_simulate(args: argparse.Namespace, generate: Generate) -> int:
         args.replicas > 1 or any(a in ("replicas", "router") for a, _ in axes)
     ):
         raise UsageError("--engine vllm runs one replica")
-    tiered = args.cpu_offload > 0 or args.eviction != "lru" or any(
-        a in ("cpu-offload", "disk-offload", "eviction") for a, _ in axes
+    tiered = (
+        args.cpu_offload > 0
+        or args.eviction != "lru"
+        or any(a in ("cpu-offload", "disk-offload", "eviction") for a, _ in axes)
     )
     if args.engine == "vllm" and tiered:
         raise UsageError(
@@ -176,12 +178,12 @@ def run_simulate(args: argparse.Namespace, generate: Generate) -> int:
             order.append((label, str(e)))
             continue
         if cfg.disk_offload_gib > 0 and cfg.cpu_offload_gib == 0:
-            e = UsageError(
+            bad = UsageError(
                 f"{label}: a disk tier sits below host memory: --disk-offload needs --cpu-offload"
             )
             if not args.sweep:
-                raise e
-            order.append((label, str(e)))
+                raise bad
+            order.append((label, str(bad)))
             continue
         same = next((v[0] for v in variants if v[1:] == (cfg, wname, scale)), None)
         if same is not None:

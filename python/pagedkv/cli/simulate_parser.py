@@ -13,8 +13,8 @@ from .. import presets
 from ..manager import HASH_ALGOS
 from ..sim import runner
 from ..sim.cluster import ROUTERS
-from ..sim.perf import CLOCKS, GPUS
 from ..sim.config import DEFAULT_DISK_GBPS, EVICTIONS
+from ..sim.perf import CLOCKS, GPUS
 from ..sim.tiers import HOST_LINKS, OFFLOAD_POLICIES
 from ..sim.traces import FORMATS as TRACE_FORMATS
 from ..sim.workloads import ARRIVALS, WORKLOADS

@@ -119,16 +119,31 @@ def run_sweep(
         sys.stdout.write(json_text(doc))
         return write_outputs(out, True, outputs)
     t = Table(title=f"pagedkv simulate: sweep of {axis}", title_justify="left")
-    for col in (axis, "hit rate", "preemptions", "TTFT p50 / p99 ms", "TPOT p99 ms", "req/s"):
+    tiered = any(p.get("host_hit_rate") or p.get("disk_hit_rate") for p in points)
+    cols = [axis, "capacity tokens", "hit rate"]
+    if tiered:
+        cols.append("device / host / disk")
+    cols += ["preemptions", "TTFT p50 / p99 ms", "TPOT p99 ms", "req/s"]
+    for col in cols:
         t.add_column(col, justify="right")
     for p in points:
         if p["status"] != "ok":
             reason = p["reason"].split(". ")[0]
-            t.add_row(str(p["value"]), f"{p['status']}: {reason}", "", "", "", "")
+            t.add_row(str(p["value"]), "", f"{p['status']}: {reason}", *[""] * (len(cols) - 3))
             continue
+        tiers = (
+            [
+                f"{100 * p['device_hit_rate']:.1f} / {100 * p['host_hit_rate']:.1f} / "
+                f"{100 * p['disk_hit_rate']:.1f}%"
+            ]
+            if tiered
+            else []
+        )
         t.add_row(
             str(p["value"]),
+            f"{p['capacity_tokens']:,}",
             f"{100 * p['hit_rate']:.1f}%",
+            *tiers,
             f"{p['preemptions']:,}",
             f"{p['ttft_ms']['p50']:,.1f} / {p['ttft_ms']['p99']:,.1f}",
             f"{p['tpot_ms']['p99']:,.1f}",

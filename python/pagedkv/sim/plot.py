@@ -17,7 +17,17 @@ from typing import Any
 from .outputs import open_output
 from .runner import SimResult
 
-__all__ = ["FIGSIZE", "ROLLING_STEPS", "plot_results", "plot_sweep", "rolling_hit_rate"]
+#: sweep axes that change how much the caches hold
+CAPACITY_AXES = ("memory", "num-blocks", "cpu-offload", "disk-offload")
+
+__all__ = [
+    "CAPACITY_AXES",
+    "FIGSIZE",
+    "ROLLING_STEPS",
+    "plot_results",
+    "plot_sweep",
+    "rolling_hit_rate",
+]
 
 #: inches at 100 dpi: a 1200 x 900 pixel image
 FIGSIZE = (12.0, 9.0)
@@ -126,8 +136,14 @@ def plot_sweep(
     """A sweep's figures against the swept value: hit rate (the theoretical
     ceiling as a dashed line), preemptions, TTFT p99 and throughput. Points that
     did not run are left out; a numeric axis spanning a decade or more is
-    logarithmic."""
-    unit = {"memory": " (GiB per GPU)"}.get(axis, "")
+    logarithmic. A sweep of a cache's size (``CAPACITY_AXES``) draws the hit
+    rate against the total cache capacity in tokens (device, host and disk),
+    log-scaled, with the device's share of the hits beside it when tiers ran."""
+    unit = {
+        "memory": " (GiB per GPU)",
+        "cpu-offload": " (GiB per GPU)",
+        "disk-offload": " (GiB per GPU)",
+    }.get(axis, "")
     ran = [p for p in points if p.get("status") == "ok"]
     numeric = all(isinstance(p["value"], int | float) for p in ran)
     xs: list[Any] = [p["value"] if numeric else str(p["value"]) for p in ran]
@@ -150,6 +166,8 @@ def plot_sweep(
             ax.grid(True, alpha=0.3)
             if wide:
                 ax.set_xscale("log")
+        if axis in CAPACITY_AXES and ran:
+            _capacity_panel(axes[0, 0], ran)
         if ceiling is not None:
             ax = axes[0, 0]
             ax.axhline(100 * ceiling, ls="--", color="grey", label="ceiling (unlimited cache)")
@@ -157,3 +175,25 @@ def plot_sweep(
             ax.legend(loc="lower right", fontsize="small")
         fig.suptitle(title or f"pagedkv simulate: sweep of {axis}")
         fig.subplots_adjust(hspace=0.3, wspace=0.25)
+
+
+def _capacity_panel(ax: Any, ran: Sequence[dict[str, Any]]) -> None:
+    """The hit-rate panel redrawn against the total capacity in tokens."""
+    ax.clear()
+    caps = [p["capacity_tokens"] for p in ran]
+    ax.plot(caps, [100 * p["hit_rate"] for p in ran], marker="o", lw=1.2, label="all tiers")
+    if any(p.get("host_hit_rate") or p.get("disk_hit_rate") for p in ran):
+        ax.plot(
+            caps,
+            [100 * p["device_hit_rate"] for p in ran],
+            marker=".",
+            lw=1.0,
+            ls=":",
+            label="on the device",
+        )
+    ax.set_xscale("log")
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("cache capacity (tokens: device + host + disk)")
+    ax.set_ylabel("hit rate (%)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", fontsize="small")

@@ -122,6 +122,7 @@ def _tier_rows(r: SimResult) -> list[tuple[str, str]]:
     if not t:
         return []
     disk = t["disk_offload_gib_per_gpu"]
+    chunks = t["host_tier"].get("num_chunks", 0)
     rows = [
         (
             "  on device / host / disk",
@@ -130,8 +131,8 @@ def _tier_rows(r: SimResult) -> list[tuple[str, str]]:
         ),
         (
             "host tier",
-            f"{t['cpu_offload_gib_per_gpu']:,g} GiB per GPU ({t['host_tier'].get('num_chunks', 0):,}"
-            f" blocks), {t['offload_policy']}, {t['host_link_gbps_per_gpu']:g} GB/s link",
+            f"{t['cpu_offload_gib_per_gpu']:,g} GiB per GPU ({chunks:,} blocks), "
+            f"{t['offload_policy']}, {t['host_link_gbps_per_gpu']:g} GB/s link",
         ),
         (
             "disk tier",

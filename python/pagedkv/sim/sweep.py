@@ -22,6 +22,7 @@ from .runner import SimResult
 
 __all__ = [
     "CSV_COLUMNS",
+    "capacity_tokens",
     "failed_point",
     "invalid_point",
     "line",
@@ -39,6 +40,10 @@ CSV_COLUMNS = (
     "num_blocks",
     "kv_cache_gib",
     "hit_rate",
+    "device_hit_rate",
+    "host_hit_rate",
+    "disk_hit_rate",
+    "capacity_tokens",
     "preemptions",
     "rejected_requests",
     "ttft_ms_mean",
@@ -78,6 +83,8 @@ def point(axis: str, value: str, result: SimResult) -> dict[str, Any]:
     ``value`` is the variant's label): its figures, and under ``run`` the run's
     ``to_dict()``, which leaves the per-step series out."""
     t = result.timing
+    tiers = result.extra.get("tiers") or {}
+    hit = round(result.hit_rate, 6)
     return {
         "axis": axis,
         "value": _value(value),
@@ -85,7 +92,11 @@ def point(axis: str, value: str, result: SimResult) -> dict[str, Any]:
         "reason": "",
         "num_blocks": result.num_blocks,
         "kv_cache_gib": result.config["kv_cache_gib"],
-        "hit_rate": round(result.hit_rate, 6),
+        "hit_rate": hit,
+        "device_hit_rate": tiers.get("device_hit_rate", hit),
+        "host_hit_rate": tiers.get("host_hit_rate", 0.0),
+        "disk_hit_rate": tiers.get("disk_hit_rate", 0.0),
+        "capacity_tokens": capacity_tokens(result),
         "preemptions": result.preemptions,
         "rejected_requests": result.rejected_requests,
         **{k: t[k] for k in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "throughput")},
@@ -93,6 +104,16 @@ def point(axis: str, value: str, result: SimResult) -> dict[str, Any]:
         "slo_attainment": t.get("slo_attainment"),
         "run": result.to_dict(),
     }
+
+
+def capacity_tokens(result: SimResult) -> int:
+    """Tokens the run's caches hold in all: every replica's device blocks, and
+    its host and disk tiers' (the first group's block size)."""
+    c = result.config
+    host = (result.extra.get("tiers") or {}).get("host_tier", {})
+    blocks = result.usable_blocks * c.get("replicas", 1)
+    blocks += host.get("num_chunks", 0) + host.get("disk_tier_slots", 0)
+    return int(blocks * (c.get("group_block_sizes") or [c["block_size"]])[0])
 
 
 def run_point(axis: str, value: str, run: Callable[[], SimResult]) -> dict[str, Any]:

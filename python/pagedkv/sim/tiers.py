@@ -89,9 +89,7 @@ def host_link_gbps(cfg: SimConfig) -> float:
     try:
         v = float(name)
     except ValueError:
-        raise ValueError(
-            f"host link {name!r}: one of {', '.join(HOST_LINKS)} or GB/s"
-        ) from None
+        raise ValueError(f"host link {name!r}: one of {', '.join(HOST_LINKS)} or GB/s") from None
     if not (math.isfinite(v) and 0 < v <= 1e6):
         raise ValueError(f"host link {name!r}: GB/s must be in (0, 1e6]")
     return v
@@ -103,7 +101,9 @@ def offload_config(cfg: SimConfig, config: KVCacheConfig, ways: int) -> OffloadC
     ways. ValueError when host memory holds no chunk."""
     if cfg.cpu_offload_gib <= 0:
         if cfg.disk_offload_gib > 0:
-            raise ValueError("a disk tier sits below host memory: --disk-offload needs --cpu-offload")
+            raise ValueError(
+                "a disk tier sits below host memory: --disk-offload needs --cpu-offload"
+            )
         return None
     disk = int(cfg.disk_offload_gib * GIB * ways)
     off = OffloadConfig(
@@ -342,9 +342,7 @@ class TieredBackend(ManagerBackend):
         return self.tiers
 
 
-def tier_report(
-    cfg: SimConfig, backends: Sequence[object], query_tokens: int
-) -> dict[str, Any]:
+def tier_report(cfg: SimConfig, backends: Sequence[object], query_tokens: int) -> dict[str, Any]:
     """``{"tiers": ...}``: the tiers' setup and the figures of the tiered
     ``backends`` added up, for a run's ``extra``; empty without tiers."""
     tiered = [be for be in backends if isinstance(be, TieredBackend)]

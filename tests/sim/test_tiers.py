@@ -9,7 +9,6 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pagedkv as pk
 import pytest
 from pagedkv import cli
@@ -17,10 +16,10 @@ from pagedkv.sim import calibration as cal
 from pagedkv.sim.config import SimConfig
 from pagedkv.sim.deployment import deploy
 from pagedkv.sim.perf import step_time_model
-from pagedkv.sim.serving import ServingProcess
-from pagedkv.sim.steptime import Latencies
 from pagedkv.sim.policy import Request, Scheduler, timed_step
 from pagedkv.sim.runner import run_pagedkv
+from pagedkv.sim.serving import ServingProcess
+from pagedkv.sim.steptime import Latencies
 from pagedkv.sim.tiers import HOST_LINKS, TieredBackend, host_link_gbps
 from pagedkv.sim.workloads import Workload, WorkloadOptions, generate
 
@@ -125,7 +124,7 @@ def test_a_host_hit_is_loaded_before_the_step_that_uses_it() -> None:
     kv, sched, be = _sched(65536 / 1e9 * 1000)  # 1 ms a block
     prompt = list(range(64))
     sched.add_request(Request("a", prompt, [1]))
-    _, end = timed_step(sched, _Clock(), 0.0)
+    timed_step(sched, _Clock(), 0.0)
     be.clock_to(10.0)  # the stores complete
     kv.reset_prefix_cache()  # the device forgets: the host tier has the prefix
     sched.add_request(Request("b", [*prompt, 7, 8], [1]))

@@ -520,13 +520,26 @@ class PrefixIndex:
         block_hashes: Sequence[int | bytes] | npt.NDArray[np.uint64],
         parent_block_hash: int | bytes | None = None,
         group_idx: int | None = None,
+        medium: str | None = None,
     ) -> None: ...
     def remove(
         self,
         replica: int,
         block_hashes: Sequence[int | bytes] | npt.NDArray[np.uint64],
         group_idx: int | None = None,
+        medium: str | None = None,
     ) -> None: ...
+    def match_tiers(
+        self,
+        block_hashes: Sequence[int | bytes] | npt.NDArray[np.uint64],
+        group_idx: int | None = None,
+    ) -> list[list[int]]: ...
+    def weighted_match(
+        self,
+        block_hashes: Sequence[int | bytes] | npt.NDArray[np.uint64],
+        weights: tuple[float, float, float] | Sequence[float],
+        group_idx: int | None = None,
+    ) -> list[float]: ...
     def clear(self, replica: int) -> None: ...
     def apply_events(self, replica: int, events: Iterable[Any]) -> int: ...
     def match_lengths(

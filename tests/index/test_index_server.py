@@ -104,6 +104,9 @@ HOSTILE: dict[str, tuple[bytes, ...]] = {
             {"op": "longest_prefix", "block_hashes": [1] * (MAX_QUERY_HASHES + 1)}
         ),
     ),
+    "bad_weights": (
+        msgspec.msgpack.encode({"op": "longest_prefix", "block_hashes": [1], "weights": [1, 2]}),
+    ),
     "entries_without_replica": (msgspec.msgpack.encode({"op": "entries"}),),
     "entries_int_replica": (msgspec.msgpack.encode({"op": "entries", "replica": 3}),),
     "two_frames": (msgspec.msgpack.encode({"op": "status"}), b"more"),
@@ -118,7 +121,14 @@ def test_every_hostile_query_gets_an_error_and_the_server_keeps_answering(
         assert isinstance(reply, dict) and "error" in reply, name
         # Still answering good queries.
         good = server.ask({"op": "longest_prefix", "block_hashes": [1, 2]})
-        assert good == {"replica": None, "num_blocks": 0, "lengths": {}, "stale": []}, name
+        assert good == {
+            "replica": None,
+            "num_blocks": 0,
+            "lengths": {},
+            "tiers": {},
+            "weighted": {},
+            "stale": [],
+        }, name
     status = server.ask({"op": "status"})
     assert status["queries"]["rejected"] == len(HOSTILE)
     assert status["queries"]["last_error"]

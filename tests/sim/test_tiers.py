@@ -255,3 +255,15 @@ def test_calibration_rows_keep_their_figures_with_a_host_tier(row: cal.Row) -> N
         assert abs(cal.error(row, tiered)) <= abs(row.recorded_error) + 0.005
     else:
         assert tiers.load_bytes > 0 and p1.sched.stats.hit_tokens > p0.sched.stats.hit_tokens
+
+
+def test_a_tier_aware_router_finds_more_hits_than_a_tier_blind_one() -> None:
+    """Replicas whose host tiers hold what their devices evicted: the router
+    weighing host hits at 0.75 sends a returning conversation where its prefix
+    is kept; weights of 0 see only the devices."""
+    w = generate("chat", WorkloadOptions(num_requests=300, max_context=4096, rate=0.15))
+    base = cfg(cpu_offload_gib=2.0, replicas=4, router="prefix-aware")
+    aware = run_pagedkv(w, base)
+    blind = run_pagedkv(w, replace(base, tier_weights=(0.0, 0.0)))
+    assert aware.extra["tiers"]["host_hit_tokens"] > blind.extra["tiers"]["host_hit_tokens"]
+    assert aware.hit_rate > blind.hit_rate

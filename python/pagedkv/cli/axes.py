@@ -29,6 +29,7 @@ from .options import (
     positive_float,
     positive_int,
     replica_count,
+    tier_weights,
 )
 
 AXES = (
@@ -52,6 +53,7 @@ AXES = (
     "disk-offload",
     "offload-policy",
     "host-link",
+    "tier-weights",
     "eviction",
 )
 
@@ -142,6 +144,8 @@ def _apply_config(axis: str, value: str, cfg: SimConfig) -> SimConfig:
         return replace(cfg, offload_policy=value)
     if axis == "host-link":
         return replace(cfg, host_link=host_link(value))
+    if axis == "tier-weights":
+        return replace(cfg, tier_weights=tier_weights(value))
     if axis == "eviction":
         if value not in EVICTIONS:
             raise ValueError(f"eviction policies: {', '.join(EVICTIONS)}")

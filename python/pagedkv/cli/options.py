@@ -129,3 +129,16 @@ def host_link(s: str) -> str:
             f"must be one of {', '.join(HOST_LINKS)} or GB/s in (0, {MAX_LINK_GBPS:,}], got {s}"
         ) from None
     return s
+
+
+def tier_weights(s: str) -> tuple[float, float]:
+    """``HOST:DISK``: what a prefix-aware router counts a block held in host
+    memory and on disk for, against 1 on the device (each from 0 to 1)."""
+    what = "must be HOST:DISK, two numbers from 0 to 1 (e.g. 0.75:0.25)"
+    parts = s.split(":")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"{what}, got {s}")
+    host, disk = (number(p, float, what) for p in parts)
+    if not (0 <= host <= 1 and 0 <= disk <= 1):
+        raise argparse.ArgumentTypeError(f"{what}, got {s}")
+    return (host, disk)

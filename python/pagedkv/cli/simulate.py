@@ -160,6 +160,7 @@ def run_simulate(args: argparse.Namespace, generate: Generate) -> int:
         host_link=args.host_link,
         disk_gbps=args.disk_link,
         eviction=args.eviction,
+        tier_weights=args.tier_weights,
     )
     variants: list[tuple[str, SimConfig, str, float]] = []
     # --sweep: every value gets a point, in order; one that is not a valid

@@ -31,6 +31,7 @@ from .options import (
     positive_int,
     replica_count,
     request_count,
+    tier_weights,
 )
 
 SIMULATE_HELP = """\
@@ -60,7 +61,8 @@ GPUs (--gpu): {gpus}
   axes: caching (on,off), block-size, hash ({hashes}), memory (GiB per GPU),
         num-blocks, model, workload, max-num-seqs, gpu, tp, quantization, clock, time-scale,
         router ({routers}), replicas, max-concurrency, cpu-offload (GiB per GPU),
-        disk-offload, offload-policy (lru, arc), host-link, eviction (lru, arc, slru);
+        disk-offload, offload-policy (lru, arc), host-link, tier-weights (HOST:DISK),
+        eviction (lru, arc, slru);
         '--compare caching' = on,off
 
 examples:
@@ -207,6 +209,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="how requests reach the replicas (default round-robin; docs/simulate.md)",
     )
     add_options(g, ("max_num_batched_tokens",))
+    g.add_argument(
+        "--tier-weights",
+        type=tier_weights,
+        default=(0.75, 0.25),
+        metavar="HOST:DISK",
+        help="what --router prefix-aware counts a cached block held in host memory and on "
+        "disk for, against 1 on the device (default 0.75:0.25, as Dynamo's router; 0:0 "
+        "routes blind to the tiers)",
+    )
     g.add_argument(
         "--eviction",
         choices=EVICTIONS,

@@ -12,20 +12,24 @@ the index itself does not.
 from __future__ import annotations
 
 from .prefix import (
+    TIER_WEIGHTS,
     VLLM_DEFAULT_NONE_HASH_SEED,
     IndexStats,
     PrefixIndex,
     PrefixMatch,
+    TierMatch,
     request_block_hashes,
 )
 from .service import IndexSubscriber, serve
 
 __all__ = [
+    "TIER_WEIGHTS",
     "VLLM_DEFAULT_NONE_HASH_SEED",
     "IndexStats",
     "IndexSubscriber",
     "PrefixIndex",
     "PrefixMatch",
+    "TierMatch",
     "request_block_hashes",
     "serve",
 ]

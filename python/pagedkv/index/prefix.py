@@ -7,6 +7,15 @@ the longest prefix and how many blocks long it is. Hashes are keyed in vLLM's
 event form (64-bit ints; raw digests are reduced to their last 8 bytes). Needs no
 optional dependency.
 
+Each block is kept with the media it is held on, from the events' ``medium``:
+``"GPU"`` (the device), ``"CPU"`` (a host tier) and ``"DISK"`` / ``"STORAGE"``
+(a disk tier). :meth:`PrefixIndex.match_tiers` answers a replica's held prefix
+per tier (each block by the fastest medium holding it), and
+:meth:`PrefixIndex.weighted_match` weighs them: by default a host hit is worth
+0.75 of a device hit and a disk hit 0.25 (:data:`TIER_WEIGHTS`, Dynamo's
+router's). ``AllBlocksCleared`` resets a replica's device cache; its host and
+disk tiers keep what they hold.
+
 >>> index = PrefixIndex()
 >>> index.store("replica-a", [11, 12, 13])
 >>> index.store("replica-b", [11, 12])
@@ -23,10 +32,12 @@ from typing import Any
 from .. import _core
 
 __all__ = [
+    "TIER_WEIGHTS",
     "VLLM_DEFAULT_NONE_HASH_SEED",
     "IndexStats",
     "PrefixIndex",
     "PrefixMatch",
+    "TierMatch",
     "request_block_hashes",
 ]
 
@@ -41,6 +52,25 @@ class PrefixMatch:
 
     replica: str
     num_blocks: int
+
+
+#: What a held block is worth to a request, by where it is held: on the device,
+#: in host memory (loaded first), on disk (read, then loaded).
+TIER_WEIGHTS: tuple[float, float, float] = (1.0, 0.75, 0.25)
+
+
+@dataclass(frozen=True)
+class TierMatch:
+    """A replica's held prefix, its blocks counted by the fastest medium
+    holding each."""
+
+    device: int
+    host: int
+    disk: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.device + self.host + self.disk
 
 
 @dataclass(frozen=True)
@@ -131,18 +161,24 @@ class PrefixIndex:
         block_hashes: Sequence[int | bytes],
         parent_block_hash: int | bytes | None = None,
         group_idx: int | None = None,
+        medium: str = "GPU",
     ) -> None:
-        """``BlockStored``: the replica cached this chain (child of the parent)."""
-        self._index.store(self._id(replica), block_hashes, parent_block_hash, group_idx)
+        """``BlockStored``: the replica cached this chain (child of the parent)
+        on ``medium`` (``"GPU"``, ``"CPU"``, ``"DISK"``)."""
+        self._index.store(self._id(replica), block_hashes, parent_block_hash, group_idx, medium)
 
     def remove(
-        self, replica: str, block_hashes: Sequence[int | bytes], group_idx: int | None = None
+        self,
+        replica: str,
+        block_hashes: Sequence[int | bytes],
+        group_idx: int | None = None,
+        medium: str = "GPU",
     ) -> None:
-        """``BlockRemoved``: one block per hash was evicted."""
-        self._index.remove(self._id(replica), block_hashes, group_idx)
+        """``BlockRemoved``: one block per hash was evicted from ``medium``."""
+        self._index.remove(self._id(replica), block_hashes, group_idx, medium)
 
     def clear(self, replica: str) -> None:
-        """``AllBlocksCleared`` (or the replica restarted): it holds nothing."""
+        """The replica restarted: it holds nothing, on any medium."""
         self._index.clear(self._id(replica))
 
     def apply(self, replica: str, events: Iterable[Any]) -> int:
@@ -158,6 +194,27 @@ class PrefixIndex:
         """Per replica, the number of leading blocks of the chain it holds."""
         lengths = self._index.match_lengths(block_hashes, group_idx)
         return dict(zip(self._names, lengths, strict=True))
+
+    def match_tiers(
+        self, block_hashes: Sequence[int | bytes], group_idx: int | None = None
+    ) -> dict[str, TierMatch]:
+        """Per replica, its held prefix of the chain by tier (each block by the
+        fastest medium holding it)."""
+        tiers = self._index.match_tiers(block_hashes, group_idx)
+        return {n: TierMatch(*t) for n, t in zip(self._names, tiers, strict=True)}
+
+    def weighted_match(
+        self,
+        block_hashes: Sequence[int | bytes],
+        weights: Sequence[float] = TIER_WEIGHTS,
+        group_idx: int | None = None,
+    ) -> dict[str, float]:
+        """Per replica, its held prefix weighed by tier: ``weights`` (device,
+        host, disk) per block, :data:`TIER_WEIGHTS` by default."""
+        if len(weights) != 3:
+            raise ValueError(f"weights are (device, host, disk), got {weights!r}")
+        w = self._index.weighted_match(block_hashes, tuple(weights), group_idx)
+        return dict(zip(self._names, w, strict=True))
 
     def longest_prefix(
         self, block_hashes: Sequence[int | bytes], group_idx: int | None = None

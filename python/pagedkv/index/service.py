@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PagedKVError
-from .prefix import PrefixIndex
+from .prefix import TIER_WEIGHTS, PrefixIndex
 
 if TYPE_CHECKING:
     from ..events.zmq import ZmqEventSubscriber
@@ -197,6 +197,23 @@ def _group(req: dict[str, Any]) -> int | None:
     return group
 
 
+def _weights(req: dict[str, Any]) -> tuple[float, float, float]:
+    """A query's tier weights (device, host, disk): three finite numbers from
+    0 to 1000; :data:`~pagedkv.index.prefix.TIER_WEIGHTS` when absent."""
+    w = req.get("weights")
+    if w is None:
+        return TIER_WEIGHTS
+    if (
+        not isinstance(w, list | tuple)
+        or len(w) != 3
+        or not all(
+            isinstance(x, int | float) and not isinstance(x, bool) and 0 <= x <= 1000 for x in w
+        )
+    ):
+        raise QueryError("weights are three numbers from 0 to 1000 (device, host, disk)")
+    return (float(w[0]), float(w[1]), float(w[2]))
+
+
 def answer(
     index: PrefixIndex,
     feeder: IndexSubscriber | None,
@@ -211,10 +228,13 @@ def answer(
     if op == "longest_prefix":
         hashes, group = _hashes(req), _group(req)
         best = index.longest_prefix(hashes, group)
+        tiers = index.match_tiers(hashes, group)
         return {
             "replica": None if best is None else best.replica,
             "num_blocks": 0 if best is None else best.num_blocks,
             "lengths": index.match_lengths(hashes, group),
+            "tiers": {n: [t.device, t.host, t.disk] for n, t in tiers.items()},
+            "weighted": index.weighted_match(hashes, _weights(req), group),
             "stale": [] if feeder is None else feeder.stale(),
         }
     if op == "status":
@@ -247,10 +267,12 @@ def serve(
     REP socket; with ``allow_stop``, until a ``{"op": "stop"}`` request.
 
     Requests and replies are msgpack maps, one frame each. ``{"op":
-    "longest_prefix", "block_hashes": [...], "group_idx": None}`` →
-    ``{"replica": name | None, "num_blocks": n, "lengths": {name: n}, "stale":
-    [name, ...]}`` (replicas not heard from for ``stale_after`` seconds: their
-    entries are kept and may be out of date);
+    "longest_prefix", "block_hashes": [...], "group_idx": None, "weights":
+    [1, 0.75, 0.25]}`` (weights optional) → ``{"replica": name | None,
+    "num_blocks": n, "lengths": {name: n}, "tiers": {name: [device, host,
+    disk]}, "weighted": {name: w}, "stale": [name, ...]}`` (the held prefix per
+    tier, and weighed by tier; replicas not heard from for ``stale_after``
+    seconds: their entries are kept and may be out of date);
     ``{"op": "status"}`` → the subscriber status, index size, stats and query
     counters; ``{"op": "entries", "replica": name}`` → ``[[hash, group_idx,
     count], ...]``. A query the server cannot take (not msgpack, not a map,

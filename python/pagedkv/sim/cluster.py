@@ -20,7 +20,11 @@ arrives, to one replica:
     deployment feeds it from the replicas' event streams, and the router hashes
     prompts as the replicas do. This is the cost of Dynamo's KV-aware router
     (prefill blocks + decode blocks) with weight 1, and of llm-d's
-    prefix-cache scorer balanced against a load scorer.
+    prefix-cache scorer balanced against a load scorer. With host (and disk)
+    tiers the index also learns their events (medium ``CPU``, ``STORAGE``), and
+    a cached block counts by where it is held: 1 on the device, and
+    ``tier_weights`` (0.75 and 0.25 by default, as Dynamo's router) in host
+    memory and on disk; weights of 0 make the router blind to the tiers.
 
 The simulation is a discrete-event loop: the next event is the earliest of the
 next arrival and the end of the earliest running replica's step; a replica
@@ -66,7 +70,12 @@ class _Replica:
 
 class _Router:
     def __init__(
-        self, kind: str, replicas: list[_Replica], hasher: KVCacheManager | None, block: int
+        self,
+        kind: str,
+        replicas: list[_Replica],
+        hasher: KVCacheManager | None,
+        block: int,
+        tier_weights: tuple[float, float] = (0.75, 0.25),
     ) -> None:
         if kind not in ROUTERS:
             raise ValueError(f"unknown router {kind!r}; routers: {', '.join(ROUTERS)}")
@@ -76,11 +85,27 @@ class _Router:
         self.block = block
         self.hasher = hasher
         self.index = PrefixIndex() if kind == "prefix-aware" else None
-        self.routed_hit_blocks = 0
+        self.routed_hit_blocks = 0.0
+        self.tier_weights = tier_weights
 
     def feed(self, r: _Replica) -> None:
-        if self.index is not None:
-            self.index.apply(r.name, r.kv.take_events())
+        if self.index is None:
+            return
+        self.index.apply(r.name, r.kv.take_events())
+        if not r.kv.has_offload:
+            return
+        for keys, medium, removed, metadata_only in r.kv.take_offload_events():
+            if metadata_only:  # a store that failed: never announced as stored
+                continue
+            # A tier's key is the block hash and its group (4 bytes).
+            by_group: dict[int, list[bytes]] = {}
+            for k in keys:
+                by_group.setdefault(int.from_bytes(k[-4:], "big"), []).append(k[:-4])
+            for group, hashes in by_group.items():
+                if removed:
+                    self.index.remove(r.name, hashes, group, medium=medium)
+                else:
+                    self.index.store(r.name, hashes, None, group, medium=medium)
 
     def _hashes(self, req: Request) -> list[bytes]:
         assert self.hasher is not None
@@ -107,7 +132,8 @@ class _Router:
             return min(reps, key=lambda r: len(r.sched.running) + len(r.sched.waiting))
         assert self.index is not None
         hashes = self._hashes(req)
-        matched = self.index.match_lengths(hashes) if hashes else {}
+        weights = (1.0, *self.tier_weights)
+        matched = self.index.weighted_match(hashes, weights) if hashes else {}
         prompt_blocks = -(-len(req.prompt) // self.block)
         best: tuple[float, int] | None = None
         choice = reps[0]
@@ -153,13 +179,19 @@ def run_cluster(
 
     replicas = []
     for i in range(cfg.replicas):
-        process = ServingProcess.start(cfg, config, max_model_len, enable_kv_cache_events=prefix)
+        process = ServingProcess.start(
+            cfg, config, max_model_len, enable_kv_cache_events=prefix, tier_events=prefix
+        )
         process.sched.track_shape = True
         replicas.append(_Replica(f"replica-{i}", process.kv, process.sched))
     # The router hashes a prompt and reads the hashes back at once: in place.
     hasher = make_manager(cfg, config, max_model_len, background_hashing=False) if prefix else None
     router = _Router(
-        cfg.router, replicas, hasher, config.kv_cache_groups[0].kv_cache_spec.block_size
+        cfg.router,
+        replicas,
+        hasher,
+        config.kv_cache_groups[0].kv_cache_spec.block_size,
+        cfg.tier_weights,
     )
 
     reqs = workload.requests

@@ -93,6 +93,10 @@ class SimConfig:
     host_link: str | None = None
     #: GB/s of the disk tier per GPU, each way
     disk_gbps: float = DEFAULT_DISK_GBPS
+    #: what the prefix-aware router counts a cached block held in host memory
+    #: and on disk for, against 1 on the device (Dynamo's router's 0.75, 0.25;
+    #: 0, 0: blind to the tiers)
+    tier_weights: tuple[float, float] = (0.75, 0.25)
     #: the device pool's eviction policy: ``lru`` (vLLM's), or one of the
     #: manager's others
     eviction: str = "lru"

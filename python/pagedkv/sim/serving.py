@@ -92,12 +92,14 @@ class ServingProcess:
         *,
         enable_kv_cache_events: bool = False,
         background_hashing: bool | None = None,
+        tier_events: bool = False,
     ) -> ServingProcess:
         """A fresh manager of ``config`` (:func:`make_manager`) under the policy
         ``cfg`` sets (:func:`scheduler_config`), over the tiers ``cfg`` asks
-        for (:mod:`pagedkv.sim.tiers`)."""
+        for (:mod:`pagedkv.sim.tiers`; ``tier_events``: they record their
+        events, for a router's index)."""
         ways = kv_split_ways(cfg)
-        offload = offload_config(cfg, config, ways)
+        offload = offload_config(cfg, config, ways, enable_events=tier_events)
         kv = make_manager(
             cfg,
             config,

@@ -95,10 +95,13 @@ def host_link_gbps(cfg: SimConfig) -> float:
     return v
 
 
-def offload_config(cfg: SimConfig, config: KVCacheConfig, ways: int) -> OffloadConfig | None:
+def offload_config(
+    cfg: SimConfig, config: KVCacheConfig, ways: int, *, enable_events: bool = False
+) -> OffloadConfig | None:
     """The tier under each manager of ``cfg`` (None without ``cpu_offload_gib``):
     ``ways`` GPUs' worth of host memory and disk for an instance split ``ways``
-    ways. ValueError when host memory holds no chunk."""
+    ways, recording its events with ``enable_events``. ValueError when host
+    memory holds no chunk."""
     if cfg.cpu_offload_gib <= 0:
         if cfg.disk_offload_gib > 0:
             raise ValueError(
@@ -111,6 +114,7 @@ def offload_config(cfg: SimConfig, config: KVCacheConfig, ways: int) -> OffloadC
         policy=cfg.offload_policy,
         disk_bytes=disk,
         disk_index_only=disk > 0,
+        enable_events=enable_events,
     )
     if off.num_chunks(config) == 0:
         raise ValueError(

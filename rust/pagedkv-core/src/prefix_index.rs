@@ -43,16 +43,79 @@ use crate::error::{Error, Result};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ReplicaId(pub u32);
 
-/// The group key of events without `group_idx` (vLLM before group annotations).
-const NO_GROUP: u32 = u32::MAX;
+/// Where a replica holds a block: GPU memory, host memory or disk (the `medium`
+/// of vLLM's events: `"GPU"`, `"CPU"`, and `"DISK"` or `"STORAGE"`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tier {
+    /// GPU memory: a hit is served as it is.
+    Device = 0,
+    /// Host memory: a hit is loaded first.
+    Host = 1,
+    /// Disk: a hit is read into host memory, then loaded.
+    Disk = 2,
+}
 
-fn group_key(group: Option<u32>) -> u32 {
-    group.unwrap_or(NO_GROUP)
+impl Tier {
+    /// Every tier, fastest first.
+    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
+
+    /// The tier of an event's `medium` (None: the device, as vLLM's events
+    /// without one).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a medium that is none of those.
+    pub fn from_medium(medium: Option<&str>) -> Result<Self> {
+        match medium {
+            None | Some("GPU") => Ok(Self::Device),
+            Some("CPU") => Ok(Self::Host),
+            Some("DISK" | "STORAGE") => Ok(Self::Disk),
+            Some(other) => Err(Error::InvalidArgument(format!(
+                "unknown medium {other:?} (GPU, CPU, DISK or STORAGE)"
+            ))),
+        }
+    }
+
+    fn from_bits(bits: u32) -> Self {
+        match bits {
+            0 => Self::Device,
+            1 => Self::Host,
+            _ => Self::Disk,
+        }
+    }
+}
+
+/// A holder's key packs its tier above its group: `tier << 30 | group`.
+const TIER_SHIFT: u32 = 30;
+const GROUP_MASK: u32 = (1 << TIER_SHIFT) - 1;
+
+/// The group of events without `group_idx` (vLLM before group annotations).
+const NO_GROUP: u32 = GROUP_MASK;
+
+fn group_key(group: Option<u32>, tier: Tier) -> Result<u32> {
+    let g = match group {
+        None => NO_GROUP,
+        Some(g) if g < NO_GROUP => g,
+        Some(g) => {
+            return Err(Error::InvalidArgument(format!(
+                "group index {g} out of range (0..{NO_GROUP})"
+            )));
+        }
+    };
+    Ok(g | (tier as u32) << TIER_SHIFT)
+}
+
+fn key_group(key: u32) -> u32 {
+    key & GROUP_MASK
+}
+
+fn key_tier(key: u32) -> Tier {
+    Tier::from_bits(key >> TIER_SHIFT)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Holder {
     replica: u32,
+    /// The group and the tier ([`group_key`]).
     group: u32,
     /// Blocks of this replica and group cached under the hash (>= 1).
     count: u32,
@@ -117,9 +180,24 @@ impl Node {
 
     fn held_by(&self, replica: u32, group: Option<u32>) -> bool {
         match group {
-            Some(g) => self.find(replica, g).is_some(),
+            Some(g) => match &self.index {
+                Some(ix) => (0..3).any(|t| ix.pos.contains_key(&(replica, g | t << TIER_SHIFT))),
+                None => self
+                    .holders
+                    .iter()
+                    .any(|x| x.replica == replica && key_group(x.group) == g),
+            },
             None => self.holds_any(replica),
         }
+    }
+
+    /// The fastest tier `replica` holds this hash in (`group`, or any for None).
+    fn best_tier(&self, replica: u32, group: Option<u32>) -> Option<Tier> {
+        self.holders
+            .iter()
+            .filter(|x| x.replica == replica && group.is_none_or(|g| key_group(x.group) == g))
+            .map(|x| key_tier(x.group))
+            .min()
     }
 
     /// One more block of `replica`'s `group` under this hash.
@@ -222,6 +300,8 @@ pub enum IndexEvent {
         hashes: Vec<u64>,
         /// The KV-cache group (`None`: the default group).
         group: Option<u32>,
+        /// Where they are held.
+        tier: Tier,
     },
     /// `BlockRemoved`: one block per hash.
     Removed {
@@ -229,8 +309,11 @@ pub enum IndexEvent {
         hashes: Vec<u64>,
         /// The KV-cache group (`None`: the default group).
         group: Option<u32>,
+        /// Where they were held.
+        tier: Tier,
     },
-    /// `AllBlocksCleared`.
+    /// `AllBlocksCleared`: the replica's device cache was reset (what it
+    /// keeps in host memory or on disk stays).
     Cleared,
 }
 
@@ -327,20 +410,33 @@ impl PrefixIndex {
                 parent,
                 hashes,
                 group,
-            } => self.store(replica, *parent, hashes, *group),
-            IndexEvent::Removed { hashes, group } => self.remove(replica, hashes, *group),
-            IndexEvent::Cleared => self.clear(replica),
+                tier,
+            } => self.store_in(replica, *parent, hashes, *group, *tier),
+            IndexEvent::Removed {
+                hashes,
+                group,
+                tier,
+            } => self.remove_from(replica, hashes, *group, *tier),
+            IndexEvent::Cleared => self.clear_tier(replica, Tier::Device),
         }
     }
 
     /// Applies a batch of one replica's events in order, all or nothing: an
-    /// unregistered replica refuses the batch before any event is applied.
+    /// unregistered replica or an event's group out of range refuses the batch
+    /// before any event is applied.
     /// Returns how many were applied.
     ///
     /// # Errors
     /// `InvalidArgument` for an unregistered replica (nothing changes).
     pub fn apply_all(&mut self, replica: ReplicaId, events: &[IndexEvent]) -> Result<usize> {
         self.check_replica(replica)?;
+        for ev in events {
+            if let IndexEvent::Stored { group, tier, .. }
+            | IndexEvent::Removed { group, tier, .. } = ev
+            {
+                group_key(*group, *tier)?;
+            }
+        }
         for ev in events {
             self.apply(replica, ev)?;
         }
@@ -359,8 +455,24 @@ impl PrefixIndex {
         hashes: &[u64],
         group: Option<u32>,
     ) -> Result<()> {
+        self.store_in(replica, parent, hashes, group, Tier::Device)
+    }
+
+    /// [`PrefixIndex::store`] of blocks held in `tier`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for an unregistered replica or a group index of 2**30
+    /// or more (nothing changes).
+    pub fn store_in(
+        &mut self,
+        replica: ReplicaId,
+        parent: Option<u64>,
+        hashes: &[u64],
+        group: Option<u32>,
+        tier: Tier,
+    ) -> Result<()> {
         let r = self.check_replica(replica)?;
-        let g = group_key(group);
+        let g = group_key(group, tier)?;
         let mut parent = parent;
         for &h in hashes {
             let node = self.nodes.entry(h).or_insert_with(|| Node::new(parent));
@@ -383,8 +495,23 @@ impl PrefixIndex {
     /// # Errors
     /// `InvalidArgument` for an unregistered replica (nothing changes).
     pub fn remove(&mut self, replica: ReplicaId, hashes: &[u64], group: Option<u32>) -> Result<()> {
+        self.remove_from(replica, hashes, group, Tier::Device)
+    }
+
+    /// [`PrefixIndex::remove`] of blocks held in `tier`.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for an unregistered replica or a group index of 2**30
+    /// or more (nothing changes).
+    pub fn remove_from(
+        &mut self,
+        replica: ReplicaId,
+        hashes: &[u64],
+        group: Option<u32>,
+        tier: Tier,
+    ) -> Result<()> {
         let r = self.check_replica(replica)?;
-        let g = group_key(group);
+        let g = group_key(group, tier)?;
         for &h in hashes {
             let Some(node) = self.nodes.get_mut(&h) else {
                 self.stats.unknown_removals += 1;
@@ -421,6 +548,43 @@ impl PrefixIndex {
                 }
             }
         }
+        self.stats.clears += 1;
+        Ok(())
+    }
+
+    /// `AllBlocksCleared` of one tier: `replica` holds nothing there any more
+    /// (a device cache reset leaves host memory and disk as they were).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for an unregistered replica.
+    pub fn clear_tier(&mut self, replica: ReplicaId, tier: Tier) -> Result<()> {
+        let r = self.check_replica(replica)?;
+        let hashes = std::mem::take(&mut self.replicas[r].hashes);
+        let mut kept = HashSet::with_capacity_and_hasher(0, FxBuildHasher);
+        for h in hashes {
+            let Some(node) = self.nodes.get_mut(&h) else {
+                continue;
+            };
+            let gone: Vec<u32> = node
+                .holders
+                .iter()
+                .filter(|x| x.replica == replica.0 && key_tier(x.group) == tier)
+                .map(|x| x.group)
+                .collect();
+            for key in gone {
+                if let Some(p) = node.find(replica.0, key) {
+                    node.holders[p].count = 1;
+                    node.remove_one(replica.0, key);
+                }
+            }
+            if node.holds_any(replica.0) {
+                kept.insert(h);
+            }
+            if node.holders.is_empty() {
+                self.nodes.remove(&h);
+            }
+        }
+        self.replicas[r].hashes = kept;
         self.stats.clears += 1;
         Ok(())
     }
@@ -473,7 +637,8 @@ impl PrefixIndex {
             };
             if i == 0 {
                 for x in &node.holders {
-                    if group.is_none_or(|g| x.group == g) && !alive.contains(&x.replica) {
+                    if group.is_none_or(|g| key_group(x.group) == g) && !alive.contains(&x.replica)
+                    {
                         alive.push(x.replica);
                     }
                 }
@@ -488,6 +653,54 @@ impl PrefixIndex {
             }
         }
         lengths
+    }
+
+    /// Per registered replica (by id), the leading blocks of the hash chain it
+    /// holds, counted by the fastest tier each is held in: `[device, host,
+    /// disk]`, adding up to its [`PrefixIndex::match_lengths`].
+    #[must_use]
+    pub fn match_tiers(&self, hashes: &[u64], group: Option<u32>) -> Vec<[usize; 3]> {
+        let mut out = vec![[0; 3]; self.replicas.len()];
+        let mut alive: Vec<u32> =
+            (0..u32::try_from(self.replicas.len()).unwrap_or(u32::MAX)).collect();
+        for h in hashes {
+            let Some(node) = self.nodes.get(h) else {
+                break;
+            };
+            alive.retain(|&r| match node.best_tier(r, group) {
+                Some(t) => {
+                    out[r as usize][t as usize] += 1;
+                    true
+                }
+                None => false,
+            });
+            if alive.is_empty() {
+                break;
+            }
+        }
+        out
+    }
+
+    /// Per registered replica, its held prefix weighed by tier: `weights[t]`
+    /// for each leading block held at best in tier `t` (e.g. 1, 0.75, 0.25:
+    /// a host hit is worth three quarters of a device hit, as Dynamo's
+    /// router counts them).
+    #[must_use]
+    pub fn weighted_match(
+        &self,
+        hashes: &[u64],
+        group: Option<u32>,
+        weights: [f64; 3],
+    ) -> Vec<f64> {
+        self.match_tiers(hashes, group)
+            .into_iter()
+            .map(|n| {
+                n.iter()
+                    .zip(weights)
+                    .map(|(&c, w)| f64::from(u32::try_from(c).unwrap_or(u32::MAX)) * w)
+                    .sum()
+            })
+            .collect()
     }
 
     /// The replica holding the longest prefix of the hash chain (the lowest id
@@ -521,7 +734,10 @@ impl PrefixIndex {
                 n.holders
                     .iter()
                     .filter(|x| x.replica == replica.0)
-                    .map(move |x| (h, (x.group != NO_GROUP).then_some(x.group), x.count))
+                    .map(move |x| {
+                        let g = key_group(x.group);
+                        (h, (g != NO_GROUP).then_some(g), x.count)
+                    })
             })
             .collect();
         out.sort_unstable();

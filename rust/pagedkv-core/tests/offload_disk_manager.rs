@@ -232,7 +232,7 @@ fn disk_calls_refuse_bad_jobs_and_buffers() {
     let cfg = OffloadConfig {
         store_threshold: 2,
         disk: Some(DiskConfig {
-            dir: d.clone(),
+            dir: Some(d.clone()),
             capacity_bytes: 1 << 20,
             chunk_bytes: 8,
             enable_events: false,
@@ -245,7 +245,7 @@ fn disk_calls_refuse_bad_jobs_and_buffers() {
     ));
     let not_a_dir = OffloadConfig {
         disk: Some(DiskConfig {
-            dir: d.join("missing"),
+            dir: Some(d.join("missing")),
             capacity_bytes: 1 << 20,
             chunk_bytes: 8,
             enable_events: false,

@@ -8,7 +8,9 @@
 
 use std::collections::BTreeMap;
 
-use pagedkv_core::prefix_index::{IndexStats, PrefixIndex, PrefixMatch, ReplicaId};
+use pagedkv_core::prefix_index::{
+    IndexEvent, IndexStats, PrefixIndex, PrefixMatch, ReplicaId, Tier,
+};
 use proptest::prelude::*;
 
 fn index_with(names: &[&str]) -> (PrefixIndex, Vec<ReplicaId>) {
@@ -272,13 +274,13 @@ proptest! {
 
 #[test]
 fn a_batch_for_an_unregistered_replica_changes_nothing() {
-    use pagedkv_core::prefix_index::IndexEvent;
     let (mut idx, r) = index_with(&["a"]);
     let batch = [
         IndexEvent::Stored {
             parent: None,
             hashes: vec![1, 2],
             group: None,
+            tier: Tier::Device,
         },
         IndexEvent::Cleared,
     ];
@@ -312,4 +314,71 @@ fn a_hash_under_many_groups_keeps_exact_counts() {
             assert_eq!(idx.num_blocks(), 0);
         }
     }
+}
+
+#[test]
+fn a_prefix_is_counted_by_the_fastest_tier_holding_each_block() {
+    let (mut idx, ids) = index_with(&["a", "b"]);
+    let (a, b) = (ids[0], ids[1]);
+    // a: blocks 1-2 on the device, 1-3 in host memory, 1-4 on disk; b: 1-3 on the device.
+    idx.store_in(a, None, &[1, 2], Some(0), Tier::Device)
+        .unwrap();
+    idx.store_in(a, None, &[1, 2, 3], Some(0), Tier::Host)
+        .unwrap();
+    idx.store_in(a, None, &[1, 2, 3, 4], Some(0), Tier::Disk)
+        .unwrap();
+    idx.store(b, None, &[1, 2, 3], Some(0)).unwrap();
+    let q = [1, 2, 3, 4, 5];
+    assert_eq!(idx.match_tiers(&q, None), vec![[2, 1, 1], [3, 0, 0]]);
+    assert_eq!(idx.match_lengths(&q, None), vec![4, 3]);
+    // Dynamo's weights: a = 2 + 0.75 + 0.25 = 3 = b's 3 device blocks.
+    assert_eq!(
+        idx.weighted_match(&q, None, [1.0, 0.75, 0.25]),
+        vec![3.0, 3.0]
+    );
+    assert_eq!(
+        idx.weighted_match(&q, Some(1), [1.0, 0.75, 0.25]),
+        vec![0.0, 0.0]
+    );
+    // A device eviction leaves the host copy: block 2 is now a host hit.
+    idx.remove(a, &[2], Some(0)).unwrap();
+    assert_eq!(idx.match_tiers(&q, None)[0], [1, 2, 1]);
+    // A removal in the wrong tier is unknown.
+    idx.remove_from(b, &[3], Some(0), Tier::Host).unwrap();
+    assert_eq!(idx.stats().unknown_removals, 1);
+    // AllBlocksCleared resets the device cache only.
+    idx.apply(a, &IndexEvent::Cleared).unwrap();
+    assert_eq!(idx.match_tiers(&q, None)[0], [0, 3, 1]);
+    idx.check_invariants().unwrap();
+    // clear: the replica holds nothing anywhere.
+    idx.clear(a).unwrap();
+    assert_eq!(idx.match_tiers(&q, None)[0], [0, 0, 0]);
+    assert_eq!(idx.replica_num_blocks(a), 0);
+    idx.check_invariants().unwrap();
+}
+
+#[test]
+fn media_and_groups_out_of_range_are_refused_whole() {
+    let (mut idx, ids) = index_with(&["a"]);
+    assert_eq!(Tier::from_medium(Some("CPU")).unwrap(), Tier::Host);
+    assert_eq!(Tier::from_medium(Some("STORAGE")).unwrap(), Tier::Disk);
+    assert_eq!(Tier::from_medium(None).unwrap(), Tier::Device);
+    assert!(Tier::from_medium(Some("TAPE")).is_err());
+    assert!(idx.store(ids[0], None, &[1], Some(1 << 30)).is_err());
+    let batch = [
+        IndexEvent::Stored {
+            parent: None,
+            hashes: vec![1],
+            group: Some(0),
+            tier: Tier::Host,
+        },
+        IndexEvent::Removed {
+            hashes: vec![1],
+            group: Some(u32::MAX),
+            tier: Tier::Device,
+        },
+    ];
+    assert!(idx.apply_all(ids[0], &batch).is_err());
+    assert_eq!(idx.num_blocks(), 0, "nothing of the refused batch applied");
+    idx.check_invariants().unwrap();
 }

@@ -11,14 +11,15 @@
 //!
 //! Hashes come from a small space (so chains share and collide), sometimes any
 //! `u64`; groups are mostly a few, sometimes many (so a hash outgrows a linear
-//! holder list), sometimes any `u32`.
+//! holder list), sometimes any `u32` (2**30 - 1 and up are refused); tiers
+//! any of the three.
 //!
 //! Shared by the cargo-fuzz target (`fuzz/fuzz_targets/index.rs`) and the
 //! regression tests that replay saved inputs.
 
 use std::collections::BTreeMap;
 
-use pagedkv_core::prefix_index::{IndexEvent, PrefixIndex, ReplicaId};
+use pagedkv_core::prefix_index::{IndexEvent, PrefixIndex, ReplicaId, Tier};
 
 use crate::Bytes;
 
@@ -46,61 +47,98 @@ fn group(b: &mut Bytes<'_>) -> Option<u32> {
     }
 }
 
-/// The index keys events without a group as group `u32::MAX` (vLLM's group
-/// ids are small; a forged `u32::MAX` shares that bucket).
+/// Groups from this one up are refused; the index keys events without a
+/// group as this one.
+const NO_GROUP: u32 = (1 << 30) - 1;
+
 fn key(group: Option<u32>) -> u32 {
-    group.unwrap_or(u32::MAX)
+    group.unwrap_or(NO_GROUP)
 }
 
-/// What the index should hold: a block count per (replica, group key, hash).
+/// Whether the index takes the event (a group index below 2**30 - 1).
+fn valid(ev: &IndexEvent) -> bool {
+    match ev {
+        IndexEvent::Stored { group, .. } | IndexEvent::Removed { group, .. } => {
+            group.is_none_or(|g| g < NO_GROUP)
+        }
+        IndexEvent::Cleared => true,
+    }
+}
+
+/// What the index should hold: a block count per (replica, group key, tier, hash).
 #[derive(Default)]
 struct Model {
-    counts: BTreeMap<(u32, u32, u64), u32>,
+    counts: BTreeMap<(u32, u32, Tier, u64), u32>,
     unknown_removals: u64,
 }
 
 impl Model {
     fn apply(&mut self, r: u32, ev: &IndexEvent) {
         match ev {
-            IndexEvent::Stored { hashes, group, .. } => {
+            IndexEvent::Stored {
+                hashes,
+                group,
+                tier,
+                ..
+            } => {
                 for &h in hashes {
-                    let c = self.counts.entry((r, key(*group), h)).or_insert(0);
+                    let c = self.counts.entry((r, key(*group), *tier, h)).or_insert(0);
                     *c = c.saturating_add(1);
                 }
             }
-            IndexEvent::Removed { hashes, group } => {
+            IndexEvent::Removed {
+                hashes,
+                group,
+                tier,
+            } => {
                 for &h in hashes {
-                    match self.counts.get_mut(&(r, key(*group), h)) {
+                    let k = (r, key(*group), *tier, h);
+                    match self.counts.get_mut(&k) {
                         Some(c) => {
                             *c -= 1;
                             if *c == 0 {
-                                self.counts.remove(&(r, key(*group), h));
+                                self.counts.remove(&k);
                             }
                         }
                         None => self.unknown_removals += 1,
                     }
                 }
             }
-            IndexEvent::Cleared => self.counts.retain(|&(rr, _, _), _| rr != r),
+            IndexEvent::Cleared => self
+                .counts
+                .retain(|&(rr, _, t, _), _| rr != r || t != Tier::Device),
         }
     }
 
     fn holds(&self, r: u32, h: u64, group: Option<u32>) -> bool {
         self.counts
             .keys()
-            .any(|&(rr, g, hh)| rr == r && hh == h && group.is_none_or(|q| g == q))
+            .any(|&(rr, g, _, hh)| rr == r && hh == h && group.is_none_or(|q| g == q))
+    }
+
+    /// The fastest tier replica `r` holds `h` in (any group).
+    fn best_tier(&self, r: u32, h: u64) -> Option<Tier> {
+        self.counts
+            .keys()
+            .filter(|&&(rr, _, _, hh)| rr == r && hh == h)
+            .map(|&(_, _, t, _)| t)
+            .min()
     }
 
     fn entries(&self, r: u32) -> Vec<(u64, Option<u32>, u32)> {
         let mut out: Vec<_> = self
             .counts
             .iter()
-            .filter(|&(&(rr, _, _), _)| rr == r)
-            .map(|(&(_, g, h), &c)| (h, (g != u32::MAX).then_some(g), c))
+            .filter(|&(&(rr, _, _, _), _)| rr == r)
+            .map(|(&(_, g, _, h), &c)| (h, (g != NO_GROUP).then_some(g), c))
             .collect();
         out.sort_unstable();
         out
     }
+}
+
+fn tier(b: &mut Bytes<'_>) -> Tier {
+    Tier::ALL[b.below(3)]
 }
 
 fn event(b: &mut Bytes<'_>) -> IndexEvent {
@@ -109,10 +147,12 @@ fn event(b: &mut Bytes<'_>) -> IndexEvent {
             parent: b.bool().then(|| hash(b)),
             hashes: hashes(b),
             group: group(b),
+            tier: tier(b),
         },
         4..=6 => IndexEvent::Removed {
             hashes: hashes(b),
             group: group(b),
+            tier: tier(b),
         },
         _ => IndexEvent::Cleared,
     }
@@ -154,6 +194,17 @@ fn check(idx: &PrefixIndex, model: &Model, ids: &[ReplicaId], probe: &[u64], gro
         .max_by(|a, b| a.1.cmp(b.1).then(b.0.cmp(&a.0)))
         .map(|(i, &n)| (i as u32, n));
     assert_eq!(best.map(|m| (m.replica.0, m.num_blocks)), want);
+    // Per tier: the held prefix (any group), each block by its fastest tier.
+    for (i, tiers) in idx.match_tiers(probe, None).iter().enumerate() {
+        let mut want = [0usize; 3];
+        for &h in probe {
+            match model.best_tier(i as u32, h) {
+                Some(t) => want[t as usize] += 1,
+                None => break,
+            }
+        }
+        assert_eq!(*tiers, want, "tiers of replica {i}");
+    }
     assert_eq!(idx.stats().unknown_removals, model.unknown_removals);
 }
 
@@ -176,7 +227,9 @@ pub fn run_index(data: &[u8]) {
             0 => {
                 // One event through `apply`.
                 let ev = event(&mut b);
-                if r < REPLICAS {
+                if r < REPLICAS && !valid(&ev) {
+                    assert!(idx.apply(ids[r as usize], &ev).is_err());
+                } else if r < REPLICAS {
                     idx.apply(ids[r as usize], &ev)
                         .expect("a registered replica");
                     model.apply(r, &ev);
@@ -188,7 +241,11 @@ pub fn run_index(data: &[u8]) {
                 // A batch: all or nothing.
                 let n = b.below(5);
                 let batch: Vec<IndexEvent> = (0..n).map(|_| event(&mut b)).collect();
-                if r < REPLICAS {
+                if r < REPLICAS && !batch.iter().all(valid) {
+                    let before = idx.replica_entries(ids[r as usize]);
+                    assert!(idx.apply_all(ids[r as usize], &batch).is_err());
+                    assert_eq!(idx.replica_entries(ids[r as usize]), before);
+                } else if r < REPLICAS {
                     let applied = idx
                         .apply_all(ids[r as usize], &batch)
                         .expect("a registered replica");

@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyString};
 
 use pagedkv_core::hash::event_int;
-use pagedkv_core::prefix_index::{IndexEvent, PrefixIndex, ReplicaId};
+use pagedkv_core::prefix_index::{IndexEvent, PrefixIndex, ReplicaId, Tier};
 
 use crate::convert::{IntSlice, int_slice};
 use crate::errors::{PkResult, borrow, borrow_mut, invalid_arg, type_error};
@@ -61,6 +61,18 @@ fn opt_hash(obj: Option<&Bound<'_, PyAny>>) -> PkResult<Option<u64>> {
 /// One event object as the index applies it: `pagedkv.events` objects are read
 /// directly; other objects (the `pagedkv.events.wire` structs, vLLM's own) by
 /// their fields, their kind from their msgspec tag or else their class name.
+/// The tier of an event's `medium` (`None`, or an object without one: GPU).
+fn tier_of(medium: Option<&Bound<'_, PyAny>>) -> PkResult<Tier> {
+    let name: Option<String> = match medium {
+        Some(m) if !m.is_none() => Some(
+            m.extract()
+                .map_err(|_| type_error("an event's medium must be a str or None"))?,
+        ),
+        _ => None,
+    };
+    Ok(Tier::from_medium(name.as_deref())?)
+}
+
 fn index_event(ev: &Bound<'_, PyAny>) -> PkResult<IndexEvent> {
     let py = ev.py();
     if let Ok(s) = ev.cast::<PyBlockStored>() {
@@ -69,6 +81,7 @@ fn index_event(ev: &Bound<'_, PyAny>) -> PkResult<IndexEvent> {
             parent: opt_hash(Some(s.parent_block_hash.bind(py)))?,
             hashes: hash_list(s.block_hashes.bind(py))?,
             group: s.group_idx.extract(py)?,
+            tier: tier_of(Some(s.medium.bind(py)))?,
         });
     }
     if let Ok(r) = ev.cast::<PyBlockRemoved>() {
@@ -76,6 +89,7 @@ fn index_event(ev: &Bound<'_, PyAny>) -> PkResult<IndexEvent> {
         return Ok(IndexEvent::Removed {
             hashes: hash_list(r.block_hashes.bind(py))?,
             group: r.group_idx.extract(py)?,
+            tier: tier_of(Some(r.medium.bind(py)))?,
         });
     }
     if ev.is_instance_of::<PyAllBlocksCleared>() {
@@ -96,10 +110,12 @@ fn index_event(ev: &Bound<'_, PyAny>) -> PkResult<IndexEvent> {
             parent: opt_hash(Some(&ev.getattr("parent_block_hash")?))?,
             hashes: hash_list(&ev.getattr("block_hashes")?)?,
             group: ev.getattr("group_idx")?.extract()?,
+            tier: tier_of(ev.getattr_opt("medium")?.as_ref())?,
         }),
         "BlockRemoved" => Ok(IndexEvent::Removed {
             hashes: hash_list(&ev.getattr("block_hashes")?)?,
             group: ev.getattr("group_idx")?.extract()?,
+            tier: tier_of(ev.getattr_opt("medium")?.as_ref())?,
         }),
         "AllBlocksCleared" => Ok(IndexEvent::Cleared),
         other => Err(type_error(format!("not a KV-cache event: {other}"))),
@@ -163,32 +179,67 @@ impl PyPrefixIndex {
         )
     }
 
-    #[pyo3(signature = (replica, block_hashes, parent_block_hash = None, group_idx = None))]
+    #[pyo3(signature = (replica, block_hashes, parent_block_hash = None, group_idx = None,
+        medium = None))]
     fn store(
         slf: &Bound<'_, Self>,
         replica: u32,
         block_hashes: &Bound<'_, PyAny>,
         parent_block_hash: Option<&Bound<'_, PyAny>>,
         group_idx: Option<u32>,
+        medium: Option<&str>,
     ) -> PkResult<()> {
         let hashes = hash_list(block_hashes)?;
         let parent = opt_hash(parent_block_hash)?;
+        let tier = Tier::from_medium(medium)?;
         Ok(borrow_mut(slf)?
             .inner
-            .store(ReplicaId(replica), parent, &hashes, group_idx)?)
+            .store_in(ReplicaId(replica), parent, &hashes, group_idx, tier)?)
     }
 
-    #[pyo3(signature = (replica, block_hashes, group_idx = None))]
+    #[pyo3(signature = (replica, block_hashes, group_idx = None, medium = None))]
     fn remove(
         slf: &Bound<'_, Self>,
         replica: u32,
         block_hashes: &Bound<'_, PyAny>,
         group_idx: Option<u32>,
+        medium: Option<&str>,
     ) -> PkResult<()> {
         let hashes = hash_list(block_hashes)?;
+        let tier = Tier::from_medium(medium)?;
         Ok(borrow_mut(slf)?
             .inner
-            .remove(ReplicaId(replica), &hashes, group_idx)?)
+            .remove_from(ReplicaId(replica), &hashes, group_idx, tier)?)
+    }
+
+    /// Per replica id, the held prefix's blocks by the fastest tier each is
+    /// held in: `(device, host, disk)`.
+    #[pyo3(signature = (block_hashes, group_idx = None))]
+    fn match_tiers(
+        slf: &Bound<'_, Self>,
+        block_hashes: &Bound<'_, PyAny>,
+        group_idx: Option<u32>,
+    ) -> PkResult<Vec<[usize; 3]>> {
+        let hashes = hash_list(block_hashes)?;
+        Ok(borrow(slf)?.inner.match_tiers(&hashes, group_idx))
+    }
+
+    /// Per replica id, the held prefix weighed by tier (`weights`: device,
+    /// host, disk).
+    #[pyo3(signature = (block_hashes, weights, group_idx = None))]
+    fn weighted_match(
+        slf: &Bound<'_, Self>,
+        block_hashes: &Bound<'_, PyAny>,
+        weights: [f64; 3],
+        group_idx: Option<u32>,
+    ) -> PkResult<Vec<f64>> {
+        if weights.iter().any(|w| !w.is_finite() || *w < 0.0) {
+            return Err(invalid_arg("tier weights must be finite and not negative"));
+        }
+        let hashes = hash_list(block_hashes)?;
+        Ok(borrow(slf)?
+            .inner
+            .weighted_match(&hashes, group_idx, weights))
     }
 
     fn clear(&mut self, replica: u32) -> PkResult<()> {

@@ -136,18 +136,22 @@ def plot_sweep(
     """A sweep's figures against the swept value: hit rate (the theoretical
     ceiling as a dashed line), preemptions, TTFT p99 and throughput. Points that
     did not run are left out; a numeric axis spanning a decade or more is
-    logarithmic. A sweep of a cache's size (``CAPACITY_AXES``) draws the hit
-    rate against the total cache capacity in tokens (device, host and disk),
-    log-scaled, with the device's share of the hits beside it when tiers ran."""
-    unit = {
-        "memory": " (GiB per GPU)",
-        "cpu-offload": " (GiB per GPU)",
-        "disk-offload": " (GiB per GPU)",
-    }.get(axis, "")
+    logarithmic. A sweep of a cache's size (``CAPACITY_AXES``) draws every
+    figure against the total cache capacity in tokens (device, host and disk;
+    log-scaled), the device's share of the hits beside the hit rate when tiers
+    ran."""
     ran = [p for p in points if p.get("status") == "ok"]
     numeric = all(isinstance(p["value"], int | float) for p in ran)
-    xs: list[Any] = [p["value"] if numeric else str(p["value"]) for p in ran]
-    wide = numeric and bool(ran) and min(xs) > 0 and max(xs) / min(xs) >= 10
+    capacity = axis in CAPACITY_AXES and bool(ran)
+    xs: list[Any]
+    if capacity:
+        xs = [p["capacity_tokens"] for p in ran]
+        label = "cache capacity (tokens: device + host + disk)"
+    else:
+        xs = [p["value"] if numeric else str(p["value"]) for p in ran]
+        label = axis
+    wide = (capacity or numeric) and bool(ran) and min(xs) > 0 and max(xs) / min(xs) >= 10
+    tiered = any(p.get("host_hit_rate") or p.get("disk_hit_rate") for p in ran)
     panels: tuple[tuple[str, Callable[[dict[str, Any]], float]], ...] = (
         ("hit rate (%)", lambda p: 100 * p["hit_rate"]),
         ("preemptions", lambda p: p["preemptions"]),
@@ -157,17 +161,19 @@ def plot_sweep(
     with _figure(path, 2, 2) as (fig, axes):
         for ax, (name, get) in zip(axes.flat, panels, strict=True):
             ys = [get(p) for p in ran]
-            ax.plot(xs, ys, marker="o", lw=1.2)
+            ax.plot(xs, ys, marker="o", lw=1.2, label="all tiers" if tiered else None)
             # From zero, without an offset: a flat line reads as flat.
             ax.set_ylim(bottom=0, top=max([*ys, 0]) * 1.1 or 1)
             ax.ticklabel_format(axis="y", useOffset=False, style="plain")
-            ax.set_xlabel(axis + unit)
+            ax.set_xlabel(label)
             ax.set_ylabel(name)
             ax.grid(True, alpha=0.3)
             if wide:
                 ax.set_xscale("log")
-        if axis in CAPACITY_AXES and ran:
-            _capacity_panel(axes[0, 0], ran)
+        if tiered:
+            dev = [100 * p["device_hit_rate"] for p in ran]
+            axes[0, 0].plot(xs, dev, marker=".", lw=1.0, ls=":", label="on the device")
+            axes[0, 0].legend(loc="upper left", fontsize="small")
         if ceiling is not None:
             ax = axes[0, 0]
             ax.axhline(100 * ceiling, ls="--", color="grey", label="ceiling (unlimited cache)")
@@ -175,25 +181,3 @@ def plot_sweep(
             ax.legend(loc="lower right", fontsize="small")
         fig.suptitle(title or f"pagedkv simulate: sweep of {axis}")
         fig.subplots_adjust(hspace=0.3, wspace=0.25)
-
-
-def _capacity_panel(ax: Any, ran: Sequence[dict[str, Any]]) -> None:
-    """The hit-rate panel redrawn against the total capacity in tokens."""
-    ax.clear()
-    caps = [p["capacity_tokens"] for p in ran]
-    ax.plot(caps, [100 * p["hit_rate"] for p in ran], marker="o", lw=1.2, label="all tiers")
-    if any(p.get("host_hit_rate") or p.get("disk_hit_rate") for p in ran):
-        ax.plot(
-            caps,
-            [100 * p["device_hit_rate"] for p in ran],
-            marker=".",
-            lw=1.0,
-            ls=":",
-            label="on the device",
-        )
-    ax.set_xscale("log")
-    ax.set_ylim(0, 105)
-    ax.set_xlabel("cache capacity (tokens: device + host + disk)")
-    ax.set_ylabel("hit rate (%)")
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left", fontsize="small")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import random
@@ -459,6 +460,24 @@ def latencies_us(
 # --------------------------------------------------------------------------- memory
 
 
+def settle(timeout_s: float = 120.0) -> None:
+    """Waits until the process is idle: a dropped RadixTree is freed by its own
+    background thread, which must not run into the next timed section."""
+    end = time.monotonic() + timeout_s
+
+    def cpu() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    prev = cpu()
+    while time.monotonic() < end:
+        time.sleep(0.1)
+        now = cpu()
+        if now - prev < 0.005:
+            return
+        prev = now
+
+
 def rss_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -487,6 +506,7 @@ def memory_worker(side: str, path: Path) -> None:
         apply_dyn(index, dyn_events)
         index.find_matches([1])
     gc.collect()
+    settle()
     after = rss_bytes()
     print(json.dumps({"before": before, "after": after, "pairs": w.final_pairs}))
 
@@ -522,8 +542,10 @@ class Row:
 
     def markdown(self) -> str:
         ratio = "n/a"
-        if self.pk and self.dyn and statistics.median(self.dyn) > 0:
-            ratio = f"{statistics.median(self.pk) / statistics.median(self.dyn):.2f}"
+        if self.pk and self.dyn and min(self.dyn) > 0:
+            ratio = f"{min(self.pk) / min(self.dyn):.2f}"
+            if len(self.pk) > 1 or len(self.dyn) > 1:
+                ratio += f" / {statistics.median(self.pk) / statistics.median(self.dyn):.2f}"
         return (
             f"| {self.name} | {self.unit} | {self._fmt(self.pk)} | {self._fmt(self.dyn)} "
             f"| {ratio} |"
@@ -587,6 +609,7 @@ def run_config(
     for rnd in range(args.rounds):
         index = tree = None
         gc.collect()
+        settle()
         index = prefix_index()
         register(index, reps)
         tree = radix_tree()
@@ -630,6 +653,7 @@ def run_config(
         )
     )
 
+    settle()
     # the 1,024-block chain, then the answers
     for r, p, c in w.long_events:
         index.store(f"r{r}", c, p or None)
@@ -641,10 +665,14 @@ def run_config(
 
     queries = w.queries
     lat: dict[str, list[tuple[float, float]]] = {}
+    long_queries = [w.long_query] * max(100, len(queries) // 4)
     fns = {
         "best": (pk_best(index), dyn_best(tree), queries),
         "lengths": (pk_lengths(index), dyn_lengths(tree), queries),
-        "long": (pk_best(index), dyn_best(tree), [w.long_query] * max(100, len(queries) // 4)),
+        "long": (pk_best(index), dyn_best(tree), long_queries),
+        # pagedkv's core without the Python wrapper (a (replica id, length) tuple)
+        "best_core": (index._index.longest_prefix, dyn_best(tree), queries),
+        "long_core": (index._index.longest_prefix, dyn_best(tree), long_queries),
     }
     for rnd in range(args.rounds):
         for key, (fa, fb, qs) in fns.items():
@@ -655,6 +683,8 @@ def run_config(
         "best": f"best replica, {len(queries)} queries {MIN_LEN}-{MAX_LEN} blocks",
         "lengths": "all replicas' match lengths, same queries",
         "long": f"best replica, {LONG_QUERY}-block query",
+        "best_core": "best replica, 16-256 blocks, pagedkv._core directly",
+        "long_core": f"best replica, {LONG_QUERY} blocks, pagedkv._core directly",
     }
     for key, label in labels.items():
         for j, stat in enumerate(("median", "p99")):
@@ -713,6 +743,7 @@ def run_config(
     )
     del index, tree
     gc.collect()
+    settle()
 
     if not args.no_memory:
         with tempfile.TemporaryDirectory() as d:
@@ -739,7 +770,7 @@ def _count(text: str) -> int:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if v != int(v):
+    if not math.isfinite(v) or v != int(v):
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
     return int(v)
 
@@ -765,6 +796,17 @@ def _bounded(lo: int, hi: int) -> Callable[[str], int]:
         return v
 
     return parse
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -819,7 +861,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dyn_version = "?"
     print(
         f"# pagedkv {getattr(pagedkv, '__version__', '?')} vs ai-dynamo-runtime {dyn_version}; "
-        f"Python {platform.python_version()}, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}, {os.cpu_count()} CPUs ({_cpu_model()}), "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"load average {os.getloadavg()[0]:.2f}"
     )
@@ -834,7 +876,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(
         "\nmin / median over rounds (one figure: measured once); "
-        "ratio = pagedkv median / Dynamo median (< 1: pagedkv faster or smaller)\n"
+        "ratio = pagedkv / Dynamo, of the minima / of the medians (< 1: pagedkv faster or "
+        f"smaller); load average at the end {os.getloadavg()[0]:.2f}\n"
     )
     print("| row | unit | pagedkv | Dynamo RadixTree | ratio |")
     print("|---|---|---|---|---|")

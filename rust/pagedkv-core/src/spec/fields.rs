@@ -223,6 +223,7 @@ impl ManagerConfig {
     pub fn set_option<V: OptionValue>(&mut self, name: &str, v: &V) -> Result<bool, V::Error> {
         match name {
             "enable_caching" => self.enable_caching = v.flag()?,
+            "eviction" => self.eviction = super::Eviction::parse(&v.text()?)?,
             "hash_algo" => self.hash_algo = HashAlgo::parse(&v.text()?)?,
             "hash_seed" => self.hash_seed = v.seed()?,
             "hash_block_size" => self.hash_block_size = optional_int(name, v)?,

@@ -1,0 +1,470 @@
+//! Device eviction beyond LRU: which free block [`BlockPool::get_new_blocks`]
+//! hands out next, and so which cached key it evicts.
+//!
+//! [`Eviction::Lru`] (the default) is vLLM 0.33's single free queue, exactly.
+//! The other policies change the order in which free blocks are handed out
+//! and nothing else: hits on what is cached, reference counts, events,
+//! stats and the pool's invariants are those of LRU.
+//!
+//! Both keep the free blocks in two intrusive lists threaded through the
+//! same block links: the first is the pool's own queue (`head` / `tail`),
+//! the second lives here; a per-block tag says which list holds a free
+//! block and whether the block was *reused*: hit ([`BlockPool::touch`])
+//! while cached, or (ARC) cached under a key found in a ghost list. A block
+//! loses the mark when it loses its cache key.
+//!
+//! - Freed blocks without a cache key go to the head of the first list, as
+//!   one run in the order given (as vLLM puts them at the head of its
+//!   queue): they are handed out before any cached block, since using them
+//!   loses nothing. A free block that loses its key (`evict_blocks`, a
+//!   reset) moves there too. Freed cached blocks go to the tail of the
+//!   first list, or of the second once reused, each run keeping vLLM's
+//!   order (a request's tail first). Blocks [`BlockPool::unpin`] releases
+//!   go to a tail, keyed or not, as under LRU.
+//! - [`Eviction::Slru`], segmented LRU: the first list is the probationary
+//!   segment, the second the protected one. Blocks are handed out from the
+//!   probationary head. The protected segment holds at most 80% of the free
+//!   blocks: whenever it would hold more (blocks freed into it, free blocks
+//!   taken), its head is demoted to the probationary tail. The hand-out
+//!   order is therefore the probationary list, then the protected list.
+//!   A prefix reused by several requests outlives a scan of one-off prompts
+//!   as long as they fit in the probationary share.
+//! - [`Eviction::Arc`], adaptive replacement over the free cached blocks:
+//!   T1 (the first list: cached blocks not reused since cached) and T2 (the
+//!   second: reused ones), a target `p` for T1's length in `0..=c` (`c`
+//!   the pool's usable blocks), and ghost lists B1 / B2 of the keys last
+//!   evicted from T1 / T2 (key fingerprints only, at most `c` each, in
+//!   bounded FIFOs). A block handed out comes from T1's head while T1 holds
+//!   more than `p` blocks (or its head holds no key, or T2 is empty), else
+//!   from T2's head. A key given to a block that B1 remembers grows `p` by
+//!   `max(1, |B2| / |B1|)`; one B2 remembers shrinks it by
+//!   `max(1, |B1| / |B2|)`; either way the block counts as reused. A reset
+//!   forgets the ghosts and sets `p` to 0.
+//!
+//! With prefix caching off nothing is cached, so every policy hands blocks
+//! out as LRU does: the pool keeps no segments then.
+//!
+//! Costs: O(1) per block taken, touched or freed (a demotion is paid for by
+//! the promotion before it; ghost FIFOs are compacted at twice their bound);
+//! nothing is allocated per call. LRU pays one branch per call.
+
+use super::free_queue::{link_run_in, unlink_in};
+use super::ghosts::Ghosts;
+use super::{BlockId, BlockPool, CacheKey, NIL, NULL_BLOCK};
+pub use crate::spec::Eviction;
+
+/// Tag bit: the block is in the first list (probationary / T1).
+const IN_FIRST: u8 = 1;
+/// Tag bit: the block is in the second list (protected / T2).
+const IN_SECOND: u8 = 2;
+/// Tag bit: the block was reused while cached.
+const REUSED: u8 = 4;
+const QUEUED: u8 = IN_FIRST | IN_SECOND;
+
+/// The protected segment's most share of the free blocks: 4/5.
+const PROTECTED_NUM: u64 = 4;
+const PROTECTED_DEN: u64 = 5;
+
+/// The second list and the per-block state of a policy other than LRU.
+#[derive(Debug)]
+pub(super) struct Segments {
+    policy: Eviction,
+    /// Per block: `IN_FIRST` / `IN_SECOND` / `REUSED` bits.
+    tags: Vec<u8>,
+    head: u32,
+    tail: u32,
+    /// Blocks in the second list.
+    len: u32,
+    /// ARC's target length of T1.
+    target: u32,
+    /// The pool's usable blocks (`c`).
+    capacity: u32,
+    /// ARC's ghost lists (empty under SLRU).
+    ghosts: Ghosts,
+}
+
+/// The fingerprint a ghost list keeps of a key.
+fn ghost_fp(key: &CacheKey) -> u64 {
+    key.hash.fingerprint() ^ u64::from(key.group).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// Whether the next block comes from the second list, given the lists'
+/// lengths, whether the first list's head holds no key, and ARC's target.
+#[inline]
+fn take_second(policy: Eviction, len0: u32, len1: u32, head_unkeyed: bool, target: u32) -> bool {
+    if len1 == 0 {
+        return false;
+    }
+    if len0 == 0 {
+        return true;
+    }
+    match policy {
+        Eviction::Arc => !head_unkeyed && len0 <= target,
+        _ => false,
+    }
+}
+
+impl BlockPool {
+    /// The pool handing out free blocks by `policy` (a pool built with
+    /// caching off keeps LRU: nothing is cached). Call it on a fresh pool.
+    #[must_use]
+    pub fn with_eviction(mut self, policy: Eviction) -> Self {
+        if policy == Eviction::Lru || !self.enable_caching {
+            self.segments = None;
+            return self;
+        }
+        let n = self.blocks.len();
+        let mut tags = vec![IN_FIRST; n];
+        tags[NULL_BLOCK as usize] = 0;
+        for (t, b) in tags.iter_mut().zip(&self.blocks).skip(1) {
+            if b.ref_cnt > 0 {
+                *t = 0;
+            }
+        }
+        let capacity = (n as u32).saturating_sub(1).max(1);
+        self.segments = Some(Box::new(Segments {
+            policy,
+            tags,
+            head: NIL,
+            tail: NIL,
+            len: 0,
+            target: 0,
+            capacity,
+            ghosts: if policy == Eviction::Arc {
+                Ghosts::new(capacity)
+            } else {
+                Ghosts::default()
+            },
+        }));
+        self
+    }
+
+    /// The policy in effect ([`Eviction::Lru`] with caching off).
+    #[must_use]
+    pub fn eviction(&self) -> Eviction {
+        self.segments.as_ref().map_or(Eviction::Lru, |s| s.policy)
+    }
+
+    /// Free blocks in the first list (LRU's queue, SLRU's probationary
+    /// segment, ARC's T1) and in the second (protected, T2; 0 under LRU).
+    #[must_use]
+    pub fn segment_lens(&self) -> (u32, u32) {
+        let second = self.segments.as_ref().map_or(0, |s| s.len);
+        (self.num_free - second, second)
+    }
+
+    /// ARC's target length of T1 (`None` under another policy).
+    #[must_use]
+    pub fn arc_target(&self) -> Option<u32> {
+        self.segments
+            .as_ref()
+            .filter(|s| s.policy == Eviction::Arc)
+            .map(|s| s.target)
+    }
+
+    /// Keys in ARC's ghost lists B1 and B2 (`[0, 0]` under another policy).
+    #[must_use]
+    pub fn ghost_lens(&self) -> [u32; 2] {
+        self.segments.as_ref().map_or([0, 0], |s| s.ghosts.lens())
+    }
+
+    /// Whether the block was reused while cached (a policy other than LRU
+    /// keeps the mark; `false` under LRU).
+    #[must_use]
+    pub fn is_reused(&self, id: BlockId) -> bool {
+        self.segments
+            .as_ref()
+            .is_some_and(|s| s.tags.get(id as usize).is_some_and(|t| t & REUSED != 0))
+    }
+
+    /// Unlinks a free block from its list.
+    pub(super) fn unlink_segmented(&mut self, id: BlockId) {
+        let Some(seg) = self.segments.as_deref_mut() else {
+            return;
+        };
+        let t = seg.tags[id as usize];
+        if t & IN_SECOND != 0 {
+            unlink_in(&mut self.blocks, &mut seg.head, &mut seg.tail, id);
+            seg.len -= 1;
+        } else {
+            unlink_in(&mut self.blocks, &mut self.head, &mut self.tail, id);
+        }
+        seg.tags[id as usize] = t & !QUEUED;
+        self.num_free -= 1;
+        self.rebalance();
+    }
+
+    /// Marks the cached blocks among prefix hits as reused.
+    pub(super) fn note_hits(&mut self, ids: &[BlockId]) {
+        let Some(seg) = self.segments.as_deref_mut() else {
+            return;
+        };
+        for &id in ids {
+            if id != NULL_BLOCK && self.blocks[id as usize].key != NIL {
+                seg.tags[id as usize] |= REUSED;
+            }
+        }
+    }
+
+    /// Returns blocks that reached ref 0: `first` (no key) to the first
+    /// list's head as one run, each of `last` to the tail of its list.
+    pub(super) fn free_segmented(&mut self, first: &[BlockId], last: &[BlockId]) {
+        let Some(seg) = self.segments.as_deref_mut() else {
+            return;
+        };
+        for &id in first {
+            seg.tags[id as usize] = (seg.tags[id as usize] & !QUEUED) | IN_FIRST;
+        }
+        link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, first, NIL);
+        for &id in last {
+            let t = seg.tags[id as usize] & !QUEUED;
+            if t & REUSED != 0 {
+                let at = seg.tail;
+                link_run_in(&mut self.blocks, &mut seg.head, &mut seg.tail, &[id], at);
+                seg.tags[id as usize] = t | IN_SECOND;
+                seg.len += 1;
+            } else {
+                let at = self.tail;
+                link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, &[id], at);
+                seg.tags[id as usize] = t | IN_FIRST;
+            }
+        }
+        self.num_free += (first.len() + last.len()) as u32;
+        self.rebalance();
+    }
+
+    /// Pops `n` blocks by the policy into `out` (caller checked `n <= free`),
+    /// recording ARC's ghosts of the keys they will lose.
+    pub(super) fn pop_segmented(&mut self, n: u32, out: &mut Vec<BlockId>) {
+        let Some(seg) = self.segments.as_deref_mut() else {
+            return;
+        };
+        let mut len0 = self.num_free - seg.len;
+        for _ in 0..n {
+            let unkeyed = self
+                .blocks
+                .get(self.head as usize)
+                .is_none_or(|b| b.key == NIL);
+            let second = take_second(seg.policy, len0, seg.len, unkeyed, seg.target);
+            let id = if second {
+                let id = seg.head;
+                unlink_in(&mut self.blocks, &mut seg.head, &mut seg.tail, id);
+                seg.len -= 1;
+                id
+            } else {
+                let id = self.head;
+                unlink_in(&mut self.blocks, &mut self.head, &mut self.tail, id);
+                len0 -= 1;
+                id
+            };
+            seg.tags[id as usize] = 0;
+            let key = self.blocks[id as usize].key;
+            if seg.policy == Eviction::Arc && key != NIL {
+                let fp = ghost_fp(&self.map.entry(key).key);
+                seg.ghosts.insert(fp, usize::from(second));
+            }
+            out.push(id);
+        }
+        self.num_free -= n;
+        self.rebalance();
+    }
+
+    /// SLRU: demotes the protected head while the protected segment holds
+    /// more than its share of the free blocks.
+    fn rebalance(&mut self) {
+        let Some(seg) = self.segments.as_deref_mut() else {
+            return;
+        };
+        if seg.policy != Eviction::Slru {
+            return;
+        }
+        while u64::from(seg.len) * PROTECTED_DEN > u64::from(self.num_free) * PROTECTED_NUM {
+            let id = seg.head;
+            unlink_in(&mut self.blocks, &mut seg.head, &mut seg.tail, id);
+            seg.len -= 1;
+            let at = self.tail;
+            link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, &[id], at);
+            seg.tags[id as usize] = (seg.tags[id as usize] & !QUEUED) | IN_FIRST;
+        }
+    }
+
+    /// A block lost its (primary) key: it is no longer reused, and a free
+    /// one moves to the first list's head (handed out before cached blocks).
+    pub(super) fn on_key_dropped(&mut self, id: BlockId) {
+        let Some(seg) = self.segments.as_deref_mut() else {
+            return;
+        };
+        let t = seg.tags[id as usize];
+        seg.tags[id as usize] = t & !REUSED;
+        if t & QUEUED == 0 {
+            return;
+        }
+        if t & IN_SECOND != 0 {
+            unlink_in(&mut self.blocks, &mut seg.head, &mut seg.tail, id);
+            seg.len -= 1;
+        } else {
+            unlink_in(&mut self.blocks, &mut self.head, &mut self.tail, id);
+        }
+        link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, &[id], NIL);
+        seg.tags[id as usize] = IN_FIRST;
+    }
+
+    /// A block got a primary key: ARC looks it up in the ghost lists, adapts
+    /// its target on a hit and marks the block reused.
+    pub(super) fn on_key_given(&mut self, id: BlockId, key: &CacheKey) {
+        let Some(seg) = self.segments.as_deref_mut() else {
+            return;
+        };
+        let [b1, b2] = seg.ghosts.lens();
+        let Some(list) = seg.ghosts.take(ghost_fp(key)) else {
+            return;
+        };
+        if list == 0 {
+            let delta = (b2 / b1.max(1)).max(1);
+            seg.target = seg.target.saturating_add(delta).min(seg.capacity);
+        } else {
+            let delta = (b1 / b2.max(1)).max(1);
+            seg.target = seg.target.saturating_sub(delta);
+        }
+        seg.tags[id as usize] |= REUSED;
+    }
+
+    /// The cache was reset (every block free, none keyed): one list in the
+    /// current hand-out order, no marks, no ghosts, ARC's target 0.
+    pub(super) fn reset_segments(&mut self) {
+        if self.segments.is_none() {
+            return;
+        }
+        let order = self.free_queue();
+        let Some(seg) = self.segments.as_deref_mut() else {
+            return;
+        };
+        seg.tags.iter_mut().for_each(|t| *t = 0);
+        for &id in &order {
+            seg.tags[id as usize] = IN_FIRST;
+        }
+        seg.head = NIL;
+        seg.tail = NIL;
+        seg.len = 0;
+        seg.target = 0;
+        seg.ghosts.clear();
+        self.head = NIL;
+        self.tail = NIL;
+        link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, &order, NIL);
+    }
+
+    /// Appends up to `limit` free blocks to `out` in the order
+    /// [`Self::get_new_blocks`] would hand them out.
+    pub(super) fn hand_out_order(&self, limit: usize, out: &mut Vec<BlockId>) {
+        let Some(seg) = self.segments.as_deref() else {
+            let mut cur = self.head;
+            while cur != NIL && out.len() < limit {
+                out.push(cur);
+                cur = self.blocks[cur as usize].next;
+            }
+            return;
+        };
+        let (mut a, mut b) = (self.head, seg.head);
+        let (mut len0, mut len1) = (self.num_free - seg.len, seg.len);
+        while len0 + len1 > 0 && out.len() < limit {
+            let unkeyed = self.blocks.get(a as usize).is_none_or(|x| x.key == NIL);
+            if take_second(seg.policy, len0, len1, unkeyed, seg.target) {
+                out.push(b);
+                b = self.blocks[b as usize].next;
+                len1 -= 1;
+            } else {
+                out.push(a);
+                a = self.blocks[a as usize].next;
+                len0 -= 1;
+            }
+        }
+    }
+
+    /// A free block's neighbours in its list, the protected segment read as
+    /// following the probationary one (SLRU's hand-out order).
+    pub(super) fn segment_neighbors(&self, id: BlockId) -> (u32, u32) {
+        let b = self.blocks[id as usize];
+        let Some(seg) = self.segments.as_deref() else {
+            return (b.prev, b.next);
+        };
+        if seg.policy != Eviction::Slru {
+            return (b.prev, b.next);
+        }
+        let second = seg.tags[id as usize] & IN_SECOND != 0;
+        let prev = if second && b.prev == NIL {
+            self.tail
+        } else {
+            b.prev
+        };
+        let next = if !second && b.next == NIL {
+            seg.head
+        } else {
+            b.next
+        };
+        (prev, next)
+    }
+
+    /// The segments' invariants, given the blocks the first list's walk saw.
+    pub(super) fn check_segments(&self, seen: &mut [bool]) -> std::result::Result<u32, String> {
+        let Some(seg) = self.segments.as_deref() else {
+            return Ok(0);
+        };
+        for (i, &s) in seen.iter().enumerate() {
+            if s && seg.tags[i] & QUEUED != IN_FIRST {
+                return Err(format!("block {i} is in the first list but tagged otherwise"));
+            }
+        }
+        let mut cur = seg.head;
+        let mut prev = NIL;
+        let mut count = 0u32;
+        while cur != NIL {
+            let i = cur as usize;
+            if i >= seen.len() || cur == NULL_BLOCK {
+                return Err(format!("second list links to block {cur}"));
+            }
+            if seen[i] {
+                return Err(format!("block {cur} is in the free lists twice"));
+            }
+            seen[i] = true;
+            if self.blocks[i].prev != prev {
+                return Err(format!("block {cur} has a broken prev link"));
+            }
+            if seg.tags[i] & QUEUED != IN_SECOND {
+                return Err(format!("block {i} is in the second list but tagged otherwise"));
+            }
+            count += 1;
+            prev = cur;
+            cur = self.blocks[i].next;
+        }
+        if prev != seg.tail {
+            return Err("second list tail is wrong".into());
+        }
+        if count != seg.len {
+            return Err(format!("second list counts {} but holds {count}", seg.len));
+        }
+        for (i, &s) in seen.iter().enumerate() {
+            if !s && seg.tags[i] & QUEUED != 0 {
+                return Err(format!("block {i} is tagged free but is in no list"));
+            }
+        }
+        if seg.policy == Eviction::Slru
+            && u64::from(seg.len) * PROTECTED_DEN > u64::from(self.num_free) * PROTECTED_NUM
+        {
+            return Err(format!(
+                "protected segment holds {} of {} free blocks, past 4/5",
+                seg.len, self.num_free
+            ));
+        }
+        if seg.target > seg.capacity {
+            return Err(format!("ARC target {} past {}", seg.target, seg.capacity));
+        }
+        if seg.policy != Eviction::Arc && seg.ghosts.lens() != [0, 0] {
+            return Err("ghost keys outside ARC".into());
+        }
+        seg.ghosts.check()?;
+        Ok(count)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -350,7 +350,13 @@ impl BlockPool {
         seg.ghosts.clear();
         self.head = NIL;
         self.tail = NIL;
-        link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, &order, NIL);
+        link_run_in(
+            &mut self.blocks,
+            &mut self.head,
+            &mut self.tail,
+            &order,
+            NIL,
+        );
     }
 
     /// Appends up to `limit` free blocks to `out` in the order
@@ -411,7 +417,9 @@ impl BlockPool {
         };
         for (i, &s) in seen.iter().enumerate() {
             if s && seg.tags[i] & QUEUED != IN_FIRST {
-                return Err(format!("block {i} is in the first list but tagged otherwise"));
+                return Err(format!(
+                    "block {i} is in the first list but tagged otherwise"
+                ));
             }
         }
         let mut cur = seg.head;
@@ -430,7 +438,9 @@ impl BlockPool {
                 return Err(format!("block {cur} has a broken prev link"));
             }
             if seg.tags[i] & QUEUED != IN_SECOND {
-                return Err(format!("block {i} is in the second list but tagged otherwise"));
+                return Err(format!(
+                    "block {i} is in the second list but tagged otherwise"
+                ));
             }
             count += 1;
             prev = cur;

@@ -186,6 +186,41 @@ fn assert_same(pool: &mut BlockPool, m: &mut Model, ctx: &str) -> Result<(), Tes
     Ok(())
 }
 
+/// `get_new_blocks(k)` on both; under SLRU / ARC the model takes the blocks
+/// the pool handed out, which must be those its `free_queue` listed first.
+fn get_new(pool: &mut BlockPool, m: &mut Model, k: u32, ctx: &str) -> Result<(), TestCaseError> {
+    let sentinel = vec![u32::MAX - 1];
+    let mut out = sentinel.clone();
+    let next = pool.free_queue();
+    let ok = pool.get_new_blocks(k, &mut out);
+    if ok && !m.ordered {
+        prop_assert_eq!(
+            &out[1..],
+            &next[..k as usize],
+            "{}: handed out other blocks than free_queue said",
+            ctx
+        );
+        m.take(&out[1..]);
+    }
+    let want = if m.ordered || !ok {
+        m.get_new(k)
+    } else {
+        Some(out[1..].to_vec())
+    };
+    match want {
+        None => {
+            prop_assert!(!ok, "{}: succeeded past the free count", ctx);
+            prop_assert_eq!(out, sentinel, "{}: failed call appended", ctx);
+        }
+        Some(want) => {
+            prop_assert!(ok, "{}: failed with enough free blocks", ctx);
+            prop_assert_eq!(&out[..1], &sentinel[..], "{}: clobbered out", ctx);
+            prop_assert_eq!(&out[1..], &want[..], "{}: allocated ids", ctx);
+        }
+    }
+    Ok(())
+}
+
 fn run_ops(
     num_blocks: u32,
     caching: bool,
@@ -214,37 +249,7 @@ fn run_ops_evicting(
         let keys_before = m.pool.key.iter().filter(|k| k.is_some()).count();
         let ctx = format!("step {step} {op:?}");
         match op {
-            Op::GetNew(k) => {
-                let sentinel = vec![u32::MAX - 1];
-                let mut out = sentinel.clone();
-                let next = pool.free_queue();
-                let ok = pool.get_new_blocks(*k, &mut out);
-                if ok && !m.ordered {
-                    prop_assert_eq!(
-                        &out[1..],
-                        &next[..*k as usize],
-                        "{}: handed out other blocks than free_queue said",
-                        ctx
-                    );
-                    m.take(&out[1..]);
-                }
-                let want = if m.ordered || !ok {
-                    m.get_new(*k)
-                } else {
-                    Some(out[1..].to_vec())
-                };
-                match want {
-                    None => {
-                        prop_assert!(!ok, "{}: succeeded past the free count", ctx);
-                        prop_assert_eq!(out, sentinel, "{}: failed call appended", ctx);
-                    }
-                    Some(want) => {
-                        prop_assert!(ok, "{}: failed with enough free blocks", ctx);
-                        prop_assert_eq!(&out[..1], &sentinel[..], "{}: clobbered out", ctx);
-                        prop_assert_eq!(&out[1..], &want[..], "{}: allocated ids", ctx);
-                    }
-                }
-            }
+            Op::GetNew(k) => get_new(&mut pool, &mut m, *k, &ctx)?,
             Op::Touch(idx) => {
                 let ids: Vec<u32> = idx.iter().map(|i| i.index(n) as u32).collect();
                 pool.touch(&ids);

@@ -8,10 +8,11 @@
 //!
 //! Both keep the free blocks in two intrusive lists threaded through the
 //! same block links: the first is the pool's own queue (`head` / `tail`),
-//! the second lives here; a per-block tag says which list holds a free
-//! block and whether the block was *reused*: hit ([`BlockPool::touch`])
-//! while cached, or (ARC) cached under a key found in a ghost list. A block
-//! loses the mark when it loses its cache key.
+//! the second lives here. One bit per block marks it *reused*: hit
+//! ([`BlockPool::touch`]) while cached, or (ARC) cached while held under a
+//! key found in a ghost list. Only cached blocks carry the mark (a block
+//! loses it with its cache key), and a free block is in the second list
+//! exactly when it carries it, so the bit is also the block's list.
 //!
 //! - Freed blocks without a cache key go to the head of the first list, as
 //!   one run in the order given (as vLLM puts them at the head of its
@@ -25,7 +26,8 @@
 //!   segment, the second the protected one. Blocks are handed out from the
 //!   probationary head. The protected segment holds at most 80% of the free
 //!   blocks: whenever it would hold more (blocks freed into it, free blocks
-//!   taken), its head is demoted to the probationary tail. The hand-out
+//!   taken), its head is demoted to the probationary tail and loses its
+//!   mark (a new hit brings it back). The hand-out
 //!   order is therefore the probationary list, then the protected list.
 //!   A prefix reused by several requests outlives a scan of one-off prompts
 //!   as long as they fit in the probationary share.
@@ -45,32 +47,27 @@
 //! out as LRU does: the pool keeps no segments then.
 //!
 //! Costs: O(1) per block taken, touched or freed (a demotion is paid for by
-//! the promotion before it; ghost FIFOs are compacted at twice their bound);
-//! nothing is allocated per call. LRU pays one branch per call.
+//! the promotion before it); blocks are taken in at most three runs, each
+//! walked like LRU's; nothing is allocated per call (ghost rings grow to
+//! their bound once). Memory: one bit per block, and under ARC up to 16
+//! bytes per ghost (two rings of at most `c` keys). LRU pays one branch per
+//! call.
 
 use super::free_queue::{link_run_in, unlink_in};
 use super::ghosts::Ghosts;
-use super::{BlockId, BlockPool, CacheKey, NIL, NULL_BLOCK};
+use super::{Block, BlockId, BlockPool, CacheKey, NIL, NULL_BLOCK};
 pub use crate::spec::Eviction;
-
-/// Tag bit: the block is in the first list (probationary / T1).
-const IN_FIRST: u8 = 1;
-/// Tag bit: the block is in the second list (protected / T2).
-const IN_SECOND: u8 = 2;
-/// Tag bit: the block was reused while cached.
-const REUSED: u8 = 4;
-const QUEUED: u8 = IN_FIRST | IN_SECOND;
 
 /// The protected segment's most share of the free blocks: 4/5.
 const PROTECTED_NUM: u64 = 4;
 const PROTECTED_DEN: u64 = 5;
 
-/// The second list and the per-block state of a policy other than LRU.
+/// The second list and the per-block marks of a policy other than LRU.
 #[derive(Debug)]
 pub(super) struct Segments {
     policy: Eviction,
-    /// Per block: `IN_FIRST` / `IN_SECOND` / `REUSED` bits.
-    tags: Vec<u8>,
+    /// One bit per block: reused (a free block: in the second list).
+    reused: Vec<u64>,
     head: u32,
     tail: u32,
     /// Blocks in the second list.
@@ -81,6 +78,30 @@ pub(super) struct Segments {
     capacity: u32,
     /// ARC's ghost lists (empty under SLRU).
     ghosts: Ghosts,
+}
+
+impl Segments {
+    #[inline]
+    fn is_reused(&self, id: BlockId) -> bool {
+        self.reused[(id >> 6) as usize] >> (id & 63) & 1 != 0
+    }
+
+    #[inline]
+    fn mark(&mut self, id: BlockId) {
+        self.reused[(id >> 6) as usize] |= 1 << (id & 63);
+    }
+
+    #[inline]
+    fn unmark(&mut self, id: BlockId) {
+        self.reused[(id >> 6) as usize] &= !(1 << (id & 63));
+    }
+
+    /// The protected segment (SLRU) holds more than its share of `free`.
+    #[inline]
+    fn over_share(&self, free: u32) -> bool {
+        self.policy == Eviction::Slru
+            && u64::from(self.len) * PROTECTED_DEN > u64::from(free) * PROTECTED_NUM
+    }
 }
 
 /// The fingerprint a ghost list keeps of a key.
@@ -98,15 +119,61 @@ fn take_second(policy: Eviction, len0: u32, len1: u32, head_unkeyed: bool, targe
     if len0 == 0 {
         return true;
     }
-    match policy {
-        Eviction::Arc => !head_unkeyed && len0 <= target,
-        _ => false,
+    policy == Eviction::Arc && !head_unkeyed && len0 <= target
+}
+
+/// Pops blocks from the front of a list into `out`, at most `max`, while
+/// `take(block, popped so far)` says so; how many it popped.
+#[inline]
+fn pop_front_while(
+    blocks: &mut [Block],
+    (head, tail): (&mut u32, &mut u32),
+    max: u32,
+    mut take: impl FnMut(&Block, u32) -> bool,
+    out: &mut Vec<BlockId>,
+) -> u32 {
+    let mut cur = *head;
+    let mut k = 0;
+    while k < max && cur != NIL {
+        let b = &mut blocks[cur as usize];
+        if !take(b, k) {
+            break;
+        }
+        let next = b.next;
+        b.prev = NIL;
+        b.next = NIL;
+        out.push(cur);
+        cur = next;
+        k += 1;
     }
+    if k > 0 {
+        *head = cur;
+        if cur == NIL {
+            *tail = NIL;
+        } else {
+            blocks[cur as usize].prev = NIL;
+        }
+    }
+    k
 }
 
 impl BlockPool {
     /// The pool handing out free blocks by `policy` (a pool built with
     /// caching off keeps LRU: nothing is cached). Call it on a fresh pool.
+    ///
+    /// - [`Eviction::Lru`]: vLLM's single free queue.
+    /// - [`Eviction::Slru`]: cached blocks freed after a prefix hit
+    ///   ([`Self::touch`]) join a protected segment of at most 4/5 of the free
+    ///   blocks (its oldest demoted past that); blocks are handed out from the
+    ///   probationary segment (the rest) first.
+    /// - [`Eviction::Arc`]: T1 (free blocks cached once) and T2 (reused
+    ///   ones); T1's head is handed out while T1 holds more than a target
+    ///   `p`, else T2's; ghost lists of evicted keys move `p` when a key is
+    ///   cached again.
+    ///
+    /// Under both, freed blocks holding no key are handed out first, runs keep
+    /// vLLM's order within a list, and only the hand-out order differs from
+    /// LRU.
     #[must_use]
     pub fn with_eviction(mut self, policy: Eviction) -> Self {
         if policy == Eviction::Lru || !self.enable_caching {
@@ -114,17 +181,10 @@ impl BlockPool {
             return self;
         }
         let n = self.blocks.len();
-        let mut tags = vec![IN_FIRST; n];
-        tags[NULL_BLOCK as usize] = 0;
-        for (t, b) in tags.iter_mut().zip(&self.blocks).skip(1) {
-            if b.ref_cnt > 0 {
-                *t = 0;
-            }
-        }
         let capacity = (n as u32).saturating_sub(1).max(1);
         self.segments = Some(Box::new(Segments {
             policy,
-            tags,
+            reused: vec![0; n.div_ceil(64)],
             head: NIL,
             tail: NIL,
             len: 0,
@@ -168,13 +228,12 @@ impl BlockPool {
         self.segments.as_ref().map_or([0, 0], |s| s.ghosts.lens())
     }
 
-    /// Whether the block was reused while cached (a policy other than LRU
-    /// keeps the mark; `false` under LRU).
+    /// Whether the block carries the reused mark (always `false` under LRU).
     #[must_use]
     pub fn is_reused(&self, id: BlockId) -> bool {
         self.segments
             .as_ref()
-            .is_some_and(|s| s.tags.get(id as usize).is_some_and(|t| t & REUSED != 0))
+            .is_some_and(|s| (id as usize) < self.blocks.len() && s.is_reused(id))
     }
 
     /// Unlinks a free block from its list.
@@ -182,26 +241,24 @@ impl BlockPool {
         let Some(seg) = self.segments.as_deref_mut() else {
             return;
         };
-        let t = seg.tags[id as usize];
-        if t & IN_SECOND != 0 {
+        if seg.is_reused(id) {
             unlink_in(&mut self.blocks, &mut seg.head, &mut seg.tail, id);
             seg.len -= 1;
         } else {
             unlink_in(&mut self.blocks, &mut self.head, &mut self.tail, id);
         }
-        seg.tags[id as usize] = t & !QUEUED;
         self.num_free -= 1;
         self.rebalance();
     }
 
-    /// Marks the cached blocks among prefix hits as reused.
+    /// Marks the cached blocks among prefix hits (all held now) as reused.
     pub(super) fn note_hits(&mut self, ids: &[BlockId]) {
         let Some(seg) = self.segments.as_deref_mut() else {
             return;
         };
         for &id in ids {
             if id != NULL_BLOCK && self.blocks[id as usize].key != NIL {
-                seg.tags[id as usize] |= REUSED;
+                seg.mark(id);
             }
         }
     }
@@ -212,79 +269,96 @@ impl BlockPool {
         let Some(seg) = self.segments.as_deref_mut() else {
             return;
         };
-        for &id in first {
-            seg.tags[id as usize] = (seg.tags[id as usize] & !QUEUED) | IN_FIRST;
-        }
         link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, first, NIL);
-        for &id in last {
-            let t = seg.tags[id as usize] & !QUEUED;
-            if t & REUSED != 0 {
-                let at = seg.tail;
-                link_run_in(&mut self.blocks, &mut seg.head, &mut seg.tail, &[id], at);
-                seg.tags[id as usize] = t | IN_SECOND;
-                seg.len += 1;
-            } else {
-                let at = self.tail;
-                link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, &[id], at);
-                seg.tags[id as usize] = t | IN_FIRST;
+        if last.iter().any(|&id| seg.is_reused(id)) {
+            for &id in last {
+                let run = std::slice::from_ref(&id);
+                if seg.is_reused(id) {
+                    let at = seg.tail;
+                    link_run_in(&mut self.blocks, &mut seg.head, &mut seg.tail, run, at);
+                    seg.len += 1;
+                } else {
+                    let at = self.tail;
+                    link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, run, at);
+                }
             }
+        } else {
+            let at = self.tail;
+            link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, last, at);
         }
         self.num_free += (first.len() + last.len()) as u32;
         self.rebalance();
     }
 
-    /// Pops `n` blocks by the policy into `out` (caller checked `n <= free`),
-    /// recording ARC's ghosts of the keys they will lose.
+    /// Pops `n` blocks by the policy into `out` (caller checked `n <= free`):
+    /// a run from the first list, one from the second, the rest from the
+    /// first. ARC records the keys they will lose as ghosts.
     pub(super) fn pop_segmented(&mut self, n: u32, out: &mut Vec<BlockId>) {
         let Some(seg) = self.segments.as_deref_mut() else {
             return;
         };
-        let mut len0 = self.num_free - seg.len;
-        for _ in 0..n {
-            let unkeyed = self
-                .blocks
-                .get(self.head as usize)
-                .is_none_or(|b| b.key == NIL);
-            let second = take_second(seg.policy, len0, seg.len, unkeyed, seg.target);
-            let id = if second {
-                let id = seg.head;
-                unlink_in(&mut self.blocks, &mut seg.head, &mut seg.tail, id);
-                seg.len -= 1;
-                id
-            } else {
-                let id = self.head;
-                unlink_in(&mut self.blocks, &mut self.head, &mut self.tail, id);
-                len0 -= 1;
-                id
-            };
-            seg.tags[id as usize] = 0;
-            let key = self.blocks[id as usize].key;
-            if seg.policy == Eviction::Arc && key != NIL {
-                let fp = ghost_fp(&self.map.entry(key).key);
-                seg.ghosts.insert(fp, usize::from(second));
-            }
-            out.push(id);
-        }
+        let start = out.len();
+        let (len0, len1) = (self.num_free - seg.len, seg.len);
+        let first = if seg.policy == Eviction::Arc && len1 > 0 {
+            let target = seg.target;
+            pop_front_while(
+                &mut self.blocks,
+                (&mut self.head, &mut self.tail),
+                n,
+                |b, k| b.key == NIL || len0 - k > target,
+                out,
+            )
+        } else {
+            pop_front_while(
+                &mut self.blocks,
+                (&mut self.head, &mut self.tail),
+                n,
+                |_, _| true,
+                out,
+            )
+        };
+        let second = pop_front_while(
+            &mut self.blocks,
+            (&mut seg.head, &mut seg.tail),
+            n - first,
+            |_, _| true,
+            out,
+        );
+        seg.len -= second;
+        pop_front_while(
+            &mut self.blocks,
+            (&mut self.head, &mut self.tail),
+            n - first - second,
+            |_, _| true,
+            out,
+        );
         self.num_free -= n;
+        if seg.policy == Eviction::Arc {
+            for (i, &id) in out[start..].iter().enumerate() {
+                let key = self.blocks[id as usize].key;
+                if key != NIL {
+                    let from_t2 = (first as usize..(first + second) as usize).contains(&i);
+                    seg.ghosts
+                        .insert(ghost_fp(&self.map.entry(key).key), usize::from(from_t2));
+                }
+            }
+        }
         self.rebalance();
     }
 
-    /// SLRU: demotes the protected head while the protected segment holds
-    /// more than its share of the free blocks.
+    /// SLRU: demotes the protected head (unmarked) while the protected
+    /// segment holds more than its share of the free blocks.
     fn rebalance(&mut self) {
         let Some(seg) = self.segments.as_deref_mut() else {
             return;
         };
-        if seg.policy != Eviction::Slru {
-            return;
-        }
-        while u64::from(seg.len) * PROTECTED_DEN > u64::from(self.num_free) * PROTECTED_NUM {
+        while seg.over_share(self.num_free) {
             let id = seg.head;
             unlink_in(&mut self.blocks, &mut seg.head, &mut seg.tail, id);
             seg.len -= 1;
+            seg.unmark(id);
             let at = self.tail;
             link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, &[id], at);
-            seg.tags[id as usize] = (seg.tags[id as usize] & !QUEUED) | IN_FIRST;
         }
     }
 
@@ -294,23 +368,26 @@ impl BlockPool {
         let Some(seg) = self.segments.as_deref_mut() else {
             return;
         };
-        let t = seg.tags[id as usize];
-        seg.tags[id as usize] = t & !REUSED;
-        if t & QUEUED == 0 {
+        let second = seg.is_reused(id);
+        seg.unmark(id);
+        let b = self.blocks[id as usize];
+        // Blocks being handed out are free but in no list.
+        let queued = b.prev != NIL || b.next != NIL || self.head == id || seg.head == id;
+        if b.ref_cnt != 0 || id == NULL_BLOCK || !queued {
             return;
         }
-        if t & IN_SECOND != 0 {
+        if second {
             unlink_in(&mut self.blocks, &mut seg.head, &mut seg.tail, id);
             seg.len -= 1;
         } else {
             unlink_in(&mut self.blocks, &mut self.head, &mut self.tail, id);
         }
         link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, &[id], NIL);
-        seg.tags[id as usize] = IN_FIRST;
     }
 
     /// A block got a primary key: ARC looks it up in the ghost lists, adapts
-    /// its target on a hit and marks the block reused.
+    /// its target on a hit and marks the block reused (a held block; a free
+    /// one stays where it is, unmarked).
     pub(super) fn on_key_given(&mut self, id: BlockId, key: &CacheKey) {
         let Some(seg) = self.segments.as_deref_mut() else {
             return;
@@ -326,7 +403,9 @@ impl BlockPool {
             let delta = (b1 / b2.max(1)).max(1);
             seg.target = seg.target.saturating_sub(delta);
         }
-        seg.tags[id as usize] |= REUSED;
+        if self.blocks[id as usize].ref_cnt > 0 {
+            seg.mark(id);
+        }
     }
 
     /// The cache was reset (every block free, none keyed): one list in the
@@ -339,10 +418,7 @@ impl BlockPool {
         let Some(seg) = self.segments.as_deref_mut() else {
             return;
         };
-        seg.tags.iter_mut().for_each(|t| *t = 0);
-        for &id in &order {
-            seg.tags[id as usize] = IN_FIRST;
-        }
+        seg.reused.iter_mut().for_each(|w| *w = 0);
         seg.head = NIL;
         seg.tail = NIL;
         seg.len = 0;
@@ -396,7 +472,7 @@ impl BlockPool {
         if seg.policy != Eviction::Slru {
             return (b.prev, b.next);
         }
-        let second = seg.tags[id as usize] & IN_SECOND != 0;
+        let second = seg.is_reused(id);
         let prev = if second && b.prev == NIL {
             self.tail
         } else {
@@ -410,16 +486,15 @@ impl BlockPool {
         (prev, next)
     }
 
-    /// The segments' invariants, given the blocks the first list's walk saw.
+    /// The segments' invariants, given the blocks the first list's walk saw
+    /// (marked in `seen`); how many blocks the second list holds.
     pub(super) fn check_segments(&self, seen: &mut [bool]) -> std::result::Result<u32, String> {
         let Some(seg) = self.segments.as_deref() else {
             return Ok(0);
         };
         for (i, &s) in seen.iter().enumerate() {
-            if s && seg.tags[i] & QUEUED != IN_FIRST {
-                return Err(format!(
-                    "block {i} is in the first list but tagged otherwise"
-                ));
+            if s && seg.is_reused(i as u32) {
+                return Err(format!("block {i} is in the first list but marked reused"));
             }
         }
         let mut cur = seg.head;
@@ -437,9 +512,9 @@ impl BlockPool {
             if self.blocks[i].prev != prev {
                 return Err(format!("block {cur} has a broken prev link"));
             }
-            if seg.tags[i] & QUEUED != IN_SECOND {
+            if !seg.is_reused(cur) {
                 return Err(format!(
-                    "block {i} is in the second list but tagged otherwise"
+                    "block {i} is in the second list but not marked reused"
                 ));
             }
             count += 1;
@@ -452,14 +527,12 @@ impl BlockPool {
         if count != seg.len {
             return Err(format!("second list counts {} but holds {count}", seg.len));
         }
-        for (i, &s) in seen.iter().enumerate() {
-            if !s && seg.tags[i] & QUEUED != 0 {
-                return Err(format!("block {i} is tagged free but is in no list"));
-            }
-        }
-        if seg.policy == Eviction::Slru
-            && u64::from(seg.len) * PROTECTED_DEN > u64::from(self.num_free) * PROTECTED_NUM
+        if let Some(i) = (0..self.blocks.len() as u32)
+            .find(|&i| seg.is_reused(i) && self.blocks[i as usize].key == NIL)
         {
+            return Err(format!("block {i} is marked reused but holds no key"));
+        }
+        if seg.over_share(self.num_free) {
             return Err(format!(
                 "protected segment holds {} of {} free blocks, past 4/5",
                 seg.len, self.num_free

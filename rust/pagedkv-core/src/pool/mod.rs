@@ -491,8 +491,19 @@ impl BlockPool {
     }
 
     /// Takes references on prefix-hit blocks, pulling eviction candidates out of
-    /// the free queue. The null block is skipped.
+    /// the free queue. The null block is skipped. Under SLRU / ARC the cached
+    /// ones count as reused.
     pub fn touch(&mut self, ids: &[BlockId]) {
+        self.touch_for_copy(ids);
+        if self.segments.is_some() {
+            self.note_hits(ids);
+        }
+    }
+
+    /// [`Self::touch`] for blocks held to be read or copied (a store to the
+    /// host tier, a pinned page), not hit by a lookup: under SLRU / ARC they
+    /// do not count as reused.
+    pub fn touch_for_copy(&mut self, ids: &[BlockId]) {
         if ids.len() > 1 && self.blocks.len() * size_of::<Block>() > (2 << 20) {
             // The blocks, then the free-queue neighbours an unlink rewrites,
             // prefetched.
@@ -524,9 +535,6 @@ impl BlockPool {
                 m.stats.blocks_accessed += 1;
                 m.log(BlockActivityKind::Accessed, id);
             }
-        }
-        if self.segments.is_some() {
-            self.note_hits(ids);
         }
     }
 

@@ -235,6 +235,6 @@ impl KvCacheManager {
         }
         off.tier.on_request_finished(uid, &[], &[])?;
         off.tier.forget_request(uid);
-        self.touch_blocks(&to_touch)
+        self.hold_blocks(&to_touch)
     }
 }

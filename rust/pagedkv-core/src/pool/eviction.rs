@@ -317,21 +317,24 @@ impl BlockPool {
                 out,
             )
         };
-        let second = pop_front_while(
-            &mut self.blocks,
-            (&mut seg.head, &mut seg.tail),
-            n - first,
-            |_, _| true,
-            out,
-        );
-        seg.len -= second;
-        pop_front_while(
-            &mut self.blocks,
-            (&mut self.head, &mut self.tail),
-            n - first - second,
-            |_, _| true,
-            out,
-        );
+        let mut second = 0;
+        if first < n {
+            second = pop_front_while(
+                &mut self.blocks,
+                (&mut seg.head, &mut seg.tail),
+                n - first,
+                |_, _| true,
+                out,
+            );
+            seg.len -= second;
+            pop_front_while(
+                &mut self.blocks,
+                (&mut self.head, &mut self.tail),
+                n - first - second,
+                |_, _| true,
+                out,
+            );
+        }
         self.num_free -= n;
         if seg.policy == Eviction::Arc {
             for (i, &id) in out[start..].iter().enumerate() {
@@ -346,20 +349,41 @@ impl BlockPool {
         self.rebalance();
     }
 
-    /// SLRU: demotes the protected head (unmarked) while the protected
-    /// segment holds more than its share of the free blocks.
+    /// SLRU: demotes the protected segment's oldest blocks (unmarked, as one
+    /// run to the probationary tail) while it holds more than its share of
+    /// the free blocks.
+    #[inline]
     fn rebalance(&mut self) {
         let Some(seg) = self.segments.as_deref_mut() else {
             return;
         };
-        while seg.over_share(self.num_free) {
-            let id = seg.head;
-            unlink_in(&mut self.blocks, &mut seg.head, &mut seg.tail, id);
-            seg.len -= 1;
-            seg.unmark(id);
-            let at = self.tail;
-            link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, &[id], at);
+        if !seg.over_share(self.num_free) {
+            return;
         }
+        let keep = (u64::from(self.num_free) * PROTECTED_NUM / PROTECTED_DEN) as u32;
+        let first = seg.head;
+        let mut last = first;
+        seg.unmark(first);
+        for _ in 1..seg.len - keep {
+            last = self.blocks[last as usize].next;
+            seg.unmark(last);
+        }
+        let rest = self.blocks[last as usize].next;
+        seg.head = rest;
+        if rest == NIL {
+            seg.tail = NIL;
+        } else {
+            self.blocks[rest as usize].prev = NIL;
+        }
+        seg.len = keep;
+        self.blocks[first as usize].prev = self.tail;
+        self.blocks[last as usize].next = NIL;
+        if self.tail == NIL {
+            self.head = first;
+        } else {
+            self.blocks[self.tail as usize].next = first;
+        }
+        self.tail = last;
     }
 
     /// A block lost its (primary) key: it is no longer reused, and a free

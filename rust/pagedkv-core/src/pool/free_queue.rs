@@ -4,7 +4,8 @@
 
 use super::{Block, BlockId, BlockPool, NIL, NULL_BLOCK};
 
-/// Unlinks `id` from the list whose ends are `head` and `tail`.
+/// Unlinks `id` from the list whose ends are `head` and `tail` (the lists
+/// of SLRU / ARC; LRU's queue keeps its own copy of these two, above).
 #[inline]
 pub(super) fn unlink_in(blocks: &mut [Block], head: &mut u32, tail: &mut u32, id: u32) {
     let Block { prev, next, .. } = blocks[id as usize];
@@ -66,13 +67,50 @@ impl BlockPool {
             self.unlink_segmented(id);
             return;
         }
-        unlink_in(&mut self.blocks, &mut self.head, &mut self.tail, id);
+        let Block { prev, next, .. } = self.blocks[id as usize];
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.blocks[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            self.blocks[next as usize].prev = prev;
+        }
+        let b = &mut self.blocks[id as usize];
+        b.prev = NIL;
+        b.next = NIL;
         self.num_free -= 1;
     }
 
     /// Links a run of blocks (in order) after `after` (NIL = at the head).
     fn link_run(&mut self, run: &[BlockId], after: u32) {
-        link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, run, after);
+        let Some((&first, _)) = run.split_first() else {
+            return;
+        };
+        let last = run[run.len() - 1];
+        for w in run.windows(2) {
+            self.blocks[w[0] as usize].next = w[1];
+            self.blocks[w[1] as usize].prev = w[0];
+        }
+        let before = if after == NIL {
+            self.head
+        } else {
+            self.blocks[after as usize].next
+        };
+        self.blocks[first as usize].prev = after;
+        self.blocks[last as usize].next = before;
+        if after == NIL {
+            self.head = first;
+        } else {
+            self.blocks[after as usize].next = first;
+        }
+        if before == NIL {
+            self.tail = last;
+        } else {
+            self.blocks[before as usize].prev = last;
+        }
         self.num_free += run.len() as u32;
     }
 

@@ -99,7 +99,8 @@ impl Segments {
     /// The protected segment (SLRU) holds more than its share of `free`.
     #[inline]
     fn over_share(&self, free: u32) -> bool {
-        self.policy == Eviction::Slru
+        self.len > 0
+            && self.policy == Eviction::Slru
             && u64::from(self.len) * PROTECTED_DEN > u64::from(free) * PROTECTED_NUM
     }
 }
@@ -248,7 +249,9 @@ impl BlockPool {
             unlink_in(&mut self.blocks, &mut self.head, &mut self.tail, id);
         }
         self.num_free -= 1;
-        self.rebalance();
+        if seg.over_share(self.num_free) {
+            self.demote();
+        }
     }
 
     /// Marks the cached blocks among prefix hits (all held now) as reused.
@@ -269,7 +272,9 @@ impl BlockPool {
         let Some(seg) = self.segments.as_deref_mut() else {
             return;
         };
-        link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, first, NIL);
+        if !first.is_empty() {
+            link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, first, NIL);
+        }
         if last.iter().any(|&id| seg.is_reused(id)) {
             for &id in last {
                 let run = std::slice::from_ref(&id);
@@ -282,12 +287,14 @@ impl BlockPool {
                     link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, run, at);
                 }
             }
-        } else {
+        } else if !last.is_empty() {
             let at = self.tail;
             link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, last, at);
         }
         self.num_free += (first.len() + last.len()) as u32;
-        self.rebalance();
+        if seg.over_share(self.num_free) {
+            self.demote();
+        }
     }
 
     /// Pops `n` blocks by the policy into `out` (caller checked `n <= free`):
@@ -336,24 +343,31 @@ impl BlockPool {
             );
         }
         self.num_free -= n;
+        let from_t2 = start + first as usize..start + (first + second) as usize;
+        if second > 0 {
+            for &id in &out[from_t2.clone()] {
+                seg.unmark(id);
+            }
+        }
         if seg.policy == Eviction::Arc {
-            for (i, &id) in out[start..].iter().enumerate() {
+            for (i, &id) in out.iter().enumerate().skip(start) {
                 let key = self.blocks[id as usize].key;
                 if key != NIL {
-                    let from_t2 = (first as usize..(first + second) as usize).contains(&i);
-                    seg.ghosts
-                        .insert(ghost_fp(&self.map.entry(key).key), usize::from(from_t2));
+                    let list = usize::from(from_t2.contains(&i));
+                    seg.ghosts.insert(ghost_fp(&self.map.entry(key).key), list);
                 }
             }
         }
-        self.rebalance();
+        if seg.over_share(self.num_free) {
+            self.demote();
+        }
     }
 
-    /// SLRU: demotes the protected segment's oldest blocks (unmarked, as one
-    /// run to the probationary tail) while it holds more than its share of
-    /// the free blocks.
-    #[inline]
-    fn rebalance(&mut self) {
+    /// SLRU, the protected segment over its share of the free blocks:
+    /// demotes its oldest blocks (unmarked, as one run to the probationary
+    /// tail) until it is within it.
+    #[inline(never)]
+    fn demote(&mut self) {
         let Some(seg) = self.segments.as_deref_mut() else {
             return;
         };
@@ -388,16 +402,27 @@ impl BlockPool {
 
     /// A block lost its (primary) key: it is no longer reused, and a free
     /// one moves to the first list's head (handed out before cached blocks).
+    #[inline]
     pub(super) fn on_key_dropped(&mut self, id: BlockId) {
+        let Some(seg) = self.segments.as_deref() else {
+            return;
+        };
+        let b = &self.blocks[id as usize];
+        // Blocks being handed out are free but in no list (and unmarked).
+        let queued =
+            b.ref_cnt == 0 && (b.prev != NIL || b.next != NIL || self.head == id || seg.head == id);
+        if queued || seg.is_reused(id) {
+            self.unmark_and_requeue(id, queued);
+        }
+    }
+
+    fn unmark_and_requeue(&mut self, id: BlockId, queued: bool) {
         let Some(seg) = self.segments.as_deref_mut() else {
             return;
         };
         let second = seg.is_reused(id);
         seg.unmark(id);
-        let b = self.blocks[id as usize];
-        // Blocks being handed out are free but in no list.
-        let queued = b.prev != NIL || b.next != NIL || self.head == id || seg.head == id;
-        if b.ref_cnt != 0 || id == NULL_BLOCK || !queued {
+        if !queued {
             return;
         }
         if second {
@@ -412,10 +437,14 @@ impl BlockPool {
     /// A block got a primary key: ARC looks it up in the ghost lists, adapts
     /// its target on a hit and marks the block reused (a held block; a free
     /// one stays where it is, unmarked).
+    #[inline]
     pub(super) fn on_key_given(&mut self, id: BlockId, key: &CacheKey) {
         let Some(seg) = self.segments.as_deref_mut() else {
             return;
         };
+        if seg.policy != Eviction::Arc {
+            return;
+        }
         let [b1, b2] = seg.ghosts.lens();
         let Some(list) = seg.ghosts.take(ghost_fp(key)) else {
             return;

@@ -275,22 +275,31 @@ impl BlockPool {
         if !first.is_empty() {
             link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, first, NIL);
         }
-        if last.iter().any(|&id| seg.is_reused(id)) {
-            for &id in last {
-                let run = std::slice::from_ref(&id);
-                if seg.is_reused(id) {
-                    let at = seg.tail;
-                    link_run_in(&mut self.blocks, &mut seg.head, &mut seg.tail, run, at);
-                    seg.len += 1;
+        // Each block to the tail of its list, the links written as it goes.
+        let (mut tail0, mut tail1) = (self.tail, seg.tail);
+        for &id in last {
+            let second = seg.is_reused(id);
+            let tail = if second { &mut tail1 } else { &mut tail0 };
+            self.blocks[id as usize].prev = *tail;
+            if *tail == NIL {
+                if second {
+                    seg.head = id;
                 } else {
-                    let at = self.tail;
-                    link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, run, at);
+                    self.head = id;
                 }
+            } else {
+                self.blocks[*tail as usize].next = id;
             }
-        } else if !last.is_empty() {
-            let at = self.tail;
-            link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, last, at);
+            *tail = id;
+            seg.len += u32::from(second);
         }
+        for t in [tail0, tail1] {
+            if t != NIL {
+                self.blocks[t as usize].next = NIL;
+            }
+        }
+        self.tail = tail0;
+        seg.tail = tail1;
         self.num_free += (first.len() + last.len()) as u32;
         if seg.over_share(self.num_free) {
             self.demote();
@@ -402,7 +411,8 @@ impl BlockPool {
 
     /// A block lost its (primary) key: it is no longer reused, and a free
     /// one moves to the first list's head (handed out before cached blocks).
-    #[inline]
+    #[allow(clippy::inline_always)] // on every eviction: its fast path is a few loads
+    #[inline(always)]
     pub(super) fn on_key_dropped(&mut self, id: BlockId) {
         let Some(seg) = self.segments.as_deref() else {
             return;

@@ -8,9 +8,10 @@
 //!
 //! Both keep the free blocks in two intrusive lists threaded through the
 //! same block links: the first is the pool's own queue (`head` / `tail`),
-//! the second lives here. One bit per block marks it *reused*: hit
-//! ([`BlockPool::touch`]) while cached, or (ARC) cached while held under a
-//! key found in a ghost list. Only cached blocks carry the mark (a block
+//! the second lives here. One bit per block marks it *reused*: hit by a
+//! lookup ([`BlockPool::touch`], not [`BlockPool::touch_for_copy`]: host-tier
+//! copies and pins are no hits) while cached, or (ARC) cached while held
+//! under a key found in a ghost list. Only cached blocks carry the mark (a block
 //! loses it with its cache key), and a free block is in the second list
 //! exactly when it carries it, so the bit is also the block's list.
 //!
@@ -26,22 +27,23 @@
 //!   segment, the second the protected one. Blocks are handed out from the
 //!   probationary head. The protected segment holds at most 80% of the free
 //!   blocks: whenever it would hold more (blocks freed into it, free blocks
-//!   taken), its head is demoted to the probationary tail and loses its
-//!   mark (a new hit brings it back). The hand-out
-//!   order is therefore the probationary list, then the protected list.
-//!   A prefix reused by several requests outlives a scan of one-off prompts
-//!   as long as they fit in the probationary share.
+//!   taken), its oldest blocks are demoted to the probationary tail and lose
+//!   their mark (a new hit brings it back). The hand-out order is therefore
+//!   the probationary list, then the protected list. A reused prefix
+//!   outlives a scan of one-off prompts while the scan's blocks fit in the
+//!   probationary share (at least 1/5 of the free blocks).
 //! - [`Eviction::Arc`], adaptive replacement over the free cached blocks:
 //!   T1 (the first list: cached blocks not reused since cached) and T2 (the
 //!   second: reused ones), a target `p` for T1's length in `0..=c` (`c`
 //!   the pool's usable blocks), and ghost lists B1 / B2 of the keys last
-//!   evicted from T1 / T2 (key fingerprints only, at most `c` each, in
-//!   bounded FIFOs). A block handed out comes from T1's head while T1 holds
+//!   evicted from T1 / T2 (64-bit key fingerprints, at most `c` each, in
+//!   bounded FIFOs; `ghosts`). A block handed out comes from T1's head while T1 holds
 //!   more than `p` blocks (or its head holds no key, or T2 is empty), else
 //!   from T2's head. A key given to a block that B1 remembers grows `p` by
 //!   `max(1, |B2| / |B1|)`; one B2 remembers shrinks it by
-//!   `max(1, |B1| / |B2|)`; either way the block counts as reused. A reset
-//!   forgets the ghosts and sets `p` to 0.
+//!   `max(1, |B1| / |B2|)`; either way the block (if held, as it is when a
+//!   request caches it) counts as reused. A reset forgets the ghosts and
+//!   sets `p` to 0.
 //!
 //! With prefix caching off nothing is cached, so every policy hands blocks
 //! out as LRU does: the pool keeps no segments then.

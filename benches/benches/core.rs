@@ -4,7 +4,7 @@ use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use pagedkv_benches::{admit, manager, tokens};
-use pagedkv_core::{AllocateArgs, BlockHasher, BlockPool, HashAlgo};
+use pagedkv_core::{AllocateArgs, BlockHash, BlockHasher, BlockPool, CacheKey, Eviction, HashAlgo};
 
 fn free_queue(c: &mut Criterion) {
     let mut g = c.benchmark_group("free_queue");
@@ -15,6 +15,59 @@ fn free_queue(c: &mut Criterion) {
             b.iter(|| {
                 out.clear();
                 pool.get_new_blocks(n, &mut out);
+                pool.free_blocks(out.iter().rev().copied());
+            });
+        });
+    }
+    // The same under the other device eviction policies.
+    for policy in [Eviction::Arc, Eviction::Slru] {
+        for n in [1u32, 16, 256] {
+            let name = format!("get_then_free_{}", policy.name());
+            g.bench_with_input(BenchmarkId::new(name, n), &n, |b, &n| {
+                let mut pool = BlockPool::new(1 << 16, true, false).with_eviction(policy);
+                let mut out = Vec::with_capacity(n as usize);
+                b.iter(|| {
+                    out.clear();
+                    pool.get_new_blocks(n, &mut out);
+                    pool.free_blocks(out.iter().rev().copied());
+                });
+            });
+        }
+    }
+    g.finish();
+}
+
+/// The pool's allocate / cache / hit / free cycle under each eviction
+/// policy, the cache full: every call evicts `n` cached blocks, caches them
+/// afresh, hits half of them (a second reference) and frees all, tail first.
+fn eviction(c: &mut Criterion) {
+    let mut g = c.benchmark_group("eviction");
+    let keys: Vec<CacheKey> = (0u32..1 << 18)
+        .map(|i| {
+            let mut d = [0u8; 32];
+            d[..4].copy_from_slice(&i.to_le_bytes());
+            d[4..8].copy_from_slice(&i.wrapping_mul(0x9e37_79b9).to_le_bytes());
+            CacheKey {
+                hash: BlockHash::from_slice(&d).expect("a 32-byte digest"),
+                group: 0,
+            }
+        })
+        .collect();
+    for policy in Eviction::ALL {
+        let n = 16usize;
+        g.bench_function(BenchmarkId::new("cached_cycle_16", policy.name()), |b| {
+            let mut pool = BlockPool::new(1 << 16, true, false).with_eviction(policy);
+            let mut out = Vec::with_capacity(n);
+            let mut k = 0usize;
+            b.iter(|| {
+                out.clear();
+                pool.get_new_blocks(n as u32, &mut out);
+                for &id in &out {
+                    pool.cache_block(id, keys[k]);
+                    k = (k + 1) % keys.len();
+                }
+                pool.touch(&out[..n / 2]);
+                pool.free_blocks(out[..n / 2].iter().rev().copied());
                 pool.free_blocks(out.iter().rev().copied());
             });
         });
@@ -207,12 +260,27 @@ fn trace_replay(c: &mut Criterion) {
             black_box(pagedkv_benches::floor::run(&mut kv, &reqs, false));
         });
     });
+    for policy in [Eviction::Arc, Eviction::Slru] {
+        let name = format!("200_requests_4096_blocks_{}", policy.name());
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                let mut cfg = pagedkv_core::ManagerConfig::full_attention(4096, 16, 16384);
+                cfg.max_in_flight_tokens = Some(8192);
+                cfg.eviction = policy;
+                let Ok(mut kv) = pagedkv_core::KvCacheManager::new(cfg) else {
+                    return;
+                };
+                black_box(pagedkv_benches::floor::run(&mut kv, &reqs, false));
+            });
+        });
+    }
     g.finish();
 }
 
 criterion_group!(
     benches,
     free_queue,
+    eviction,
     hashing,
     lookup,
     allocate,

@@ -10,9 +10,14 @@
 //! step for `batch`: divide by 256 for a request's share):
 //!
 //! `valgrind --tool=callgrind target/release/examples/call_instructions decode 200000`
+//!
+//! Pool probes per device eviction policy (`lru`, `arc`, `slru`):
+//! `get_free_<policy> N` takes and frees one block N times,
+//! `cycle_<policy> N` runs the pool bench's cached cycle (take 16 blocks of a
+//! full cache, cache them, hit half, free all) N times.
 use pagedkv_core::{
-    AllocateArgs, AttentionKind, BatchAllocation, BatchStep, GroupSpec, KvCacheManager,
-    ManagerConfig, RequestRefs, RequestSpec,
+    AllocateArgs, AttentionKind, BatchAllocation, BatchStep, BlockHash, BlockPool, CacheKey,
+    Eviction, GroupSpec, KvCacheManager, ManagerConfig, RequestRefs, RequestSpec,
 };
 use std::hint::black_box;
 
@@ -22,6 +27,14 @@ fn main() {
         .nth(2)
         .and_then(|s| s.parse().ok())
         .unwrap_or(1_000_000);
+    if let Some(policy) = what.strip_prefix("get_free_") {
+        pool_probe(Eviction::parse(policy).unwrap(), n, false);
+        return;
+    }
+    if let Some(policy) = what.strip_prefix("cycle_") {
+        pool_probe(Eviction::parse(policy).unwrap(), n, true);
+        return;
+    }
     let mut cfg = ManagerConfig::full_attention(1 << 16, 16, 1 << 20);
     if what == "lookup_hybrid" {
         // Full attention and three sliding windows (512, 1,024 and 1,536 tokens).
@@ -123,5 +136,40 @@ fn batch(mgr: &mut KvCacheManager, n: u64) {
         )
         .unwrap();
         black_box(out.num_allocated);
+    }
+}
+
+/// The pool probes: N calls of one block taken and freed, or (`cycle`) of
+/// the cached cycle: 16 blocks of a full cache taken (evicting), cached
+/// afresh, half of them hit, all freed tail first.
+fn pool_probe(policy: Eviction, n: u64, cycle: bool) {
+    let mut pool = BlockPool::new(1 << 16, true, false).with_eviction(policy);
+    let mut out = Vec::with_capacity(16);
+    let key = |i: u64| {
+        let mut d = [0u8; 32];
+        d[..8].copy_from_slice(&i.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_le_bytes());
+        CacheKey {
+            hash: BlockHash::from_slice(&d).unwrap(),
+            group: 0,
+        }
+    };
+    // A full cache first: every block cached once.
+    let warm = if cycle { (1u64 << 16) / 16 + 1 } else { 0 };
+    let mut k = 0u64;
+    for i in 0..warm + n {
+        out.clear();
+        if cycle {
+            pool.get_new_blocks(16, &mut out);
+            for &id in &out {
+                pool.cache_block(id, key(k));
+                k += 1;
+            }
+            pool.touch(&out[..8]);
+            pool.free_blocks(out[..8].iter().rev().copied());
+        } else {
+            pool.get_new_blocks(1, &mut out);
+        }
+        pool.free_blocks(out.iter().rev().copied());
+        black_box(i);
     }
 }

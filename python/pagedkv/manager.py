@@ -37,6 +37,23 @@ class ManagerOptions(TypedDict, total=False):
     take the core's defaults (``ManagerConfig``), given in brackets.
 
     - ``enable_caching`` (True): automatic prefix caching.
+    - ``eviction`` (``"lru"``): which free block the device pool hands out
+      next, and so which cached block it evicts. ``"lru"`` is vLLM's single
+      LRU free queue, exactly. ``"slru"`` (segmented LRU) and ``"arc"``
+      (adaptive replacement) also weigh reuse: a cached block hit by a
+      prefix lookup is, once freed again, kept behind blocks cached only
+      once, so a shared prefix outlives a scan of one-off prompts. Under
+      ``"slru"`` reused blocks form a protected segment of at most 80% of the
+      free blocks (its oldest are demoted past that); blocks are handed out
+      from the probationary segment first. Under ``"arc"`` the split between
+      once-cached (T1) and reused (T2) free blocks adapts: a block cached
+      again under a key recently evicted from T1 grows T1's target, one
+      evicted from T2 shrinks it (ghost lists of at most ``num_blocks`` keys
+      each). Either way free blocks that hold no cached hash go first, and
+      only the eviction order changes: hits, reference counts, events and
+      stats follow from it as under LRU. With caching off nothing is cached
+      and every value behaves as ``"lru"``. Another value raises
+      :class:`~pagedkv.errors.InvalidConfigError` (a ``ValueError``).
     - ``hash_algo`` (``"sha256_cbor"``): also ``"xxhash_cbor"`` (vLLM-compatible)
       or ``"xxh3_native"`` (pagedkv's fast hash; not shared with vLLM).
     - ``hash_seed``: seed of ``NONE_HASH``, like ``PYTHONHASHSEED`` (read from the
@@ -131,6 +148,7 @@ class ManagerOptions(TypedDict, total=False):
     """
 
     enable_caching: bool
+    eviction: str
     hash_algo: str
     hash_seed: str | int | None
     hash_block_size: int | None

@@ -57,5 +57,5 @@ pub use manager::{
 pub use pool::{BlockId, BlockPool, CacheKey, NULL_BLOCK};
 pub use prefix_index::{PrefixIndex, PrefixMatch, ReplicaId};
 pub use request::{Lora, MmFeature, OUTPUT_ROOM, RequestSpec};
-pub use spec::{AttentionKind, GroupSpec, MambaCacheMode, ManagerConfig};
+pub use spec::{AttentionKind, Eviction, GroupSpec, MambaCacheMode, ManagerConfig};
 pub use stats::PrefixCacheStats;

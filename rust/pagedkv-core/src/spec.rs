@@ -3,7 +3,9 @@
 use crate::error::{Error, Result};
 use crate::hash::HashAlgo;
 
+mod eviction;
 pub(crate) mod fields;
+pub use eviction::Eviction;
 pub use fields::{OptionValue, SpecFields, config_int};
 
 /// Mamba state caching mode (vLLM's `mamba_cache_mode`).
@@ -232,6 +234,10 @@ pub struct ManagerConfig {
     pub max_model_len: u64,
     /// Prefix caching on.
     pub enable_caching: bool,
+    /// Which free block the device pool hands out next, so which cached block
+    /// it evicts ([`crate::Eviction`]): vLLM's LRU (the default), or SLRU /
+    /// ARC, which change only that order. No effect with caching off.
+    pub eviction: Eviction,
     /// Block-hash algorithm.
     pub hash_algo: HashAlgo,
     /// Seed of `NONE_HASH` (vLLM reads `PYTHONHASHSEED`). `None`: vLLM's fixed
@@ -370,6 +376,7 @@ impl ManagerConfig {
             groups,
             max_model_len,
             enable_caching: true,
+            eviction: Eviction::Lru,
             hash_algo: HashAlgo::Sha256Cbor,
             hash_seed: None,
             hash_block_size: None,

@@ -4,6 +4,13 @@
 //! real pool publishes: vLLM 0.33's `BlockPool` / `FreeKVCacheBlockQueue`
 //! semantics, written as plainly as possible.
 //!
+//! A pool with another eviction policy (SLRU, ARC) is held to the same model
+//! in everything but the order free blocks are handed out: the model takes
+//! the blocks the pool handed out (which must be free there, and the ones
+//! the pool's `free_queue` said come next), and the free queues are compared
+//! as sets; keys, reference counts, lookups, events and invariants (the
+//! segments' included) must match exactly.
+//!
 //! Random op sequences are interpreted against the model state (indices are taken
 //! modulo what exists), so every generated sequence is valid and shrinks well.
 // Short names (`m`, `n`, `k`, `b`) follow the model's notation.
@@ -13,7 +20,7 @@ mod support;
 
 use support::ref_pool::RefPool;
 
-use pagedkv_core::{BlockHash, BlockPool, CacheKey, KvEvent};
+use pagedkv_core::{BlockHash, BlockPool, CacheKey, Eviction, KvEvent};
 use proptest::prelude::*;
 use proptest::sample::Index;
 
@@ -66,6 +73,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
 #[derive(Debug)]
 struct Model {
     pool: RefPool<CacheKey>,
+    /// LRU: the free queue is compared in order.
+    ordered: bool,
     events_on: bool,
     events: Vec<KvEvent>,
 }
@@ -74,6 +83,7 @@ impl Model {
     fn new(num_blocks: u32, caching: bool, events_on: bool) -> Self {
         Self {
             pool: RefPool::new(num_blocks, caching),
+            ordered: true,
             events_on,
             events: Vec::new(),
         }
@@ -103,6 +113,12 @@ impl Model {
         got
     }
 
+    /// The blocks a pool with another eviction order handed out.
+    fn take(&mut self, ids: &[u32]) {
+        self.pool.take(ids);
+        self.publish_evictions();
+    }
+
     fn reset(&mut self) -> bool {
         if !self.pool.reset() {
             return false;
@@ -115,7 +131,7 @@ impl Model {
 }
 
 fn assert_same(pool: &mut BlockPool, m: &mut Model, ctx: &str) -> Result<(), TestCaseError> {
-    support::ref_pool::check_same_queue_and_refs(pool, &m.pool, ctx)?;
+    support::ref_pool::check_same_free_blocks_and_refs(pool, &m.pool, m.ordered, ctx)?;
     for b in 1..m.pool.n as u32 {
         prop_assert_eq!(
             pool.block_key(b),
@@ -170,14 +186,60 @@ fn assert_same(pool: &mut BlockPool, m: &mut Model, ctx: &str) -> Result<(), Tes
     Ok(())
 }
 
+/// `get_new_blocks(k)` on both; under SLRU / ARC the model takes the blocks
+/// the pool handed out, which must be those its `free_queue` listed first.
+fn get_new(pool: &mut BlockPool, m: &mut Model, k: u32, ctx: &str) -> Result<(), TestCaseError> {
+    let sentinel = vec![u32::MAX - 1];
+    let mut out = sentinel.clone();
+    let next = pool.free_queue();
+    let ok = pool.get_new_blocks(k, &mut out);
+    if ok && !m.ordered {
+        prop_assert_eq!(
+            &out[1..],
+            &next[..k as usize],
+            "{}: handed out other blocks than free_queue said",
+            ctx
+        );
+        m.take(&out[1..]);
+    }
+    let want = if m.ordered || !ok {
+        m.get_new(k)
+    } else {
+        Some(out[1..].to_vec())
+    };
+    match want {
+        None => {
+            prop_assert!(!ok, "{}: succeeded past the free count", ctx);
+            prop_assert_eq!(out, sentinel, "{}: failed call appended", ctx);
+        }
+        Some(want) => {
+            prop_assert!(ok, "{}: failed with enough free blocks", ctx);
+            prop_assert_eq!(&out[..1], &sentinel[..], "{}: clobbered out", ctx);
+            prop_assert_eq!(&out[1..], &want[..], "{}: allocated ids", ctx);
+        }
+    }
+    Ok(())
+}
+
 fn run_ops(
     num_blocks: u32,
     caching: bool,
     events_on: bool,
     ops: &[Op],
 ) -> Result<(), TestCaseError> {
-    let mut pool = BlockPool::new(num_blocks, caching, events_on);
+    run_ops_evicting(num_blocks, caching, events_on, Eviction::Lru, ops)
+}
+
+fn run_ops_evicting(
+    num_blocks: u32,
+    caching: bool,
+    events_on: bool,
+    policy: Eviction,
+    ops: &[Op],
+) -> Result<(), TestCaseError> {
+    let mut pool = BlockPool::new(num_blocks, caching, events_on).with_eviction(policy);
     let mut m = Model::new(num_blocks, caching, events_on);
+    m.ordered = pool.eviction() == Eviction::Lru;
     prop_assert_eq!(pool.enable_caching(), caching);
     prop_assert_eq!(pool.events_enabled(), events_on);
     assert_same(&mut pool, &mut m, "fresh pool")?;
@@ -187,22 +249,7 @@ fn run_ops(
         let keys_before = m.pool.key.iter().filter(|k| k.is_some()).count();
         let ctx = format!("step {step} {op:?}");
         match op {
-            Op::GetNew(k) => {
-                let sentinel = vec![u32::MAX - 1];
-                let mut out = sentinel.clone();
-                let ok = pool.get_new_blocks(*k, &mut out);
-                match m.get_new(*k) {
-                    None => {
-                        prop_assert!(!ok, "{}: succeeded past the free count", ctx);
-                        prop_assert_eq!(out, sentinel, "{}: failed call appended", ctx);
-                    }
-                    Some(want) => {
-                        prop_assert!(ok, "{}: failed with enough free blocks", ctx);
-                        prop_assert_eq!(&out[..1], &sentinel[..], "{}: clobbered out", ctx);
-                        prop_assert_eq!(&out[1..], &want[..], "{}: allocated ids", ctx);
-                    }
-                }
-            }
+            Op::GetNew(k) => get_new(&mut pool, &mut m, *k, &ctx)?,
             Op::Touch(idx) => {
                 let ids: Vec<u32> = idx.iter().map(|i| i.index(n) as u32).collect();
                 pool.touch(&ids);
@@ -293,6 +340,32 @@ proptest! {
         ops in prop::collection::vec(op_strategy(), 0..60),
     ) {
         run_ops(num_blocks, true, true, &ops)?;
+    }
+
+    /// SLRU and ARC: the model's pool in everything but the hand-out order,
+    /// their segments' invariants after every op.
+    #[test]
+    fn block_pool_under_slru_and_arc_matches_model_but_for_eviction_order(
+        num_blocks in 1u32..20,
+        caching in prop::bool::weighted(0.85),
+        events_on in any::<bool>(),
+        arc in any::<bool>(),
+        ops in prop::collection::vec(op_strategy(), 0..80),
+    ) {
+        let policy = if arc { Eviction::Arc } else { Eviction::Slru };
+        run_ops_evicting(num_blocks, caching, events_on, policy, &ops)?;
+    }
+
+    /// The same on small pools, where segments, demotions and ghost hits
+    /// interact the most.
+    #[test]
+    fn small_pools_under_slru_and_arc_match_model_but_for_eviction_order(
+        num_blocks in 2u32..7,
+        arc in any::<bool>(),
+        ops in prop::collection::vec(op_strategy(), 0..80),
+    ) {
+        let policy = if arc { Eviction::Arc } else { Eviction::Slru };
+        run_ops_evicting(num_blocks, true, true, policy, &ops)?;
     }
 }
 

@@ -112,6 +112,7 @@ impl Coordinator {
             cfg.enable_kv_cache_events,
         )?
         .with_metrics(cfg.kv_cache_metrics)
+        .with_eviction(cfg.eviction)
         .with_pending_caps(
             cfg.max_pending_events
                 .unwrap_or(crate::spec::PENDING_EVENTS_DEFAULT),

@@ -215,7 +215,7 @@ impl KvCacheManager {
             )));
         }
         if pin {
-            self.touch_blocks(&[block])?;
+            self.hold_blocks(&[block])?;
         }
         Ok(self.table.get_mut(slot).groups_mut()[group].adopt_page(page, block))
     }

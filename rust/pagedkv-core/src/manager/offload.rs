@@ -491,7 +491,7 @@ impl KvCacheManager {
             groups.push((g as u32, device_blocks, host_blocks));
         }
         for (_, blocks, _) in &groups {
-            self.touch_blocks(blocks)?;
+            self.hold_blocks(blocks)?;
         }
         let off = self.offload.as_deref_mut().expect("checked above");
         let job = off.next_job;
@@ -610,7 +610,7 @@ impl KvCacheManager {
                 (out, &mut to_touch),
             );
         }
-        self.touch_blocks(&to_touch)
+        self.hold_blocks(&to_touch)
     }
 
     /// Reports jobs of taken plans: `done` completed, `failed` did not. A

@@ -105,6 +105,9 @@ impl BlockPool {
             let e = self.map.insert(key, id, tokens, self.next_stamp);
             self.blocks[id as usize].key = e;
             self.next_stamp += 1;
+            if self.segments.is_some() {
+                self.on_key_given(id, &key);
+            }
             return true;
         }
         if self.map.entry(primary).key == key || self.map_contains(&key, id) {
@@ -125,6 +128,9 @@ impl BlockPool {
             return 0;
         }
         self.blocks[id as usize].key = NIL;
+        if self.segments.is_some() {
+            self.on_key_dropped(id);
+        }
         let key = self.map.entry(slot).key;
         let mut removed = usize::from(self.pop_and_report(key, id));
         if !self.secondary.is_empty()
@@ -225,6 +231,9 @@ impl BlockPool {
             keys.extend(extra);
         }
         self.blocks[src as usize].key = NIL;
+        if self.segments.is_some() {
+            self.on_key_dropped(src);
+        }
         let mut moved = Vec::with_capacity(keys.len());
         for key in keys {
             if self.map.remove(&key, src) {
@@ -254,6 +263,7 @@ impl BlockPool {
         if self.num_free_blocks() as usize != self.blocks.len() - 1 {
             return false;
         }
+        self.reset_segments();
         self.map.clear();
         self.secondary.clear();
         for b in &mut self.blocks {

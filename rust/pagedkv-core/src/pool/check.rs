@@ -1,5 +1,6 @@
 //! The pool's structural invariants, checked on demand: the free queue's links
-//! and count, reference counts against their holders, the prefix map against
+//! and count (both lists and their tags under SLRU / ARC, the protected share,
+//! ARC's target and ghost bounds), reference counts against their holders, the prefix map against
 //! the keys blocks carry.
 
 use super::{BlockPool, NIL, NULL_BLOCK};
@@ -52,6 +53,7 @@ impl BlockPool {
         if prev != self.tail {
             return Err("free queue tail is wrong".into());
         }
+        count += self.check_segments(&mut seen)?;
         if count != self.num_free {
             return Err(format!(
                 "free count {} but queue holds {count}",

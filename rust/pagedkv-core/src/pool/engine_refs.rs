@@ -27,7 +27,11 @@ impl BlockPool {
                 last.push(id);
             }
         }
-        self.append_n(&last);
+        if self.segments.is_some() {
+            self.free_segmented(&[], &last);
+        } else {
+            self.append_n(&last);
+        }
         self.scratch_last = last;
     }
 

@@ -1,7 +1,8 @@
 //! The block pool (vLLM's `BlockPool`): the type, its block arena, and taking
 //! blocks from and returning them to the free queue.
 //!
-//! Beside it: `free_queue` (the intrusive LRU queue's links), `cache` (the
+//! Beside it: `free_queue` (the intrusive LRU queue's links), `eviction`
+//! (the policies beyond LRU: SLRU and ARC's second list, ARC's `ghosts`), `cache` (the
 //! prefix-cache side: lookups, keys given and dropped, eviction, reset),
 //! `engine_refs` (references the engine holds outside requests, blocks it
 //! unpins and watches for reuse), `events` (KV events and metrics read-outs),
@@ -9,7 +10,8 @@
 //!
 //! Invariants (checked by [`BlockPool::check_invariants`]):
 //! - block 0 is the null block: never queued, never cached, ref count meaningless;
-//! - every other block is in the free queue exactly once iff its ref count is 0;
+//! - every other block is in the free queue exactly once iff its ref count is 0
+//!   (under SLRU / ARC: in exactly one of the two free lists, as its tag says);
 //! - a block has a cache key iff the prefix map lists it under that key;
 //! - `num_free` equals the queue length.
 
@@ -58,10 +60,13 @@ mod cache;
 mod check;
 mod engine_refs;
 mod events;
+mod eviction;
 mod free_queue;
+mod ghosts;
 mod metrics;
 mod prefix_map;
 
+pub use eviction::Eviction;
 use metrics::PoolMetrics;
 pub use metrics::{BlockActivity, BlockActivityKind, BlockPoolStats};
 use prefix_map::PrefixMap;
@@ -117,6 +122,9 @@ pub struct BlockPool {
     engine_refs: rustc_hash::FxHashMap<BlockId, u32>,
     /// The most events `events` keeps undrained.
     max_pending_events: usize,
+    /// The second free list and per-block marks of SLRU / ARC; `None` under
+    /// LRU ([`Self::with_eviction`]).
+    segments: Option<Box<eviction::Segments>>,
     /// Events dropped, oldest first, to keep `events` under its cap.
     dropped_events: u64,
 }
@@ -237,6 +245,7 @@ impl BlockPool {
             engine_refs: rustc_hash::FxHashMap::default(),
             max_pending_events: crate::spec::PENDING_EVENTS_DEFAULT as usize,
             dropped_events: 0,
+            segments: None,
         })
     }
 
@@ -387,15 +396,19 @@ impl BlockPool {
 
     // ---- allocation -------------------------------------------------------
 
-    /// Takes `n` blocks from the head of the free queue, evicting cached ones, and
-    /// appends them to `out`. Returns `false` (and takes nothing) when fewer than
-    /// `n` are free.
+    /// Takes `n` blocks from the head of the free queue (under SLRU / ARC, the
+    /// next ones the policy picks), evicting cached ones, and appends them to
+    /// `out`. Returns `false` (and takes nothing) when fewer than `n` are free.
     pub fn get_new_blocks(&mut self, n: u32, out: &mut Vec<BlockId>) -> bool {
         if n > self.num_free_blocks() {
             return false;
         }
         let start = out.len();
-        self.popleft_n(n, out);
+        if self.segments.is_some() {
+            self.pop_segmented(n, out);
+        } else {
+            self.popleft_n(n, out);
+        }
         if !self.watched.is_empty() {
             for &id in &out[start..] {
                 if self.watched.remove(&id) {
@@ -478,8 +491,19 @@ impl BlockPool {
     }
 
     /// Takes references on prefix-hit blocks, pulling eviction candidates out of
-    /// the free queue. The null block is skipped.
+    /// the free queue. The null block is skipped. Under SLRU / ARC the cached
+    /// ones count as reused.
     pub fn touch(&mut self, ids: &[BlockId]) {
+        self.touch_for_copy(ids);
+        if self.segments.is_some() {
+            self.note_hits(ids);
+        }
+    }
+
+    /// [`Self::touch`] for blocks held to be read or copied (a store to the
+    /// host tier, a pinned page), not hit by a lookup: under SLRU / ARC they
+    /// do not count as reused.
+    pub fn touch_for_copy(&mut self, ids: &[BlockId]) {
         if ids.len() > 1 && self.blocks.len() * size_of::<Block>() > (2 << 20) {
             // The blocks, then the free-queue neighbours an unlink rewrites,
             // prefetched.
@@ -528,8 +552,9 @@ impl BlockPool {
 
     /// Drops one reference from each block, given in eviction order (first =
     /// evicted first). Blocks reaching 0 go back to the free queue: with caching,
-    /// unhashed ones to the front (reused first) and hashed ones to the back (LRU);
-    /// without caching, all to the front. The null block is skipped.
+    /// unhashed ones to the front (reused first) and hashed ones to the back (LRU;
+    /// SLRU / ARC: the back of their segment); without caching, all to the
+    /// front. The null block is skipped.
     pub fn free_blocks(&mut self, ordered: impl IntoIterator<Item = BlockId>) {
         let mut first = std::mem::take(&mut self.scratch_first);
         let mut last = std::mem::take(&mut self.scratch_last);
@@ -549,8 +574,12 @@ impl BlockPool {
                 }
             }
         }
-        self.prepend_n(&first);
-        self.append_n(&last);
+        if self.segments.is_some() {
+            self.free_segmented(&first, &last);
+        } else {
+            self.prepend_n(&first);
+            self.append_n(&last);
+        }
         self.scratch_first = first;
         self.scratch_last = last;
     }

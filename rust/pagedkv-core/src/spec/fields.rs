@@ -223,6 +223,7 @@ impl ManagerConfig {
     pub fn set_option<V: OptionValue>(&mut self, name: &str, v: &V) -> Result<bool, V::Error> {
         match name {
             "enable_caching" => self.enable_caching = v.flag()?,
+            "eviction" => self.eviction = super::Eviction::parse(&v.text()?)?,
             "hash_algo" => self.hash_algo = HashAlgo::parse(&v.text()?)?,
             "hash_seed" => self.hash_seed = v.seed()?,
             "hash_block_size" => self.hash_block_size = optional_int(name, v)?,
@@ -448,5 +449,50 @@ mod tests {
                 "hash_truncate_bytes 300 is too large".into()
             ))
         );
+    }
+
+    struct Text(&'static str);
+
+    impl OptionValue for Text {
+        type Error = Error;
+        fn flag(&self) -> Result<bool, Error> {
+            Err(Error::InvalidArgument("flag".into()))
+        }
+        fn float(&self) -> Result<f64, Error> {
+            Err(Error::InvalidArgument("float".into()))
+        }
+        fn int(&self) -> Result<Option<i64>, Error> {
+            Err(Error::InvalidArgument("int".into()))
+        }
+        fn ints(&self) -> Result<Vec<u32>, Error> {
+            Err(Error::InvalidArgument("ints".into()))
+        }
+        fn text(&self) -> Result<String, Error> {
+            Ok(self.0.to_owned())
+        }
+        fn seed(&self) -> Result<Option<String>, Error> {
+            Err(Error::InvalidArgument("seed".into()))
+        }
+    }
+
+    #[test]
+    fn eviction_option_takes_lru_arc_or_slru_and_refuses_anything_else() {
+        let mut cfg = ManagerConfig::full_attention(8, 16, 64);
+        assert_eq!(cfg.eviction, super::super::Eviction::Lru);
+        for (name, e) in [
+            ("arc", super::super::Eviction::Arc),
+            ("slru", super::super::Eviction::Slru),
+            ("lru", super::super::Eviction::Lru),
+        ] {
+            assert!(cfg.set_option("eviction", &Text(name)).unwrap());
+            assert_eq!(cfg.eviction, e);
+        }
+        assert_eq!(
+            cfg.set_option("eviction", &Text("LRU")),
+            Err(Error::InvalidConfig(
+                "unknown eviction \"LRU\"; expected 'lru', 'arc' or 'slru'".into()
+            ))
+        );
+        assert_eq!(cfg.eviction, super::super::Eviction::Lru);
     }
 }

@@ -182,6 +182,13 @@ impl PyManager {
         self.inner.config().enable_caching
     }
 
+    /// The device eviction policy asked for (`eviction`): `"lru"`, `"arc"`
+    /// or `"slru"`.
+    #[getter]
+    fn eviction(&self) -> &'static str {
+        self.inner.config().eviction.name()
+    }
+
     /// Whether prefix-cache stats are collected.
     #[getter]
     fn log_stats(&self) -> bool {

@@ -54,13 +54,28 @@ impl KvCacheManager {
     /// # Errors
     /// A block id outside the pool; nothing is touched then.
     pub fn touch_blocks(&mut self, ids: &[BlockId]) -> Result<()> {
+        self.engine_touch(ids, true)
+    }
+
+    /// [`Self::touch_blocks`] for blocks held to be copied or read (host-tier
+    /// stores and loads, pinned pages), not prefix hits: the device eviction
+    /// policies do not count them as reused.
+    pub(crate) fn hold_blocks(&mut self, ids: &[BlockId]) -> Result<()> {
+        self.engine_touch(ids, false)
+    }
+
+    fn engine_touch(&mut self, ids: &[BlockId], hit: bool) -> Result<()> {
         let n = self.coord.pool().num_blocks();
         if let Some(&b) = ids.iter().find(|&&b| b >= n) {
             return Err(invalid(format!(
                 "block {b} is not in the pool of {n} blocks"
             )));
         }
-        self.coord.pool_mut().touch(ids);
+        if hit {
+            self.coord.pool_mut().touch(ids);
+        } else {
+            self.coord.pool_mut().touch_for_copy(ids);
+        }
         for &b in ids {
             if b != NULL_BLOCK {
                 self.coord.pool_mut().engine_hold(b);

@@ -182,15 +182,12 @@ impl KvCacheManager {
             return Ok(());
         };
         let mut due = Vec::new();
-        let mut at = pool.free_queue_ends().map(|(head, _)| head);
-        for _ in 0..wb.window {
-            let Some(b) = at else { break };
+        for b in pool.free_queue_prefix(wb.window as usize) {
             if let Some(&id) = wb.by_block.get(&b)
                 && !due.contains(&id)
             {
                 due.push(id);
             }
-            at = pool.free_neighbors(b).and_then(|(_, next)| next);
         }
         if due.is_empty() {
             return Ok(());
@@ -238,6 +235,6 @@ impl KvCacheManager {
         }
         off.tier.on_request_finished(uid, &[], &[])?;
         off.tier.forget_request(uid);
-        self.touch_blocks(&to_touch)
+        self.hold_blocks(&to_touch)
     }
 }

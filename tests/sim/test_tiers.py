@@ -267,3 +267,11 @@ def test_a_tier_aware_router_finds_more_hits_than_a_tier_blind_one() -> None:
     blind = run_pagedkv(w, replace(base, tier_weights=(0.0, 0.0)))
     assert aware.extra["tiers"]["host_hit_tokens"] > blind.extra["tiers"]["host_hit_tokens"]
     assert aware.hit_rate > blind.hit_rate
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "slru"])
+def test_the_device_eviction_option_reaches_each_manager(policy: str) -> None:
+    c = cfg(eviction=policy)
+    d = deploy(c, chat(4))
+    process = ServingProcess.start(c, d.kv_config, d.max_model_len)
+    assert process.kv.eviction == policy

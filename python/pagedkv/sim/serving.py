@@ -57,7 +57,6 @@ def make_manager(
     router's hasher must agree on every block hash); ``sha256_cbor`` keeps
     vLLM's fixed default. ``background_hashing`` None: the configuration's.
     ``offload``: a host tier under it (:func:`~pagedkv.sim.tiers.offload_config`)."""
-    options = {} if cfg.eviction == "lru" else {"eviction": cfg.eviction}
     return KVCacheManager(
         config,
         max_model_len,
@@ -71,7 +70,7 @@ def make_manager(
             cfg.background_hashing if background_hashing is None else background_hashing
         ),
         enable_kv_cache_events=enable_kv_cache_events,
-        **options,  # type: ignore[typeddict-item]
+        eviction=cfg.eviction,
     )
 
 

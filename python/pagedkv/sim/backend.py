@@ -132,6 +132,28 @@ class ManagerBackend(Backend[Request]):
         full_sequence_must_fit: bool,
         has_scheduled_reqs: bool,
     ) -> bool:
+        res = self._allocate_admitted(
+            req,
+            num_new_tokens,
+            num_hit_tokens,
+            0,
+            full_sequence_must_fit=full_sequence_must_fit,
+            has_scheduled_reqs=has_scheduled_reqs,
+        )
+        return res is not None
+
+    def _allocate_admitted(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        num_hit_tokens: int,
+        num_host_tokens: int,
+        *,
+        full_sequence_must_fit: bool,
+        has_scheduled_reqs: bool,
+    ) -> object:
+        """The admission's ``allocate_slots`` with the looked-up hit, of which
+        ``num_host_tokens`` are loaded from a host tier; its result."""
         st, clock = self.stats, self._clock
         hit, self._hit = self._hit, None
         t = clock()
@@ -139,15 +161,16 @@ class ManagerBackend(Backend[Request]):
             req.request_id,
             num_new_tokens,
             num_computed_tokens=0,
-            num_new_computed_tokens=num_hit_tokens,
+            num_new_computed_tokens=num_hit_tokens - num_host_tokens,
             new_computed_blocks=hit,
+            num_external_computed_tokens=num_host_tokens,
             full_sequence_must_fit=full_sequence_must_fit,
             has_scheduled_reqs=has_scheduled_reqs,
         )
         st.timed("allocate_slots(admit)", clock() - t)
         st.manager_calls += 2
         st.feed_allocation(res)
-        return res is not None
+        return res
 
     def preempt(self, req: Request) -> int:
         st, clock = self.stats, self._clock

@@ -267,23 +267,15 @@ class TieredBackend(ManagerBackend):
         full_sequence_must_fit: bool,
         has_scheduled_reqs: bool,
     ) -> bool:
-        st, clock = self.stats, self._clock
-        hit, self._hit = self._hit, None
         host = self._host_hit
-        t = clock()
-        res = self.kv.allocate_slots(
-            req.request_id,
+        res = self._allocate_admitted(
+            req,
             num_new_tokens,
-            num_computed_tokens=0,
-            num_new_computed_tokens=num_hit_tokens - host,
-            new_computed_blocks=hit,
-            num_external_computed_tokens=host,
+            num_hit_tokens,
+            host,
             full_sequence_must_fit=full_sequence_must_fit,
             has_scheduled_reqs=has_scheduled_reqs,
         )
-        st.timed("allocate_slots(admit)", clock() - t)
-        st.manager_calls += 2
-        st.feed_allocation(res)
         if res is None:
             return False
         first = req.num_preemptions == 0

@@ -34,10 +34,15 @@
 //! index.check_invariants().unwrap();
 //! ```
 
+use hashbrown::hash_map::Entry;
 use hashbrown::{HashMap, HashSet};
 use rustc_hash::{FxBuildHasher, FxHashMap, FxHashSet};
 
 use crate::error::{Error, Result};
+
+mod node;
+
+use node::{GROUP_MASK, Node, TIER_SHIFT, key_group};
 
 /// A replica registered with [`PrefixIndex::replica`] (dense, from 0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -84,10 +89,6 @@ impl Tier {
     }
 }
 
-/// A holder's key packs its tier above its group: `tier << 30 | group`.
-const TIER_SHIFT: u32 = 30;
-const GROUP_MASK: u32 = (1 << TIER_SHIFT) - 1;
-
 /// The group of events without `group_idx` (vLLM before group annotations).
 const NO_GROUP: u32 = GROUP_MASK;
 
@@ -102,160 +103,6 @@ fn group_key(group: Option<u32>, tier: Tier) -> Result<u32> {
         }
     };
     Ok(g | (tier as u32) << TIER_SHIFT)
-}
-
-fn key_group(key: u32) -> u32 {
-    key & GROUP_MASK
-}
-
-fn key_tier(key: u32) -> Tier {
-    Tier::from_bits(key >> TIER_SHIFT)
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Holder {
-    replica: u32,
-    /// The group and the tier ([`group_key`]).
-    group: u32,
-    /// Blocks of this replica and group cached under the hash (>= 1).
-    count: u32,
-}
-
-/// Holders past which a node keeps a map to them: a hash stored under many
-/// groups (or replicas) costs the same per event as one under a few.
-const INDEXED_HOLDERS: usize = 16;
-
-#[derive(Clone, Debug)]
-struct Node {
-    parent: Option<u64>,
-    /// Never empty: a node without holders is removed.
-    holders: Vec<Holder>,
-    /// With more than [`INDEXED_HOLDERS`] holders: where each is.
-    index: Option<Box<HolderIndex>>,
-}
-
-/// `(replica, group)` -> position in `holders`, and holders per replica.
-#[derive(Clone, Debug, Default)]
-struct HolderIndex {
-    pos: FxHashMap<(u32, u32), u32>,
-    per_replica: FxHashMap<u32, u32>,
-}
-
-impl HolderIndex {
-    fn build(holders: &[Holder]) -> Self {
-        let mut ix = Self::default();
-        for (i, x) in holders.iter().enumerate() {
-            ix.pos.insert((x.replica, x.group), i as u32);
-            *ix.per_replica.entry(x.replica).or_insert(0) += 1;
-        }
-        ix
-    }
-}
-
-impl Node {
-    fn new(parent: Option<u64>) -> Self {
-        Self {
-            parent,
-            holders: Vec::new(),
-            index: None,
-        }
-    }
-
-    fn find(&self, replica: u32, group: u32) -> Option<usize> {
-        match &self.index {
-            Some(ix) => ix.pos.get(&(replica, group)).map(|&p| p as usize),
-            None => self
-                .holders
-                .iter()
-                .position(|x| x.replica == replica && x.group == group),
-        }
-    }
-
-    fn holds_any(&self, replica: u32) -> bool {
-        match &self.index {
-            Some(ix) => ix.per_replica.contains_key(&replica),
-            None => self.holders.iter().any(|x| x.replica == replica),
-        }
-    }
-
-    fn held_by(&self, replica: u32, group: Option<u32>) -> bool {
-        match group {
-            Some(g) => match &self.index {
-                Some(ix) => (0..3).any(|t| ix.pos.contains_key(&(replica, g | t << TIER_SHIFT))),
-                None => self
-                    .holders
-                    .iter()
-                    .any(|x| x.replica == replica && key_group(x.group) == g),
-            },
-            None => self.holds_any(replica),
-        }
-    }
-
-    /// The fastest tier `replica` holds this hash in (`group`, or any for None).
-    fn best_tier(&self, replica: u32, group: Option<u32>) -> Option<Tier> {
-        self.holders
-            .iter()
-            .filter(|x| x.replica == replica && group.is_none_or(|g| key_group(x.group) == g))
-            .map(|x| key_tier(x.group))
-            .min()
-    }
-
-    /// One more block of `replica`'s `group` under this hash.
-    fn add(&mut self, replica: u32, group: u32) {
-        if let Some(p) = self.find(replica, group) {
-            self.holders[p].count = self.holders[p].count.saturating_add(1);
-            return;
-        }
-        self.holders.push(Holder {
-            replica,
-            group,
-            count: 1,
-        });
-        let n = self.holders.len();
-        match &mut self.index {
-            Some(ix) => {
-                ix.pos.insert((replica, group), (n - 1) as u32);
-                *ix.per_replica.entry(replica).or_insert(0) += 1;
-            }
-            None if n > INDEXED_HOLDERS => {
-                self.index = Some(Box::new(HolderIndex::build(&self.holders)));
-            }
-            None => {}
-        }
-    }
-
-    /// One block fewer of `replica`'s `group`: None when it held none, else
-    /// whether the replica still holds the hash in some group.
-    fn remove_one(&mut self, replica: u32, group: u32) -> Option<bool> {
-        let p = self.find(replica, group)?;
-        self.holders[p].count -= 1;
-        if self.holders[p].count > 0 {
-            return Some(true);
-        }
-        self.holders.swap_remove(p);
-        if let Some(ix) = &mut self.index {
-            ix.pos.remove(&(replica, group));
-            if let Some(moved) = self.holders.get(p) {
-                ix.pos.insert((moved.replica, moved.group), p as u32);
-            }
-            if let Some(c) = ix.per_replica.get_mut(&replica) {
-                *c -= 1;
-                if *c == 0 {
-                    ix.per_replica.remove(&replica);
-                }
-            }
-        }
-        Some(self.holds_any(replica))
-    }
-
-    /// Drops every holder of `replica`.
-    fn remove_replica(&mut self, replica: u32) {
-        self.holders.retain(|x| x.replica != replica);
-        if self.index.is_some() {
-            self.index = (self.holders.len() > INDEXED_HOLDERS)
-                .then(|| Box::new(HolderIndex::build(&self.holders)));
-        }
-    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -476,9 +323,7 @@ impl PrefixIndex {
         let mut parent = parent;
         for &h in hashes {
             let node = self.nodes.entry(h).or_insert_with(|| Node::new(parent));
-            if node.parent.is_none() {
-                node.parent = parent;
-            }
+            node.adopt(parent);
             node.add(replica.0, g);
             self.replicas[r].hashes.insert(h);
             parent = Some(h);
@@ -513,11 +358,11 @@ impl PrefixIndex {
         let r = self.check_replica(replica)?;
         let g = group_key(group, tier)?;
         for &h in hashes {
-            let Some(node) = self.nodes.get_mut(&h) else {
+            let Entry::Occupied(mut node) = self.nodes.entry(h) else {
                 self.stats.unknown_removals += 1;
                 continue;
             };
-            let Some(still_held) = node.remove_one(replica.0, g) else {
+            let Some(still_held) = node.get_mut().remove_one(replica.0, g) else {
                 self.stats.unknown_removals += 1;
                 continue;
             };
@@ -525,8 +370,8 @@ impl PrefixIndex {
             if !still_held {
                 self.replicas[r].hashes.remove(&h);
             }
-            if node.holders.is_empty() {
-                self.nodes.remove(&h);
+            if node.get().is_empty() {
+                node.remove();
             }
         }
         Ok(())
@@ -540,11 +385,11 @@ impl PrefixIndex {
     pub fn clear(&mut self, replica: ReplicaId) -> Result<()> {
         let r = self.check_replica(replica)?;
         let hashes = std::mem::take(&mut self.replicas[r].hashes);
-        for h in &hashes {
-            if let Some(node) = self.nodes.get_mut(h) {
-                node.remove_replica(replica.0);
-                if node.holders.is_empty() {
-                    self.nodes.remove(h);
+        for h in hashes {
+            if let Entry::Occupied(mut node) = self.nodes.entry(h) {
+                node.get_mut().remove_replica(replica.0);
+                if node.get().is_empty() {
+                    node.remove();
                 }
             }
         }
@@ -562,26 +407,14 @@ impl PrefixIndex {
         let hashes = std::mem::take(&mut self.replicas[r].hashes);
         let mut kept = HashSet::with_capacity_and_hasher(0, FxBuildHasher);
         for h in hashes {
-            let Some(node) = self.nodes.get_mut(&h) else {
+            let Entry::Occupied(mut node) = self.nodes.entry(h) else {
                 continue;
             };
-            let gone: Vec<u32> = node
-                .holders
-                .iter()
-                .filter(|x| x.replica == replica.0 && key_tier(x.group) == tier)
-                .map(|x| x.group)
-                .collect();
-            for key in gone {
-                if let Some(p) = node.find(replica.0, key) {
-                    node.holders[p].count = 1;
-                    node.remove_one(replica.0, key);
-                }
-            }
-            if node.holds_any(replica.0) {
+            if node.get_mut().remove_tier(replica.0, tier) {
                 kept.insert(h);
             }
-            if node.holders.is_empty() {
-                self.nodes.remove(&h);
+            if node.get().is_empty() {
+                node.remove();
             }
         }
         self.replicas[r].hashes = kept;
@@ -601,7 +434,7 @@ impl PrefixIndex {
     /// unknown hash).
     #[must_use]
     pub fn parent(&self, hash: u64) -> Option<u64> {
-        self.nodes.get(&hash).and_then(|n| n.parent)
+        self.nodes.get(&hash).and_then(Node::parent)
     }
 
     /// The chain ending at `hash`, first block first, following parent links
@@ -619,7 +452,7 @@ impl PrefixIndex {
             if out.len() > self.nodes.len() {
                 break;
             }
-            cur = node.parent;
+            cur = node.parent();
         }
         out.reverse();
         out
@@ -630,27 +463,56 @@ impl PrefixIndex {
     #[must_use]
     pub fn match_lengths(&self, hashes: &[u64], group: Option<u32>) -> Vec<usize> {
         let mut lengths = vec![0; self.replicas.len()];
+        // Replicas holding every block so far; a replica leaving it gets its
+        // length then, those left at the end the blocks matched.
         let mut alive: Vec<u32> = Vec::new();
+        // Per replica, the last block (1-based) whose holders named it.
+        let mut seen: Vec<u32> = Vec::new();
+        let mut matched = 0;
         for (i, h) in hashes.iter().enumerate() {
             let Some(node) = self.nodes.get(h) else {
                 break;
             };
+            let holders = node.holders();
+            let wanted = |x: &&node::Holder| group.is_none_or(|g| key_group(x.group) == g);
             if i == 0 {
-                for x in &node.holders {
-                    if group.is_none_or(|g| key_group(x.group) == g) && !alive.contains(&x.replica)
-                    {
+                for x in holders.iter().filter(wanted) {
+                    if !alive.contains(&x.replica) {
                         alive.push(x.replica);
                     }
                 }
+            } else if alive.len() * holders.len() <= 16 {
+                alive.retain(|&r| {
+                    let keep = holders.iter().filter(wanted).any(|x| x.replica == r);
+                    if !keep {
+                        lengths[r as usize] = i;
+                    }
+                    keep
+                });
             } else {
-                alive.retain(|&r| node.held_by(r, group));
+                // Each holder once rather than each alive replica's search.
+                if seen.is_empty() {
+                    seen = vec![0; self.replicas.len()];
+                }
+                let stamp = u32::try_from(i).unwrap_or(u32::MAX);
+                for x in holders.iter().filter(wanted) {
+                    seen[x.replica as usize] = stamp;
+                }
+                alive.retain(|&r| {
+                    let keep = seen[r as usize] == stamp;
+                    if !keep {
+                        lengths[r as usize] = i;
+                    }
+                    keep
+                });
             }
             if alive.is_empty() {
                 break;
             }
-            for &r in &alive {
-                lengths[r as usize] = i + 1;
-            }
+            matched = i + 1;
+        }
+        for &r in &alive {
+            lengths[r as usize] = matched;
         }
         lengths
     }
@@ -731,7 +593,7 @@ impl PrefixIndex {
             .iter()
             .filter_map(|h| self.nodes.get(h).map(|n| (h, n)))
             .flat_map(|(&h, n)| {
-                n.holders
+                n.holders()
                     .iter()
                     .filter(|x| x.replica == replica.0)
                     .map(move |x| {
@@ -753,23 +615,16 @@ impl PrefixIndex {
         let bad = |m: String| Err(Error::InvariantViolation(m));
         let mut per_replica = vec![0usize; self.replicas.len()];
         for (h, node) in &self.nodes {
-            if node.holders.is_empty() {
+            if node.holders().is_empty() {
                 return bad(format!("hash {h:#x} has no holder"));
             }
             let mut seen: FxHashSet<(u32, u32)> = FxHashSet::default();
             let mut replicas: FxHashMap<u32, u32> = FxHashMap::default();
-            for (i, x) in node.holders.iter().enumerate() {
+            for x in node.holders() {
                 if !seen.insert((x.replica, x.group)) {
                     return bad(format!("hash {h:#x} has a duplicate holder"));
                 }
                 *replicas.entry(x.replica).or_insert(0) += 1;
-                if node
-                    .index
-                    .as_ref()
-                    .is_some_and(|ix| ix.pos.get(&(x.replica, x.group)) != Some(&(i as u32)))
-                {
-                    return bad(format!("hash {h:#x}: its holder map is out of date"));
-                }
                 if x.count == 0 {
                     return bad(format!("hash {h:#x} has a zero count"));
                 }
@@ -780,9 +635,7 @@ impl PrefixIndex {
                     return bad(format!("replica {} misses hash {h:#x}", x.replica));
                 }
             }
-            if let Some(ix) = &node.index
-                && (ix.pos.len() != node.holders.len() || ix.per_replica != replicas)
-            {
+            if !node.index_matches() {
                 return bad(format!("hash {h:#x}: its holder map is out of date"));
             }
             for &r in replicas.keys() {

@@ -164,6 +164,9 @@ pub enum IndexEvent {
     Cleared,
 }
 
+/// Hashes of a query looked up together (a few wasted past its end at most).
+const AHEAD: usize = 8;
+
 /// Which replica holds which cached blocks; see the module docs.
 #[derive(Clone, Debug, Default)]
 pub struct PrefixIndex {
@@ -458,6 +461,16 @@ impl PrefixIndex {
         out
     }
 
+    /// The nodes of `hashes` in order (None: not held), looked up [`AHEAD`] at
+    /// a time: independent probes overlap their cache misses.
+    fn lookups<'a>(&'a self, hashes: &'a [u64]) -> impl Iterator<Item = Option<&'a Node>> + 'a {
+        hashes.chunks(AHEAD).flat_map(move |chunk| {
+            let found: [Option<&Node>; AHEAD] =
+                std::array::from_fn(|j| chunk.get(j).and_then(|h| self.nodes.get(h)));
+            found.into_iter().take(chunk.len())
+        })
+    }
+
     /// Per registered replica (by id), the number of leading blocks of the hash
     /// chain it holds. `group`: count only that group's blocks (None: any).
     #[must_use]
@@ -469,8 +482,8 @@ impl PrefixIndex {
         // Per replica, the last block (1-based) whose holders named it.
         let mut seen: Vec<u32> = Vec::new();
         let mut matched = 0;
-        for (i, h) in hashes.iter().enumerate() {
-            let Some(node) = self.nodes.get(h) else {
+        for (i, node) in self.lookups(hashes).enumerate() {
+            let Some(node) = node else {
                 break;
             };
             let holders = node.holders();
@@ -525,8 +538,8 @@ impl PrefixIndex {
         let mut out = vec![[0; 3]; self.replicas.len()];
         let mut alive: Vec<u32> =
             (0..u32::try_from(self.replicas.len()).unwrap_or(u32::MAX)).collect();
-        for h in hashes {
-            let Some(node) = self.nodes.get(h) else {
+        for node in self.lookups(hashes) {
+            let Some(node) = node else {
                 break;
             };
             alive.retain(|&r| match node.best_tier(r, group) {

@@ -15,6 +15,13 @@ use crate::events::{PyAllBlocksCleared, PyBlockRemoved, PyBlockStored};
 /// vLLM's event form of one hash: an int in 0..2**64 as is, a digest by its
 /// last 8 bytes (big-endian).
 fn hash_item(item: &Bound<'_, PyAny>) -> PkResult<u64> {
+    // Plain ints first: an exact type test is a pointer compare, where the
+    // subclass tests below are a call each under the stable ABI.
+    if item.is_exact_instance_of::<PyInt>() {
+        return item
+            .extract::<u64>()
+            .map_err(|_| invalid_arg("block hash ints must be in 0..2**64"));
+    }
     if let Ok(b) = item.cast::<PyBytes>() {
         let d = b.as_bytes();
         if d.is_empty() {

@@ -301,10 +301,27 @@ impl Node {
 
     /// Drops every holder of `replica`.
     pub(super) fn remove_replica(&mut self, replica: u32) {
-        if self.index().is_some() && !self.holds_any(replica) {
-            return;
+        match &self.holders {
+            Holders::Empty(_) => {}
+            &Holders::One(a, f) => {
+                if a.replica == replica {
+                    self.holders = Holders::Empty(f);
+                }
+            }
+            &Holders::Two([a, b], f) => {
+                self.holders = match (a.replica == replica, b.replica == replica) {
+                    (false, false) => return,
+                    (true, true) => Holders::Empty(f),
+                    (true, false) => Holders::One(b, f),
+                    (false, true) => Holders::One(a, f),
+                };
+            }
+            Holders::Many(m, _) => {
+                if m.index.is_none() || self.holds_any(replica) {
+                    self.remove_where(|x| x.replica == replica);
+                }
+            }
         }
-        self.remove_where(|x| x.replica == replica);
     }
 
     /// Drops every holder of `replica` in `tier`; whether it still holds the

@@ -648,8 +648,8 @@ impl PrefixIndex {
                     return bad(format!("replica {} misses hash {h:#x}", x.replica));
                 }
             }
-            if !node.index_matches() {
-                return bad(format!("hash {h:#x}: its holder map is out of date"));
+            if !node.in_order() {
+                return bad(format!("hash {h:#x}: its holders are out of order"));
             }
             for &r in replicas.keys() {
                 per_replica[r as usize] += 1;

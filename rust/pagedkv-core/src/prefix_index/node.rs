@@ -1,11 +1,11 @@
 //! One hash's entry in the prefix index: its parent and its holders.
 //!
 //! Most hashes are held by one or two (replica, group) pairs, so those are kept
-//! inline in the node; more go to a boxed list, with a map to them past
-//! [`INDEXED_HOLDERS`]. A node is 40 bytes: the parent, then the holders with
-//! the "has a parent" flag in their padding.
-
-use rustc_hash::FxHashMap;
+//! inline in the node; more go to a list sorted by (replica, group), searched
+//! by bisection: a hash stored under many groups (or replicas) costs little
+//! more per event than one under a few, and a replica's holders are adjacent.
+//! A node is 40 bytes: the parent, then the holders with the "has a parent"
+//! flag in their padding.
 
 use super::Tier;
 
@@ -40,67 +40,6 @@ impl Holder {
     }
 }
 
-/// Holders past which a node keeps a map to them: a hash stored under many
-/// groups (or replicas) costs the same per event as one under a few.
-const INDEXED_HOLDERS: usize = 16;
-
-/// `(replica, group)` -> position in the list, and holders per replica.
-#[derive(Clone, Debug, Default)]
-struct HolderIndex {
-    pos: FxHashMap<(u32, u32), u32>,
-    per_replica: FxHashMap<u32, u32>,
-}
-
-impl HolderIndex {
-    fn build(holders: &[Holder]) -> Self {
-        let mut ix = Self::default();
-        for (i, x) in holders.iter().enumerate() {
-            ix.pos.insert((x.replica, x.group), i as u32);
-            *ix.per_replica.entry(x.replica).or_insert(0) += 1;
-        }
-        ix
-    }
-}
-
-/// Three or more holders.
-#[derive(Clone, Debug)]
-struct Many {
-    list: Vec<Holder>,
-    /// With more than [`INDEXED_HOLDERS`] holders: where each is.
-    index: Option<HolderIndex>,
-}
-
-impl Many {
-    fn push(&mut self, x: Holder) {
-        self.list.push(x);
-        let n = self.list.len();
-        match &mut self.index {
-            Some(ix) => {
-                ix.pos.insert((x.replica, x.group), (n - 1) as u32);
-                *ix.per_replica.entry(x.replica).or_insert(0) += 1;
-            }
-            None if n > INDEXED_HOLDERS => self.index = Some(HolderIndex::build(&self.list)),
-            None => {}
-        }
-    }
-
-    fn swap_remove(&mut self, p: usize) {
-        let x = self.list.swap_remove(p);
-        if let Some(ix) = &mut self.index {
-            ix.pos.remove(&(x.replica, x.group));
-            if let Some(moved) = self.list.get(p) {
-                ix.pos.insert((moved.replica, moved.group), p as u32);
-            }
-            if let Some(c) = ix.per_replica.get_mut(&x.replica) {
-                *c -= 1;
-                if *c == 0 {
-                    ix.per_replica.remove(&x.replica);
-                }
-            }
-        }
-    }
-}
-
 /// The holders; each variant carries whether the node has a parent (it fits in
 /// the padding after the tag).
 #[derive(Clone, Debug)]
@@ -109,7 +48,19 @@ enum Holders {
     Empty(bool),
     One(Holder, bool),
     Two([Holder; 2], bool),
-    Many(Box<Many>, bool),
+    /// Three or more, sorted by (replica, group).
+    Many(Vec<Holder>, bool),
+}
+
+fn sort_key(x: &Holder) -> (u32, u32) {
+    (x.replica, x.group)
+}
+
+/// The holders of `replica` in a sorted list.
+fn replica_range(list: &[Holder], replica: u32) -> &[Holder] {
+    let lo = list.partition_point(|x| x.replica < replica);
+    let n = list[lo..].partition_point(|x| x.replica == replica);
+    &list[lo..lo + n]
 }
 
 #[derive(Clone, Debug)]
@@ -160,7 +111,7 @@ impl Node {
             Holders::Empty(_) => &[],
             Holders::One(x, _) => std::slice::from_ref(x),
             Holders::Two(xs, _) => xs,
-            Holders::Many(m, _) => &m.list,
+            Holders::Many(list, _) => list,
         }
     }
 
@@ -169,14 +120,15 @@ impl Node {
             Holders::Empty(_) => &mut [],
             Holders::One(x, _) => std::slice::from_mut(x),
             Holders::Two(xs, _) => xs,
-            Holders::Many(m, _) => &mut m.list,
+            Holders::Many(list, _) => list,
         }
     }
 
-    fn index(&self) -> Option<&HolderIndex> {
+    /// The holders of `replica` (all of them, unsorted, for an inline pair).
+    fn of_replica(&self, replica: u32) -> &[Holder] {
         match &self.holders {
-            Holders::Many(m, _) => m.index.as_ref(),
-            _ => None,
+            Holders::Many(list, _) => replica_range(list, replica),
+            _ => self.holders(),
         }
     }
 
@@ -185,9 +137,9 @@ impl Node {
     }
 
     fn find(&self, replica: u32, group: u32) -> Option<usize> {
-        match self.index() {
-            Some(ix) => ix.pos.get(&(replica, group)).map(|&p| p as usize),
-            None => self
+        match &self.holders {
+            Holders::Many(list, _) => list.binary_search_by_key(&(replica, group), sort_key).ok(),
+            _ => self
                 .holders()
                 .iter()
                 .position(|x| x.replica == replica && x.group == group),
@@ -195,28 +147,24 @@ impl Node {
     }
 
     pub(super) fn holds_any(&self, replica: u32) -> bool {
-        match self.index() {
-            Some(ix) => ix.per_replica.contains_key(&replica),
-            None => self.holders().iter().any(|x| x.replica == replica),
-        }
+        self.of_replica(replica)
+            .iter()
+            .any(|x| x.replica == replica)
     }
 
     pub(super) fn held_by(&self, replica: u32, group: Option<u32>) -> bool {
         match group {
-            Some(g) => match self.index() {
-                Some(ix) => (0..3).any(|t| ix.pos.contains_key(&(replica, g | t << TIER_SHIFT))),
-                None => self
-                    .holders()
-                    .iter()
-                    .any(|x| x.replica == replica && key_group(x.group) == g),
-            },
+            Some(g) => self
+                .of_replica(replica)
+                .iter()
+                .any(|x| x.replica == replica && key_group(x.group) == g),
             None => self.holds_any(replica),
         }
     }
 
     /// The fastest tier `replica` holds this hash in (`group`, or any for None).
     pub(super) fn best_tier(&self, replica: u32, group: Option<u32>) -> Option<Tier> {
-        self.holders()
+        self.of_replica(replica)
             .iter()
             .filter(|x| x.replica == replica && group.is_none_or(|g| key_group(x.group) == g))
             .map(|x| key_tier(x.group))
@@ -238,11 +186,13 @@ impl Node {
             Holders::Two([a, b], _) => {
                 let mut list = Vec::with_capacity(4);
                 list.extend([a, b, new]);
-                Holders::Many(Box::new(Many { list, index: None }), f)
+                list.sort_unstable_by_key(sort_key);
+                Holders::Many(list, f)
             }
-            Holders::Many(mut m, _) => {
-                m.push(new);
-                Holders::Many(m, f)
+            Holders::Many(mut list, _) => {
+                let p = list.partition_point(|x| sort_key(x) < (replica, group));
+                list.insert(p, new);
+                Holders::Many(list, f)
             }
         };
     }
@@ -253,15 +203,17 @@ impl Node {
             Holders::Empty(_) => {}
             Holders::One(..) => self.holders = Holders::Empty(f),
             Holders::Two(xs, _) => self.holders = Holders::One(xs[1 - p], f),
-            Holders::Many(m, _) => m.swap_remove(p),
+            Holders::Many(list, _) => {
+                list.remove(p);
+            }
         }
     }
 
     /// A list of two holders or fewer goes back inline.
     fn inline_small(&mut self) {
         let f = self.has_parent();
-        if let Holders::Many(m, _) = &self.holders {
-            self.holders = match m.list[..] {
+        if let Holders::Many(list, _) = &self.holders {
+            self.holders = match list[..] {
                 [] => Holders::Empty(f),
                 [a] => Holders::One(a, f),
                 [a, b] => Holders::Two([a, b], f),
@@ -284,16 +236,19 @@ impl Node {
         Some(self.holds_any(replica))
     }
 
-    /// Drops every holder `gone` picks (in place: a holder map is kept up to
-    /// date, not rebuilt).
+    /// Drops every holder `gone` picks.
     fn remove_where(&mut self, gone: impl Fn(&Holder) -> bool) {
-        let mut i = 0;
-        while let Some(&x) = self.holders().get(i) {
-            if gone(&x) {
-                // What was last (or the other of two) is at `i` now.
-                self.remove_at(i);
-            } else {
-                i += 1;
+        if let Holders::Many(list, _) = &mut self.holders {
+            list.retain(|x| !gone(x));
+        } else {
+            let mut i = 0;
+            while let Some(&x) = self.holders().get(i) {
+                if gone(&x) {
+                    // The other of two is at `i` now.
+                    self.remove_at(i);
+                } else {
+                    i += 1;
+                }
             }
         }
         self.inline_small();
@@ -301,14 +256,14 @@ impl Node {
 
     /// Drops every holder of `replica`.
     pub(super) fn remove_replica(&mut self, replica: u32) {
-        match &self.holders {
+        match &mut self.holders {
             Holders::Empty(_) => {}
-            &Holders::One(a, f) => {
+            &mut Holders::One(a, f) => {
                 if a.replica == replica {
                     self.holders = Holders::Empty(f);
                 }
             }
-            &Holders::Two([a, b], f) => {
+            &mut Holders::Two([a, b], f) => {
                 self.holders = match (a.replica == replica, b.replica == replica) {
                     (false, false) => return,
                     (true, true) => Holders::Empty(f),
@@ -316,9 +271,16 @@ impl Node {
                     (false, true) => Holders::One(a, f),
                 };
             }
-            Holders::Many(m, _) => {
-                if m.index.is_none() || self.holds_any(replica) {
-                    self.remove_where(|x| x.replica == replica);
+            Holders::Many(list, _) => {
+                let lo = list.partition_point(|x| x.replica < replica);
+                let n = list[lo..].partition_point(|x| x.replica == replica);
+                if n > 0 {
+                    list.drain(lo..lo + n);
+                    // Kept as a list while it holds more than one: a clear
+                    // frees no memory a later store would take back.
+                    if list.len() <= 1 {
+                        self.inline_small();
+                    }
                 }
             }
         }
@@ -331,19 +293,11 @@ impl Node {
         self.holds_any(replica)
     }
 
-    /// Whether the holder map, where there is one, matches the list.
-    pub(super) fn index_matches(&self) -> bool {
-        let Some(ix) = self.index() else {
-            return true;
-        };
-        let holders = self.holders();
-        let mut per_replica: FxHashMap<u32, u32> = FxHashMap::default();
-        for (i, x) in holders.iter().enumerate() {
-            if ix.pos.get(&(x.replica, x.group)) != Some(&(i as u32)) {
-                return false;
-            }
-            *per_replica.entry(x.replica).or_insert(0) += 1;
+    /// Whether a list of three or more holders is sorted by (replica, group).
+    pub(super) fn in_order(&self) -> bool {
+        match &self.holders {
+            Holders::Many(list, _) => list.windows(2).all(|w| sort_key(&w[0]) < sort_key(&w[1])),
+            _ => true,
         }
-        ix.pos.len() == holders.len() && ix.per_replica == per_replica
     }
 }

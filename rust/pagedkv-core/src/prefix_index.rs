@@ -164,9 +164,6 @@ pub enum IndexEvent {
     Cleared,
 }
 
-/// Hashes of a query looked up together (a few wasted past its end at most).
-const AHEAD: usize = 8;
-
 /// Which replica holds which cached blocks; see the module docs.
 #[derive(Clone, Debug, Default)]
 pub struct PrefixIndex {
@@ -461,16 +458,6 @@ impl PrefixIndex {
         out
     }
 
-    /// The nodes of `hashes` in order (None: not held), looked up [`AHEAD`] at
-    /// a time: independent probes overlap their cache misses.
-    fn lookups<'a>(&'a self, hashes: &'a [u64]) -> impl Iterator<Item = Option<&'a Node>> + 'a {
-        hashes.chunks(AHEAD).flat_map(move |chunk| {
-            let found: [Option<&Node>; AHEAD] =
-                std::array::from_fn(|j| chunk.get(j).and_then(|h| self.nodes.get(h)));
-            found.into_iter().take(chunk.len())
-        })
-    }
-
     /// Per registered replica (by id), the number of leading blocks of the hash
     /// chain it holds. `group`: count only that group's blocks (None: any).
     #[must_use]
@@ -482,8 +469,8 @@ impl PrefixIndex {
         // Per replica, the last block (1-based) whose holders named it.
         let mut seen: Vec<u32> = Vec::new();
         let mut matched = 0;
-        for (i, node) in self.lookups(hashes).enumerate() {
-            let Some(node) = node else {
+        for (i, h) in hashes.iter().enumerate() {
+            let Some(node) = self.nodes.get(h) else {
                 break;
             };
             let holders = node.holders();
@@ -493,6 +480,12 @@ impl PrefixIndex {
                     if !alive.contains(&x.replica) {
                         alive.push(x.replica);
                     }
+                }
+            } else if let [r] = alive[..] {
+                // The common tail of a long query: one replica left.
+                if !holders.iter().filter(wanted).any(|x| x.replica == r) {
+                    lengths[r as usize] = i;
+                    alive.clear();
                 }
             } else if alive.len() * holders.len() <= 16 {
                 alive.retain(|&r| {
@@ -538,8 +531,8 @@ impl PrefixIndex {
         let mut out = vec![[0; 3]; self.replicas.len()];
         let mut alive: Vec<u32> =
             (0..u32::try_from(self.replicas.len()).unwrap_or(u32::MAX)).collect();
-        for node in self.lookups(hashes) {
-            let Some(node) = node else {
+        for h in hashes {
+            let Some(node) = self.nodes.get(h) else {
                 break;
             };
             alive.retain(|&r| match node.best_tier(r, group) {

@@ -50,7 +50,14 @@ fn hash_list(obj: &Bound<'_, PyAny>) -> PkResult<Vec<u64>> {
         return Ok(hashes);
     }
     if let Ok(list) = obj.cast::<PyList>() {
-        return list.iter().map(|x| hash_item(&x)).collect();
+        // A tuple's items are read borrowed, one call each, where a list's
+        // take three (the stable ABI has no borrowed list access).
+        let items = list.to_tuple();
+        let mut hashes = Vec::with_capacity(items.len());
+        for x in items.iter_borrowed() {
+            hashes.push(hash_item(&x)?);
+        }
+        return Ok(hashes);
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error("block hashes must be a sequence"));

@@ -34,15 +34,16 @@
 //! index.check_invariants().unwrap();
 //! ```
 
-use hashbrown::hash_map::Entry;
 use hashbrown::{HashMap, HashSet};
 use rustc_hash::{FxBuildHasher, FxHashMap, FxHashSet};
 
 use crate::error::{Error, Result};
 
+mod arena;
 mod node;
 
-use node::{GROUP_MASK, Node, TIER_SHIFT, key_group};
+use arena::{NodeId, Nodes};
+use node::{GROUP_MASK, TIER_SHIFT, key_group};
 
 /// A replica registered with [`PrefixIndex::replica`] (dense, from 0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -108,8 +109,8 @@ fn group_key(group: Option<u32>, tier: Tier) -> Result<u32> {
 #[derive(Clone, Debug, Default)]
 struct Replica {
     name: String,
-    /// Hashes with at least one holder entry of this replica.
-    hashes: HashSet<u64, FxBuildHasher>,
+    /// Nodes with at least one holder entry of this replica.
+    nodes: HashSet<NodeId, FxBuildHasher>,
 }
 
 /// The replica holding the longest prefix, and its length in blocks.
@@ -167,7 +168,7 @@ pub enum IndexEvent {
 /// Which replica holds which cached blocks; see the module docs.
 #[derive(Clone, Debug, Default)]
 pub struct PrefixIndex {
-    nodes: HashMap<u64, Node, FxBuildHasher>,
+    nodes: Nodes,
     replicas: Vec<Replica>,
     by_name: HashMap<String, u32, FxBuildHasher>,
     stats: IndexStats,
@@ -188,7 +189,7 @@ impl PrefixIndex {
         let id = u32::try_from(self.replicas.len()).unwrap_or(u32::MAX);
         self.replicas.push(Replica {
             name: name.to_owned(),
-            hashes: HashSet::default(),
+            nodes: HashSet::default(),
         });
         self.by_name.insert(name.to_owned(), id);
         ReplicaId(id)
@@ -225,7 +226,7 @@ impl PrefixIndex {
     pub fn replica_num_blocks(&self, replica: ReplicaId) -> usize {
         self.replicas
             .get(replica.0 as usize)
-            .map_or(0, |r| r.hashes.len())
+            .map_or(0, |r| r.nodes.len())
     }
 
     /// What the index has been fed so far.
@@ -322,10 +323,11 @@ impl PrefixIndex {
         let g = group_key(group, tier)?;
         let mut parent = parent;
         for &h in hashes {
-            let node = self.nodes.entry(h).or_insert_with(|| Node::new(parent));
+            let id = self.nodes.get_or_insert(h, parent);
+            let node = self.nodes.node_mut(id);
             node.adopt(parent);
             node.add(replica.0, g);
-            self.replicas[r].hashes.insert(h);
+            self.replicas[r].nodes.insert(id);
             parent = Some(h);
         }
         self.stats.blocks_stored += hashes.len() as u64;
@@ -358,20 +360,21 @@ impl PrefixIndex {
         let r = self.check_replica(replica)?;
         let g = group_key(group, tier)?;
         for &h in hashes {
-            let Entry::Occupied(mut node) = self.nodes.entry(h) else {
+            let Some(id) = self.nodes.id(h) else {
                 self.stats.unknown_removals += 1;
                 continue;
             };
-            let Some(still_held) = node.get_mut().remove_one(replica.0, g) else {
+            let node = self.nodes.node_mut(id);
+            let Some(still_held) = node.remove_one(replica.0, g) else {
                 self.stats.unknown_removals += 1;
                 continue;
             };
             self.stats.blocks_removed += 1;
-            if !still_held {
-                self.replicas[r].hashes.remove(&h);
+            if node.is_empty() {
+                self.nodes.remove(id);
             }
-            if node.get().is_empty() {
-                node.remove();
+            if !still_held {
+                self.replicas[r].nodes.remove(&id);
             }
         }
         Ok(())
@@ -384,13 +387,12 @@ impl PrefixIndex {
     /// `InvalidArgument` for an unregistered replica.
     pub fn clear(&mut self, replica: ReplicaId) -> Result<()> {
         let r = self.check_replica(replica)?;
-        let hashes = std::mem::take(&mut self.replicas[r].hashes);
-        for h in hashes {
-            if let Entry::Occupied(mut node) = self.nodes.entry(h) {
-                node.get_mut().remove_replica(replica.0);
-                if node.get().is_empty() {
-                    node.remove();
-                }
+        let ids = std::mem::take(&mut self.replicas[r].nodes);
+        for id in ids {
+            let node = self.nodes.node_mut(id);
+            node.remove_replica(replica.0);
+            if node.is_empty() {
+                self.nodes.remove(id);
             }
         }
         self.stats.clears += 1;
@@ -404,20 +406,18 @@ impl PrefixIndex {
     /// `InvalidArgument` for an unregistered replica.
     pub fn clear_tier(&mut self, replica: ReplicaId, tier: Tier) -> Result<()> {
         let r = self.check_replica(replica)?;
-        let hashes = std::mem::take(&mut self.replicas[r].hashes);
+        let ids = std::mem::take(&mut self.replicas[r].nodes);
         let mut kept = HashSet::with_capacity_and_hasher(0, FxBuildHasher);
-        for h in hashes {
-            let Entry::Occupied(mut node) = self.nodes.entry(h) else {
-                continue;
-            };
-            if node.get_mut().remove_tier(replica.0, tier) {
-                kept.insert(h);
+        for id in ids {
+            let node = self.nodes.node_mut(id);
+            if node.remove_tier(replica.0, tier) {
+                kept.insert(id);
             }
-            if node.get().is_empty() {
-                node.remove();
+            if node.is_empty() {
+                self.nodes.remove(id);
             }
         }
-        self.replicas[r].hashes = kept;
+        self.replicas[r].nodes = kept;
         self.stats.clears += 1;
         Ok(())
     }
@@ -426,7 +426,7 @@ impl PrefixIndex {
     #[must_use]
     pub fn contains(&self, replica: ReplicaId, hash: u64, group: Option<u32>) -> bool {
         self.nodes
-            .get(&hash)
+            .get(hash)
             .is_some_and(|n| n.held_by(replica.0, group))
     }
 
@@ -434,7 +434,7 @@ impl PrefixIndex {
     /// unknown hash).
     #[must_use]
     pub fn parent(&self, hash: u64) -> Option<u64> {
-        self.nodes.get(&hash).and_then(Node::parent)
+        self.nodes.get(hash).and_then(node::Node::parent)
     }
 
     /// The chain ending at `hash`, first block first, following parent links
@@ -444,7 +444,7 @@ impl PrefixIndex {
         let mut out = Vec::new();
         let mut cur = Some(hash);
         while let Some(h) = cur {
-            let Some(node) = self.nodes.get(&h) else {
+            let Some(node) = self.nodes.get(h) else {
                 break;
             };
             out.push(h);
@@ -470,7 +470,7 @@ impl PrefixIndex {
         let mut seen: Vec<u32> = Vec::new();
         let mut matched = 0;
         for (i, h) in hashes.iter().enumerate() {
-            let Some(node) = self.nodes.get(h) else {
+            let Some(node) = self.nodes.get(*h) else {
                 break;
             };
             let holders = node.holders();
@@ -532,7 +532,7 @@ impl PrefixIndex {
         let mut alive: Vec<u32> =
             (0..u32::try_from(self.replicas.len()).unwrap_or(u32::MAX)).collect();
         for h in hashes {
-            let Some(node) = self.nodes.get(h) else {
+            let Some(node) = self.nodes.get(*h) else {
                 break;
             };
             alive.retain(|&r| match node.best_tier(r, group) {
@@ -595,10 +595,10 @@ impl PrefixIndex {
             return Vec::new();
         };
         let mut out: Vec<(u64, Option<u32>, u32)> = rep
-            .hashes
+            .nodes
             .iter()
-            .filter_map(|h| self.nodes.get(h).map(|n| (h, n)))
-            .flat_map(|(&h, n)| {
+            .map(|&id| (self.nodes.hash(id), self.nodes.node(id)))
+            .flat_map(|(h, n)| {
                 n.holders()
                     .iter()
                     .filter(|x| x.replica == replica.0)
@@ -620,7 +620,7 @@ impl PrefixIndex {
     pub fn check_invariants(&self) -> Result<()> {
         let bad = |m: String| Err(Error::InvariantViolation(m));
         let mut per_replica = vec![0usize; self.replicas.len()];
-        for (h, node) in &self.nodes {
+        for (id, h, node) in self.nodes.iter() {
             if node.holders().is_empty() {
                 return bad(format!("hash {h:#x} has no holder"));
             }
@@ -637,7 +637,7 @@ impl PrefixIndex {
                 let Some(rep) = self.replicas.get(x.replica as usize) else {
                     return bad(format!("hash {h:#x} held by unknown replica {}", x.replica));
                 };
-                if !rep.hashes.contains(h) {
+                if !rep.nodes.contains(&id) {
                     return bad(format!("replica {} misses hash {h:#x}", x.replica));
                 }
             }
@@ -649,10 +649,10 @@ impl PrefixIndex {
             }
         }
         for (i, rep) in self.replicas.iter().enumerate() {
-            if rep.hashes.len() != per_replica[i] {
+            if rep.nodes.len() != per_replica[i] {
                 return bad(format!(
                     "replica {i} lists {} hashes, holds {}",
-                    rep.hashes.len(),
+                    rep.nodes.len(),
                     per_replica[i]
                 ));
             }

@@ -71,15 +71,12 @@ impl Nodes {
             hash: h,
             node: Node::new(parent),
         };
-        let i = match self.free.pop() {
-            Some(i) => {
-                self.slots[i as usize] = slot;
-                i
-            }
-            None => {
-                self.slots.push(slot);
-                u32::try_from(self.slots.len() - 1).unwrap_or(u32::MAX)
-            }
+        let i = if let Some(i) = self.free.pop() {
+            self.slots[i as usize] = slot;
+            i
+        } else {
+            self.slots.push(slot);
+            u32::try_from(self.slots.len() - 1).unwrap_or(u32::MAX)
         };
         let slots = &self.slots;
         self.table

@@ -12,8 +12,9 @@
 //! blocks (two `BlockStored`), and evicting one of them (one `BlockRemoved`)
 //! leaves the other cached. Groups are kept apart so that a sliding-window or
 //! Mamba group dropping a block does not read as the full-attention group
-//! dropping it. Per replica the index keeps the set of hashes it holds, so
-//! `AllBlocksCleared` costs the replica's size, not the index's.
+//! dropping it. Per replica the index keeps the set of hashes it holds (as
+//! slots of the node arena), so `AllBlocksCleared` costs the replica's size,
+//! not the index's.
 //!
 //! ```
 //! use pagedkv_core::prefix_index::PrefixIndex;

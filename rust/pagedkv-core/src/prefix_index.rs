@@ -12,8 +12,9 @@
 //! blocks (two `BlockStored`), and evicting one of them (one `BlockRemoved`)
 //! leaves the other cached. Groups are kept apart so that a sliding-window or
 //! Mamba group dropping a block does not read as the full-attention group
-//! dropping it. Per replica the index keeps the set of hashes it holds, so
-//! `AllBlocksCleared` costs the replica's size, not the index's.
+//! dropping it. Per replica the index keeps the set of hashes it holds (as
+//! slots of the node arena), so `AllBlocksCleared` costs the replica's size,
+//! not the index's.
 //!
 //! ```
 //! use pagedkv_core::prefix_index::PrefixIndex;
@@ -38,6 +39,12 @@ use hashbrown::{HashMap, HashSet};
 use rustc_hash::{FxBuildHasher, FxHashMap, FxHashSet};
 
 use crate::error::{Error, Result};
+
+mod arena;
+mod node;
+
+use arena::{NodeId, Nodes};
+use node::{GROUP_MASK, TIER_SHIFT, key_group};
 
 /// A replica registered with [`PrefixIndex::replica`] (dense, from 0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -84,10 +91,6 @@ impl Tier {
     }
 }
 
-/// A holder's key packs its tier above its group: `tier << 30 | group`.
-const TIER_SHIFT: u32 = 30;
-const GROUP_MASK: u32 = (1 << TIER_SHIFT) - 1;
-
 /// The group of events without `group_idx` (vLLM before group annotations).
 const NO_GROUP: u32 = GROUP_MASK;
 
@@ -104,165 +107,11 @@ fn group_key(group: Option<u32>, tier: Tier) -> Result<u32> {
     Ok(g | (tier as u32) << TIER_SHIFT)
 }
 
-fn key_group(key: u32) -> u32 {
-    key & GROUP_MASK
-}
-
-fn key_tier(key: u32) -> Tier {
-    Tier::from_bits(key >> TIER_SHIFT)
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Holder {
-    replica: u32,
-    /// The group and the tier ([`group_key`]).
-    group: u32,
-    /// Blocks of this replica and group cached under the hash (>= 1).
-    count: u32,
-}
-
-/// Holders past which a node keeps a map to them: a hash stored under many
-/// groups (or replicas) costs the same per event as one under a few.
-const INDEXED_HOLDERS: usize = 16;
-
-#[derive(Clone, Debug)]
-struct Node {
-    parent: Option<u64>,
-    /// Never empty: a node without holders is removed.
-    holders: Vec<Holder>,
-    /// With more than [`INDEXED_HOLDERS`] holders: where each is.
-    index: Option<Box<HolderIndex>>,
-}
-
-/// `(replica, group)` -> position in `holders`, and holders per replica.
-#[derive(Clone, Debug, Default)]
-struct HolderIndex {
-    pos: FxHashMap<(u32, u32), u32>,
-    per_replica: FxHashMap<u32, u32>,
-}
-
-impl HolderIndex {
-    fn build(holders: &[Holder]) -> Self {
-        let mut ix = Self::default();
-        for (i, x) in holders.iter().enumerate() {
-            ix.pos.insert((x.replica, x.group), i as u32);
-            *ix.per_replica.entry(x.replica).or_insert(0) += 1;
-        }
-        ix
-    }
-}
-
-impl Node {
-    fn new(parent: Option<u64>) -> Self {
-        Self {
-            parent,
-            holders: Vec::new(),
-            index: None,
-        }
-    }
-
-    fn find(&self, replica: u32, group: u32) -> Option<usize> {
-        match &self.index {
-            Some(ix) => ix.pos.get(&(replica, group)).map(|&p| p as usize),
-            None => self
-                .holders
-                .iter()
-                .position(|x| x.replica == replica && x.group == group),
-        }
-    }
-
-    fn holds_any(&self, replica: u32) -> bool {
-        match &self.index {
-            Some(ix) => ix.per_replica.contains_key(&replica),
-            None => self.holders.iter().any(|x| x.replica == replica),
-        }
-    }
-
-    fn held_by(&self, replica: u32, group: Option<u32>) -> bool {
-        match group {
-            Some(g) => match &self.index {
-                Some(ix) => (0..3).any(|t| ix.pos.contains_key(&(replica, g | t << TIER_SHIFT))),
-                None => self
-                    .holders
-                    .iter()
-                    .any(|x| x.replica == replica && key_group(x.group) == g),
-            },
-            None => self.holds_any(replica),
-        }
-    }
-
-    /// The fastest tier `replica` holds this hash in (`group`, or any for None).
-    fn best_tier(&self, replica: u32, group: Option<u32>) -> Option<Tier> {
-        self.holders
-            .iter()
-            .filter(|x| x.replica == replica && group.is_none_or(|g| key_group(x.group) == g))
-            .map(|x| key_tier(x.group))
-            .min()
-    }
-
-    /// One more block of `replica`'s `group` under this hash.
-    fn add(&mut self, replica: u32, group: u32) {
-        if let Some(p) = self.find(replica, group) {
-            self.holders[p].count = self.holders[p].count.saturating_add(1);
-            return;
-        }
-        self.holders.push(Holder {
-            replica,
-            group,
-            count: 1,
-        });
-        let n = self.holders.len();
-        match &mut self.index {
-            Some(ix) => {
-                ix.pos.insert((replica, group), (n - 1) as u32);
-                *ix.per_replica.entry(replica).or_insert(0) += 1;
-            }
-            None if n > INDEXED_HOLDERS => {
-                self.index = Some(Box::new(HolderIndex::build(&self.holders)));
-            }
-            None => {}
-        }
-    }
-
-    /// One block fewer of `replica`'s `group`: None when it held none, else
-    /// whether the replica still holds the hash in some group.
-    fn remove_one(&mut self, replica: u32, group: u32) -> Option<bool> {
-        let p = self.find(replica, group)?;
-        self.holders[p].count -= 1;
-        if self.holders[p].count > 0 {
-            return Some(true);
-        }
-        self.holders.swap_remove(p);
-        if let Some(ix) = &mut self.index {
-            ix.pos.remove(&(replica, group));
-            if let Some(moved) = self.holders.get(p) {
-                ix.pos.insert((moved.replica, moved.group), p as u32);
-            }
-            if let Some(c) = ix.per_replica.get_mut(&replica) {
-                *c -= 1;
-                if *c == 0 {
-                    ix.per_replica.remove(&replica);
-                }
-            }
-        }
-        Some(self.holds_any(replica))
-    }
-
-    /// Drops every holder of `replica`.
-    fn remove_replica(&mut self, replica: u32) {
-        self.holders.retain(|x| x.replica != replica);
-        if self.index.is_some() {
-            self.index = (self.holders.len() > INDEXED_HOLDERS)
-                .then(|| Box::new(HolderIndex::build(&self.holders)));
-        }
-    }
-}
-
 #[derive(Clone, Debug, Default)]
 struct Replica {
     name: String,
-    /// Hashes with at least one holder entry of this replica.
-    hashes: HashSet<u64, FxBuildHasher>,
+    /// Nodes with at least one holder entry of this replica.
+    nodes: HashSet<NodeId, FxBuildHasher>,
 }
 
 /// The replica holding the longest prefix, and its length in blocks.
@@ -320,7 +169,7 @@ pub enum IndexEvent {
 /// Which replica holds which cached blocks; see the module docs.
 #[derive(Clone, Debug, Default)]
 pub struct PrefixIndex {
-    nodes: HashMap<u64, Node, FxBuildHasher>,
+    nodes: Nodes,
     replicas: Vec<Replica>,
     by_name: HashMap<String, u32, FxBuildHasher>,
     stats: IndexStats,
@@ -341,7 +190,7 @@ impl PrefixIndex {
         let id = u32::try_from(self.replicas.len()).unwrap_or(u32::MAX);
         self.replicas.push(Replica {
             name: name.to_owned(),
-            hashes: HashSet::default(),
+            nodes: HashSet::default(),
         });
         self.by_name.insert(name.to_owned(), id);
         ReplicaId(id)
@@ -378,7 +227,7 @@ impl PrefixIndex {
     pub fn replica_num_blocks(&self, replica: ReplicaId) -> usize {
         self.replicas
             .get(replica.0 as usize)
-            .map_or(0, |r| r.hashes.len())
+            .map_or(0, |r| r.nodes.len())
     }
 
     /// What the index has been fed so far.
@@ -475,12 +324,11 @@ impl PrefixIndex {
         let g = group_key(group, tier)?;
         let mut parent = parent;
         for &h in hashes {
-            let node = self.nodes.entry(h).or_insert_with(|| Node::new(parent));
-            if node.parent.is_none() {
-                node.parent = parent;
-            }
+            let id = self.nodes.get_or_insert(h, parent);
+            let node = self.nodes.node_mut(id);
+            node.adopt(parent);
             node.add(replica.0, g);
-            self.replicas[r].hashes.insert(h);
+            self.replicas[r].nodes.insert(id);
             parent = Some(h);
         }
         self.stats.blocks_stored += hashes.len() as u64;
@@ -513,20 +361,21 @@ impl PrefixIndex {
         let r = self.check_replica(replica)?;
         let g = group_key(group, tier)?;
         for &h in hashes {
-            let Some(node) = self.nodes.get_mut(&h) else {
+            let Some(id) = self.nodes.id(h) else {
                 self.stats.unknown_removals += 1;
                 continue;
             };
+            let node = self.nodes.node_mut(id);
             let Some(still_held) = node.remove_one(replica.0, g) else {
                 self.stats.unknown_removals += 1;
                 continue;
             };
             self.stats.blocks_removed += 1;
-            if !still_held {
-                self.replicas[r].hashes.remove(&h);
+            if node.is_empty() {
+                self.nodes.remove(id);
             }
-            if node.holders.is_empty() {
-                self.nodes.remove(&h);
+            if !still_held {
+                self.replicas[r].nodes.remove(&id);
             }
         }
         Ok(())
@@ -539,13 +388,12 @@ impl PrefixIndex {
     /// `InvalidArgument` for an unregistered replica.
     pub fn clear(&mut self, replica: ReplicaId) -> Result<()> {
         let r = self.check_replica(replica)?;
-        let hashes = std::mem::take(&mut self.replicas[r].hashes);
-        for h in &hashes {
-            if let Some(node) = self.nodes.get_mut(h) {
-                node.remove_replica(replica.0);
-                if node.holders.is_empty() {
-                    self.nodes.remove(h);
-                }
+        let ids = std::mem::take(&mut self.replicas[r].nodes);
+        for id in ids {
+            let node = self.nodes.node_mut(id);
+            node.remove_replica(replica.0);
+            if node.is_empty() {
+                self.nodes.remove(id);
             }
         }
         self.stats.clears += 1;
@@ -559,32 +407,18 @@ impl PrefixIndex {
     /// `InvalidArgument` for an unregistered replica.
     pub fn clear_tier(&mut self, replica: ReplicaId, tier: Tier) -> Result<()> {
         let r = self.check_replica(replica)?;
-        let hashes = std::mem::take(&mut self.replicas[r].hashes);
+        let ids = std::mem::take(&mut self.replicas[r].nodes);
         let mut kept = HashSet::with_capacity_and_hasher(0, FxBuildHasher);
-        for h in hashes {
-            let Some(node) = self.nodes.get_mut(&h) else {
-                continue;
-            };
-            let gone: Vec<u32> = node
-                .holders
-                .iter()
-                .filter(|x| x.replica == replica.0 && key_tier(x.group) == tier)
-                .map(|x| x.group)
-                .collect();
-            for key in gone {
-                if let Some(p) = node.find(replica.0, key) {
-                    node.holders[p].count = 1;
-                    node.remove_one(replica.0, key);
-                }
+        for id in ids {
+            let node = self.nodes.node_mut(id);
+            if node.remove_tier(replica.0, tier) {
+                kept.insert(id);
             }
-            if node.holds_any(replica.0) {
-                kept.insert(h);
-            }
-            if node.holders.is_empty() {
-                self.nodes.remove(&h);
+            if node.is_empty() {
+                self.nodes.remove(id);
             }
         }
-        self.replicas[r].hashes = kept;
+        self.replicas[r].nodes = kept;
         self.stats.clears += 1;
         Ok(())
     }
@@ -593,7 +427,7 @@ impl PrefixIndex {
     #[must_use]
     pub fn contains(&self, replica: ReplicaId, hash: u64, group: Option<u32>) -> bool {
         self.nodes
-            .get(&hash)
+            .get(hash)
             .is_some_and(|n| n.held_by(replica.0, group))
     }
 
@@ -601,7 +435,7 @@ impl PrefixIndex {
     /// unknown hash).
     #[must_use]
     pub fn parent(&self, hash: u64) -> Option<u64> {
-        self.nodes.get(&hash).and_then(|n| n.parent)
+        self.nodes.get(hash).and_then(node::Node::parent)
     }
 
     /// The chain ending at `hash`, first block first, following parent links
@@ -611,7 +445,7 @@ impl PrefixIndex {
         let mut out = Vec::new();
         let mut cur = Some(hash);
         while let Some(h) = cur {
-            let Some(node) = self.nodes.get(&h) else {
+            let Some(node) = self.nodes.get(h) else {
                 break;
             };
             out.push(h);
@@ -619,7 +453,7 @@ impl PrefixIndex {
             if out.len() > self.nodes.len() {
                 break;
             }
-            cur = node.parent;
+            cur = node.parent();
         }
         out.reverse();
         out
@@ -630,27 +464,62 @@ impl PrefixIndex {
     #[must_use]
     pub fn match_lengths(&self, hashes: &[u64], group: Option<u32>) -> Vec<usize> {
         let mut lengths = vec![0; self.replicas.len()];
+        // Replicas holding every block so far; a replica leaving it gets its
+        // length then, those left at the end the blocks matched.
         let mut alive: Vec<u32> = Vec::new();
+        // Per replica, the last block (1-based) whose holders named it.
+        let mut seen: Vec<u32> = Vec::new();
+        let mut matched = 0;
         for (i, h) in hashes.iter().enumerate() {
-            let Some(node) = self.nodes.get(h) else {
+            let Some(node) = self.nodes.get(*h) else {
                 break;
             };
+            let holders = node.holders();
+            let wanted = |x: &&node::Holder| group.is_none_or(|g| key_group(x.group) == g);
             if i == 0 {
-                for x in &node.holders {
-                    if group.is_none_or(|g| key_group(x.group) == g) && !alive.contains(&x.replica)
-                    {
+                for x in holders.iter().filter(wanted) {
+                    if !alive.contains(&x.replica) {
                         alive.push(x.replica);
                     }
                 }
+            } else if let [r] = alive[..] {
+                // The common tail of a long query: one replica left.
+                if !holders.iter().filter(wanted).any(|x| x.replica == r) {
+                    lengths[r as usize] = i;
+                    alive.clear();
+                }
+            } else if alive.len() * holders.len() <= 16 {
+                alive.retain(|&r| {
+                    let keep = holders.iter().filter(wanted).any(|x| x.replica == r);
+                    if !keep {
+                        lengths[r as usize] = i;
+                    }
+                    keep
+                });
             } else {
-                alive.retain(|&r| node.held_by(r, group));
+                // Each holder once rather than each alive replica's search.
+                if seen.is_empty() {
+                    seen = vec![0; self.replicas.len()];
+                }
+                let stamp = u32::try_from(i).unwrap_or(u32::MAX);
+                for x in holders.iter().filter(wanted) {
+                    seen[x.replica as usize] = stamp;
+                }
+                alive.retain(|&r| {
+                    let keep = seen[r as usize] == stamp;
+                    if !keep {
+                        lengths[r as usize] = i;
+                    }
+                    keep
+                });
             }
             if alive.is_empty() {
                 break;
             }
-            for &r in &alive {
-                lengths[r as usize] = i + 1;
-            }
+            matched = i + 1;
+        }
+        for &r in &alive {
+            lengths[r as usize] = matched;
         }
         lengths
     }
@@ -664,7 +533,7 @@ impl PrefixIndex {
         let mut alive: Vec<u32> =
             (0..u32::try_from(self.replicas.len()).unwrap_or(u32::MAX)).collect();
         for h in hashes {
-            let Some(node) = self.nodes.get(h) else {
+            let Some(node) = self.nodes.get(*h) else {
                 break;
             };
             alive.retain(|&r| match node.best_tier(r, group) {
@@ -727,11 +596,11 @@ impl PrefixIndex {
             return Vec::new();
         };
         let mut out: Vec<(u64, Option<u32>, u32)> = rep
-            .hashes
+            .nodes
             .iter()
-            .filter_map(|h| self.nodes.get(h).map(|n| (h, n)))
-            .flat_map(|(&h, n)| {
-                n.holders
+            .map(|&id| (self.nodes.hash(id), self.nodes.node(id)))
+            .flat_map(|(h, n)| {
+                n.holders()
                     .iter()
                     .filter(|x| x.replica == replica.0)
                     .map(move |x| {
@@ -752,48 +621,39 @@ impl PrefixIndex {
     pub fn check_invariants(&self) -> Result<()> {
         let bad = |m: String| Err(Error::InvariantViolation(m));
         let mut per_replica = vec![0usize; self.replicas.len()];
-        for (h, node) in &self.nodes {
-            if node.holders.is_empty() {
+        for (id, h, node) in self.nodes.iter() {
+            if node.holders().is_empty() {
                 return bad(format!("hash {h:#x} has no holder"));
             }
             let mut seen: FxHashSet<(u32, u32)> = FxHashSet::default();
             let mut replicas: FxHashMap<u32, u32> = FxHashMap::default();
-            for (i, x) in node.holders.iter().enumerate() {
+            for x in node.holders() {
                 if !seen.insert((x.replica, x.group)) {
                     return bad(format!("hash {h:#x} has a duplicate holder"));
                 }
                 *replicas.entry(x.replica).or_insert(0) += 1;
-                if node
-                    .index
-                    .as_ref()
-                    .is_some_and(|ix| ix.pos.get(&(x.replica, x.group)) != Some(&(i as u32)))
-                {
-                    return bad(format!("hash {h:#x}: its holder map is out of date"));
-                }
                 if x.count == 0 {
                     return bad(format!("hash {h:#x} has a zero count"));
                 }
                 let Some(rep) = self.replicas.get(x.replica as usize) else {
                     return bad(format!("hash {h:#x} held by unknown replica {}", x.replica));
                 };
-                if !rep.hashes.contains(h) {
+                if !rep.nodes.contains(&id) {
                     return bad(format!("replica {} misses hash {h:#x}", x.replica));
                 }
             }
-            if let Some(ix) = &node.index
-                && (ix.pos.len() != node.holders.len() || ix.per_replica != replicas)
-            {
-                return bad(format!("hash {h:#x}: its holder map is out of date"));
+            if !node.in_order() {
+                return bad(format!("hash {h:#x}: its holders are out of order"));
             }
             for &r in replicas.keys() {
                 per_replica[r as usize] += 1;
             }
         }
         for (i, rep) in self.replicas.iter().enumerate() {
-            if rep.hashes.len() != per_replica[i] {
+            if rep.nodes.len() != per_replica[i] {
                 return bad(format!(
                     "replica {i} lists {} hashes, holds {}",
-                    rep.hashes.len(),
+                    rep.nodes.len(),
                     per_replica[i]
                 ));
             }

@@ -15,6 +15,13 @@ use crate::events::{PyAllBlocksCleared, PyBlockRemoved, PyBlockStored};
 /// vLLM's event form of one hash: an int in 0..2**64 as is, a digest by its
 /// last 8 bytes (big-endian).
 fn hash_item(item: &Bound<'_, PyAny>) -> PkResult<u64> {
+    // Plain ints first: an exact type test is a pointer compare, where the
+    // subclass tests below are a call each under the stable ABI.
+    if item.is_exact_instance_of::<PyInt>() {
+        return item
+            .extract::<u64>()
+            .map_err(|_| invalid_arg("block hash ints must be in 0..2**64"));
+    }
     if let Ok(b) = item.cast::<PyBytes>() {
         let d = b.as_bytes();
         if d.is_empty() {
@@ -43,7 +50,14 @@ fn hash_list(obj: &Bound<'_, PyAny>) -> PkResult<Vec<u64>> {
         return Ok(hashes);
     }
     if let Ok(list) = obj.cast::<PyList>() {
-        return list.iter().map(|x| hash_item(&x)).collect();
+        // A tuple's items are read borrowed, one call each, where a list's
+        // take three (the stable ABI has no borrowed list access).
+        let items = list.to_tuple();
+        let mut hashes = Vec::with_capacity(items.len());
+        for x in items.iter_borrowed() {
+            hashes.push(hash_item(&x)?);
+        }
+        return Ok(hashes);
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
         return Err(type_error("block hashes must be a sequence"));

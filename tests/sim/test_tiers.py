@@ -161,6 +161,11 @@ def test_host_links_by_name_number_and_gpu() -> None:
         ["--disk-link", "1e300"],
         ["--offload-policy", "mru"],
         ["--eviction", "fifo"],
+        ["--tier-weights", "nan:0"],
+        ["--tier-weights", "2:0"],
+        ["--tier-weights", "0.5"],
+        ["--tier-weights", "-0.1:0.2"],
+        ["--compare", "tier-weights=0.75:0.25,1:x"],
         ["--disk-offload", "8"],  # no host memory above it
         ["--engine", "vllm", "--cpu-offload", "4"],
         ["--sweep", "offload-policy=lru,mru", "--cpu-offload", "1"],

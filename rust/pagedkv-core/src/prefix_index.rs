@@ -14,7 +14,8 @@
 //! Mamba group dropping a block does not read as the full-attention group
 //! dropping it. Per replica the index keeps the set of hashes it holds (as
 //! slots of the node arena), so `AllBlocksCleared` costs the replica's size,
-//! not the index's.
+//! not the index's; the nodes it empties leave the hash table during later
+//! stores (see `arena`), every read-out treating them as gone meanwhile.
 //!
 //! ```
 //! use pagedkv_core::prefix_index::PrefixIndex;
@@ -173,6 +174,8 @@ pub struct PrefixIndex {
     replicas: Vec<Replica>,
     by_name: HashMap<String, u32, FxBuildHasher>,
     stats: IndexStats,
+    /// A removal's slots, kept between calls.
+    scratch: Vec<Option<NodeId>>,
 }
 
 impl PrefixIndex {
@@ -322,6 +325,8 @@ impl PrefixIndex {
     ) -> Result<()> {
         let r = self.check_replica(replica)?;
         let g = group_key(group, tier)?;
+        // What clears left vacant leaves the table alongside the stores.
+        self.nodes.reclaim(hashes.len() + 8);
         let mut parent = parent;
         for &h in hashes {
             let id = self.nodes.get_or_insert(h, parent);
@@ -360,8 +365,14 @@ impl PrefixIndex {
     ) -> Result<()> {
         let r = self.check_replica(replica)?;
         let g = group_key(group, tier)?;
-        for &h in hashes {
-            let Some(id) = self.nodes.id(h) else {
+        // In three passes, each a loop of independent loads whose misses
+        // overlap: the table probes, then the nodes, then the replica's set.
+        let mut ids = std::mem::take(&mut self.scratch);
+        ids.clear();
+        ids.extend(hashes.iter().map(|&h| self.nodes.id(h)));
+        let mut gone = 0;
+        for i in 0..ids.len() {
+            let Some(id) = ids[i] else {
                 self.stats.unknown_removals += 1;
                 continue;
             };
@@ -375,9 +386,15 @@ impl PrefixIndex {
                 self.nodes.remove(id);
             }
             if !still_held {
-                self.replicas[r].nodes.remove(&id);
+                ids[gone] = Some(id);
+                gone += 1;
             }
         }
+        let set = &mut self.replicas[r].nodes;
+        for id in ids[..gone].iter().flatten() {
+            set.remove(id);
+        }
+        self.scratch = ids;
         Ok(())
     }
 
@@ -388,14 +405,10 @@ impl PrefixIndex {
     /// `InvalidArgument` for an unregistered replica.
     pub fn clear(&mut self, replica: ReplicaId) -> Result<()> {
         let r = self.check_replica(replica)?;
-        let ids = std::mem::take(&mut self.replicas[r].nodes);
-        for id in ids {
-            let node = self.nodes.node_mut(id);
+        self.drop_holders(r, |node| {
             node.remove_replica(replica.0);
-            if node.is_empty() {
-                self.nodes.remove(id);
-            }
-        }
+            false
+        });
         self.stats.clears += 1;
         Ok(())
     }
@@ -407,20 +420,38 @@ impl PrefixIndex {
     /// `InvalidArgument` for an unregistered replica.
     pub fn clear_tier(&mut self, replica: ReplicaId, tier: Tier) -> Result<()> {
         let r = self.check_replica(replica)?;
-        let ids = std::mem::take(&mut self.replicas[r].nodes);
-        let mut kept = HashSet::with_capacity_and_hasher(0, FxBuildHasher);
-        for id in ids {
-            let node = self.nodes.node_mut(id);
-            if node.remove_tier(replica.0, tier) {
-                kept.insert(id);
+        self.drop_holders(r, |node| node.remove_tier(replica.0, tier));
+        self.stats.clears += 1;
+        Ok(())
+    }
+
+    /// Applies `drop` (which returns whether the replica still holds the node)
+    /// to each node of replica `r`, removing the nodes left without holders.
+    /// The nodes are visited a few ahead of their loads (the set's order is
+    /// random in the arena); the emptied ones stay in the table, vacant, until
+    /// later stores reclaim them.
+    fn drop_holders(&mut self, r: usize, mut drop: impl FnMut(&mut node::Node) -> bool) {
+        /// Nodes between a slot's prefetch and its use; half that for a list's.
+        const AHEAD: usize = 16;
+        let ids: Vec<NodeId> = std::mem::take(&mut self.replicas[r].nodes)
+            .into_iter()
+            .collect();
+        let mut kept = HashSet::with_hasher(FxBuildHasher);
+        for (i, &id) in ids.iter().enumerate() {
+            if let Some(&next) = ids.get(i + AHEAD) {
+                self.nodes.prefetch(next);
             }
-            if node.is_empty() {
-                self.nodes.remove(id);
+            if let Some(&next) = ids.get(i + AHEAD / 2) {
+                self.nodes.prefetch_list(next);
+            }
+            let node = self.nodes.node_mut(id);
+            if drop(node) {
+                kept.insert(id);
+            } else if node.is_empty() {
+                self.nodes.vacate(id);
             }
         }
         self.replicas[r].nodes = kept;
-        self.stats.clears += 1;
-        Ok(())
     }
 
     /// Whether `replica` holds `hash` (in `group`, or in any group for None).
@@ -613,13 +644,17 @@ impl PrefixIndex {
         out
     }
 
-    /// Checks the internal bookkeeping: no empty node, no zero count, no
-    /// duplicate holder, per-replica sets equal to the holders.
+    /// Checks the internal bookkeeping: no empty node (but the vacant ones a
+    /// clear left, counted and listed), no zero count, no duplicate holder,
+    /// per-replica sets equal to the holders.
     ///
     /// # Errors
     /// `InvariantViolation` describing the first problem found.
     pub fn check_invariants(&self) -> Result<()> {
         let bad = |m: String| Err(Error::InvariantViolation(m));
+        if let Err(m) = self.nodes.check_vacant() {
+            return bad(m);
+        }
         let mut per_replica = vec![0usize; self.replicas.len()];
         for (id, h, node) in self.nodes.iter() {
             if node.holders().is_empty() {

@@ -382,3 +382,74 @@ fn media_and_groups_out_of_range_are_refused_whole() {
     assert_eq!(idx.num_blocks(), 0, "nothing of the refused batch applied");
     idx.check_invariants().unwrap();
 }
+
+#[test]
+fn a_cleared_replica_starts_over_with_exact_counts() {
+    // Four replicas over 500 blocks: some held by one replica, some by two,
+    // some by all four (a list of holders), a few in several groups and tiers.
+    let (mut idx, r) = index_with(&["a", "b", "c", "d"]);
+    let chain: Vec<u64> = (1..=500).collect();
+    idx.store(r[0], None, &chain, Some(0)).unwrap();
+    idx.store_in(r[0], None, &chain[..100], Some(0), Tier::Host)
+        .unwrap();
+    idx.store(r[0], None, &chain[..50], Some(1)).unwrap();
+    idx.store(r[1], None, &chain[..300], Some(0)).unwrap();
+    for &x in &r[2..] {
+        idx.store(x, None, &chain[..120], Some(0)).unwrap();
+    }
+    idx.store(r[1], Some(300), &[1000, 1001], Some(0)).unwrap();
+    idx.check_invariants().unwrap();
+    assert_eq!(idx.num_blocks(), 502);
+
+    // The device reset keeps a's host copies of blocks 1-100.
+    idx.apply(r[0], &IndexEvent::Cleared).unwrap();
+    idx.check_invariants().unwrap();
+    assert_eq!(idx.replica_num_blocks(r[0]), 100);
+    assert_eq!(idx.num_blocks(), 302);
+    assert_eq!(idx.match_tiers(&chain, None)[0], [0, 100, 0]);
+    assert_eq!(idx.chain(300), chain[..300].to_vec());
+    assert_eq!(idx.chain(301), Vec::<u64>::new());
+    assert_eq!(idx.parent(301), None);
+
+    // A full clear: the blocks only a held go, the rest keep their chain.
+    idx.clear(r[0]).unwrap();
+    idx.check_invariants().unwrap();
+    assert_eq!(idx.replica_num_blocks(r[0]), 0);
+    assert_eq!(idx.num_blocks(), 302);
+    assert_eq!(idx.match_lengths(&chain, None), vec![0, 300, 120, 120]);
+    assert_eq!(idx.chain(1001), [&chain[..300], &[1000, 1001]].concat());
+
+    // Blocks 301-500 come back under a new parent: the old one is forgotten.
+    idx.store(r[0], Some(7000), &chain[300..], Some(0)).unwrap();
+    assert_eq!(idx.parent(301), Some(7000));
+    assert_eq!(idx.chain(302), vec![301, 302]);
+    // Re-stores of the blocks the others still hold.
+    idx.store(r[0], None, &chain[..300], Some(0)).unwrap();
+    idx.check_invariants().unwrap();
+    assert_eq!(idx.replica_num_blocks(r[0]), 500);
+    assert_eq!(idx.num_blocks(), 502);
+    assert_eq!(idx.match_lengths(&chain, None), vec![500, 300, 120, 120]);
+    assert_eq!(
+        idx.replica_entries(r[0]).iter().map(|e| e.2).sum::<u32>(),
+        500
+    );
+    // Removals count exactly: none of the cleared copies is left to remove.
+    idx.remove(r[0], &chain[..50], Some(1)).unwrap();
+    assert_eq!(idx.stats().unknown_removals, 50);
+    idx.remove(r[0], &chain[400..], Some(0)).unwrap();
+    assert_eq!(idx.num_blocks(), 402);
+    idx.check_invariants().unwrap();
+
+    // Clearing everyone leaves nothing, and the index fills again.
+    for &x in &r {
+        idx.clear(x).unwrap();
+    }
+    assert_eq!(idx.num_blocks(), 0);
+    assert_eq!(idx.longest_prefix(&chain, None), None);
+    idx.check_invariants().unwrap();
+    idx.store(r[3], None, &chain[..10], Some(0)).unwrap();
+    assert_eq!(idx.num_blocks(), 10);
+    assert_eq!(idx.match_lengths(&chain, None), vec![0, 0, 0, 10]);
+    assert_eq!(idx.stats().clears, 6);
+    idx.check_invariants().unwrap();
+}

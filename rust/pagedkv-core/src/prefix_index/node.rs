@@ -67,7 +67,8 @@ fn replica_range(list: &[Holder], replica: u32) -> &[Holder] {
 pub(super) struct Node {
     /// Meaningful only with the flag in `holders` set.
     parent: u64,
-    /// Never empty outside a call: a node without holders is removed.
+    /// Never empty outside a call, unless vacant: a node without holders is
+    /// removed, or left vacant by a clear (see the arena).
     holders: Holders,
 }
 
@@ -129,6 +130,15 @@ impl Node {
         match &self.holders {
             Holders::Many(list, _) => replica_range(list, replica),
             _ => self.holders(),
+        }
+    }
+
+    /// Starts loading a list of three or more holders.
+    pub(super) fn prefetch_list(&self) {
+        if let Holders::Many(list, _) = &self.holders
+            && let Some(x) = list.first()
+        {
+            pagedkv_arch::prefetch(x);
         }
     }
 

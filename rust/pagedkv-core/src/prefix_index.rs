@@ -433,15 +433,19 @@ impl PrefixIndex {
     fn drop_holders(&mut self, r: usize, mut drop: impl FnMut(&mut node::Node) -> bool) {
         /// Nodes between a slot's prefetch and its use; half that for a list's.
         const AHEAD: usize = 16;
-        let ids: Vec<NodeId> = std::mem::take(&mut self.replicas[r].nodes)
-            .into_iter()
-            .collect();
+        let ids = std::mem::take(&mut self.replicas[r].nodes);
         let mut kept = HashSet::with_hasher(FxBuildHasher);
-        for (i, &id) in ids.iter().enumerate() {
-            if let Some(&next) = ids.get(i + AHEAD) {
+        // Two more walks of the set, AHEAD and AHEAD / 2 nodes ahead.
+        let mut slots_ahead = ids.iter().skip(AHEAD);
+        let mut lists_ahead = ids.iter().skip(AHEAD / 2);
+        for &id in ids.iter().take(AHEAD) {
+            self.nodes.prefetch(id);
+        }
+        for &id in &ids {
+            if let Some(&next) = slots_ahead.next() {
                 self.nodes.prefetch(next);
             }
-            if let Some(&next) = ids.get(i + AHEAD / 2) {
+            if let Some(&next) = lists_ahead.next() {
                 self.nodes.prefetch_list(next);
             }
             let node = self.nodes.node_mut(id);

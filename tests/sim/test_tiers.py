@@ -69,6 +69,24 @@ def test_a_disk_tier_below_a_small_host_tier_serves_what_host_memory_dropped(
     assert list(tmp_path.iterdir()) == []  # the simulated disk keeps its index only
 
 
+def test_write_back_fills_host_memory_smaller_than_the_device_where_write_through_cannot() -> None:
+    """Host memory half the device's cache: written through, it holds copies
+    of what the device still holds (a few host hits, and the held stores cost
+    hits); written back as the device evicts, it holds what the device
+    dropped."""
+    w = chat()
+    none = run_pagedkv(w, cfg())
+    through = run_pagedkv(w, cfg(cpu_offload_gib=0.5))
+    back = run_pagedkv(w, cfg(cpu_offload_gib=0.5, offload_write="write-back"))
+    tt, tb = through.extra["tiers"], back.extra["tiers"]
+    assert (tt["offload_write"], tb["offload_write"]) == ("write-through", "write-back")
+    assert tb["host_hit_tokens"] > 4 * tt["host_hit_tokens"]
+    assert back.hit_rate > none.hit_rate > through.hit_rate
+    # Only what the device evicts is copied.
+    assert tb["store_bytes"] < tt["store_bytes"]
+    assert back.finished == len(w.requests)
+
+
 def test_transfers_add_time_and_a_slower_link_adds_more() -> None:
     w = chat()
     fast = run_pagedkv(w, cfg(cpu_offload_gib=16.0, host_link="10000"))
@@ -160,6 +178,8 @@ def test_host_links_by_name_number_and_gpu() -> None:
         ["--disk-link", "0"],
         ["--disk-link", "1e300"],
         ["--offload-policy", "mru"],
+        ["--offload-write", "sometimes"],
+        ["--compare", "offload-write=write-back,write-around", "--cpu-offload", "1"],
         ["--eviction", "fifo"],
         ["--tier-weights", "nan:0"],
         ["--tier-weights", "2:0"],

@@ -17,7 +17,7 @@ from ..sim.cluster import ROUTERS
 from ..sim.config import EVICTIONS
 from ..sim.perf import CLOCKS, GPUS
 from ..sim.runner import SimConfig
-from ..sim.tiers import OFFLOAD_POLICIES
+from ..sim.tiers import OFFLOAD_POLICIES, OFFLOAD_WRITES
 from ..sim.workloads import WORKLOADS
 from .options import (
     MAX_VARIANTS,
@@ -52,6 +52,7 @@ AXES = (
     "cpu-offload",
     "disk-offload",
     "offload-policy",
+    "offload-write",
     "host-link",
     "tier-weights",
     "eviction",
@@ -142,6 +143,10 @@ def _apply_config(axis: str, value: str, cfg: SimConfig) -> SimConfig:
         if value not in OFFLOAD_POLICIES:
             raise ValueError(f"offload policies: {', '.join(OFFLOAD_POLICIES)}")
         return replace(cfg, offload_policy=value)
+    if axis == "offload-write":
+        if value not in OFFLOAD_WRITES:
+            raise ValueError(f"offload writes: {', '.join(OFFLOAD_WRITES)}")
+        return replace(cfg, offload_write=value)
     if axis == "host-link":
         return replace(cfg, host_link=host_link(value))
     if axis == "tier-weights":

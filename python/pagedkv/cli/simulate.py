@@ -157,6 +157,7 @@ def run_simulate(args: argparse.Namespace, generate: Generate) -> int:
         cpu_offload_gib=args.cpu_offload,
         disk_offload_gib=args.disk_offload,
         offload_policy=args.offload_policy,
+        offload_write=args.offload_write,
         host_link=args.host_link,
         disk_gbps=args.disk_link,
         eviction=args.eviction,

@@ -15,7 +15,7 @@ from ..sim import runner
 from ..sim.cluster import ROUTERS
 from ..sim.config import DEFAULT_DISK_GBPS, EVICTIONS
 from ..sim.perf import CLOCKS, GPUS
-from ..sim.tiers import HOST_LINKS, OFFLOAD_POLICIES
+from ..sim.tiers import HOST_LINKS, OFFLOAD_POLICIES, OFFLOAD_WRITES
 from ..sim.traces import FORMATS as TRACE_FORMATS
 from ..sim.workloads import ARRIVALS, WORKLOADS
 from .deployment import add_options
@@ -61,7 +61,8 @@ GPUs (--gpu): {gpus}
   axes: caching (on,off), block-size, hash ({hashes}), memory (GiB per GPU),
         num-blocks, model, workload, max-num-seqs, gpu, tp, quantization, clock, time-scale,
         router ({routers}), replicas, max-concurrency, cpu-offload (GiB per GPU),
-        disk-offload, offload-policy (lru, arc), host-link, tier-weights (HOST:DISK),
+        disk-offload, offload-policy (lru, arc), offload-write (write-through,
+        write-back), host-link, tier-weights (HOST:DISK),
         eviction (lru, arc, slru);
         '--compare caching' = on,off
 
@@ -268,6 +269,14 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         choices=OFFLOAD_POLICIES,
         default="lru",
         help="the host tier's eviction policy (vLLM's CPU offloading: lru or arc; default lru)",
+    )
+    g.add_argument(
+        "--offload-write",
+        choices=OFFLOAD_WRITES,
+        default="write-through",
+        help="when blocks are stored to host memory: write-through, once computed (vLLM's, "
+        "the default), or write-back, as the device pool is about to evict them (SGLang "
+        "HiCache's)",
     )
     g.add_argument(
         "--host-link",

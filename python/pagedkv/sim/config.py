@@ -83,10 +83,13 @@ class SimConfig:
     on_overlong: str = "reject"
     #: GiB of host memory per GPU for a tier of evicted KV blocks under the
     #: device pool (0: none; an instance of ``tp`` GPUs has ``tp`` times it,
-    #: vLLM's ``--kv-offloading-size``), its policy (``lru`` or ``arc``), and
-    #: GiB of disk per GPU below it (0: none)
+    #: vLLM's ``--kv-offloading-size``), its policy (``lru`` or ``arc``), when
+    #: blocks are stored to it (``write-through``: once computed, vLLM's;
+    #: ``write-back``: as the device pool is about to evict them, SGLang
+    #: HiCache's), and GiB of disk per GPU below it (0: none)
     cpu_offload_gib: float = 0.0
     offload_policy: str = "lru"
+    offload_write: str = "write-through"
     disk_offload_gib: float = 0.0
     #: each GPU's host link: ``pcie4``, ``pcie5``, ``nvlink-c2c`` or GB/s as
     #: text; None: the GPU preset's (:mod:`pagedkv.sim.tiers`)

@@ -132,7 +132,8 @@ def _tier_rows(r: SimResult) -> list[tuple[str, str]]:
         (
             "host tier",
             f"{t['cpu_offload_gib_per_gpu']:,g} GiB per GPU ({chunks:,} blocks), "
-            f"{t['offload_policy']}, {t['host_link_gbps_per_gpu']:g} GB/s link",
+            f"{t['offload_policy']}, {t['offload_write']}, "
+            f"{t['host_link_gbps_per_gpu']:g} GB/s link",
         ),
         (
             "disk tier",

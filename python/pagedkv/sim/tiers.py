@@ -54,6 +54,7 @@ __all__ = [
     "GPU_HOST_LINKS",
     "HOST_LINKS",
     "OFFLOAD_POLICIES",
+    "OFFLOAD_WRITES",
     "TierCounters",
     "TieredBackend",
     "host_link_gbps",
@@ -78,6 +79,10 @@ GPU_HOST_LINKS: dict[str, str] = {
 
 #: The host tier's policies (vLLM 0.33's CPU offloading).
 OFFLOAD_POLICIES = ("lru", "arc")
+
+#: When blocks are stored to the host tier: once computed (vLLM's), or as the
+#: device pool is about to evict them (SGLang HiCache's ``write_back``).
+OFFLOAD_WRITES = ("write-through", "write-back")
 
 
 def host_link_gbps(cfg: SimConfig) -> float:
@@ -112,6 +117,7 @@ def offload_config(
     off = OffloadConfig(
         cpu_bytes=int(cfg.cpu_offload_gib * GIB * ways),
         policy=cfg.offload_policy,
+        write_policy=cfg.offload_write.replace("-", "_"),
         disk_bytes=disk,
         disk_index_only=disk > 0,
         enable_events=enable_events,
@@ -353,6 +359,7 @@ def tier_report(cfg: SimConfig, backends: Sequence[object], query_tokens: int) -
         "cpu_offload_gib_per_instance": cfg.cpu_offload_gib * ways,
         "disk_offload_gib_per_gpu": cfg.disk_offload_gib,
         "offload_policy": cfg.offload_policy,
+        "offload_write": cfg.offload_write,
         "host_link_gbps_per_gpu": tiered[0].host_gbps,
         "disk_gbps_per_gpu": tiered[0].disk_gbps,
     }

@@ -167,6 +167,11 @@ pub enum IndexEvent {
     Cleared,
 }
 
+/// Hashes a query looks up at once ([`PrefixIndex::match_lengths`]): its
+/// first window, and the most its windows grow to.
+const WALK_FIRST: usize = 8;
+const WALK_MOST: usize = 64;
+
 /// Which replica holds which cached blocks; see the module docs.
 #[derive(Clone, Debug, Default)]
 pub struct PrefixIndex {
@@ -494,6 +499,36 @@ impl PrefixIndex {
         out
     }
 
+    /// Calls `f(i, node)` for the nodes of `hashes` in order while it returns
+    /// true, up to the first hash not held. The lookups are made a window at a
+    /// time, each independent of the others, so that their cache misses
+    /// overlap instead of queueing behind the walk. The windows double from
+    /// [`WALK_FIRST`] to [`WALK_MOST`] hashes: a short match wastes at most
+    /// a few lookups past its end, a long query's misses overlap more.
+    fn walk(&self, hashes: &[u64], mut f: impl FnMut(usize, &node::Node) -> bool) {
+        let mut ids = [None; WALK_MOST];
+        let (mut start, mut size) = (0, WALK_FIRST);
+        while start < hashes.len() {
+            let window = &hashes[start..hashes.len().min(start + size)];
+            for (id, &h) in ids.iter_mut().zip(window) {
+                *id = self.nodes.id(h);
+            }
+            for id in ids[..window.len()].iter().flatten() {
+                self.nodes.prefetch_list(*id);
+            }
+            for (k, id) in ids[..window.len()].iter().enumerate() {
+                let Some(id) = *id else {
+                    return;
+                };
+                if !f(start + k, self.nodes.node(id)) {
+                    return;
+                }
+            }
+            start += window.len();
+            size = (2 * size).min(WALK_MOST);
+        }
+    }
+
     /// Per registered replica (by id), the number of leading blocks of the hash
     /// chain it holds. `group`: count only that group's blocks (None: any).
     #[must_use]
@@ -505,10 +540,7 @@ impl PrefixIndex {
         // Per replica, the last block (1-based) whose holders named it.
         let mut seen: Vec<u32> = Vec::new();
         let mut matched = 0;
-        for (i, h) in hashes.iter().enumerate() {
-            let Some(node) = self.nodes.get(*h) else {
-                break;
-            };
+        self.walk(hashes, |i, node| {
             let holders = node.holders();
             let wanted = |x: &&node::Holder| group.is_none_or(|g| key_group(x.group) == g);
             if i == 0 {
@@ -549,10 +581,11 @@ impl PrefixIndex {
                 });
             }
             if alive.is_empty() {
-                break;
+                return false;
             }
             matched = i + 1;
-        }
+            true
+        });
         for &r in &alive {
             lengths[r as usize] = matched;
         }
@@ -567,10 +600,7 @@ impl PrefixIndex {
         let mut out = vec![[0; 3]; self.replicas.len()];
         let mut alive: Vec<u32> =
             (0..u32::try_from(self.replicas.len()).unwrap_or(u32::MAX)).collect();
-        for h in hashes {
-            let Some(node) = self.nodes.get(*h) else {
-                break;
-            };
+        self.walk(hashes, |_, node| {
             alive.retain(|&r| match node.best_tier(r, group) {
                 Some(t) => {
                     out[r as usize][t as usize] += 1;
@@ -578,10 +608,8 @@ impl PrefixIndex {
                 }
                 None => false,
             });
-            if alive.is_empty() {
-                break;
-            }
-        }
+            !alive.is_empty()
+        });
         out
     }
 

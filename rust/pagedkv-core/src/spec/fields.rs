@@ -409,9 +409,15 @@ mod tests {
         assert_eq!((g.tag.as_str(), g.extra_retained_tokens), ("t", 0));
     }
 
-    struct Int(Option<i64>);
+    /// An option value given as an integer or as text (any other reading
+    /// is refused).
+    enum Val {
+        Int(Option<i64>),
+        Text(&'static str),
+    }
+    use Val::{Int, Text};
 
-    impl OptionValue for Int {
+    impl OptionValue for Val {
         type Error = Error;
         fn flag(&self) -> Result<bool, Error> {
             Err(Error::InvalidArgument("flag".into()))
@@ -420,13 +426,19 @@ mod tests {
             Err(Error::InvalidArgument("float".into()))
         }
         fn int(&self) -> Result<Option<i64>, Error> {
-            Ok(self.0)
+            match *self {
+                Int(v) => Ok(v),
+                Text(_) => Err(Error::InvalidArgument("int".into())),
+            }
         }
         fn ints(&self) -> Result<Vec<u32>, Error> {
             Err(Error::InvalidArgument("ints".into()))
         }
         fn text(&self) -> Result<String, Error> {
-            Err(Error::InvalidArgument("text".into()))
+            match *self {
+                Text(t) => Ok(t.to_owned()),
+                Int(_) => Err(Error::InvalidArgument("text".into())),
+            }
         }
         fn seed(&self) -> Result<Option<String>, Error> {
             Err(Error::InvalidArgument("seed".into()))
@@ -449,30 +461,6 @@ mod tests {
                 "hash_truncate_bytes 300 is too large".into()
             ))
         );
-    }
-
-    struct Text(&'static str);
-
-    impl OptionValue for Text {
-        type Error = Error;
-        fn flag(&self) -> Result<bool, Error> {
-            Err(Error::InvalidArgument("flag".into()))
-        }
-        fn float(&self) -> Result<f64, Error> {
-            Err(Error::InvalidArgument("float".into()))
-        }
-        fn int(&self) -> Result<Option<i64>, Error> {
-            Err(Error::InvalidArgument("int".into()))
-        }
-        fn ints(&self) -> Result<Vec<u32>, Error> {
-            Err(Error::InvalidArgument("ints".into()))
-        }
-        fn text(&self) -> Result<String, Error> {
-            Ok(self.0.to_owned())
-        }
-        fn seed(&self) -> Result<Option<String>, Error> {
-            Err(Error::InvalidArgument("seed".into()))
-        }
     }
 
     #[test]

@@ -51,9 +51,11 @@
 //! Costs: O(1) per block taken, touched or freed (a demotion is paid for by
 //! the promotion before it); blocks are taken in at most three runs, each
 //! walked like LRU's; nothing is allocated per call (ghost rings grow to
-//! their bound once). Memory: one bit per block, and under ARC up to 16
-//! bytes per ghost (two rings of at most `c` keys). LRU pays one branch per
+//! their bound once). Memory: one bit per block, and under ARC 24 to 40
+//! bytes per ghost (two rings of at most `c` keys, and their table). LRU pays one branch per
 //! call.
+
+use std::ops::Range;
 
 use super::free_queue::{link_run_in, unlink_in};
 use super::ghosts::Ghosts;
@@ -96,6 +98,14 @@ impl Segments {
     #[inline]
     fn unmark(&mut self, id: BlockId) {
         self.reused[(id >> 6) as usize] &= !(1 << (id & 63));
+    }
+
+    /// ARC: starts reading the ghost-table slot a record of `key` will use.
+    #[inline]
+    pub(super) fn prefetch_ghost(&self, key: &CacheKey) {
+        if self.policy == Eviction::Arc {
+            self.ghosts.prefetch(ghost_fp(key));
+        }
     }
 
     /// The protected segment (SLRU) holds more than its share of `free`.
@@ -310,10 +320,11 @@ impl BlockPool {
 
     /// Pops `n` blocks by the policy into `out` (caller checked `n <= free`):
     /// a run from the first list, one from the second, the rest from the
-    /// first. ARC records the keys they will lose as ghosts.
-    pub(super) fn pop_segmented(&mut self, n: u32, out: &mut Vec<BlockId>) {
+    /// first. Returns the positions in `out` of the blocks the second list
+    /// gave (for ARC's ghosts, [`Self::record_ghost`]).
+    pub(super) fn pop_segmented(&mut self, n: u32, out: &mut Vec<BlockId>) -> Range<usize> {
         let Some(seg) = self.segments.as_deref_mut() else {
-            return;
+            return 0..0;
         };
         let start = out.len();
         let (len0, len1) = (self.num_free - seg.len, seg.len);
@@ -360,18 +371,58 @@ impl BlockPool {
                 seg.unmark(id);
             }
         }
-        if seg.policy == Eviction::Arc {
-            for (i, &id) in out.iter().enumerate().skip(start) {
-                let key = self.blocks[id as usize].key;
-                if key != NIL {
-                    let list = usize::from(from_t2.contains(&i));
-                    seg.ghosts.insert(ghost_fp(&self.map.entry(key).key), list);
-                }
-            }
-        }
         if seg.over_share(self.num_free) {
             self.demote();
         }
+        from_t2
+    }
+
+    /// ARC: a block just handed out (from T2 when `second`) is about to lose
+    /// its key; records the key in B1 or B2. Called before the eviction, when
+    /// the key's entry has been read ahead.
+    #[inline]
+    pub(super) fn record_ghost(&mut self, id: BlockId, second: bool) {
+        let Some(seg) = self.segments.as_deref_mut() else {
+            return;
+        };
+        if seg.policy != Eviction::Arc {
+            return;
+        }
+        let key = self.blocks[id as usize].key;
+        if key != NIL {
+            seg.ghosts
+                .insert(ghost_fp(&self.map.entry(key).key), usize::from(second));
+        }
+    }
+
+    /// ARC: reads the ghost-table slots that caching `keys` will look up
+    /// (or, for keys about to be evicted, record) ahead of the loop that
+    /// does, all together.
+    #[inline]
+    pub(crate) fn warm_ghosts(&self, keys: impl Iterator<Item = CacheKey>) {
+        if let Some(seg) = self.segments.as_deref()
+            && seg.policy == Eviction::Arc
+        {
+            seg.ghosts.read_ahead(keys.map(|k| ghost_fp(&k)));
+        }
+    }
+
+    /// The block the next one-block pop would hand out (`NIL` when none is
+    /// free): the first list's head unless the policy takes the second's.
+    #[inline]
+    pub(super) fn next_out(&self) -> u32 {
+        let Some(seg) = self.segments.as_deref() else {
+            return self.head;
+        };
+        let (len0, len1) = (self.num_free - seg.len, seg.len);
+        let unkeyed = || {
+            self.blocks
+                .get(self.head as usize)
+                .is_none_or(|b| b.key == NIL)
+        };
+        let second = len1 > 0
+            && (len0 == 0 || (seg.policy == Eviction::Arc && len0 <= seg.target && !unkeyed()));
+        if second { seg.head } else { self.head }
     }
 
     /// SLRU, the protected segment over its share of the free blocks:

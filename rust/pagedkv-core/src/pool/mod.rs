@@ -404,11 +404,12 @@ impl BlockPool {
             return false;
         }
         let start = out.len();
-        if self.segments.is_some() {
-            self.pop_segmented(n, out);
+        let from_second = if self.segments.is_some() {
+            self.pop_segmented(n, out)
         } else {
             self.popleft_n(n, out);
-        }
+            0..0
+        };
         if !self.watched.is_empty() {
             for &id in &out[start..] {
                 if self.watched.remove(&id) {
@@ -430,9 +431,15 @@ impl BlockPool {
             };
             keyed().for_each(|k| prefetch(self.map.entry(k)));
             keyed().for_each(|k| self.map.warm_bucket(&self.map.entry(k).key));
+            if self.segments.is_some() {
+                self.warm_ghosts(keyed().map(|k| self.map.entry(k).key));
+            }
         }
-        for &id in &out[start..] {
+        for (i, &id) in out.iter().enumerate().skip(start) {
             if self.enable_caching {
+                if self.segments.is_some() {
+                    self.record_ghost(id, from_second.contains(&i));
+                }
                 self.maybe_evict(id);
             }
             self.blocks[id as usize].ref_cnt = 1;
@@ -459,16 +466,22 @@ impl BlockPool {
     /// block after it. A call that took several blocks only starts the
     /// stages that need no read (an admission never waits here); the first
     /// single pop after it reads the next block once, waiting for it.
+    /// Under SLRU / ARC the head is that of the list the policy takes next
+    /// ([`Self::next_out`]), and the block after it its successor there.
     fn prefetch_next_pops(&mut self, popped: Option<BlockId>) {
         let steady = popped.is_some_and(|b| b == self.staged_head);
         self.staged_head = NIL;
-        let Some(&head) = self.blocks.get(self.head as usize) else {
+        let next_out = self.next_out();
+        let Some(&head) = self.blocks.get(next_out as usize) else {
             return;
         };
         if head.key != NIL {
             let entry = self.map.entry(head.key);
             if steady {
                 self.map.warm_bucket(&entry.key);
+                if let Some(seg) = self.segments.as_deref() {
+                    seg.prefetch_ghost(&entry.key);
+                }
             } else {
                 prefetch(entry);
             }
@@ -487,7 +500,7 @@ impl BlockPool {
         if let Some(after) = self.blocks.get(next.next as usize) {
             prefetch(after);
         }
-        self.staged_head = self.head;
+        self.staged_head = next_out;
     }
 
     /// Takes references on prefix-hit blocks, pulling eviction candidates out of

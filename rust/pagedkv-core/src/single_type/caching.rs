@@ -59,6 +59,7 @@ impl GroupManager {
         };
         if full - cached > 1 {
             pool.warm_lookups((cached..full).filter_map(|i| self.key_for(hashes, i)));
+            pool.warm_ghosts((cached..full).filter_map(|i| self.key_for(hashes, i)));
         }
         for i in cached..full {
             let b = gb.blocks[i];

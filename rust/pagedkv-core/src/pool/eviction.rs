@@ -50,10 +50,10 @@
 //!
 //! Costs: O(1) per block taken, touched or freed (a demotion is paid for by
 //! the promotion before it); blocks are taken in at most three runs, each
-//! walked like LRU's; nothing is allocated per call (ghost rings grow to
-//! their bound once). Memory: one bit per block, and under ARC 24 to 40
-//! bytes per ghost (two rings of at most `c` keys, and their table). LRU pays one branch per
-//! call.
+//! walked like LRU's; nothing is allocated per call (the ghost rings and
+//! their table grow to their bound once). Memory: one bit per block, and
+//! under ARC 24 to 40 bytes per ghost (two rings of at most `c` keys, and
+//! their table). LRU pays one branch per call.
 
 use std::ops::Range;
 

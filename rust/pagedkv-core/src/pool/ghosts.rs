@@ -29,6 +29,11 @@ const EMPTY: u64 = u64::MAX;
 /// How many records ahead a ring's oldest keys have their table slots read.
 const AHEAD: usize = 16;
 
+/// How many records ahead a ring's slots are read (8 lines: the ring is
+/// read in order, but among random reads that hide the order from the
+/// hardware's own prefetcher).
+const RING_AHEAD: usize = 64;
+
 /// The smallest table (slots).
 const MIN_TABLE: usize = 64;
 
@@ -213,16 +218,16 @@ impl Ghosts {
         if slot == self.ring[list].len() {
             self.ring[list].push(0);
         }
-        // The key this ring forgets AHEAD records from now.
-        let ahead = if slot + AHEAD < bound {
-            slot + AHEAD
-        } else {
-            (slot + AHEAD) % bound
-        };
-        if let Some(&f) = self.ring[list].get(ahead)
+        // The key this ring forgets AHEAD records from now (its table slot),
+        // and the ring's line RING_AHEAD records from now.
+        let wrap = |i: usize| if i < bound { i } else { i % bound };
+        if let Some(&f) = self.ring[list].get(wrap(slot + AHEAD))
             && f != 0
         {
             prefetch(&self.table[self.home(tag(f))]);
+        }
+        if let Some(f) = self.ring[list].get(wrap(slot + RING_AHEAD)) {
+            prefetch(f);
         }
         let r = reference(list, slot);
         let old = self.ring[list][slot];

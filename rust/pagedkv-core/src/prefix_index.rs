@@ -410,8 +410,9 @@ impl PrefixIndex {
     /// `InvalidArgument` for an unregistered replica.
     pub fn clear(&mut self, replica: ReplicaId) -> Result<()> {
         let r = self.check_replica(replica)?;
+        let replicas = u32::try_from(self.replicas.len()).unwrap_or(u32::MAX);
         self.drop_holders(r, |node| {
-            node.remove_replica(replica.0);
+            node.remove_replica(replica.0, replicas);
             false
         });
         self.stats.clears += 1;
@@ -431,34 +432,41 @@ impl PrefixIndex {
     }
 
     /// Applies `drop` (which returns whether the replica still holds the node)
-    /// to each node of replica `r`, removing the nodes left without holders.
-    /// The nodes are visited a few ahead of their loads (the set's order is
-    /// random in the arena); the emptied ones stay in the table, vacant, until
-    /// later stores reclaim them.
+    /// to each node of replica `r`, removing the nodes left without holders;
+    /// the emptied ones stay in the table, vacant, until later stores reclaim
+    /// them. The set's order is random in the arena, so the nodes go in
+    /// batches: a batch's slots are read together, each long holder list
+    /// starting to load where this replica's holders should be (their misses
+    /// overlap), then the batch is changed while the next batch's slots are
+    /// prefetched.
     fn drop_holders(&mut self, r: usize, mut drop: impl FnMut(&mut node::Node) -> bool) {
-        /// Nodes between a slot's prefetch and its use; half that for a list's.
-        const AHEAD: usize = 16;
+        /// Nodes read together.
+        const BATCH: usize = 32;
         let ids = std::mem::take(&mut self.replicas[r].nodes);
         let mut kept = HashSet::with_hasher(FxBuildHasher);
-        // Two more walks of the set, AHEAD and AHEAD / 2 nodes ahead.
-        let mut slots_ahead = ids.iter().skip(AHEAD);
-        let mut lists_ahead = ids.iter().skip(AHEAD / 2);
-        for &id in ids.iter().take(AHEAD) {
-            self.nodes.prefetch(id);
-        }
-        for &id in &ids {
-            if let Some(&next) = slots_ahead.next() {
-                self.nodes.prefetch(next);
+        let replica = u32::try_from(r).unwrap_or(u32::MAX);
+        let replicas = u32::try_from(self.replicas.len()).unwrap_or(u32::MAX);
+        let mut it = ids.iter().copied();
+        let mut batch: Vec<NodeId> = it.by_ref().take(BATCH).collect();
+        let mut next = Vec::with_capacity(BATCH);
+        while !batch.is_empty() {
+            for &id in &batch {
+                self.nodes.prefetch_list_near(id, replica, replicas);
             }
-            if let Some(&next) = lists_ahead.next() {
-                self.nodes.prefetch_list(next);
+            next.clear();
+            next.extend(it.by_ref().take(BATCH));
+            for (i, &id) in batch.iter().enumerate() {
+                if let Some(&ahead) = next.get(i) {
+                    self.nodes.prefetch(ahead);
+                }
+                let node = self.nodes.node_mut(id);
+                if drop(node) {
+                    kept.insert(id);
+                } else if node.is_empty() {
+                    self.nodes.vacate(id);
+                }
             }
-            let node = self.nodes.node_mut(id);
-            if drop(node) {
-                kept.insert(id);
-            } else if node.is_empty() {
-                self.nodes.vacate(id);
-            }
+            std::mem::swap(&mut batch, &mut next);
         }
         self.replicas[r].nodes = kept;
     }

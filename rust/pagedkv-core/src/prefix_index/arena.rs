@@ -109,18 +109,26 @@ impl Nodes {
         NodeId(i)
     }
 
-    /// Starts loading a node's slot (a clear reads its nodes a few ahead).
+    /// Starts loading a node's list of holders, when it has one (its slot
+    /// should be loaded by now).
+    pub(super) fn prefetch_list(&self, id: NodeId) {
+        if let Some(s) = self.slots.get(id.0 as usize) {
+            s.node.prefetch_list();
+        }
+    }
+
+    /// Starts loading a node's slot.
     pub(super) fn prefetch(&self, id: NodeId) {
         if let Some(s) = self.slots.get(id.0 as usize) {
             prefetch(s);
         }
     }
 
-    /// Starts loading a node's list of holders, when it has one (its slot
-    /// should be loaded by now).
-    pub(super) fn prefetch_list(&self, id: NodeId) {
+    /// Reads a node's slot and starts loading its list of holders where
+    /// `replica`'s holders should be, when it has one.
+    pub(super) fn prefetch_list_near(&self, id: NodeId, replica: u32, replicas: u32) {
         if let Some(s) = self.slots.get(id.0 as usize) {
-            s.node.prefetch_list();
+            s.node.prefetch_list_near(replica, replicas);
         }
     }
 

@@ -63,6 +63,52 @@ fn replica_range(list: &[Holder], replica: u32) -> &[Holder] {
     &list[lo..lo + n]
 }
 
+/// Where `replica`'s holders would sit in a sorted list of `len` holders if
+/// the `replicas` replica ids were spread evenly: exact when every replica
+/// holds the hash in one group, close when most do.
+fn guess(len: usize, replica: u32, replicas: u32) -> usize {
+    let at = (len as u64 * u64::from(replica) / u64::from(replicas.max(1))) as usize;
+    at.min(len.saturating_sub(1))
+}
+
+/// The first index of a sorted list whose holder is not below `replica`,
+/// searched from `from` outwards (steps doubling, then a bisection), so that
+/// a good guess reads a line or two instead of the bisection's scattered
+/// probes.
+fn first_of_replica(list: &[Holder], replica: u32, from: usize) -> usize {
+    if list.is_empty() {
+        return 0;
+    }
+    let from = from.min(list.len() - 1);
+    let below = |i: usize| list[i].replica < replica;
+    let (mut lo, mut hi) = if below(from) {
+        // The answer is past `from`: step right until a holder is not below.
+        let (mut lo, mut step) = (from + 1, 1);
+        while lo + step <= list.len() && below(lo + step - 1) {
+            lo += step;
+            step *= 2;
+        }
+        (lo, (lo + step).min(list.len()))
+    } else {
+        // At `from` or before it: step left while the holder is not below.
+        let (mut hi, mut step) = (from, 1);
+        while hi >= step && !below(hi - step) {
+            hi -= step;
+            step *= 2;
+        }
+        (hi.saturating_sub(step), hi)
+    };
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if below(mid) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
 #[derive(Clone, Debug)]
 pub(super) struct Node {
     /// Meaningful only with the flag in `holders` set.
@@ -137,6 +183,16 @@ impl Node {
     pub(super) fn prefetch_list(&self) {
         if let Holders::Many(list, _) = &self.holders
             && let Some(x) = list.first()
+        {
+            pagedkv_arch::prefetch(x);
+        }
+    }
+
+    /// Starts loading the part of a list of three or more holders where
+    /// `replica`'s would be (one of `replicas` ids; see [`guess`]).
+    pub(super) fn prefetch_list_near(&self, replica: u32, replicas: u32) {
+        if let Holders::Many(list, _) = &self.holders
+            && let Some(x) = list.get(guess(list.len(), replica, replicas))
         {
             pagedkv_arch::prefetch(x);
         }
@@ -264,8 +320,9 @@ impl Node {
         self.inline_small();
     }
 
-    /// Drops every holder of `replica`.
-    pub(super) fn remove_replica(&mut self, replica: u32) {
+    /// Drops every holder of `replica`, one of `replicas` replica ids (the
+    /// search of a long list starts where an even spread would put it).
+    pub(super) fn remove_replica(&mut self, replica: u32, replicas: u32) {
         match &mut self.holders {
             Holders::Empty(_) => {}
             &mut Holders::One(a, f) => {
@@ -282,7 +339,7 @@ impl Node {
                 };
             }
             Holders::Many(list, _) => {
-                let lo = list.partition_point(|x| x.replica < replica);
+                let lo = first_of_replica(list, replica, guess(list.len(), replica, replicas));
                 let n = list[lo..].partition_point(|x| x.replica == replica);
                 if n > 0 {
                     list.drain(lo..lo + n);
@@ -308,6 +365,39 @@ impl Node {
         match &self.holders {
             Holders::Many(list, _) => list.windows(2).all(|w| sort_key(&w[0]) < sort_key(&w[1])),
             _ => true,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Holder, first_of_replica, guess};
+
+    /// The search from a guess finds what a bisection of the whole list
+    /// finds, for every replica and every starting point, over lists with
+    /// gaps, repeats (several groups) and replicas absent at either end.
+    #[test]
+    fn the_search_from_a_guess_agrees_with_a_bisection() {
+        let mut rng = pagedkv_splitmix::SplitMix64(7);
+        for _ in 0..300 {
+            let len = rng.between(0, 40) as usize;
+            let mut list: Vec<Holder> = (0..len)
+                .map(|_| Holder::new(rng.below(24) as u32, rng.below(3) as u32))
+                .collect();
+            list.sort_unstable_by_key(|x| (x.replica, x.group));
+            list.dedup_by_key(|x| (x.replica, x.group));
+            for replica in 0..26 {
+                let want = list.partition_point(|x| x.replica < replica);
+                for from in 0..list.len().max(1) + 2 {
+                    assert_eq!(
+                        first_of_replica(&list, replica, from),
+                        want,
+                        "replica {replica} from {from} in {list:?}"
+                    );
+                }
+                let g = guess(list.len(), replica, 24);
+                assert!(g < list.len().max(1));
+            }
         }
     }
 }

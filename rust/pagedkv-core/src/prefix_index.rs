@@ -36,16 +36,18 @@
 //! index.check_invariants().unwrap();
 //! ```
 
-use hashbrown::{HashMap, HashSet};
+use hashbrown::HashMap;
 use rustc_hash::{FxBuildHasher, FxHashMap, FxHashSet};
 
 use crate::error::{Error, Result};
 
 mod arena;
 mod node;
+mod node_set;
 
 use arena::{NodeId, Nodes};
 use node::{GROUP_MASK, TIER_SHIFT, key_group};
+use node_set::NodeSet;
 
 /// A replica registered with [`PrefixIndex::replica`] (dense, from 0).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -112,7 +114,7 @@ fn group_key(group: Option<u32>, tier: Tier) -> Result<u32> {
 struct Replica {
     name: String,
     /// Nodes with at least one holder entry of this replica.
-    nodes: HashSet<NodeId, FxBuildHasher>,
+    nodes: NodeSet,
 }
 
 /// The replica holding the longest prefix, and its length in blocks.
@@ -198,7 +200,7 @@ impl PrefixIndex {
         let id = u32::try_from(self.replicas.len()).unwrap_or(u32::MAX);
         self.replicas.push(Replica {
             name: name.to_owned(),
-            nodes: HashSet::default(),
+            nodes: NodeSet::default(),
         });
         self.by_name.insert(name.to_owned(), id);
         ReplicaId(id)
@@ -396,7 +398,7 @@ impl PrefixIndex {
             }
         }
         let set = &mut self.replicas[r].nodes;
-        for id in ids[..gone].iter().flatten() {
+        for &id in ids[..gone].iter().flatten() {
             set.remove(id);
         }
         self.scratch = ids;
@@ -443,10 +445,10 @@ impl PrefixIndex {
         /// Nodes read together.
         const BATCH: usize = 32;
         let ids = std::mem::take(&mut self.replicas[r].nodes);
-        let mut kept = HashSet::with_hasher(FxBuildHasher);
+        let mut kept = NodeSet::default();
         let replica = u32::try_from(r).unwrap_or(u32::MAX);
         let replicas = u32::try_from(self.replicas.len()).unwrap_or(u32::MAX);
-        let mut it = ids.iter().copied();
+        let mut it = ids.iter();
         let mut batch: Vec<NodeId> = it.by_ref().take(BATCH).collect();
         let mut next = Vec::with_capacity(BATCH);
         while !batch.is_empty() {
@@ -669,7 +671,7 @@ impl PrefixIndex {
         let mut out: Vec<(u64, Option<u32>, u32)> = rep
             .nodes
             .iter()
-            .map(|&id| (self.nodes.hash(id), self.nodes.node(id)))
+            .map(|id| (self.nodes.hash(id), self.nodes.node(id)))
             .flat_map(|(h, n)| {
                 n.holders()
                     .iter()
@@ -713,7 +715,7 @@ impl PrefixIndex {
                 let Some(rep) = self.replicas.get(x.replica as usize) else {
                     return bad(format!("hash {h:#x} held by unknown replica {}", x.replica));
                 };
-                if !rep.nodes.contains(&id) {
+                if !rep.nodes.contains(id) {
                     return bad(format!("replica {} misses hash {h:#x}", x.replica));
                 }
             }

@@ -1,7 +1,7 @@
 """pagedkv's prefix index against NVIDIA Dynamo's RadixTree, side by side.
 
     python benches/index_dynamo_bench.py [--quick] [--sizes 1e5,1e6] [--replicas 8,64]
-        [--queries 2000] [--rounds 3] [--seed 0] [--no-memory]
+        [--queries 2000] [--rounds 3] [--seed 0] [--no-memory] [--no-pin]
 
 Needs ``ai-dynamo-runtime`` (``dynamo.llm.RadixTree``) and numpy next to pagedkv;
 exits 2 with one line when either is missing (not part of the tests).
@@ -540,6 +540,25 @@ def _cpu_model() -> str:
     return platform.processor() or "?"
 
 
+def _pin_to_one_cpu() -> str:
+    """Pins this process (and the memory subprocesses it starts) to one CPU;
+    a note for the header, empty where the platform cannot.
+
+    Dynamo's ``RadixTree`` runs in a thread of its own and every call from
+    Python waits for it. With a free CPU the call wakes that thread across
+    CPUs, which on a small VM costs several microseconds per call (its apply and
+    query times came out 3-5x those pinned); on one CPU it is a switch between
+    two threads. pagedkv's index runs in the caller's thread either way.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return ""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return ""
+    os.sched_setaffinity(0, {cpus[0]})
+    return f", pinned to CPU {cpus[0]} (--no-pin to run on all)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small run: 2e4 pairs, 8 replicas")
@@ -559,6 +578,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=_bounded(3, 50), default=3, help="interleaved rounds (>= 3)")
     p.add_argument("--seed", type=_bounded(0, 2**31), default=0)
     p.add_argument("--no-memory", action="store_true", help="skip the RSS subprocesses")
+    p.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="run on every CPU instead of one (Dynamo then pays a cross-CPU wake-up per call)",
+    )
     p.add_argument("--_memory-worker", nargs=2, metavar=("SIDE", "PATH"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -581,6 +605,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if size < 16 * reps:
                 p.error(f"--sizes {size:,} is too small for {reps} replicas (< 16 per replica)")
 
+    pinned = "" if args.no_pin else _pin_to_one_cpu()
     prefix_index, radix_tree = _import_sides()
     from importlib.metadata import PackageNotFoundError, version
 
@@ -594,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"# pagedkv {getattr(pagedkv, '__version__', '?')} vs ai-dynamo-runtime {dyn_version}; "
         f"Python {platform.python_version()}, {os.cpu_count()} CPUs ({_cpu_model()}), "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-        f"load average {os.getloadavg()[0]:.2f}"
+        f"load average {os.getloadavg()[0]:.2f}{pinned}"
     )
     print(
         f"# sizes {args.sizes}, replicas {args.replicas}, {args.queries} queries, "

@@ -20,8 +20,10 @@ use super::arena::NodeId;
 const TO_DENSE: usize = 48;
 /// A bitmap becomes a hash set past this many slots of range per id held.
 const TO_SPARSE: usize = 4 * TO_DENSE;
-/// Sets smaller than this stay hash sets (a bitmap is no gain there).
-const MIN_DENSE: usize = 256;
+/// Sets smaller than this stay hash sets: a bitmap pays off in the walk of a
+/// large replica's clear, and a small set switching forms as it grows would
+/// leave memory behind for little gain.
+const MIN_DENSE: usize = 4_096;
 
 #[derive(Clone, Debug)]
 pub(super) enum NodeSet {
@@ -169,15 +171,19 @@ mod tests {
         let mut model = BTreeSet::new();
         let (mut dense_seen, mut sparse_again) = (false, false);
         for step in 0..60_000u32 {
-            // Dense phases (ids below 4,096) and sparse ones (ids up to 2^20).
-            let range = if (step / 10_000) % 2 == 0 {
-                4_096
+            // Dense phases (ids below 2^14) and sparse ones (ids up to 2^22).
+            let range = if (step / 20_000) % 2 == 0 {
+                1 << 14
             } else {
-                1 << 20
+                1 << 22
             };
             let id = NodeId(rng.below(range) as u32);
             // Mostly inserts early in a phase, mostly removals late.
-            let insert = rng.below(10_000) >= u64::from(step % 10_000);
+            let insert = if step % 20_000 < 12_000 {
+                rng.below(20) != 0
+            } else {
+                rng.below(10) == 0
+            };
             if insert {
                 assert_eq!(set.insert(id), model.insert(id.0), "step {step}");
             } else {
@@ -211,7 +217,7 @@ mod tests {
     }
 
     #[test]
-    fn a_set_turns_dense_at_one_id_in_48_and_not_below_its_minimum() {
+    fn a_set_turns_dense_at_one_id_in_48_of_its_range_from_its_minimum_size() {
         let mut set = NodeSet::default();
         for i in 0..(MIN_DENSE as u32 - 1) {
             set.insert(NodeId(i));

@@ -46,7 +46,7 @@ mod node;
 mod node_set;
 
 use arena::{NodeId, Nodes};
-use node::{GROUP_MASK, TIER_SHIFT, key_group};
+use node::{GROUP_MASK, Spread, TIER_SHIFT, key_group};
 use node_set::NodeSet;
 
 /// A replica registered with [`PrefixIndex::replica`] (dense, from 0).
@@ -412,9 +412,9 @@ impl PrefixIndex {
     /// `InvalidArgument` for an unregistered replica.
     pub fn clear(&mut self, replica: ReplicaId) -> Result<()> {
         let r = self.check_replica(replica)?;
-        let replicas = u32::try_from(self.replicas.len()).unwrap_or(u32::MAX);
+        let spread = self.spread(r);
         self.drop_holders(r, |node| {
-            node.remove_replica(replica.0, replicas);
+            node.remove_replica(replica.0, spread);
             false
         });
         self.stats.clears += 1;
@@ -433,6 +433,12 @@ impl PrefixIndex {
         Ok(())
     }
 
+    /// Where replica `r`'s holders should sit in a long holder list.
+    fn spread(&self, r: usize) -> Spread {
+        let replicas = u32::try_from(self.replicas.len()).unwrap_or(u32::MAX);
+        Spread::of(u32::try_from(r).unwrap_or(u32::MAX), replicas)
+    }
+
     /// Applies `drop` (which returns whether the replica still holds the node)
     /// to each node of replica `r`, removing the nodes left without holders;
     /// the emptied ones stay in the table, vacant, until later stores reclaim
@@ -446,14 +452,13 @@ impl PrefixIndex {
         const BATCH: usize = 32;
         let ids = std::mem::take(&mut self.replicas[r].nodes);
         let mut kept = NodeSet::default();
-        let replica = u32::try_from(r).unwrap_or(u32::MAX);
-        let replicas = u32::try_from(self.replicas.len()).unwrap_or(u32::MAX);
+        let spread = self.spread(r);
         let mut it = ids.iter();
         let mut batch: Vec<NodeId> = it.by_ref().take(BATCH).collect();
         let mut next = Vec::with_capacity(BATCH);
         while !batch.is_empty() {
             for &id in &batch {
-                self.nodes.prefetch_list_near(id, replica, replicas);
+                self.nodes.prefetch_list_near(id, spread);
             }
             next.clear();
             next.extend(it.by_ref().take(BATCH));

@@ -15,7 +15,7 @@ use hashbrown::HashTable;
 use pagedkv_arch::prefetch;
 use rustc_hash::FxBuildHasher;
 
-use super::node::Node;
+use super::node::{Node, Spread};
 
 /// A node's slot in the arena (stable while the node lives).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -124,11 +124,11 @@ impl Nodes {
         }
     }
 
-    /// Reads a node's slot and starts loading its list of holders where
-    /// `replica`'s holders should be, when it has one.
-    pub(super) fn prefetch_list_near(&self, id: NodeId, replica: u32, replicas: u32) {
+    /// Reads a node's slot and starts loading its list of holders where a
+    /// replica's holders should be ([`Spread`]), when it has one.
+    pub(super) fn prefetch_list_near(&self, id: NodeId, spread: Spread) {
         if let Some(s) = self.slots.get(id.0 as usize) {
-            s.node.prefetch_list_near(replica, replicas);
+            s.node.prefetch_list_near(spread);
         }
     }
 

@@ -63,12 +63,28 @@ fn replica_range(list: &[Holder], replica: u32) -> &[Holder] {
     &list[lo..lo + n]
 }
 
-/// Where `replica`'s holders would sit in a sorted list of `len` holders if
-/// the `replicas` replica ids were spread evenly: exact when every replica
-/// holds the hash in one group, close when most do.
-fn guess(len: usize, replica: u32, replicas: u32) -> usize {
-    let at = (len as u64 * u64::from(replica) / u64::from(replicas.max(1))) as usize;
-    at.min(len.saturating_sub(1))
+/// Where a replica's holders would sit in a sorted list if the replica ids
+/// were spread evenly: the replica's id over the number of ids, in 0.32 fixed
+/// point (worked out once per clear, so that each list costs a multiply, not a
+/// division). Exact when every replica holds the hash in one group, close
+/// when most do.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Spread(u32);
+
+impl Spread {
+    /// Replica `replica` of `replicas` ids.
+    pub(super) fn of(replica: u32, replicas: u32) -> Self {
+        // Rounded up, so that a list of one holder per replica maps exactly.
+        let n = u64::from(replicas.max(1));
+        let frac = (u64::from(replica) << 32).div_ceil(n);
+        Self(u32::try_from(frac).unwrap_or(u32::MAX))
+    }
+
+    /// The guessed index in a list of `len` holders.
+    fn at(self, len: usize) -> usize {
+        let at = ((len as u64 * u64::from(self.0)) >> 32) as usize;
+        at.min(len.saturating_sub(1))
+    }
 }
 
 /// The first index of a sorted list whose holder is not below `replica`,
@@ -189,10 +205,10 @@ impl Node {
     }
 
     /// Starts loading the part of a list of three or more holders where
-    /// `replica`'s would be (one of `replicas` ids; see [`guess`]).
-    pub(super) fn prefetch_list_near(&self, replica: u32, replicas: u32) {
+    /// the replica's would be ([`Spread`]).
+    pub(super) fn prefetch_list_near(&self, spread: Spread) {
         if let Holders::Many(list, _) = &self.holders
-            && let Some(x) = list.get(guess(list.len(), replica, replicas))
+            && let Some(x) = list.get(spread.at(list.len()))
         {
             pagedkv_arch::prefetch(x);
         }
@@ -320,9 +336,9 @@ impl Node {
         self.inline_small();
     }
 
-    /// Drops every holder of `replica`, one of `replicas` replica ids (the
-    /// search of a long list starts where an even spread would put it).
-    pub(super) fn remove_replica(&mut self, replica: u32, replicas: u32) {
+    /// Drops every holder of `replica` (the search of a long list starts
+    /// where `spread`, the replica's, puts it).
+    pub(super) fn remove_replica(&mut self, replica: u32, spread: Spread) {
         match &mut self.holders {
             Holders::Empty(_) => {}
             &mut Holders::One(a, f) => {
@@ -339,7 +355,7 @@ impl Node {
                 };
             }
             Holders::Many(list, _) => {
-                let lo = first_of_replica(list, replica, guess(list.len(), replica, replicas));
+                let lo = first_of_replica(list, replica, spread.at(list.len()));
                 let n = list[lo..].partition_point(|x| x.replica == replica);
                 if n > 0 {
                     list.drain(lo..lo + n);
@@ -371,7 +387,20 @@ impl Node {
 
 #[cfg(test)]
 mod tests {
-    use super::{Holder, first_of_replica, guess};
+    use super::{Holder, Spread, first_of_replica};
+
+    /// With every replica holding the hash once, the guess is exact.
+    #[test]
+    fn the_guess_is_exact_when_every_replica_holds_the_hash_once() {
+        for replicas in [3u32, 8, 24, 64, 1000] {
+            for replica in 0..replicas {
+                assert_eq!(
+                    Spread::of(replica, replicas).at(replicas as usize),
+                    replica as usize
+                );
+            }
+        }
+    }
 
     /// The search from a guess finds what a bisection of the whole list
     /// finds, for every replica and every starting point, over lists with
@@ -395,7 +424,7 @@ mod tests {
                         "replica {replica} from {from} in {list:?}"
                     );
                 }
-                let g = guess(list.len(), replica, 24);
+                let g = Spread::of(replica, 24).at(list.len());
                 assert!(g < list.len().max(1));
             }
         }

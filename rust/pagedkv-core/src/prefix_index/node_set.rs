@@ -63,7 +63,7 @@ impl NodeSet {
                 *end = (*end).max(id.0 + 1);
                 let new = set.insert(id);
                 if new && set.len() >= MIN_DENSE && set.len() * TO_DENSE >= *end as usize {
-                    self.to_dense();
+                    self.make_dense();
                 }
                 new
             }
@@ -77,7 +77,7 @@ impl NodeSet {
                 words[w] |= bit;
                 *n += usize::from(new);
                 if new && *n * TO_SPARSE < words.len() * 64 {
-                    self.to_sparse();
+                    self.make_sparse();
                 }
                 new
             }
@@ -97,7 +97,7 @@ impl NodeSet {
                 *word &= !bit;
                 *n -= usize::from(was);
                 if was && *n * TO_SPARSE < words.len() * 64 {
-                    self.to_sparse();
+                    self.make_sparse();
                 }
                 was
             }
@@ -116,7 +116,7 @@ impl NodeSet {
             .chain(dense.into_iter().flatten())
     }
 
-    fn to_dense(&mut self) {
+    fn make_dense(&mut self) {
         if let Self::Sparse(set, end) = self {
             let mut words = vec![0u64; (*end as usize).div_ceil(64)];
             for id in set.iter() {
@@ -126,7 +126,7 @@ impl NodeSet {
         }
     }
 
-    fn to_sparse(&mut self) {
+    fn make_sparse(&mut self) {
         if let Self::Dense(words, _) = self {
             let set: HashSet<NodeId, FxBuildHasher> = dense_ids(words).collect();
             let end = words.len() as u32 * 64;

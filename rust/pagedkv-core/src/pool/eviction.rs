@@ -62,6 +62,9 @@ use super::ghosts::Ghosts;
 use super::{Block, BlockId, BlockPool, CacheKey, NIL, NULL_BLOCK};
 pub use crate::spec::Eviction;
 
+/// How many keys ahead loops prefetch ARC's ghost-table slots.
+pub(crate) const GHOSTS_AHEAD: usize = 8;
+
 /// The protected segment's most share of the free blocks: 4/5.
 const PROTECTED_NUM: u64 = 4;
 const PROTECTED_DEN: u64 = 5;
@@ -395,15 +398,24 @@ impl BlockPool {
         }
     }
 
-    /// ARC: reads the ghost-table slots that caching `keys` will look up
-    /// (or, for keys about to be evicted, record) ahead of the loop that
-    /// does, all together.
+    /// ARC: starts reading the ghost-table slot that recording the key of
+    /// block `id` (being handed out, its map entry read) will use.
     #[inline]
-    pub(crate) fn warm_ghosts(&self, keys: impl Iterator<Item = CacheKey>) {
-        if let Some(seg) = self.segments.as_deref()
-            && seg.policy == Eviction::Arc
-        {
-            seg.ghosts.read_ahead(keys.map(|k| ghost_fp(&k)));
+    pub(super) fn prefetch_ghost_of(&self, id: BlockId) {
+        let key = self.blocks[id as usize].key;
+        if key != NIL {
+            self.prefetch_ghost_key(&self.map.entry(key).key);
+        }
+    }
+
+    /// ARC: starts reading the ghost-table slot a lookup or record of `key`
+    /// will use. A loop calls it [`GHOSTS_AHEAD`] keys ahead of its own: a
+    /// whole run's prefetches issued at once would be dropped, with the
+    /// prefix map's in flight.
+    #[inline]
+    pub(crate) fn prefetch_ghost_key(&self, key: &CacheKey) {
+        if let Some(seg) = self.segments.as_deref() {
+            seg.prefetch_ghost(key);
         }
     }
 

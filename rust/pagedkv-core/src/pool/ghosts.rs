@@ -12,7 +12,7 @@
 //! in the top bit). A slot's home derives from its tag alone, so removing a
 //! key (backward shift) never reads a ring; a tag match is confirmed against
 //! the ring, so answers are exact. The slots the table will touch are known
-//! ahead of time and read ahead: the oldest keys a ring is about to forget
+//! ahead of time and prefetched: the oldest keys a ring is about to forget
 //! ([`AHEAD`] records ahead, on every record) and, through
 //! [`Ghosts::prefetch`], the keys callers are about to record or look up.
 //! Memory: 8 bytes a ring slot, and a table of at least two 8-byte slots a
@@ -187,23 +187,12 @@ impl Ghosts {
     }
 
     /// Starts reading the table slot a lookup or record of `fp` starts at
-    /// (a prefetch: returns at once, and may be dropped when many misses are
-    /// in flight).
+    /// (a prefetch: returns at once, and is dropped when too many misses are
+    /// in flight, so callers issue it a few keys ahead, not a run at once).
     #[inline]
     pub(super) fn prefetch(&self, fp: u64) {
         if !self.table.is_empty() {
             prefetch(&self.table[self.home(tag(nonzero(fp)))]);
-        }
-    }
-
-    /// Reads the table slots lookups or records of `fps` start at, all
-    /// together: plain reads, whose misses overlap and which, unlike
-    /// prefetches, are never dropped.
-    #[inline]
-    pub(super) fn read_ahead(&self, fps: impl Iterator<Item = u64>) {
-        if !self.table.is_empty() {
-            let seen = fps.fold(0, |acc, fp| acc ^ self.table[self.home(tag(nonzero(fp)))]);
-            std::hint::black_box(seen);
         }
     }
 

@@ -67,6 +67,7 @@ mod metrics;
 mod prefix_map;
 
 pub use eviction::Eviction;
+pub(crate) use eviction::GHOSTS_AHEAD;
 use metrics::PoolMetrics;
 pub use metrics::{BlockActivity, BlockActivityKind, BlockPoolStats};
 use prefix_map::PrefixMap;
@@ -431,13 +432,18 @@ impl BlockPool {
             };
             keyed().for_each(|k| prefetch(self.map.entry(k)));
             keyed().for_each(|k| self.map.warm_bucket(&self.map.entry(k).key));
-            if self.segments.is_some() {
-                self.warm_ghosts(keyed().map(|k| self.map.entry(k).key));
+        }
+        if self.segments.is_some() && self.enable_caching {
+            for &id in out.iter().skip(start).take(GHOSTS_AHEAD) {
+                self.prefetch_ghost_of(id);
             }
         }
         for (i, &id) in out.iter().enumerate().skip(start) {
             if self.enable_caching {
                 if self.segments.is_some() {
+                    if let Some(&ahead) = out.get(i + GHOSTS_AHEAD) {
+                        self.prefetch_ghost_of(ahead);
+                    }
                     self.record_ghost(id, from_second.contains(&i));
                 }
                 self.maybe_evict(id);

@@ -126,16 +126,23 @@ fn ghost_fp(key: &CacheKey) -> u64 {
 }
 
 /// Whether the next block comes from the second list, given the lists'
-/// lengths, whether the first list's head holds no key, and ARC's target.
+/// lengths, whether the first list's head holds no key (read only when it
+/// decides), and ARC's target.
 #[inline]
-fn take_second(policy: Eviction, len0: u32, len1: u32, head_unkeyed: bool, target: u32) -> bool {
+fn take_second(
+    policy: Eviction,
+    len0: u32,
+    len1: u32,
+    head_unkeyed: impl FnOnce() -> bool,
+    target: u32,
+) -> bool {
     if len1 == 0 {
         return false;
     }
     if len0 == 0 {
         return true;
     }
-    policy == Eviction::Arc && !head_unkeyed && len0 <= target
+    policy == Eviction::Arc && len0 <= target && !head_unkeyed()
 }
 
 /// Pops blocks from the front of a list into `out`, at most `max`, while
@@ -432,9 +439,11 @@ impl BlockPool {
                 .get(self.head as usize)
                 .is_none_or(|b| b.key == NIL)
         };
-        let second = len1 > 0
-            && (len0 == 0 || (seg.policy == Eviction::Arc && len0 <= seg.target && !unkeyed()));
-        if second { seg.head } else { self.head }
+        if take_second(seg.policy, len0, len1, unkeyed, seg.target) {
+            seg.head
+        } else {
+            self.head
+        }
     }
 
     /// SLRU, the protected segment over its share of the free blocks:
@@ -577,7 +586,7 @@ impl BlockPool {
         let (mut a, mut b) = (self.head, seg.head);
         let (mut len0, mut len1) = (self.num_free - seg.len, seg.len);
         while len0 + len1 > 0 && out.len() < limit {
-            let unkeyed = self.blocks.get(a as usize).is_none_or(|x| x.key == NIL);
+            let unkeyed = || self.blocks.get(a as usize).is_none_or(|x| x.key == NIL);
             if take_second(seg.policy, len0, len1, unkeyed, seg.target) {
                 out.push(b);
                 b = self.blocks[b as usize].next;

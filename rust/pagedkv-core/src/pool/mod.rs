@@ -485,9 +485,7 @@ impl BlockPool {
             let entry = self.map.entry(head.key);
             if steady {
                 self.map.warm_bucket(&entry.key);
-                if let Some(seg) = self.segments.as_deref() {
-                    seg.prefetch_ghost(&entry.key);
-                }
+                self.prefetch_ghost_key(&entry.key);
             } else {
                 prefetch(entry);
             }

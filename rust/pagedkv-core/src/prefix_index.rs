@@ -450,18 +450,16 @@ impl PrefixIndex {
     fn drop_holders(&mut self, r: usize, mut drop: impl FnMut(&mut node::Node) -> bool) {
         /// Nodes read together.
         const BATCH: usize = 32;
-        let ids = std::mem::take(&mut self.replicas[r].nodes);
+        let mut ids = Vec::new();
+        std::mem::take(&mut self.replicas[r].nodes).append_to(&mut ids);
         let mut kept = NodeSet::default();
         let spread = self.spread(r);
-        let mut it = ids.iter();
-        let mut batch: Vec<NodeId> = it.by_ref().take(BATCH).collect();
-        let mut next = Vec::with_capacity(BATCH);
-        while !batch.is_empty() {
-            for &id in &batch {
+        let mut batches = ids.chunks(BATCH).peekable();
+        while let Some(batch) = batches.next() {
+            for &id in batch {
                 self.nodes.prefetch_list_near(id, spread);
             }
-            next.clear();
-            next.extend(it.by_ref().take(BATCH));
+            let next = batches.peek().copied().unwrap_or_default();
             for (i, &id) in batch.iter().enumerate() {
                 if let Some(&ahead) = next.get(i) {
                     self.nodes.prefetch(ahead);
@@ -473,7 +471,6 @@ impl PrefixIndex {
                     self.nodes.vacate(id);
                 }
             }
-            std::mem::swap(&mut batch, &mut next);
         }
         self.replicas[r].nodes = kept;
     }

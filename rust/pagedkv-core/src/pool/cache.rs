@@ -102,11 +102,13 @@ impl BlockPool {
         let primary = self.blocks[id as usize].key;
         if primary == NIL {
             // A block without a primary key carries no key at all.
-            let e = self.map.insert(key, id, tokens, self.next_stamp);
+            let (e, ghost) = self
+                .map
+                .insert_taking_ghost(key, id, tokens, self.next_stamp);
             self.blocks[id as usize].key = e;
             self.next_stamp += 1;
-            if self.segments.is_some() {
-                self.on_key_given(id, &key);
+            if let Some(second) = ghost {
+                self.on_ghost_hit(id, usize::from(second));
             }
             return true;
         }
@@ -121,7 +123,10 @@ impl BlockPool {
     /// Drops every key of a block from the map (vLLM's
     /// `_remove_cached_block_hashes`), emitting one `BlockRemoved` per key that
     /// was there. Returns how many were.
-    fn remove_block_hashes(&mut self, id: BlockId) -> usize {
+    ///
+    /// `ghost` (ARC, a block handed out): the list and ring slot its primary
+    /// key is recorded in when that takes the key out of the cache.
+    fn remove_block_hashes(&mut self, id: BlockId, ghost: Option<(usize, usize)>) -> usize {
         let slot = self.blocks[id as usize].key;
         if slot == NIL {
             // Extra keys only exist beside a primary key.
@@ -132,12 +137,12 @@ impl BlockPool {
             self.on_key_dropped(id);
         }
         let key = self.map.entry(slot).key;
-        let mut removed = usize::from(self.pop_and_report(key, id));
+        let mut removed = usize::from(self.pop_and_report(key, id, ghost));
         if !self.secondary.is_empty()
             && let Some(extra) = self.secondary.remove(&id)
         {
             for key in extra {
-                removed += usize::from(self.pop_and_report(key, id));
+                removed += usize::from(self.pop_and_report(key, id, None));
             }
         }
         if removed > 0 {
@@ -146,8 +151,16 @@ impl BlockPool {
         removed
     }
 
-    fn pop_and_report(&mut self, key: CacheKey, id: BlockId) -> bool {
-        let popped = self.map.remove(&key, id);
+    fn pop_and_report(
+        &mut self,
+        key: CacheKey,
+        id: BlockId,
+        ghost: Option<(usize, usize)>,
+    ) -> bool {
+        let (popped, record) = self.map.remove_leaving_ghost(&key, id, ghost);
+        if let (Some((list, _)), Some(r)) = (ghost, record) {
+            self.push_ghost(list, r);
+        }
         if popped && self.events_enabled {
             self.record_event(KvEvent::BlockRemoved {
                 block_hashes: vec![key.hash],
@@ -185,7 +198,7 @@ impl BlockPool {
             return false;
         }
         if self.blocks[id as usize].key != NIL && self.block_key(id) != Some(key) {
-            self.remove_block_hashes(id);
+            self.remove_block_hashes(id, None);
         }
         self.insert_block_hash(id, key, tokens)
     }
@@ -200,7 +213,7 @@ impl BlockPool {
         }
         let already = self.block_key(id) == Some(key) || self.map_contains(&key, id);
         if !already && self.primary_tokens(id).is_some_and(|t| t < tokens) {
-            self.remove_block_hashes(id);
+            self.remove_block_hashes(id, None);
         }
         self.insert_block_hash(id, key, tokens);
         !already
@@ -213,7 +226,7 @@ impl BlockPool {
         if id == NULL_BLOCK {
             return false;
         }
-        self.remove_block_hashes(id);
+        self.remove_block_hashes(id, None);
         self.insert_block_hash(id, key, tokens)
     }
 
@@ -249,12 +262,25 @@ impl BlockPool {
     /// Drops a block's keys from the map (vLLM's `_maybe_evict_cached_block`),
     /// emitting `BlockRemoved`. Returns whether it was cached.
     pub fn maybe_evict(&mut self, id: BlockId) -> bool {
-        let evicted = self.remove_block_hashes(id) > 0;
+        let evicted = self.remove_block_hashes(id, None) > 0;
+        self.count_eviction(id, evicted);
+        evicted
+    }
+
+    /// [`Self::maybe_evict`]; under ARC (`ghost`: the list and ring slot,
+    /// [`Self::ghost_for`]) the key that leaves the cache stays as a ghost.
+    pub(super) fn evict_recording(&mut self, id: BlockId, ghost: Option<(usize, usize)>) -> bool {
+        let evicted = self.remove_block_hashes(id, ghost) > 0;
+        self.count_eviction(id, evicted);
+        evicted
+    }
+
+    #[inline]
+    fn count_eviction(&mut self, id: BlockId, evicted: bool) {
         if let Some(m) = self.metrics.as_deref_mut() {
             m.stats.blocks_evicted += u64::from(evicted);
             m.log(BlockActivityKind::Evicted, id);
         }
-        evicted
     }
 
     /// Clears the prefix cache when no block is in use (only the null block);

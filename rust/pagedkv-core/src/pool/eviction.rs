@@ -36,8 +36,14 @@
 //!   T1 (the first list: cached blocks not reused since cached) and T2 (the
 //!   second: reused ones), a target `p` for T1's length in `0..=c` (`c`
 //!   the pool's usable blocks), and ghost lists B1 / B2 of the keys last
-//!   evicted from T1 / T2 (64-bit key fingerprints, at most `c` each, in
-//!   bounded FIFOs; `ghosts`). A block handed out comes from T1's head while T1 holds
+//!   evicted from T1 / T2 (at most `c` each, in FIFO order; `ghosts`). A key
+//!   becomes a ghost when an eviction takes it out of the cache (its last
+//!   block), and the ghost stays in the prefix map's table, in the key's home
+//!   bucket (`prefix_map::ghost_lanes`): recording it and finding it again
+//!   read no line the eviction and the caching do not read already. A ghost
+//!   is known by 31 bits of its key's hash, and is dropped early when its
+//!   bucket has no lane for it or a key needs its lane. A block handed out
+//!   comes from T1's head while T1 holds
 //!   more than `p` blocks (or its head holds no key, or T2 is empty), else
 //!   from T2's head. A key given to a block that B1 remembers grows `p` by
 //!   `max(1, |B2| / |B1|)`; one B2 remembers shrinks it by
@@ -50,20 +56,25 @@
 //!
 //! Costs: O(1) per block taken, touched or freed (a demotion is paid for by
 //! the promotion before it); blocks are taken in at most three runs, each
-//! walked like LRU's; nothing is allocated per call (the ghost rings and
-//! their table grow to their bound once). Memory: one bit per block, and
-//! under ARC 24 to 40 bytes per ghost (two rings of at most `c` keys, and
-//! their table). LRU pays one branch per call.
+//! walked like LRU's; nothing is allocated per call (the ghost rings grow
+//! to their bound once). Memory: one bit per block, and under ARC 8 bytes
+//! per ghost in its ring and a prefix-map table sized for three keys a
+//! block (40 bytes a block, against 13). LRU pays one branch per call.
 
 use std::ops::Range;
 
 use super::free_queue::{link_run_in, unlink_in};
 use super::ghosts::Ghosts;
-use super::{Block, BlockId, BlockPool, CacheKey, NIL, NULL_BLOCK};
+use super::prefix_map::{GhostRecord, PrefixMap};
+use super::{Block, BlockId, BlockPool, KEY_RESERVE, NIL, NULL_BLOCK};
 pub use crate::spec::Eviction;
 
-/// How many keys ahead loops prefetch ARC's ghost-table slots.
-pub(crate) const GHOSTS_AHEAD: usize = 8;
+/// How many blocks ahead `get_new_blocks` prefetches the buckets of the
+/// ghosts ARC forgets.
+pub(super) const GHOSTS_AHEAD: usize = 8;
+
+/// How many records ahead of the ghosts it prefetches it reads the rings.
+const RING_AHEAD: usize = 32;
 
 /// The protected segment's most share of the free blocks: 4/5.
 const PROTECTED_NUM: u64 = 4;
@@ -103,14 +114,6 @@ impl Segments {
         self.reused[(id >> 6) as usize] &= !(1 << (id & 63));
     }
 
-    /// ARC: starts reading the ghost-table slot a record of `key` will use.
-    #[inline]
-    pub(super) fn prefetch_ghost(&self, key: &CacheKey) {
-        if self.policy == Eviction::Arc {
-            self.ghosts.prefetch(ghost_fp(key));
-        }
-    }
-
     /// The protected segment (SLRU) holds more than its share of `free`.
     #[inline]
     fn over_share(&self, free: u32) -> bool {
@@ -118,11 +121,6 @@ impl Segments {
             && self.policy == Eviction::Slru
             && u64::from(self.len) * PROTECTED_DEN > u64::from(free) * PROTECTED_NUM
     }
-}
-
-/// The fingerprint a ghost list keeps of a key.
-fn ghost_fp(key: &CacheKey) -> u64 {
-    key.hash.fingerprint() ^ u64::from(key.group).wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
 /// Whether the next block comes from the second list, given the lists'
@@ -205,6 +203,14 @@ impl BlockPool {
         }
         let n = self.blocks.len();
         let capacity = (n as u32).saturating_sub(1).max(1);
+        if policy == Eviction::Arc && self.map.len() == 0 {
+            // ARC's ghosts live in the map's table (up to two per block
+            // beside the keys): sized for them, they rarely lack a lane.
+            if let Some(map) = PrefixMap::try_with_capacity(n.saturating_mul(3), n.min(KEY_RESERVE))
+            {
+                self.map = map;
+            }
+        }
         self.segments = Some(Box::new(Segments {
             policy,
             reused: vec![0; n.div_ceil(64)],
@@ -248,7 +254,7 @@ impl BlockPool {
     /// Keys in ARC's ghost lists B1 and B2 (`[0, 0]` under another policy).
     #[must_use]
     pub fn ghost_lens(&self) -> [u32; 2] {
-        self.segments.as_ref().map_or([0, 0], |s| s.ghosts.lens())
+        self.map.ghost_lens()
     }
 
     /// Whether the block carries the reused mark (always `false` under LRU).
@@ -387,51 +393,61 @@ impl BlockPool {
         from_t2
     }
 
-    /// ARC: a block just handed out (from T2 when `second`) is about to lose
-    /// its key; records the key in B1 or B2. Called before the eviction, when
-    /// the key's entry has been read ahead.
+    /// ARC: the list a block handed out (from T2 when `second`) records its
+    /// key in when the eviction takes the key out of the cache, and the ring
+    /// slot the record takes (`None` under another policy).
     #[inline]
-    pub(super) fn record_ghost(&mut self, id: BlockId, second: bool) {
-        let Some(seg) = self.segments.as_deref_mut() else {
-            return;
-        };
-        if seg.policy != Eviction::Arc {
-            return;
-        }
-        let key = self.blocks[id as usize].key;
-        if key != NIL {
-            seg.ghosts
-                .insert(ghost_fp(&self.map.entry(key).key), usize::from(second));
+    pub(super) fn ghost_for(&self, second: bool) -> Option<(usize, usize)> {
+        let seg = self.segments.as_deref()?;
+        let list = usize::from(second);
+        (seg.policy == Eviction::Arc).then(|| (list, seg.ghosts.next_slot(list)))
+    }
+
+    /// ARC: a ghost was left in the map; its record joins its list's ring,
+    /// and the ghost the ring forgets for it leaves the map.
+    pub(super) fn push_ghost(&mut self, list: usize, r: GhostRecord) {
+        if let Some(seg) = self.segments.as_deref_mut()
+            && let Some(old) = seg.ghosts.push(list, r)
+        {
+            self.map.forget_ghost(old);
         }
     }
 
-    /// ARC: starts reading the ghost-table slot that recording the key of
-    /// block `id` (being handed out, its map entry read) will use.
-    #[inline]
-    pub(super) fn prefetch_ghost_of(&self, id: BlockId) {
-        let key = self.blocks[id as usize].key;
-        if key != NIL {
-            self.prefetch_ghost_key(&self.map.entry(key).key);
-        }
+    /// ARC: the ring positions the next ghosts will be recorded at, per list
+    /// (for [`Self::prefetch_ghost_of`]).
+    pub(super) fn ghost_positions(&self) -> [usize; 2] {
+        self.segments
+            .as_deref()
+            .map_or([0, 0], |seg| seg.ghosts.positions())
     }
 
-    /// ARC: starts reading the ghost-table slot a lookup or record of `key`
-    /// will use. A loop calls it [`GHOSTS_AHEAD`] keys ahead of its own: a
-    /// whole run's prefetches issued at once would be dropped, with the
-    /// prefix map's in flight.
+    /// ARC: starts reading the bucket of the ghost that evicting block `id`
+    /// (from the second list when `second`) will make its list forget, the
+    /// one at ring position `at[list]` (counted up here, keyed blocks only).
     #[inline]
-    pub(crate) fn prefetch_ghost_key(&self, key: &CacheKey) {
-        if let Some(seg) = self.segments.as_deref() {
-            seg.prefetch_ghost(key);
+    pub(super) fn prefetch_ghost_of(&self, id: BlockId, second: bool, at: &mut [usize; 2]) {
+        if self.blocks[id as usize].key == NIL {
+            return;
+        }
+        if let Some(seg) = self.segments.as_deref()
+            && seg.policy == Eviction::Arc
+        {
+            let list = usize::from(second);
+            if let Some(r) = seg.ghosts.at_position(list, at[list]) {
+                self.map.prefetch_ghost(r);
+            }
+            seg.ghosts.prefetch_position(list, at[list] + RING_AHEAD);
+            at[list] += 1;
         }
     }
 
     /// The block the next one-block pop would hand out (`NIL` when none is
-    /// free): the first list's head unless the policy takes the second's.
+    /// free): the first list's head unless the policy takes the second's;
+    /// and whether it is the second's.
     #[inline]
-    pub(super) fn next_out(&self) -> u32 {
+    pub(super) fn next_out(&self) -> (u32, bool) {
         let Some(seg) = self.segments.as_deref() else {
-            return self.head;
+            return (self.head, false);
         };
         let (len0, len1) = (self.num_free - seg.len, seg.len);
         let unkeyed = || {
@@ -440,9 +456,9 @@ impl BlockPool {
                 .is_none_or(|b| b.key == NIL)
         };
         if take_second(seg.policy, len0, len1, unkeyed, seg.target) {
-            seg.head
+            (seg.head, true)
         } else {
-            self.head
+            (self.head, false)
         }
     }
 
@@ -518,21 +534,24 @@ impl BlockPool {
         link_run_in(&mut self.blocks, &mut self.head, &mut self.tail, &[id], NIL);
     }
 
-    /// A block got a primary key: ARC looks it up in the ghost lists, adapts
-    /// its target on a hit and marks the block reused (a held block; a free
-    /// one stays where it is, unmarked).
+    /// A block got a primary key that was a ghost of `list` (its insertion
+    /// took the ghost): ARC adapts its target and marks the block reused (a
+    /// held block; a free one stays where it is, unmarked).
     #[inline]
-    pub(super) fn on_key_given(&mut self, id: BlockId, key: &CacheKey) {
+    pub(super) fn on_ghost_hit(&mut self, id: BlockId, list: usize) {
         let Some(seg) = self.segments.as_deref_mut() else {
             return;
         };
         if seg.policy != Eviction::Arc {
             return;
         }
-        let [b1, b2] = seg.ghosts.lens();
-        let Some(list) = seg.ghosts.take(ghost_fp(key)) else {
-            return;
-        };
+        // The lists' lengths before the hit.
+        let [mut b1, mut b2] = self.map.ghost_lens();
+        if list == 0 {
+            b1 += 1;
+        } else {
+            b2 += 1;
+        }
         if list == 0 {
             let delta = (b2 / b1.max(1)).max(1);
             seg.target = seg.target.saturating_add(delta).min(seg.capacity);
@@ -678,10 +697,10 @@ impl BlockPool {
         if seg.target > seg.capacity {
             return Err(format!("ARC target {} past {}", seg.target, seg.capacity));
         }
-        if seg.policy != Eviction::Arc && seg.ghosts.lens() != [0, 0] {
+        if seg.policy != Eviction::Arc && self.map.ghost_lens() != [0, 0] {
             return Err("ghost keys outside ARC".into());
         }
-        seg.ghosts.check()?;
+        seg.ghosts.check(self.map.ghost_lens())?;
         Ok(count)
     }
 }

@@ -67,13 +67,13 @@ mod metrics;
 mod prefix_map;
 
 pub use eviction::Eviction;
-pub(crate) use eviction::GHOSTS_AHEAD;
+use eviction::GHOSTS_AHEAD;
 use metrics::PoolMetrics;
 pub use metrics::{BlockActivity, BlockActivityKind, BlockPoolStats};
 use prefix_map::PrefixMap;
 
 /// Most per-key entries a pool reserves room for when it is built.
-const KEY_RESERVE: usize = 1 << 20;
+pub(super) const KEY_RESERVE: usize = 1 << 20;
 
 /// Block arena, free queue and prefix map of one KV cache.
 #[derive(Debug)]
@@ -433,20 +433,25 @@ impl BlockPool {
             keyed().for_each(|k| prefetch(self.map.entry(k)));
             keyed().for_each(|k| self.map.warm_bucket(&self.map.entry(k).key));
         }
+        // The ring positions of the next ghosts to prefetch, per list.
+        let mut ahead = self.ghost_positions();
         if self.segments.is_some() && self.enable_caching {
-            for &id in out.iter().skip(start).take(GHOSTS_AHEAD) {
-                self.prefetch_ghost_of(id);
+            for (i, &id) in out.iter().enumerate().skip(start).take(GHOSTS_AHEAD) {
+                self.prefetch_ghost_of(id, from_second.contains(&i), &mut ahead);
             }
         }
         for (i, &id) in out.iter().enumerate().skip(start) {
             if self.enable_caching {
                 if self.segments.is_some() {
-                    if let Some(&ahead) = out.get(i + GHOSTS_AHEAD) {
-                        self.prefetch_ghost_of(ahead);
+                    if let Some(&id_ahead) = out.get(i + GHOSTS_AHEAD) {
+                        let second = from_second.contains(&(i + GHOSTS_AHEAD));
+                        self.prefetch_ghost_of(id_ahead, second, &mut ahead);
                     }
-                    self.record_ghost(id, from_second.contains(&i));
+                    let ghost = self.ghost_for(from_second.contains(&i));
+                    self.evict_recording(id, ghost);
+                } else {
+                    self.maybe_evict(id);
                 }
-                self.maybe_evict(id);
             }
             self.blocks[id as usize].ref_cnt = 1;
             if let Some(m) = self.metrics.as_deref_mut() {
@@ -477,7 +482,7 @@ impl BlockPool {
     fn prefetch_next_pops(&mut self, popped: Option<BlockId>) {
         let steady = popped.is_some_and(|b| b == self.staged_head);
         self.staged_head = NIL;
-        let next_out = self.next_out();
+        let (next_out, second) = self.next_out();
         let Some(&head) = self.blocks.get(next_out as usize) else {
             return;
         };
@@ -485,7 +490,7 @@ impl BlockPool {
             let entry = self.map.entry(head.key);
             if steady {
                 self.map.warm_bucket(&entry.key);
-                self.prefetch_ghost_key(&entry.key);
+                self.prefetch_ghost_of(next_out, second, &mut self.ghost_positions());
             } else {
                 prefetch(entry);
             }

@@ -24,6 +24,10 @@
 
 use std::hint::black_box;
 
+mod ghost_lanes;
+pub(crate) use ghost_lanes::GhostRecord;
+use ghost_lanes::is_ghost;
+
 use pagedkv_arch::{lanes_equal, prefetch};
 
 use super::{BlockId, CacheKey};
@@ -80,6 +84,8 @@ pub(crate) struct PrefixMap {
     len: usize,
     entries: Vec<KeyEntry>,
     free_entry: u32,
+    /// Ghost lanes per list (ARC's B1 / B2: `ghost_lanes`).
+    ghosts: [u32; 2],
 }
 
 /// Buckets are filled to at most 4/5 of their lanes before the table doubles.
@@ -195,6 +201,7 @@ impl PrefixMap {
             len: 0,
             entries: arena,
             free_entry: NIL,
+            ghosts: [0, 0],
         })
     }
 
@@ -399,6 +406,11 @@ impl PrefixMap {
     }
 
     fn alloc_entry(&mut self, entry: KeyEntry) -> u32 {
+        // Entry numbers stay below a ghost word's bit (2^31 entries: 128 GiB).
+        debug_assert!(
+            self.entries.len() < 1 << 31,
+            "entry numbers reach the ghost bit"
+        );
         if self.free_entry == NIL {
             self.entries.push(entry);
             (self.entries.len() - 1) as u32
@@ -420,6 +432,18 @@ impl PrefixMap {
     /// Adds `(key, block)` after the entries already under `key`; returns the
     /// new entry.
     pub(crate) fn insert(&mut self, key: CacheKey, block: BlockId, tokens: u32, stamp: u64) -> u32 {
+        self.insert_taking_ghost(key, block, tokens, stamp).0
+    }
+
+    /// [`Self::insert`]; a key new to the map that is a ghost takes the
+    /// ghost's lane, and the list the ghost was in comes back (`true`: B2).
+    pub(crate) fn insert_taking_ghost(
+        &mut self,
+        key: CacheKey,
+        block: BlockId,
+        tokens: u32,
+        stamp: u64,
+    ) -> (u32, Option<bool>) {
         let e = self.alloc_entry(KeyEntry {
             key,
             block,
@@ -434,17 +458,25 @@ impl PrefixMap {
                 last = self.entries[last as usize].next;
             }
             self.entries[last as usize].next = e;
-        } else {
-            if self.len + 1 > max_keys(self.num_buckets) {
-                self.grow();
-            }
-            self.place(h, e);
-            self.len += 1;
+            return (e, None);
         }
-        e
+        if self.len + 1 > max_keys(self.num_buckets) {
+            self.grow();
+        }
+        let hit = if self.ghosts == [0, 0] {
+            None
+        } else {
+            self.take_ghost(h, e)
+        };
+        if hit.is_none() {
+            self.place(h, e);
+        }
+        self.len += 1;
+        (e, hit)
     }
 
     /// Puts a key known to be absent into the table.
+    #[inline]
     fn place(&mut self, h: u64, e: u32) {
         let n = self.num_buckets;
         let mut b = self.home(h);
@@ -457,7 +489,15 @@ impl PrefixMap {
                 bucket[ENTRIES + lane] = e;
                 return;
             }
-            bucket[OVERFLOW] += 1;
+            if self.ghosts != [0, 0]
+                && let Some(lane) = self.drop_a_ghost(b)
+            {
+                let bucket = self.bucket_mut(b);
+                set_tag(bucket, lane, tag(h));
+                bucket[ENTRIES + lane] = e;
+                return;
+            }
+            self.bucket_mut(b)[OVERFLOW] += 1;
             b = next_bucket(b, n);
         }
     }
@@ -469,11 +509,14 @@ impl PrefixMap {
         let n = old_n * 2;
         (self.table, self.base) = zeroed_table(n);
         self.num_buckets = n;
+        // Ghosts do not move: they keep too little of their hash to find their
+        // new homes.
+        self.ghosts = [0, 0];
         for b in 0..old_n {
             let at = old_base + b * WORDS;
             for lane in 0..LANES {
-                if tag_at(&old[at..at + WORDS], lane) != 0 {
-                    let e = old[at + ENTRIES + lane];
+                let e = old[at + ENTRIES + lane];
+                if tag_at(&old[at..at + WORDS], lane) != 0 && !is_ghost(e) {
                     self.place(mix(&self.entries[e as usize].key), e);
                 }
             }
@@ -482,30 +525,47 @@ impl PrefixMap {
 
     /// Removes `(key, block)`; whether it was there.
     pub(crate) fn remove(&mut self, key: &CacheKey, block: BlockId) -> bool {
+        self.remove_leaving_ghost(key, block, None).0
+    }
+
+    /// [`Self::remove`]; when that takes the key out of the map and `ghost`
+    /// names a list and a ring slot, the key stays behind as a ghost of that
+    /// list (`ghost_lanes`), and its record comes back (none when the key
+    /// keeps other blocks, or its home bucket has no lane for it).
+    #[inline]
+    pub(crate) fn remove_leaving_ghost(
+        &mut self,
+        key: &CacheKey,
+        block: BlockId,
+        ghost: Option<(usize, usize)>,
+    ) -> (bool, Option<GhostRecord>) {
         let h = mix(key);
         let Some((s, head)) = self.find_hashed(key, h) else {
-            return false;
+            return (false, None);
         };
         if self.entries[head as usize].block == block {
             let next = self.entries[head as usize].next;
             self.release_entry(head);
-            if next == NIL {
-                self.remove_slot(h, s);
-            } else {
+            if next != NIL {
                 self.bucket_mut(s.bucket)[ENTRIES + s.lane] = next;
+                return (true, None);
             }
-            return true;
+            if let Some((list, slot)) = ghost {
+                return (true, self.leave_ghost(h, s, list, slot));
+            }
+            self.remove_slot(h, s);
+            return (true, None);
         }
         let mut prev = head;
         loop {
             let cur = self.entries[prev as usize].next;
             if cur == NIL {
-                return false;
+                return (false, None);
             }
             if self.entries[cur as usize].block == block {
                 self.entries[prev as usize].next = self.entries[cur as usize].next;
                 self.release_entry(cur);
-                return true;
+                return (true, None);
             }
             prev = cur;
         }
@@ -528,6 +588,7 @@ impl PrefixMap {
         self.entries.clear();
         self.free_entry = NIL;
         self.len = 0;
+        self.ghosts = [0, 0];
     }
 
     /// The keys in the table with their head entries.
@@ -535,7 +596,7 @@ impl PrefixMap {
         (0..self.num_buckets).flat_map(move |b| {
             let bucket = self.bucket(b);
             (0..LANES)
-                .filter(move |&lane| tag_at(bucket, lane) != 0)
+                .filter(move |&lane| tag_at(bucket, lane) != 0 && !is_ghost(bucket[ENTRIES + lane]))
                 .map(move |lane| (b, tag_at(bucket, lane), bucket[ENTRIES + lane]))
         })
     }
@@ -574,6 +635,7 @@ impl PrefixMap {
         if keys != self.len {
             return Err(format!("prefix map counts {} keys, holds {keys}", self.len));
         }
+        self.check_ghosts()?;
         if (0..self.num_buckets).any(|b| overflow(self.bucket(b)) != expected[b]) {
             return Err("prefix map overflow counts are wrong".into());
         }
@@ -582,159 +644,4 @@ impl PrefixMap {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Keys sharing their first 8 bytes collide on bucket and tag: only the
-    /// full-key comparison tells them apart.
-    fn colliding(i: u8) -> CacheKey {
-        let mut b = [7u8; 32];
-        b[31] = i;
-        CacheKey {
-            hash: BlockHash::from_slice(&b).unwrap_or_default(),
-            group: 0,
-        }
-    }
-
-    #[test]
-    fn colliding_keys_overflow_into_later_buckets_and_come_back_out() {
-        let mut m = PrefixMap::with_capacity(1, 0);
-        for i in 0..40u8 {
-            m.insert(colliding(i), u32::from(i) + 1, 16, 0);
-        }
-        assert!(m.num_buckets > 1);
-        assert!(m.check().is_ok());
-        for i in 0..40u8 {
-            assert_eq!(
-                m.head(&colliding(i)).map(|e| m.entry(e).block),
-                Some(u32::from(i) + 1)
-            );
-        }
-        for i in (0..40u8).step_by(3) {
-            assert!(m.remove(&colliding(i), u32::from(i) + 1));
-            assert!(!m.remove(&colliding(i), u32::from(i) + 1));
-        }
-        assert!(m.check().is_ok());
-        for i in 0..40u8 {
-            let present = m.head(&colliding(i)).is_some();
-            assert_eq!(present, i % 3 != 0);
-        }
-    }
-
-    #[test]
-    fn three_hundred_keys_with_one_home_probe_past_it_and_come_back_out() {
-        // 300 keys with one home: 8 live there, the other 292 further on.
-        let key = |i: u16| {
-            let mut b = [7u8; 32];
-            b[30..].copy_from_slice(&i.to_le_bytes());
-            CacheKey {
-                hash: BlockHash::from_slice(&b).unwrap_or_default(),
-                group: 0,
-            }
-        };
-        let mut m = PrefixMap::with_capacity(4096, 0);
-        for i in 0..300u16 {
-            m.insert(key(i), u32::from(i), 16, 0);
-        }
-        let home = m.home(mix(&key(0)));
-        assert_eq!(overflow(m.bucket(home)), 292);
-        assert!(m.check().is_ok());
-        for i in (0..300u16).rev() {
-            assert_eq!(
-                m.head(&key(i)).map(|e| m.entry(e).block),
-                Some(u32::from(i))
-            );
-            assert!(m.remove(&key(i), u32::from(i)));
-            assert!(m.head(&key(i)).is_none());
-        }
-        assert_eq!(m.len(), 0);
-        assert!(m.check().is_ok());
-        assert_eq!(overflow(m.bucket(home)), 0);
-        m.insert(key(5), 9, 16, 0);
-        assert_eq!(m.head(&key(5)).map(|e| m.entry(e).block), Some(9));
-        assert!(m.check().is_ok());
-    }
-
-    #[test]
-    fn a_table_larger_than_the_address_space_is_refused_not_aborted() {
-        // 2^45 buckets: 2 PiB, past any x86-64 or AArch64 user address space.
-        assert!(!table_fits(1 << 45));
-        assert!(!table_fits(usize::MAX / 4));
-        assert!(table_fits(1 << 10));
-    }
-
-    #[test]
-    fn one_key_chains_its_blocks_in_insertion_order() {
-        let mut m = PrefixMap::with_capacity(8, 8);
-        let k = colliding(0);
-        for b in [5, 3, 9] {
-            m.insert(k, b, 16, 0);
-        }
-        let blocks = |m: &PrefixMap| m.chain(&k).map(|e| m.entry(e).block).collect::<Vec<_>>();
-        assert_eq!(blocks(&m), vec![5, 3, 9]);
-        assert!(m.remove(&k, 3));
-        assert_eq!(blocks(&m), vec![5, 9]);
-        assert!(m.remove(&k, 5));
-        assert_eq!(blocks(&m), vec![9]);
-        assert_eq!(m.len(), 1);
-        assert!(m.remove(&k, 9));
-        assert_eq!(m.len(), 0);
-        assert!(m.head(&k).is_none());
-        assert!(m.check().is_ok());
-    }
-
-    /// Half the keys collide with each other; the rest spread over buckets.
-    fn key_of(k: u8) -> CacheKey {
-        let mut key = colliding(k);
-        if k >= 12 {
-            let mut b = [k; 32];
-            b[0] = k.wrapping_mul(37);
-            key.hash = BlockHash::from_slice(&b).unwrap_or_default();
-        }
-        key
-    }
-
-    #[derive(Clone, Debug)]
-    enum Op {
-        Insert(u8, u32),
-        Remove(u8, u32),
-    }
-
-    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
-        use proptest::prelude::*;
-        prop_oneof![
-            (0..24u8, 0..6u32).prop_map(|(k, b)| Op::Insert(k, b)),
-            (0..24u8, 0..6u32).prop_map(|(k, b)| Op::Remove(k, b)),
-        ]
-    }
-
-    proptest::proptest! {
-        /// Against a plain map of key -> blocks in insertion order: keys that
-        /// collide on bucket and tag, chains, overflow across buckets, growth
-        /// from one bucket.
-        #[test]
-        fn the_map_answers_as_a_list_of_blocks_per_key(ops in proptest::collection::vec(op(), 1..300)) {
-            let mut m = PrefixMap::with_capacity(1, 0);
-            let mut model: std::collections::HashMap<u8, Vec<u32>> = std::collections::HashMap::new();
-            for op in ops {
-                match op {
-                    Op::Insert(k, b) => {
-                        m.insert(key_of(k), b, 0, 0);
-                        model.entry(k).or_default().push(b);
-                    }
-                    Op::Remove(k, b) => {
-                        let list = model.entry(k).or_default();
-                        let expected = list.iter().position(|&x| x == b).map(|i| list.remove(i));
-                        proptest::prop_assert_eq!(m.remove(&key_of(k), b), expected.is_some());
-                    }
-                }
-                proptest::prop_assert!(m.check().is_ok());
-            }
-            for k in 0..24u8 {
-                let got: Vec<u32> = m.chain(&key_of(k)).map(|e| m.entry(e).block).collect();
-                proptest::prop_assert_eq!(got, model.get(&k).cloned().unwrap_or_default());
-            }
-            proptest::prop_assert_eq!(m.len(), model.values().filter(|v| !v.is_empty()).count());
-        }
-    }
-}
+mod tests;

@@ -3,7 +3,7 @@
 //! and the per-step reset of what Mamba cached this step.
 
 use super::{GroupManager, Retention};
-use crate::pool::{BlockPool, GHOSTS_AHEAD, NULL_BLOCK};
+use crate::pool::{BlockPool, NULL_BLOCK};
 use crate::request::Request;
 use crate::spec::AttentionKind;
 
@@ -60,17 +60,7 @@ impl GroupManager {
         if full - cached > 1 {
             pool.warm_lookups((cached..full).filter_map(|i| self.key_for(hashes, i)));
         }
-        for i in cached..(cached + GHOSTS_AHEAD).min(full) {
-            if let Some(k) = self.key_for(hashes, i) {
-                pool.prefetch_ghost_key(&k);
-            }
-        }
         for i in cached..full {
-            if i + GHOSTS_AHEAD < full
-                && let Some(k) = self.key_for(hashes, i + GHOSTS_AHEAD)
-            {
-                pool.prefetch_ghost_key(&k);
-            }
             let b = gb.blocks[i];
             if b == NULL_BLOCK || mask.as_ref().is_some_and(|m| !m[i - cached]) {
                 continue;

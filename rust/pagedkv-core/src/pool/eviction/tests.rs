@@ -1,6 +1,7 @@
 use super::*;
 use crate::error::Error;
 use crate::hash::BlockHash;
+use crate::pool::CacheKey;
 
 fn key(h: u8) -> CacheKey {
     CacheKey {

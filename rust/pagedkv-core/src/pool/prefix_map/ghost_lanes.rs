@@ -90,6 +90,12 @@ impl PrefixMap {
     ) -> Option<GhostRecord> {
         let word = ghost_word(h, list, slot);
         let home = self.home(h);
+        if self.num_buckets * LANES > u32::MAX as usize || self.entries.len() >= 1 << 30 {
+            // A record names a lane in 32 bits, and entry numbers stay far
+            // below the ghost bit: a map this large keeps no ghosts.
+            self.remove_slot(h, s);
+            return None;
+        }
         let lane = if s.bucket == home {
             self.len -= 1;
             s.lane

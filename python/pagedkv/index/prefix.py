@@ -46,7 +46,7 @@ __all__ = [
 VLLM_DEFAULT_NONE_HASH_SEED: str = _core.DEFAULT_NONE_HASH_SEED
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PrefixMatch:
     """The replica holding the longest prefix, and its length in blocks."""
 
@@ -59,7 +59,7 @@ class PrefixMatch:
 TIER_WEIGHTS: tuple[float, float, float] = (1.0, 0.75, 0.25)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TierMatch:
     """A replica's held prefix, its blocks counted by the fastest medium
     holding each."""

@@ -549,18 +549,13 @@ impl BlockPool {
         if seg.policy != Eviction::Arc {
             return;
         }
-        // The lists' lengths before the hit.
-        let [mut b1, mut b2] = self.map.ghost_lens();
+        // The lists' lengths after the hit: the hit list held one more.
+        let [b1, b2] = self.map.ghost_lens();
         if list == 0 {
-            b1 += 1;
-        } else {
-            b2 += 1;
-        }
-        if list == 0 {
-            let delta = (b2 / b1.max(1)).max(1);
+            let delta = (b2 / (b1 + 1)).max(1);
             seg.target = seg.target.saturating_add(delta).min(seg.capacity);
         } else {
-            let delta = (b1 / b2.max(1)).max(1);
+            let delta = (b1 / (b2 + 1)).max(1);
             seg.target = seg.target.saturating_sub(delta);
         }
         if self.blocks[id as usize].ref_cnt > 0 {

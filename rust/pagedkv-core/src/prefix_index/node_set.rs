@@ -124,6 +124,8 @@ impl NodeSet {
         match self {
             Self::Sparse(set, _) => out.extend(set.iter().copied()),
             Self::Dense(words, _) => {
+                // `dense_ids`' walk written out: extending from that iterator
+                // made the warm 1e5 x 64 clear 4 % slower (0.089 against 0.085 ms).
                 for (w, &word) in words.iter().enumerate() {
                     let mut bits = word;
                     while bits != 0 {
